@@ -1,0 +1,34 @@
+# tequant: each target does its own set-up on a fresh machine.
+#   make test   install what is missing (torch 2.13 CPU if no torch; pytest; the nvidia-cublas
+#               wheel when nvcc exists but the CUDA install lacks cuBLAS), build, run pytest
+#   make build  the set-up and the build only
+#   make bench  the benchmarks in benchmarks/ (tables under docs/results/)
+# An existing torch is used as it is (the GPU machine has torch+CUDA and no network).
+
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?= -q
+
+.PHONY: test build deps bench clean
+
+deps:
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_SPEC)"
+	@$(PYTHON) -c "import pytest, numpy" 2>/dev/null || $(PIP) install pytest numpy
+	@$(PYTHON) -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 64)" \
+		2>/dev/null || $(PIP) install "setuptools>=64"
+	@req="$$($(PYTHON) build_tools/cuda.py --missing-cublas)"; \
+		if [ -n "$$req" ]; then echo "installing $$req (nvcc found, cuBLAS missing)"; $(PIP) install "$$req"; fi
+
+build: deps
+	$(PIP) install --no-build-isolation --no-deps -e . -q
+
+# pytest exits 5 when it collects no test; make treats any non-zero exit as a failure.
+test: build
+	$(PYTHON) -m pytest $(PYTEST_ARGS) tests
+
+bench: build
+	$(PYTHON) benchmarks/bench_autocast.py
+
+clean:
+	rm -rf build python/tequant/*.so *.egg-info python/*.egg-info
