@@ -1,0 +1,29 @@
+/* internal.h: helpers shared by the core's C and CUDA sources; not part of the public API.
+ *
+ * tq_fail() records the thread-local message that tq_last_error() returns and hands back the
+ * status, so every check reads `if (bad) return tq_fail(TQ_ERROR_..., "fmt", ...);`.
+ * Tests: tests/c/test_status.c.
+ */
+#ifndef TEQUANT_CORE_INTERNAL_H_
+#define TEQUANT_CORE_INTERNAL_H_
+
+#include "tequant/tequant.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(__GNUC__)
+#define TQ_PRINTF_LIKE(fmt_index, first_arg) __attribute__((format(printf, fmt_index, first_arg)))
+#else
+#define TQ_PRINTF_LIKE(fmt_index, first_arg)
+#endif
+
+/* Formats the message into this thread's last-error buffer and returns status. */
+tq_status tq_fail(tq_status status, const char *fmt, ...) TQ_PRINTF_LIKE(2, 3);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* TEQUANT_CORE_INTERNAL_H_ */

@@ -1,0 +1,178 @@
+/* tequant.h: the whole public C API of tequant's core (C99, no Python, no torch).
+ *
+ * The core quantizes tensors to FP8 / MXFP8 / NVFP4 and runs their GEMMs. It is used by the
+ * CPython extension in csrc/ext, and can be used from any C program. Descriptors are plain
+ * structs that own nothing; every function returns tq_status and leaves a thread-local message
+ * in tq_last_error() on failure. Nothing here aborts, prints or throws.
+ *
+ * Tests: tests/c/test_header.c compiles this header alone with -std=c99 -pedantic -Werror;
+ * tests/c/test_status.c checks the status and last-error rules; tests/test_core.py runs both.
+ */
+#ifndef TEQUANT_TEQUANT_H_
+#define TEQUANT_TEQUANT_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(__GNUC__)
+#define TQ_API __attribute__((visibility("default")))
+#else
+#define TQ_API
+#endif
+
+/* A CUDA stream (cudaStream_t), declared here so the header needs no CUDA include. */
+struct CUstream_st;
+
+/* ---------------------------------------------------------------------------------------------
+ * Status and errors
+ * ------------------------------------------------------------------------------------------- */
+
+typedef enum tq_status {
+    TQ_SUCCESS = 0,
+    TQ_ERROR_INVALID_ARGUMENT = 1, /* a shape, dtype, layout or value the caller got wrong */
+    TQ_ERROR_NOT_SUPPORTED = 2,    /* valid, but not available in this build or on this device */
+    TQ_ERROR_CUDA = 3,             /* the CUDA runtime or a kernel launch failed */
+    TQ_ERROR_CUBLAS = 4,           /* cuBLASLt failed */
+    TQ_ERROR_OUT_OF_MEMORY = 5,    /* host or device allocation failed */
+    TQ_ERROR_INTERNAL = 6          /* a bug in tequant */
+} tq_status;
+
+/* Static text naming the status ("TQ_ERROR_INVALID_ARGUMENT"); never NULL. */
+TQ_API const char *tq_status_string(tq_status status);
+
+/* The message of the last failing call on this thread, with the expected and the received
+ * values ("cols=1000 must be a multiple of 32 for MXFP8"); "" if none failed yet. The text is
+ * valid until this thread's next failing call. */
+TQ_API const char *tq_last_error(void);
+
+/* ---------------------------------------------------------------------------------------------
+ * Element types and tensor descriptors
+ * ------------------------------------------------------------------------------------------- */
+
+typedef enum tq_dtype {
+    TQ_DTYPE_FLOAT32 = 0,
+    TQ_DTYPE_BFLOAT16 = 1,
+    TQ_DTYPE_FLOAT16 = 2,
+    TQ_DTYPE_FLOAT8_E4M3 = 3,   /* OCP E4M3 ("fn": no Inf, max 448) */
+    TQ_DTYPE_FLOAT8_E5M2 = 4,   /* OCP E5M2 (max finite 57344) */
+    TQ_DTYPE_FLOAT4_E2M1X2 = 5, /* two E2M1 codes per byte, even column in the low nibble */
+    TQ_DTYPE_FLOAT8_E8M0 = 6,   /* biased power-of-two exponent (MXFP8 scales) */
+    TQ_DTYPE_UINT8 = 7,
+    TQ_DTYPE_INT32 = 8,
+    TQ_DTYPE_INT64 = 9,
+    TQ_DTYPE_COUNT_ = 10
+} tq_dtype;
+
+/* Static lowercase name ("bfloat16", "float8_e4m3"); "invalid" for an unknown value. */
+TQ_API const char *tq_dtype_name(tq_dtype dtype);
+
+/* Storage bits of one element (4 for each E2M1 code, though the storage unit is a byte). */
+TQ_API int tq_dtype_bits(tq_dtype dtype);
+
+#define TQ_DEVICE_CPU (-1)
+
+/* A 2-D row-major matrix view: element (r, c) lives at data + (r * ld + c) elements.
+ * ld >= cols. device is a CUDA ordinal, or TQ_DEVICE_CPU. Owns nothing. For
+ * TQ_DTYPE_FLOAT4_E2M1X2, cols and ld count E2M1 codes (two per byte). */
+typedef struct tq_tensor {
+    void *data;
+    int64_t rows;
+    int64_t cols;
+    int64_t ld;
+    tq_dtype dtype;
+    int device;
+} tq_tensor;
+
+/* Checks that a descriptor is self-consistent (non-negative dims, ld >= cols, data non-NULL
+ * when it has elements, a known dtype). name is used in the error message. */
+TQ_API tq_status tq_tensor_check(const tq_tensor *t, const char *name);
+
+/* ---------------------------------------------------------------------------------------------
+ * Quantizer configuration
+ *
+ * One immutable config per (recipe, tensor role); kernels take it by pointer. The rules behind
+ * each field are in shared/docs/NUMERICS.md.
+ * ------------------------------------------------------------------------------------------- */
+
+typedef enum tq_scaling {
+    TQ_SCALING_NONE = 0,    /* not quantized (high precision) */
+    TQ_SCALING_DELAYED = 1, /* FP8, one FP32 scale per tensor taken from an amax history */
+    TQ_SCALING_CURRENT = 2, /* FP8, one FP32 scale per tensor from this tensor's amax */
+    TQ_SCALING_BLOCK = 3,   /* FP8, one FP32 scale per 1x128 or 128x128 block */
+    TQ_SCALING_MXFP8 = 4,   /* FP8, one E8M0 scale per 1x32 (or 32x32) block, rounded up */
+    TQ_SCALING_NVFP4 = 5,   /* E2M1, one E4M3 scale per 1x16 (or 16x16) block + FP32 per tensor */
+    TQ_SCALING_CUSTOM = 6   /* quantized by a user-supplied quantizer outside the core */
+} tq_scaling;
+
+typedef enum tq_quant_flags {
+    TQ_QUANT_POW2_SCALE = 1u << 0,          /* scales are powers of two */
+    TQ_QUANT_RHT = 1u << 1,                 /* random Hadamard transform on the columnwise copy */
+    TQ_QUANT_STOCHASTIC_ROUNDING = 1u << 2, /* stochastic instead of nearest rounding */
+    TQ_QUANT_2D = 1u << 3                   /* square blocks shared by both directions */
+} tq_quant_flags;
+
+typedef enum tq_amax_algo {
+    TQ_AMAX_ALGO_MAX = 0,         /* delayed scaling: max over the history window */
+    TQ_AMAX_ALGO_MOST_RECENT = 1, /* delayed scaling: the latest amax only */
+    TQ_AMAX_ALGO_CUSTOM = 2       /* delayed scaling: a user callable computes it */
+} tq_amax_algo;
+
+typedef struct tq_quant_config {
+    size_t struct_size;      /* sizeof(tq_quant_config), set by TQ_QUANT_CONFIG_INIT */
+    tq_scaling scaling;
+    tq_dtype elem_dtype;     /* E4M3, E5M2 or E2M1X2; FLOAT32 when scaling is NONE/CUSTOM */
+    tq_dtype scale_dtype;    /* FLOAT32, E8M0 or E4M3 (NVFP4 also has an FP32 tensor scale) */
+    int32_t block_rows;      /* block shape in the rowwise direction: 1x128, 128x128, 1x32, */
+    int32_t block_cols;      /* 32x32, 1x16, 16x16; 0x0 means one scale for the whole tensor */
+    uint32_t flags;          /* tq_quant_flags */
+    float fmax;              /* largest finite element value: 448, 57344 or 6 */
+    float amax_epsilon;      /* amax is raised to at least this before the scale is computed */
+    int32_t margin;          /* delayed scaling: scale = fmax * 2^-margin / amax */
+    int32_t amax_history_len;
+    tq_amax_algo amax_algo;
+} tq_quant_config;
+
+#define TQ_QUANT_CONFIG_INIT \
+    {sizeof(tq_quant_config), TQ_SCALING_NONE, TQ_DTYPE_FLOAT32, TQ_DTYPE_FLOAT32, 0, 0, 0u, \
+     0.0f, 0.0f, 0, 0, TQ_AMAX_ALGO_MAX}
+
+/* Checks a config for internal consistency (dtype vs scaling, block shape, fmax). */
+TQ_API tq_status tq_quant_config_check(const tq_quant_config *config);
+
+/* ---------------------------------------------------------------------------------------------
+ * Build and device information
+ * ------------------------------------------------------------------------------------------- */
+
+typedef struct tq_build_info {
+    size_t struct_size;       /* sizeof(tq_build_info), set by TQ_BUILD_INFO_INIT */
+    int with_cuda;            /* 1 when CUDA kernels and cuBLASLt are compiled in */
+    int cuda_runtime_version; /* CUDART_VERSION at build time (13000 = 13.0), 0 without CUDA */
+    int cublaslt_header_version; /* CUBLAS_VERSION at build time (130101 = 13.1.1), 0 without */
+} tq_build_info;
+
+#define TQ_BUILD_INFO_INIT {sizeof(tq_build_info), 0, 0, 0}
+
+TQ_API tq_status tq_get_build_info(tq_build_info *info);
+
+/* Number of CUDA devices this process can use. 0, and TQ_SUCCESS, when the build has no CUDA or
+ * there is no driver or device: callers then use the CPU reference path. */
+TQ_API tq_status tq_device_count(int *count);
+
+/* Compute capability of a CUDA device (9.0 for H100/H200). */
+TQ_API tq_status tq_device_capability(int device, int *major, int *minor);
+
+/* The CUDA device current on this thread (the one torch selected). */
+TQ_API tq_status tq_current_device(int *device);
+
+/* Version of the cuBLASLt library loaded at run time (130101 = 13.1.1). */
+TQ_API tq_status tq_cublaslt_version(size_t *version);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* TEQUANT_TEQUANT_H_ */
