@@ -1,0 +1,36 @@
+/* autocast.h: the autocast object's layout, shared by autocast.c (the type) and state.c (the
+ * readers of the innermost active autocast). Not part of any public API.
+ */
+#ifndef TEQUANT_EXT_AUTOCAST_H_
+#define TEQUANT_EXT_AUTOCAST_H_
+
+#include "module.h"
+
+/* An autocast object is also the "frame" stored in the ContextVar while it is the innermost
+ * active autocast. A frame's fields never change once published, because a copied context
+ * (asyncio task, copy_context) may keep it as its current state after this block has exited;
+ * re-entering an instance publishes a fresh clone instead. */
+typedef struct AutocastObject {
+    PyObject_HEAD
+    tqx_state *st;      /* the module's state; the type keeps the module alive */
+    PyObject *recipe;   /* strong; never None (None resolves to the default recipe) */
+    PyObject *group;    /* strong; amax reduction group or None */
+    Py_ssize_t key;     /* recipe key */
+    char enabled;
+    char calibrating;
+    /* frame fields, fixed when published */
+    char published;
+    char first_module;  /* on a root frame: no quantized module has asked yet (mutable flag) */
+    int depth;          /* 1 for the outermost */
+    struct AutocastObject *root; /* strong: the outermost frame; NULL when this is the root */
+    /* instance fields */
+    char active;        /* between __enter__ and __exit__ */
+    PyObject *token;    /* strong while active: restores the outer state */
+    struct AutocastObject *clone; /* strong while active when a re-entry published a clone */
+} AutocastObject;
+
+static inline AutocastObject *tqx_frame_root(AutocastObject *frame) {
+    return frame->root ? frame->root : frame;
+}
+
+#endif /* TEQUANT_EXT_AUTOCAST_H_ */

@@ -1,0 +1,79 @@
+/* module.c: the tequant._C extension module: multi-phase init, module state, function tables.
+ *
+ * Every object the module owns (types, exception, ContextVar, recipe table) lives in tqx_state,
+ * created in exec and released in clear/free, so the module can be loaded in several
+ * interpreters and reloaded. The extension links no libtorch; it sees tensors through DLPack.
+ * Tests: every tests/test_*.py imports it; tests/test_build.py checks the build flavour.
+ */
+#include "module.h"
+
+static int tequant_exec(PyObject *module) {
+    tqx_state *st = tqx_module_state(module); /* zeroed by CPython */
+    st->str_enabled = PyUnicode_InternFromString("enabled");
+    st->str_calibrating = PyUnicode_InternFromString("calibrating");
+    st->str_recipe = PyUnicode_InternFromString("recipe");
+    st->str_amax_reduction_group = PyUnicode_InternFromString("amax_reduction_group");
+    if (!st->str_enabled || !st->str_calibrating || !st->str_recipe || !st->str_amax_reduction_group)
+        return -1;
+    if (tqx_errors_init(module, st) < 0 || tqx_registry_init(module, st) < 0
+        || tqx_capability_init(module, st) < 0 || tqx_autocast_init(module, st) < 0)
+        return -1;
+    PyMethodDef *tables[] = {tqx_registry_methods, tqx_capability_methods, tqx_state_methods,
+                             tqx_tensor_view_methods};
+    for (size_t i = 0; i < sizeof tables / sizeof tables[0]; i++)
+        if (PyModule_AddFunctions(module, tables[i]) < 0) return -1;
+    return 0;
+}
+
+static int tequant_traverse(PyObject *module, visitproc visit, void *arg) {
+    tqx_state *st = tqx_module_state(module);
+    if (st == NULL) return 0;
+    Py_VISIT(st->autocast_type);
+    Py_VISIT(st->execution_mode_type);
+    Py_VISIT(st->cuda_error);
+    Py_VISIT(st->context_var);
+    Py_VISIT(st->recipe_base);
+    for (int k = 0; k < TQX_RECIPE_KIND_COUNT; k++) Py_VISIT(st->recipe_classes[k]);
+    Py_VISIT(st->default_recipe);
+    Py_VISIT(st->dlpack_type);
+    return tqx_registry_traverse(st, visit, arg);
+}
+
+static int tequant_clear(PyObject *module) {
+    tqx_state *st = tqx_module_state(module);
+    if (st == NULL) return 0;
+    tqx_registry_clear(st);
+    Py_CLEAR(st->autocast_type);
+    Py_CLEAR(st->execution_mode_type);
+    Py_CLEAR(st->cuda_error);
+    Py_CLEAR(st->context_var);
+    Py_CLEAR(st->recipe_base);
+    for (int k = 0; k < TQX_RECIPE_KIND_COUNT; k++) Py_CLEAR(st->recipe_classes[k]);
+    Py_CLEAR(st->default_recipe);
+    Py_CLEAR(st->dlpack_type);
+    Py_CLEAR(st->str_enabled);
+    Py_CLEAR(st->str_calibrating);
+    Py_CLEAR(st->str_recipe);
+    Py_CLEAR(st->str_amax_reduction_group);
+    return 0;
+}
+
+static void tequant_free(void *module) { tequant_clear((PyObject *)module); }
+
+static PyModuleDef_Slot tequant_slots[] = {
+    {Py_mod_exec, tequant_exec},
+    {0, NULL}};
+
+static struct PyModuleDef tequant_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "tequant._C",
+    .m_doc = "tequant's C extension: te.autocast, recipe keys, the quantizer registry, tensor "
+             "intake, and the calls into the C/CUDA core.",
+    .m_size = sizeof(tqx_state),
+    .m_slots = tequant_slots,
+    .m_traverse = tequant_traverse,
+    .m_clear = tequant_clear,
+    .m_free = tequant_free,
+};
+
+PyMODINIT_FUNC PyInit__C(void) { return PyModuleDef_Init(&tequant_module); }

@@ -1,0 +1,138 @@
+/* module.h: what the files of the tequant._C extension share: the module state, the recipe
+ * table entry, and each file's entry points. Plain C on CPython's C API (no pybind11).
+ *
+ * Everything Python-visible that the module owns lives in tqx_state (multi-phase init, one state
+ * per module object), never in static PyObject*. Tests: tests/test_*.py.
+ */
+#ifndef TEQUANT_EXT_MODULE_H_
+#define TEQUANT_EXT_MODULE_H_
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "dlpack_abi.h"
+#include "tequant/tequant.h"
+
+/* Tensor roles of a Linear; the registry holds one quantizer config per (recipe, role). */
+typedef enum tqx_role {
+    TQX_ROLE_INPUT = 0,
+    TQX_ROLE_WEIGHT = 1,
+    TQX_ROLE_OUTPUT = 2,
+    TQX_ROLE_GRAD_OUTPUT = 3,
+    TQX_ROLE_GRAD_INPUT = 4,
+    TQX_ROLE_COUNT = 5
+} tqx_role;
+
+typedef enum tqx_recipe_kind {
+    TQX_RECIPE_DELAYED = 0,
+    TQX_RECIPE_CURRENT = 1,
+    TQX_RECIPE_BLOCK = 2,
+    TQX_RECIPE_MXFP8 = 3,
+    TQX_RECIPE_NVFP4 = 4,
+    TQX_RECIPE_CUSTOM = 5,
+    TQX_RECIPE_KIND_COUNT = 6
+} tqx_recipe_kind;
+
+typedef enum tqx_mode {
+    TQX_MODE_NATIVE = 0,
+    TQX_MODE_EMULATED = 1,
+    TQX_MODE_CPU_REFERENCE = 2,
+    TQX_MODE_UNSUPPORTED = 3
+} tqx_mode;
+
+typedef enum tqx_gemm { TQX_GEMM_FPROP = 0, TQX_GEMM_DGRAD = 1, TQX_GEMM_WGRAD = 2 } tqx_gemm;
+
+/* Whether a recipe can run where autocast is entered; computed once, see capability.c. */
+typedef enum tqx_enter_check {
+    TQX_ENTER_UNKNOWN = 0,
+    TQX_ENTER_OK = 1,
+    TQX_ENTER_REFUSED = 2,
+    TQX_ENTER_PER_DEVICE = 3 /* devices differ: check the current one at each enter */
+} tqx_enter_check;
+
+/* One distinct recipe (by equality). Its index in tqx_state.recipes is the recipe key. */
+typedef struct tqx_recipe_entry {
+    PyObject *recipe; /* strong: the first equal recipe seen */
+    tqx_recipe_kind kind;
+    tq_quant_config roles[TQX_ROLE_COUNT];
+    int split_accumulator[3]; /* per tqx_gemm: 1 = full FP32 accumulation */
+    tqx_enter_check enter_check;
+    PyObject *refusal; /* str: why the recipe cannot run here (TQX_ENTER_REFUSED) */
+} tqx_recipe_entry;
+
+#define TQX_ID_CACHE_SIZE 8
+#define TQX_MAX_DEVICES 64
+
+typedef struct tqx_state {
+    /* types and exceptions */
+    PyTypeObject *autocast_type;
+    PyTypeObject *quantizer_config_type;
+    PyTypeObject *execution_mode_type; /* structseq (mode, reason) */
+    PyObject *cuda_error;              /* tequant.CudaError, a RuntimeError */
+    /* per-thread / per-context autocast state: the innermost active autocast, or None */
+    PyObject *context_var;
+    /* recipes, imported lazily from tequant.recipe (it imports this module) */
+    PyObject *recipe_base;                           /* tequant.recipe.Recipe */
+    PyObject *recipe_classes[TQX_RECIPE_KIND_COUNT]; /* indexed by tqx_recipe_kind */
+    PyObject *default_recipe;                        /* Float8CurrentScaling() */
+    /* the recipe table: key -> entry, recipe -> key */
+    PyObject *key_of_recipe; /* dict: recipe -> int key */
+    tqx_recipe_entry *recipes;
+    Py_ssize_t n_recipes, cap_recipes;
+    PyObject *id_cache_recipe[TQX_ID_CACHE_SIZE]; /* strong refs: identity fast path */
+    Py_ssize_t id_cache_key[TQX_ID_CACHE_SIZE];
+    int id_cache_next;
+    /* devices, queried once */
+    int device_count; /* -1 until queried */
+    int cc[TQX_MAX_DEVICES]; /* 10 * major + minor */
+    int devices_alike;
+    int devices_simulated; /* test hook _set_device_facts: current device is 0, no CUDA calls */
+    size_t cublaslt_version;
+    /* DLPack exchange, cached per tensor type */
+    PyTypeObject *dlpack_type; /* strong */
+    const DLPackExchangeAPI *dlpack_api;
+    /* interned keyword names for the autocast constructor */
+    PyObject *str_enabled, *str_calibrating, *str_recipe, *str_amax_reduction_group;
+} tqx_state;
+
+/* errors.c: the one place where tq_status becomes a Python exception. Returns NULL. */
+PyObject *tqx_raise_status(tqx_state *st, tq_status status);
+int tqx_errors_init(PyObject *module, tqx_state *st);
+
+/* registry.c: recipe keys and the quantizer registry. */
+Py_ssize_t tqx_recipe_key(tqx_state *st, PyObject *recipe); /* -1 with an exception */
+int tqx_registry_init(PyObject *module, tqx_state *st);
+void tqx_registry_clear(tqx_state *st);
+int tqx_registry_traverse(tqx_state *st, visitproc visit, void *arg);
+extern PyMethodDef tqx_registry_methods[];
+
+/* recipe.c: recipe object -> kind and per-role quantizer configs. */
+int tqx_recipe_import(tqx_state *st); /* imports tequant.recipe once; -1 with an exception */
+int tqx_recipe_parse(tqx_state *st, PyObject *recipe, tqx_recipe_entry *entry);
+extern const char *const tqx_role_names[TQX_ROLE_COUNT];
+
+/* capability.c: which execution mode a recipe gets on a device, and the enter check. */
+tqx_mode tqx_execution_mode(tqx_state *st, tqx_recipe_kind kind, int device, PyObject **reason);
+int tqx_check_enter(tqx_state *st, tqx_recipe_entry *entry); /* -1 with RuntimeError */
+int tqx_capability_init(PyObject *module, tqx_state *st);
+extern PyMethodDef tqx_capability_methods[];
+
+/* tensor_view.c: torch.Tensor -> tq_tensor through the DLPack C exchange API. */
+typedef struct tqx_tensor_info {
+    int ndim;
+    int64_t shape[8];
+    void *stream; /* the framework's current CUDA stream for a CUDA tensor, else NULL */
+} tqx_tensor_info;
+int tqx_tensor_from_py(tqx_state *st, PyObject *obj, const char *name, uint32_t dtype_mask,
+                       tq_tensor *out, tqx_tensor_info *info);
+extern PyMethodDef tqx_tensor_view_methods[];
+
+/* autocast.c + state.c */
+int tqx_autocast_init(PyObject *module, tqx_state *st);
+extern PyMethodDef tqx_state_methods[];
+
+static inline tqx_state *tqx_module_state(PyObject *module) {
+    return (tqx_state *)PyModule_GetState(module);
+}
+
+#endif /* TEQUANT_EXT_MODULE_H_ */

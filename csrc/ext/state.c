@@ -1,0 +1,91 @@
+/* state.c: readers of the autocast state of the calling thread / contextvars context.
+ *
+ * The state is the innermost active te.autocast (a ContextVar in module state); outside any
+ * autocast: disabled, depth 0, the default recipe Float8CurrentScaling(), no group.
+ * Tests: tests/test_autocast.py.
+ */
+#include "autocast.h"
+
+/* Borrowed innermost active autocast, or NULL with no error when there is none. */
+static AutocastObject *innermost(tqx_state *st, int *error) {
+    PyObject *value;
+    *error = PyContextVar_Get(st->context_var, NULL, &value) < 0;
+    if (*error) return NULL;
+    Py_DECREF(value); /* the context keeps it alive while we read it */
+    return value == Py_None ? NULL : (AutocastObject *)value;
+}
+
+#define READ_STATE(module, ac)                          \
+    tqx_state *st = tqx_module_state(module);           \
+    int error_;                                         \
+    AutocastObject *ac = innermost(st, &error_);        \
+    if (error_) return NULL
+
+static PyObject *is_fp8_enabled(PyObject *module, PyObject *unused) {
+    (void)unused;
+    READ_STATE(module, ac);
+    return PyBool_FromLong(ac != NULL && ac->enabled);
+}
+
+static PyObject *is_fp8_calibration(PyObject *module, PyObject *unused) {
+    (void)unused;
+    READ_STATE(module, ac);
+    return PyBool_FromLong(ac != NULL && ac->calibrating);
+}
+
+static PyObject *get_fp8_recipe(PyObject *module, PyObject *unused) {
+    (void)unused;
+    READ_STATE(module, ac);
+    if (ac != NULL) return Py_NewRef(ac->recipe);
+    if (tqx_recipe_import(st) < 0) return NULL;
+    return Py_NewRef(st->default_recipe);
+}
+
+static PyObject *get_fp8_group(PyObject *module, PyObject *unused) {
+    (void)unused;
+    READ_STATE(module, ac);
+    return Py_NewRef(ac != NULL ? ac->group : Py_None);
+}
+
+static PyObject *autocast_depth(PyObject *module, PyObject *unused) {
+    (void)unused;
+    READ_STATE(module, ac);
+    return PyLong_FromLong(ac != NULL ? ac->depth : 0);
+}
+
+static PyObject *get_autocast(PyObject *module, PyObject *unused) {
+    (void)unused;
+    READ_STATE(module, ac);
+    return Py_NewRef(ac != NULL ? (PyObject *)ac : Py_None);
+}
+
+/* True for the first caller inside the outermost autocast, then False until it is re-entered:
+ * the module that runs first in forward runs the backward amax update (delayed scaling). */
+static PyObject *is_first_fp8_module(PyObject *module, PyObject *unused) {
+    (void)unused;
+    READ_STATE(module, ac);
+    if (ac == NULL) Py_RETURN_FALSE;
+    AutocastObject *root = tqx_frame_root(ac);
+    int first = root->first_module;
+    root->first_module = 0;
+    return PyBool_FromLong(first);
+}
+
+PyMethodDef tqx_state_methods[] = {
+    {"is_fp8_enabled", is_fp8_enabled, METH_NOARGS,
+     "is_fp8_enabled() -> bool\n\nTrue inside an enabled te.autocast on this thread/context."},
+    {"is_fp8_calibration", is_fp8_calibration, METH_NOARGS,
+     "is_fp8_calibration() -> bool\n\nTrue inside te.autocast(calibrating=True)."},
+    {"get_fp8_recipe", get_fp8_recipe, METH_NOARGS,
+     "get_fp8_recipe() -> Recipe\n\nThe innermost autocast's recipe; Float8CurrentScaling() "
+     "outside any autocast."},
+    {"get_fp8_group", get_fp8_group, METH_NOARGS,
+     "get_fp8_group() -> group or None\n\nThe innermost autocast's amax_reduction_group."},
+    {"autocast_depth", autocast_depth, METH_NOARGS,
+     "autocast_depth() -> int\n\nNumber of active nested te.autocast blocks (0 outside)."},
+    {"get_autocast", get_autocast, METH_NOARGS,
+     "get_autocast() -> autocast or None\n\nThe innermost active te.autocast."},
+    {"is_first_fp8_module", is_first_fp8_module, METH_NOARGS,
+     "is_first_fp8_module() -> bool\n\nTrue once per outermost autocast: for the first module "
+     "that asks (it then owns the backward delayed-scaling update). Clears the flag."},
+    {NULL, NULL, 0, NULL}};

@@ -1,0 +1,47 @@
+"""tequant: low-precision (FP8, MXFP8, NVFP4) training for PyTorch, written in C.
+
+    import tequant as te
+    from tequant.recipe import MXFP8BlockScaling
+    with te.autocast(recipe=MXFP8BlockScaling()):
+        y = model(x)
+
+This package is thin: te.autocast, the state readers, the recipe registry and tensor intake are
+the C extension tequant._C (csrc/ext); recipes are frozen dataclasses (recipe.py). Tests: tests/.
+"""
+import torch  # noqa: F401  (loads the CUDA/cuBLAS libraries the extension shares with torch)
+
+from . import recipe
+from ._C import (
+    CudaError,
+    ExecutionMode,
+    QuantizerConfig,
+    autocast,
+    autocast_depth,
+    build_info,
+    execution_mode,
+    gemm_split_accumulator,
+    get_fp8_group,
+    get_fp8_recipe,
+    is_first_fp8_module,
+    is_fp8_calibration,
+    is_fp8_enabled,
+    quantizer_config,
+    recipe_key,
+)
+from .capability import (
+    fp8_autocast,
+    is_fp8_available,
+    is_fp8_block_scaling_available,
+    is_mxfp8_available,
+    is_nvfp4_available,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CudaError", "ExecutionMode", "QuantizerConfig", "autocast", "autocast_depth", "build_info",
+    "execution_mode", "fp8_autocast", "gemm_split_accumulator", "get_fp8_group", "get_fp8_recipe",
+    "is_first_fp8_module", "is_fp8_available", "is_fp8_block_scaling_available",
+    "is_fp8_calibration", "is_fp8_enabled", "is_mxfp8_available", "is_nvfp4_available",
+    "quantizer_config", "recipe", "recipe_key",
+]
