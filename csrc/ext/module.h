@@ -127,6 +127,9 @@ int tqx_tensor_from_py(tqx_state *st, PyObject *obj, const char *name, uint32_t 
                        tq_tensor *out, tqx_tensor_info *info);
 extern PyMethodDef tqx_tensor_view_methods[];
 
+/* ops.c */
+extern PyMethodDef tqx_ops_methods[];
+
 /* autocast.c + state.c */
 int tqx_autocast_init(PyObject *module, tqx_state *st);
 extern PyMethodDef tqx_state_methods[];

@@ -171,6 +171,15 @@ TQ_API tq_status tq_current_device(int *device);
 /* Version of the cuBLASLt library loaded at run time (130101 = 13.1.1). */
 TQ_API tq_status tq_cublaslt_version(size_t *version);
 
+/* ---------------------------------------------------------------------------------------------
+ * Reductions
+ * ------------------------------------------------------------------------------------------- */
+
+/* amax = max |x| over every element of x (FLOAT32, BFLOAT16 or FLOAT16), NaN ignored; 0 for an
+ * empty tensor; +Inf if x holds an Inf. amax is a 1-element FLOAT32 tensor on x's device. CPU
+ * tensors run the C reference; CUDA tensors run a kernel on `stream` (no sync). */
+TQ_API tq_status tq_amax(const tq_tensor *x, tq_tensor *amax, struct CUstream_st *stream);
+
 #ifdef __cplusplus
 }
 #endif

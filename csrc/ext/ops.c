@@ -1,0 +1,35 @@
+/* ops.c: the extension's calls into the core's kernels. Each takes torch tensors through
+ * tensor_view.c, runs the core entry point on the tensors' current CUDA stream (or the CPU
+ * reference), and maps a failing tq_status through errors.c. Outputs are allocated by the
+ * caller with torch (the caching allocator), never with cudaMalloc.
+ * Tests: tests/test_amax.py.
+ */
+#include "module.h"
+
+#define FLOAT_INPUTS ((1u << TQ_DTYPE_FLOAT32) | (1u << TQ_DTYPE_BFLOAT16) | (1u << TQ_DTYPE_FLOAT16))
+
+/* _amax(x, out): out[0] = max |x| (NaN ignored), on x's device and current stream. */
+static PyObject *py_amax(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "_amax(x, out) takes 2 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    tqx_state *st = tqx_module_state(module);
+    tq_tensor x, out;
+    tqx_tensor_info info;
+    if (tqx_tensor_from_py(st, args[0], "x", FLOAT_INPUTS, &x, &info) < 0
+        || tqx_tensor_from_py(st, args[1], "out", 1u << TQ_DTYPE_FLOAT32, &out, NULL) < 0)
+        return NULL;
+    tq_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = tq_amax(&x, &out, (struct CUstream_st *)info.stream);
+    Py_END_ALLOW_THREADS
+    if (s != TQ_SUCCESS) return tqx_raise_status(st, s);
+    Py_RETURN_NONE;
+}
+
+PyMethodDef tqx_ops_methods[] = {
+    {"_amax", (PyCFunction)(void (*)(void))py_amax, METH_FASTCALL,
+     "_amax(x, out)\n\nout[0] = max |x| over all elements, NaN ignored (float32/bfloat16/float16 "
+     "x; float32 out of one element on x's device)."},
+    {NULL, NULL, 0, NULL}};
