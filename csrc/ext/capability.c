@@ -158,20 +158,39 @@ static PyStructSequence_Field mode_fields[] = {
 static PyStructSequence_Desc mode_desc = {
     "tequant.ExecutionMode", "How a recipe runs on a device: (mode, reason).", mode_fields, 2};
 
-/* device: None (current), an int, 'cpu', 'cuda', 'cuda:N', or a torch.device. */
+static int bad_device(PyObject *obj) {
+    PyErr_Format(PyExc_ValueError, "device must be None, an int, 'cpu', 'cuda', 'cuda:N' or a "
+                 "torch.device; got %R", obj);
+    return -1;
+}
+
+/* device: None (current), an int (a CUDA ordinal; -1 = CPU), 'cpu', 'cpu:N', 'cuda', 'cuda:N',
+ * or a torch.device (it prints as one of those strings). */
 static int parse_device(tqx_state *st, PyObject *obj, int *device) {
     if (obj == Py_None) return current_device(st, device);
+    if (PyBool_Check(obj)) return bad_device(obj);
     if (PyLong_Check(obj)) {
-        *device = (int)PyLong_AsLong(obj);
-        return (*device == -1 && PyErr_Occurred()) ? -1 : 0;
+        int overflow;
+        long v = PyLong_AsLongAndOverflow(obj, &overflow);
+        if (v == -1 && PyErr_Occurred()) return -1;
+        if (overflow || v < -1 || v >= TQX_MAX_DEVICES) {
+            PyErr_Format(PyExc_ValueError, "device=%R is not a CUDA ordinal (0..%d) or -1 (CPU)",
+                         obj, TQX_MAX_DEVICES - 1);
+            return -1;
+        }
+        *device = (int)v;
+        return 0;
     }
-    PyObject *text = PyObject_Str(obj); /* torch.device prints as 'cuda:0' / 'cpu' */
+    PyObject *text = PyObject_Str(obj);
     if (text == NULL) return -1;
     const char *s = PyUnicode_AsUTF8(text);
-    int ok = 0;
+    int ok = 0, used = 0, ordinal = -1;
     if (s != NULL) {
-        if (strcmp(s, "cpu") == 0) *device = -1, ok = 1;
-        else if (strcmp(s, "cuda") == 0) {
+        if (strcmp(s, "cpu") == 0 || (sscanf(s, "cpu:%d%n", &ordinal, &used) == 1 && s[used] == '\0'
+                                      && ordinal >= 0)) {
+            *device = -1;
+            ok = 1;
+        } else if (strcmp(s, "cuda") == 0) {
             Py_DECREF(text);
             if (current_device(st, device) < 0) return -1;
             if (*device < 0) {
@@ -179,13 +198,15 @@ static int parse_device(tqx_state *st, PyObject *obj, int *device) {
                 return -1;
             }
             return 0;
-        } else if (strncmp(s, "cuda:", 5) == 0 && sscanf(s + 5, "%d", device) == 1) ok = 1;
+        } else if (sscanf(s, "cuda:%d%n", &ordinal, &used) == 1 && s[used] == '\0' && ordinal >= 0
+                   && s[5] != '+' && s[5] != ' ') {
+            *device = ordinal;
+            ok = 1;
+        }
     }
-    if (!ok && s != NULL)
-        PyErr_Format(PyExc_ValueError, "device must be None, an int, 'cpu', 'cuda', 'cuda:N' or a "
-                     "torch.device; got %R", obj);
     Py_DECREF(text);
-    return ok ? 0 : -1;
+    if (s == NULL) return -1;
+    return ok ? 0 : bad_device(obj);
 }
 
 static PyObject *py_execution_mode(PyObject *module, PyObject *args, PyObject *kwargs) {
@@ -251,6 +272,7 @@ static PyObject *py_set_device_facts(PyObject *module, PyObject *args, PyObject 
     }
     st->device_count = -1;
     st->devices_simulated = 0;
+    st->cublaslt_version = 0; /* re-queried with the real devices */
     if (caps == Py_None) Py_RETURN_NONE;
     PyObject *seq = PySequence_Fast(caps, "capabilities must be a list of (major, minor)");
     if (seq == NULL) return NULL;

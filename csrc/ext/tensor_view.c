@@ -80,11 +80,17 @@ static int map_dtype(DLDataType t, tq_dtype *out) {
 }
 
 static void describe_dtype(DLDataType t, char *buf, size_t cap) {
-    static const char *const codes[] = {"int", "uint", "float", "opaque", "bfloat", "complex",
-                                        "bool"};
+    static const char *const codes[] = {"int", "uint", "float", "opaque", "bfloat", "complex"};
+    static const char *const fp8_names[] = {[7] = "float8_e3m4", [8] = "float8_e4m3",
+        [9] = "float8_e4m3b11fnuz", [11] = "float8_e4m3fnuz", [13] = "float8_e5m2fnuz",
+        [15] = "float6_e2m3fn", [16] = "float6_e3m2fn", [17] = "float4_e2m1fn"};
     tq_dtype d;
     if (map_dtype(t, &d) == 0)
         snprintf(buf, cap, "%s", tq_dtype_name(d));
+    else if (t.code == kDLBool)
+        snprintf(buf, cap, "bool");
+    else if (t.code < sizeof fp8_names / sizeof fp8_names[0] && fp8_names[t.code])
+        snprintf(buf, cap, "%s", fp8_names[t.code]);
     else if (t.code < sizeof codes / sizeof codes[0])
         snprintf(buf, cap, "%s%d", codes[t.code], (int)t.bits);
     else
@@ -104,10 +110,11 @@ static void describe_dims(const int64_t *v, int n, char *buf, size_t cap) {
     size_t used = (size_t)snprintf(buf, cap, "(");
     for (int i = 0; i < n && used + 1 < cap; i++)
         used += (size_t)snprintf(buf + used, cap - used, "%s%lld", i ? ", " : "", (long long)v[i]);
-    if (used + 1 < cap) snprintf(buf + used, cap - used, ")");
+    if (used + 1 < cap) snprintf(buf + used, cap - used, n == 1 ? ",)" : ")");
 }
 
-/* Merges the leading dims into rows with one row stride; -1 with ValueError if they do not. */
+/* Merges the leading dims into rows with one row stride; -1 with ValueError if they do not.
+ * A tensor with no elements always has a valid (empty) view. */
 static int flatten(const DLTensor *dl, const char *name, tq_tensor *out) {
     const int n = dl->ndim;
     if (n == 0) {
@@ -115,10 +122,11 @@ static int flatten(const DLTensor *dl, const char *name, tq_tensor *out) {
         return 0;
     }
     const int64_t cols = dl->shape[n - 1];
-    int64_t rows = 1, ld = -1, next = 0;
+    int64_t rows = 1;
+    for (int i = 0; i < n - 1; i++) rows *= dl->shape[i];
+    int64_t ld = -1, next = 0;
     int ok = cols <= 1 || dl->strides[n - 1] == 1;
     for (int i = n - 2; i >= 0 && ok; i--) {
-        rows *= dl->shape[i];
         if (dl->shape[i] == 1) continue; /* a size-1 dim's stride is meaningless */
         if (ld < 0) {
             ld = dl->strides[i];
@@ -128,9 +136,9 @@ static int flatten(const DLTensor *dl, const char *name, tq_tensor *out) {
             next *= dl->shape[i];
         }
     }
-    if (ld < 0) ld = cols; /* at most one row */
     if (ok && rows > 1 && ld < cols) ok = 0; /* overlapping rows (broadcast / expand) */
-    if (!ok && rows * cols > 0) {
+    if (rows * cols == 0) ok = 1; /* no element is addressed: any layout is a valid view */
+    if (!ok) {
         char shape[160], strides[160];
         describe_dims(dl->shape, n, shape, sizeof shape);
         describe_dims(dl->strides, n, strides, sizeof strides);
@@ -145,12 +153,33 @@ static int flatten(const DLTensor *dl, const char *name, tq_tensor *out) {
     return 0;
 }
 
+/* torch could not describe the tensor (meta, sparse, ...): name the device when that is why. */
+static int export_failed(PyObject *obj, const char *name) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *dev = PyObject_GetAttrString(obj, "device");
+    PyObject *dev_type = dev ? PyObject_GetAttrString(dev, "type") : NULL;
+    Py_XDECREF(dev);
+    const char *t = dev_type && PyUnicode_Check(dev_type) ? PyUnicode_AsUTF8(dev_type) : NULL;
+    if (t != NULL && strcmp(t, "cpu") != 0 && strcmp(t, "cuda") != 0) {
+        PyErr_Format(PyExc_NotImplementedError, "%s is on a %s device; tequant runs on CPU and "
+                     "CUDA tensors", name, t);
+        Py_DECREF(dev_type);
+        Py_XDECREF(type), Py_XDECREF(value), Py_XDECREF(tb);
+        return -1;
+    }
+    PyErr_Clear();
+    Py_XDECREF(dev_type);
+    PyErr_Restore(type, value, tb); /* a CPU/CUDA tensor torch refused: keep torch's reason */
+    return -1;
+}
+
 int tqx_tensor_from_py(tqx_state *st, PyObject *obj, const char *name, uint32_t dtype_mask,
                        tq_tensor *out, tqx_tensor_info *info) {
     const DLPackExchangeAPI *api = exchange_api(st, obj, name);
     if (api == NULL) return -1;
     DLTensor dl;
-    if (api->dltensor_from_py_object_no_sync(obj, &dl) != 0) return -1;
+    if (api->dltensor_from_py_object_no_sync(obj, &dl) != 0) return export_failed(obj, name);
     tq_dtype dtype;
     if (map_dtype(dl.dtype, &dtype) < 0 || !(dtype_mask & (1u << dtype))) {
         char got[64], want[256];
@@ -194,15 +223,32 @@ int tqx_tensor_from_py(tqx_state *st, PyObject *obj, const char *name, uint32_t 
 /* ---- Python: _tensor_view(x, name="x", dtypes=None) -> dict (for tests and debugging) ---- */
 
 static int mask_from_names(PyObject *names, uint32_t *mask) {
-    if (names == Py_None) {
-        *mask = (1u << TQ_DTYPE_COUNT_) - 1;
+    if (names == Py_None) { /* every dtype a torch tensor can have (packed E2M1 travels as uint8) */
+        *mask = ((1u << TQ_DTYPE_COUNT_) - 1) & ~(1u << TQ_DTYPE_FLOAT4_E2M1X2);
         return 0;
+    }
+    if (PyUnicode_Check(names)) {
+        PyErr_Format(PyExc_TypeError, "dtypes must be a sequence of dtype names, not a str (%R); "
+                     "write [%R]", names, names);
+        return -1;
     }
     PyObject *seq = PySequence_Fast(names, "dtypes must be a sequence of dtype names");
     if (seq == NULL) return -1;
+    if (PySequence_Fast_GET_SIZE(seq) == 0) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "dtypes is empty: name at least one dtype");
+        return -1;
+    }
     *mask = 0;
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
-        const char *s = PyUnicode_AsUTF8(PySequence_Fast_GET_ITEM(seq, i));
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        if (!PyUnicode_Check(item)) {
+            PyErr_Format(PyExc_TypeError, "dtypes must hold dtype names (str), got %s",
+                         Py_TYPE(item)->tp_name);
+            Py_DECREF(seq);
+            return -1;
+        }
+        const char *s = PyUnicode_AsUTF8(item);
         int found = 0;
         for (int d = 0; s != NULL && d < TQ_DTYPE_COUNT_; d++)
             if (strcmp(s, tq_dtype_name((tq_dtype)d)) == 0) *mask |= 1u << d, found = 1;
