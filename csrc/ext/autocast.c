@@ -107,7 +107,6 @@ static PyObject *autocast_make(PyTypeObject *type, PyObject *const *args, Py_ssi
     self->root = NULL;
     self->active = 0;
     self->token = NULL;
-    self->clone = NULL;
     return (PyObject *)self;
 }
 
@@ -153,7 +152,7 @@ static AutocastObject *autocast_clone(AutocastObject *self) {
     c->calibrating = self->calibrating;
     c->published = c->first_module = c->active = 0;
     c->depth = 0;
-    c->root = c->clone = NULL;
+    c->root = NULL;
     c->token = NULL;
     return c;
 }
@@ -181,12 +180,9 @@ static PyObject *autocast_enter(AutocastObject *self, PyObject *unused) {
     frame->published = 1;
     Py_DECREF(outer_obj);
     PyObject *token = PyContextVar_Set(st->context_var, (PyObject *)frame);
-    if (token == NULL) {
-        if (frame != self) Py_DECREF(frame);
-        return NULL;
-    }
+    if (frame != self) Py_DECREF(frame); /* the context owns the clone now */
+    if (token == NULL) return NULL;
     self->token = token;
-    self->clone = frame != self ? frame : NULL; /* the context holds frame; keep it for clarity */
     self->active = 1;
     return Py_NewRef((PyObject *)self);
 }
@@ -200,7 +196,6 @@ static PyObject *autocast_exit(AutocastObject *self, PyObject *const *args, Py_s
     }
     int r = PyContextVar_Reset(self->st->context_var, self->token);
     Py_CLEAR(self->token);
-    Py_CLEAR(self->clone);
     self->active = 0;
     if (r < 0) return NULL; /* exited in another context than it was entered in */
     Py_RETURN_FALSE;        /* never swallows the block's exception */
@@ -212,7 +207,6 @@ static void autocast_dealloc(AutocastObject *self) {
     Py_XDECREF(self->group);
     Py_XDECREF(self->token);
     Py_XDECREF(self->root);
-    Py_XDECREF(self->clone);
     tp->tp_free(self);
     Py_DECREF(tp);
 }

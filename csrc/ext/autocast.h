@@ -26,7 +26,6 @@ typedef struct AutocastObject {
     /* instance fields */
     char active;        /* between __enter__ and __exit__ */
     PyObject *token;    /* strong while active: restores the outer state */
-    struct AutocastObject *clone; /* strong while active when a re-entry published a clone */
 } AutocastObject;
 
 static inline AutocastObject *tqx_frame_root(AutocastObject *frame) {
