@@ -63,9 +63,12 @@ tq_status launch_failed(const char *what) {
 /* Makes x's device current for the launch and restores the caller's afterwards. */
 struct DeviceGuard {
     int previous = -1;
+    cudaError_t status = cudaSuccess; /* why the device could not be made current */
     explicit DeviceGuard(int device) {
-        if (cudaGetDevice(&previous) == cudaSuccess && previous != device) cudaSetDevice(device);
+        status = cudaGetDevice(&previous);
+        if (status == cudaSuccess && previous != device) status = cudaSetDevice(device);
         else previous = -1;
+        if (status != cudaSuccess) previous = -1;
     }
     ~DeviceGuard() {
         if (previous >= 0) cudaSetDevice(previous);
@@ -104,5 +107,6 @@ tq_status run_amax(const tq_tensor *x, float *out, cudaStream_t s) {
 
 extern "C" tq_status tq_amax_cuda(const tq_tensor *x, tq_tensor *amax, struct CUstream_st *stream) {
     DeviceGuard guard(x->device);
+    if (guard.status != cudaSuccess) return launch_failed("amax: making x's device current");
     return run_amax(x, static_cast<float *>(amax->data), reinterpret_cast<cudaStream_t>(stream));
 }
