@@ -6,6 +6,7 @@ the static CUDA runtime and cuBLASLt. TEQUANT_CUDA=0 forces a CPU-only build. Th
 does not link libtorch or libpython-specific C++: it talks to torch through DLPack.
 Tested by `make test` (tests/test_build.py checks that a machine with nvcc got a CUDA build).
 """
+import concurrent.futures
 import glob
 import os
 import subprocess
@@ -22,8 +23,12 @@ C_SOURCES = sorted(glob.glob("csrc/core/*.c") + glob.glob("csrc/ref/*.c") +
                    glob.glob("csrc/ext/*.c"))
 CU_SOURCES = sorted(glob.glob("cuda/*.cu"))
 C_FLAGS = ["-std=c11", "-O2", "-Wall", "-Wextra", "-Werror", "-fvisibility=hidden",
-           "-Wno-missing-field-initializers"]
-NVCC_FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-Xcompiler",
+           "-Wno-missing-field-initializers",
+           # Quantization must round exactly like the CUDA kernels: no fused multiply-add.
+           "-ffp-contract=off"]
+# -fmad=false: a fused multiply-add rounds once where the C reference rounds twice, and
+# quantized bits must equal the reference's (NUMERICS.md). Never --use_fast_math.
+NVCC_FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-fmad=false", "-Xcompiler",
               "-fPIC,-fvisibility=hidden,-Wall,-Wextra,-Werror",
               "-gencode=arch=compute_90a,code=sm_90a", "-gencode=arch=compute_90,code=compute_90"]
 
@@ -75,12 +80,29 @@ class BuildExt(build_ext):
             obj_dir = os.path.join(self.build_temp, "cuda")
             os.makedirs(obj_dir, exist_ok=True)
             includes = [f"-I{d}" for d in ["csrc/include", "csrc/core"] + cfg["include_dirs"]]
+            headers = (glob.glob("csrc/include/tequant/*.h") + glob.glob("csrc/core/*.h")
+                       + glob.glob("cuda/*.cuh"))
+            newest_header = max((os.path.getmtime(h) for h in headers), default=0.0)
+            jobs = []
             for src in CU_SOURCES:
                 obj = os.path.join(obj_dir, os.path.basename(src) + ".o")
-                cmd = [cfg["nvcc"], "-c", src, "-o", obj, "-DTQ_WITH_CUDA"] + includes + NVCC_FLAGS
-                print(" ".join(cmd))
-                subprocess.run(cmd, check=True)
                 ext.extra_objects.append(obj)
+                # Rebuild only what changed: nvcc is slow and the kernels are independent.
+                if (os.path.exists(obj) and os.path.getmtime(obj) > os.path.getmtime(src)
+                        and os.path.getmtime(obj) > newest_header):
+                    continue
+                jobs.append([cfg["nvcc"], "-c", src, "-o", obj, "-DTQ_WITH_CUDA"] + includes
+                            + NVCC_FLAGS)
+            with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+                results = list(pool.map(
+                    lambda cmd: subprocess.run(cmd, capture_output=True, text=True), jobs))
+            for cmd, res in zip(jobs, results):
+                print(" ".join(cmd))
+                sys.stdout.write(res.stdout)
+                sys.stderr.write(res.stderr)
+            failed = [cmd[2] for cmd, res in zip(jobs, results) if res.returncode != 0]
+            if failed:
+                raise SystemExit(f"nvcc failed on {', '.join(failed)}")
         super().build_extension(ext)
 
 
@@ -91,8 +113,12 @@ def make_extension(cfg):
         include_dirs += cfg["include_dirs"]
         macros.append(("TQ_WITH_CUDA", "1"))
         link = cfg["link"]
+    # depends: a changed kernel or header must relink _C even when no .c file changed.
+    depends = (CU_SOURCES + glob.glob("cuda/*.cuh") + glob.glob("csrc/include/tequant/*.h")
+               + glob.glob("csrc/*/*.h"))
     return Extension("tequant._C", sources=C_SOURCES, include_dirs=include_dirs,
-                     define_macros=macros, extra_compile_args=C_FLAGS, extra_link_args=link)
+                     define_macros=macros, extra_compile_args=C_FLAGS, extra_link_args=link,
+                     depends=depends)
 
 
 BuildExt.cuda = cuda_config()
