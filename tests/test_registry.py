@@ -196,3 +196,14 @@ def test_unknown_recipe_subclass_is_not_implemented():
 ], ids=lambda v: type(v).__name__)
 def test_gemm_split_accumulator(recipe, expected):
     assert te.gemm_split_accumulator(recipe) == expected
+
+
+def test_quantizer_config_equality_and_hash():
+    from tequant.recipe import MXFP8BlockScaling
+    a = te.quantizer_config(MXFP8BlockScaling(), "input")
+    b = te.quantizer_config(MXFP8BlockScaling(), "input")
+    assert a == b and not (a != b) and hash(a) == hash(b)
+    assert a != te.quantizer_config(MXFP8BlockScaling(), "weight")  # same config, other role
+    assert te.quantizer_config(MXFP8BlockScaling(enable_2d_quantization=True), "weight") != \
+        te.quantizer_config(MXFP8BlockScaling(), "weight")
+    assert a != "input" and len({a, b}) == 1

@@ -14,6 +14,31 @@ extern "C" {
 tq_status tq_amax_ref(const tq_tensor *x, tq_tensor *amax, struct CUstream_st *stream);
 tq_status tq_amax_cuda(const tq_tensor *x, tq_tensor *amax, struct CUstream_st *stream);
 
+tq_status tq_codec_ref(tq_codec codec, const tq_tensor *in, tq_tensor *out, struct CUstream_st *stream);
+tq_status tq_codec_cuda(tq_codec codec, const tq_tensor *in, tq_tensor *out, struct CUstream_st *stream);
+
+/* Quantizers: one stem per scaling family (fp8 = per-tensor DELAYED and CURRENT). Arguments are
+ * checked by csrc/core/quantize.c before these run: q is laid out by tq_quantize_layout with
+ * contiguous members on x's device, usage is valid, and dequantize's out has the right shape. */
+#define TQ_DECLARE_QUANTIZER(stem)                                                              \
+    tq_status tq_quantize_##stem##_ref(const tq_tensor *x, const tq_quant_config *config,       \
+                                       const tq_quantize_args *args, tq_qtensor *q,            \
+                                       struct CUstream_st *stream);                            \
+    tq_status tq_quantize_##stem##_cuda(const tq_tensor *x, const tq_quant_config *config,      \
+                                        const tq_quantize_args *args, tq_qtensor *q,           \
+                                        struct CUstream_st *stream);                           \
+    tq_status tq_dequantize_##stem##_ref(const tq_quant_config *config, const tq_qtensor *q,    \
+                                         uint32_t usage, tq_tensor *out,                       \
+                                         struct CUstream_st *stream);                          \
+    tq_status tq_dequantize_##stem##_cuda(const tq_quant_config *config, const tq_qtensor *q,   \
+                                          uint32_t usage, tq_tensor *out,                      \
+                                          struct CUstream_st *stream);
+
+TQ_DECLARE_QUANTIZER(fp8)
+TQ_DECLARE_QUANTIZER(fp8_block)
+TQ_DECLARE_QUANTIZER(mxfp8)
+TQ_DECLARE_QUANTIZER(nvfp4)
+
 #ifdef __cplusplus
 }
 #endif

@@ -19,7 +19,8 @@ static int tequant_exec(PyObject *module) {
         || tqx_capability_init(module, st) < 0 || tqx_autocast_init(module, st) < 0)
         return -1;
     PyMethodDef *tables[] = {tqx_registry_methods, tqx_capability_methods, tqx_state_methods,
-                             tqx_tensor_view_methods, tqx_ops_methods};
+                             tqx_tensor_view_methods, tqx_ops_methods, tqx_quantize_methods,
+                             tqx_codec_methods};
     for (size_t i = 0; i < sizeof tables / sizeof tables[0]; i++)
         if (PyModule_AddFunctions(module, tables[i]) < 0) return -1;
     return 0;
@@ -36,6 +37,9 @@ static int tequant_traverse(PyObject *module, visitproc visit, void *arg) {
     for (int k = 0; k < TQX_RECIPE_KIND_COUNT; k++) Py_VISIT(st->recipe_classes[k]);
     Py_VISIT(st->default_recipe);
     Py_VISIT(st->dlpack_type);
+    Py_VISIT(st->torch_empty);
+    Py_VISIT(st->torch_zeros);
+    for (int i = 0; i < TQX_TORCH_DTYPE_COUNT; i++) Py_VISIT(st->torch_dtypes[i]);
     return tqx_registry_traverse(st, visit, arg);
 }
 
@@ -43,6 +47,7 @@ static int tequant_clear(PyObject *module) {
     tqx_state *st = tqx_module_state(module);
     if (st == NULL) return 0;
     tqx_registry_clear(st);
+    tqx_quantize_clear(st);
     Py_CLEAR(st->autocast_type);
     Py_CLEAR(st->execution_mode_type);
     Py_CLEAR(st->cuda_error);

@@ -60,6 +60,16 @@ typedef struct tqx_recipe_entry {
     PyObject *refusal; /* str: why the recipe cannot run here (TQX_ENTER_REFUSED) */
 } tqx_recipe_entry;
 
+/* torch dtypes the extension allocates with (quantize.c). */
+typedef enum tqx_torch_dtype {
+    TQX_TORCH_FLOAT32 = 0,
+    TQX_TORCH_UINT8 = 1,
+    TQX_TORCH_FLOAT8_E4M3 = 2,
+    TQX_TORCH_FLOAT8_E5M2 = 3,
+    TQX_TORCH_FLOAT8_E8M0 = 4,
+    TQX_TORCH_DTYPE_COUNT = 5
+} tqx_torch_dtype;
+
 #define TQX_ID_CACHE_SIZE 8
 #define TQX_MAX_DEVICES 64
 
@@ -91,6 +101,9 @@ typedef struct tqx_state {
     /* DLPack exchange, cached per tensor type */
     PyTypeObject *dlpack_type; /* strong */
     const DLPackExchangeAPI *dlpack_api;
+    /* torch allocation (quantize.c), imported on first use */
+    PyObject *torch_empty, *torch_zeros;
+    PyObject *torch_dtypes[TQX_TORCH_DTYPE_COUNT];
     /* interned keyword names for the autocast constructor */
     PyObject *str_enabled, *str_calibrating, *str_recipe, *str_amax_reduction_group;
 } tqx_state;
@@ -105,6 +118,8 @@ int tqx_registry_init(PyObject *module, tqx_state *st);
 void tqx_registry_clear(tqx_state *st);
 int tqx_registry_traverse(tqx_state *st, visitproc visit, void *arg);
 extern PyMethodDef tqx_registry_methods[];
+/* A tequant.QuantizerConfig -> its config; -1 with TypeError for anything else. */
+int tqx_quantizer_config_get(tqx_state *st, PyObject *obj, tq_quant_config *out);
 
 /* recipe.c: recipe object -> kind and per-role quantizer configs. */
 int tqx_recipe_import(tqx_state *st); /* imports tequant.recipe once; -1 with an exception */
@@ -129,6 +144,13 @@ extern PyMethodDef tqx_tensor_view_methods[];
 
 /* ops.c */
 extern PyMethodDef tqx_ops_methods[];
+
+/* codec.c: _C._codec, the elementwise codecs for tests */
+extern PyMethodDef tqx_codec_methods[];
+
+/* quantize.c */
+extern PyMethodDef tqx_quantize_methods[];
+void tqx_quantize_clear(tqx_state *st);
 
 /* autocast.c + state.c */
 int tqx_autocast_init(PyObject *module, tqx_state *st);

@@ -211,6 +211,32 @@ static PyObject *qc_repr(QuantizerConfigObject *self) {
     return r;
 }
 
+/* Field by field (the struct may have padding): equal configs of equal roles compare equal. */
+static int qc_same(const QuantizerConfigObject *a, const QuantizerConfigObject *b) {
+    const tq_quant_config *x = &a->config, *y = &b->config;
+    return a->role == b->role && x->scaling == y->scaling && x->elem_dtype == y->elem_dtype
+           && x->scale_dtype == y->scale_dtype && x->block_rows == y->block_rows
+           && x->block_cols == y->block_cols && x->flags == y->flags && x->fmax == y->fmax
+           && x->amax_epsilon == y->amax_epsilon && x->margin == y->margin
+           && x->amax_history_len == y->amax_history_len && x->amax_algo == y->amax_algo;
+}
+
+static PyObject *qc_richcompare(PyObject *a, PyObject *b, int op) {
+    if (Py_TYPE(b) != Py_TYPE(a) || (op != Py_EQ && op != Py_NE)) Py_RETURN_NOTIMPLEMENTED;
+    int same = qc_same((QuantizerConfigObject *)a, (QuantizerConfigObject *)b);
+    return PyBool_FromLong(op == Py_EQ ? same : !same);
+}
+
+static Py_hash_t qc_hash(QuantizerConfigObject *self) {
+    const tq_quant_config *c = &self->config;
+    Py_uhash_t h = (Py_uhash_t)self->role;
+    const int64_t parts[] = {c->scaling, c->elem_dtype, c->block_rows, c->block_cols, c->flags,
+                             (int64_t)c->fmax, c->margin, c->amax_history_len};
+    for (size_t i = 0; i < sizeof parts / sizeof parts[0]; i++)
+        h = h * 1000003u ^ (Py_uhash_t)parts[i];
+    return h == (Py_uhash_t)-1 ? -2 : (Py_hash_t)h;
+}
+
 static void qc_dealloc(QuantizerConfigObject *self) {
     PyTypeObject *tp = Py_TYPE(self);
     tp->tp_free(self);
@@ -222,6 +248,8 @@ static PyType_Slot qc_slots[] = {
                 "te.quantizer_config()."},
     {Py_tp_getset, qc_getset},
     {Py_tp_repr, qc_repr},
+    {Py_tp_richcompare, qc_richcompare},
+    {Py_tp_hash, qc_hash},
     {Py_tp_dealloc, qc_dealloc},
     {0, NULL}};
 
@@ -230,6 +258,16 @@ static PyType_Spec qc_spec = {
     .basicsize = sizeof(QuantizerConfigObject),
     .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
     .slots = qc_slots};
+
+int tqx_quantizer_config_get(tqx_state *st, PyObject *obj, tq_quant_config *out) {
+    if (Py_TYPE(obj) != st->quantizer_config_type) {
+        PyErr_Format(PyExc_TypeError, "expected a tequant.QuantizerConfig (from "
+                     "te.quantizer_config(recipe, role)), got %s", Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    *out = ((QuantizerConfigObject *)obj)->config;
+    return 0;
+}
 
 /* ---- module functions ---- */
 

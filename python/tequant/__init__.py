@@ -10,7 +10,7 @@ the C extension tequant._C (csrc/ext); recipes are frozen dataclasses (recipe.py
 """
 import torch  # noqa: F401  (loads the CUDA/cuBLAS libraries the extension shares with torch)
 
-from . import recipe
+from . import ops, recipe
 from ._C import (
     CudaError,
     ExecutionMode,
@@ -28,6 +28,7 @@ from ._C import (
     quantizer_config,
     recipe_key,
 )
+from .quantized import QuantizedTensor
 from .capability import (
     fp8_autocast,
     is_fp8_available,
@@ -43,5 +44,5 @@ __all__ = [
     "execution_mode", "fp8_autocast", "gemm_split_accumulator", "get_fp8_group", "get_fp8_recipe",
     "is_first_fp8_module", "is_fp8_available", "is_fp8_block_scaling_available",
     "is_fp8_calibration", "is_fp8_enabled", "is_mxfp8_available", "is_nvfp4_available",
-    "quantizer_config", "recipe", "recipe_key",
+    "ops", "QuantizedTensor", "quantizer_config", "recipe", "recipe_key",
 ]

@@ -180,6 +180,100 @@ TQ_API tq_status tq_cublaslt_version(size_t *version);
  * tensors run the C reference; CUDA tensors run a kernel on `stream` (no sync). */
 TQ_API tq_status tq_amax(const tq_tensor *x, tq_tensor *amax, struct CUstream_st *stream);
 
+/* ---------------------------------------------------------------------------------------------
+ * Quantization
+ *
+ * x is an [M, K] matrix (FLOAT32, BFLOAT16 or FLOAT16; any rank flattened by the caller). A
+ * quantized tensor has up to two directions:
+ *   rowwise     data [M, K], blocks along K (the operand of GEMMs that contract over K);
+ *   columnwise  data_t [K, M], the physical transpose, blocks along M (contract over M: wgrad,
+ *               and W in dgrad). With NVFP4 RHT, data_t holds quant(RHT(x^T)).
+ * Scale layouts (FP32 unless noted; "pad4" rounds up to a multiple of 4; padding entries are 0):
+ *   DELAYED, CURRENT  scale_inv [1, 1], shared by both directions; scale_inv_t is empty.
+ *   BLOCK 1x128       scale_inv [ceil(K/128), pad4(M)], entry [kb][m] (M contiguous: the layout
+ *                     cuBLASLt's VEC128_32F mode reads); scale_inv_t [ceil(M/128), pad4(K)], [mb][k].
+ *   BLOCK 128x128     scale_inv [ceil(M/128), pad4(ceil(K/128))], [mb][kb];
+ *                     scale_inv_t [ceil(K/128), pad4(ceil(M/128))], [kb][mb] (BLK128x128_32F).
+ *   MXFP8             E8M0 scale_inv [M, K/32], scale_inv_t [K, M/32] (compact row-major; with
+ *                     TQ_QUANT_2D every row of a 32x32 tile repeats the tile's exponent).
+ *   NVFP4             E4M3 scale_inv [M, K/16], scale_inv_t [K, M/16] (2D: repeated per 16x16 tile);
+ *                     data holds two E2M1 codes per byte, even column in the low nibble.
+ * amax (FP32 [1, 1]): CURRENT writes max|x|; DELAYED max-accumulates max|x| into the caller's
+ * history slot (not zeroed); NVFP4 writes amax (rowwise) and amax_t (columnwise: post-RHT when RHT
+ * is on). BLOCK and MXFP8 have none.
+ * Shapes: MXFP8 needs M and K multiples of 32, NVFP4 multiples of 16; FP8 per-tensor and block
+ * scaling take any shape (partial blocks use their valid elements only).
+ * ------------------------------------------------------------------------------------------- */
+
+typedef enum tq_usage {
+    TQ_USAGE_ROWWISE = 1u << 0,    /* produce / read data and scale_inv */
+    TQ_USAGE_COLUMNWISE = 1u << 1  /* produce / read data_t and scale_inv_t */
+} tq_usage;
+
+/* A quantized [rows, cols] matrix. Members not produced have data == NULL and zero dims. */
+typedef struct tq_qtensor {
+    size_t struct_size;     /* sizeof(tq_qtensor), set by TQ_QTENSOR_INIT */
+    int64_t rows, cols;     /* the logical shape [M, K] of the high-precision x */
+    tq_tensor data, scale_inv;
+    tq_tensor data_t, scale_inv_t;
+    tq_tensor amax, amax_t;
+} tq_qtensor;
+
+#define TQ_QTENSOR_INIT {sizeof(tq_qtensor), 0, 0, {0}, {0}, {0}, {0}, {0}, {0}}
+
+typedef struct tq_quantize_args {
+    size_t struct_size;   /* sizeof(tq_quantize_args), set by TQ_QUANTIZE_ARGS_INIT */
+    uint32_t usage;       /* tq_usage bits: which directions to produce (at least one) */
+    tq_tensor scale;      /* DELAYED only: the FP32 scale [1, 1] to cast with, on x's device */
+    uint64_t rng_seed;    /* STOCHASTIC_ROUNDING: Philox key and counter offset (NUMERICS 3.2) */
+    uint64_t rng_offset;
+} tq_quantize_args;
+
+#define TQ_QUANTIZE_ARGS_INIT {sizeof(tq_quantize_args), TQ_USAGE_ROWWISE, {0}, 0, 0}
+
+/* Fills q's shapes and dtypes (data pointers NULL, device TQ_DEVICE_CPU) for quantizing an
+ * [rows, cols] matrix with `config` in the directions `usage`; the caller allocates each member
+ * with rows * ld elements and sets data and device. Fails on shapes the format cannot take. */
+TQ_API tq_status tq_quantize_layout(const tq_quant_config *config, int64_t rows, int64_t cols,
+                                    uint32_t usage, tq_qtensor *q);
+
+/* Quantizes x into q (laid out by tq_quantize_layout, on x's device) following NUMERICS.md.
+ * CPU tensors run the C reference, CUDA tensors the kernels on `stream` (no sync). */
+TQ_API tq_status tq_quantize(const tq_tensor *x, const tq_quant_config *config,
+                             const tq_quantize_args *args, tq_qtensor *q,
+                             struct CUstream_st *stream);
+
+/* Dequantizes ONE direction of q (usage = TQ_USAGE_ROWWISE or TQ_USAGE_COLUMNWISE) into out:
+ * [M, K] for rowwise, [K, M] for columnwise, FLOAT32, BFLOAT16 or FLOAT16 (RNE). Values are
+ * q * scale_inv (per tensor / block), q * 2^(e-127) (MXFP8), q * RN(RN(s_b * amax) * RN(1/2688))
+ * (NVFP4, TE's rule). */
+TQ_API tq_status tq_dequantize(const tq_quant_config *config, const tq_qtensor *q, uint32_t usage,
+                               tq_tensor *out, struct CUstream_st *stream);
+
+/* ---------------------------------------------------------------------------------------------
+ * Scalar codecs, elementwise (the rules of formats.h on whole tensors; used to test the codecs
+ * exhaustively on CPU and CUDA, and handy for inspecting formats)
+ * ------------------------------------------------------------------------------------------- */
+
+typedef enum tq_codec {
+    TQ_CODEC_F32_TO_E4M3 = 0,  /* FLOAT32 -> UINT8 code (RNE, saturating, NaN kept) */
+    TQ_CODEC_F32_TO_E5M2 = 1,  /* FLOAT32 -> UINT8 code */
+    TQ_CODEC_F32_TO_E2M1 = 2,  /* FLOAT32 -> UINT8 holding one E2M1 code (0..15) per byte */
+    TQ_CODEC_F32_TO_E8M0 = 3,  /* FLOAT32 -> UINT8 biased exponent, rounded up (MXFP8 rule) */
+    TQ_CODEC_F32_TO_BF16 = 4,  /* FLOAT32 -> BFLOAT16 (RNE) */
+    TQ_CODEC_F32_TO_F16 = 5,   /* FLOAT32 -> FLOAT16 (RNE) */
+    TQ_CODEC_E4M3_TO_F32 = 6,  /* UINT8 code -> FLOAT32 */
+    TQ_CODEC_E5M2_TO_F32 = 7,
+    TQ_CODEC_E2M1_TO_F32 = 8,  /* UINT8 (low nibble) -> FLOAT32 */
+    TQ_CODEC_E8M0_TO_F32 = 9,  /* UINT8 -> 2^(e-127) as FLOAT32 */
+    TQ_CODEC_COUNT_ = 10
+} tq_codec;
+
+/* out[i] = codec(in[i]) for same-shape in and out on one device (CPU reference or a CUDA kernel
+ * on `stream`). Dtypes as listed per codec. */
+TQ_API tq_status tq_codec_apply(tq_codec codec, const tq_tensor *in, tq_tensor *out,
+                                struct CUstream_st *stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,0 +1,207 @@
+/* quantize.c: tq_quantize_layout, and the argument checks and device dispatch of tq_quantize and
+ * tq_dequantize. The layout rules (documented in tequant.h) live here once; the kernels
+ * (csrc/ref/quantize_<stem>_ref.c, cuda/quantize_<stem>.cu) trust what these checks establish:
+ * members laid out as tq_quantize_layout says, contiguous, on x's device.
+ * Tests: tests/test_quantize_*.py (through te.ops), tests/test_ops.py (errors).
+ */
+#include "internal_kernels.h"
+
+static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+static int64_t pad4(int64_t a) { return ceil_div(a, 4) * 4; }
+
+static void set(tq_tensor *t, int64_t rows, int64_t cols, tq_dtype dtype) {
+    t->data = NULL;
+    t->rows = rows;
+    t->cols = cols;
+    t->ld = cols;
+    t->dtype = dtype;
+    t->device = TQ_DEVICE_CPU;
+}
+
+static const char *family(tq_scaling s) {
+    switch (s) {
+        case TQ_SCALING_DELAYED: return "FP8 delayed scaling";
+        case TQ_SCALING_CURRENT: return "FP8 current scaling";
+        case TQ_SCALING_BLOCK: return "FP8 block scaling";
+        case TQ_SCALING_MXFP8: return "MXFP8";
+        case TQ_SCALING_NVFP4: return "NVFP4";
+        default: return "this scaling";
+    }
+}
+
+tq_status tq_quantize_layout(const tq_quant_config *c, int64_t rows, int64_t cols, uint32_t usage,
+                             tq_qtensor *q) {
+    tq_status st = tq_quant_config_check(c);
+    if (st != TQ_SUCCESS) return st;
+    if (q == NULL || q->struct_size < sizeof(tq_qtensor))
+        return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "qtensor is NULL or its struct_size is too "
+                       "small (use TQ_QTENSOR_INIT)");
+    if (c->scaling == TQ_SCALING_NONE || c->scaling == TQ_SCALING_CUSTOM)
+        return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "the config does not quantize (scaling is %s)",
+                       c->scaling == TQ_SCALING_NONE ? "none" : "custom");
+    if (usage == 0 || (usage & ~(uint32_t)(TQ_USAGE_ROWWISE | TQ_USAGE_COLUMNWISE)))
+        return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "usage=%u must be TQ_USAGE_ROWWISE, "
+                       "TQ_USAGE_COLUMNWISE or both", (unsigned)usage);
+    if (rows < 0 || cols < 0)
+        return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "shape [%lld, %lld] has a negative dim",
+                       (long long)rows, (long long)cols);
+    const int64_t align = c->scaling == TQ_SCALING_MXFP8 ? 32 : c->scaling == TQ_SCALING_NVFP4 ? 16 : 1;
+    if (rows % align != 0 || cols % align != 0)
+        return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "%s needs both dims to be multiples of %lld; x "
+                       "is [%lld, %lld] (%s=%lld is not)", family(c->scaling), (long long)align,
+                       (long long)rows, (long long)cols, rows % align ? "rows" : "cols",
+                       (long long)(rows % align ? rows : cols));
+    const size_t size = q->struct_size;
+    const tq_qtensor empty = TQ_QTENSOR_INIT;
+    *q = empty;
+    q->struct_size = size;
+    q->rows = rows;
+    q->cols = cols;
+    const int row = (usage & TQ_USAGE_ROWWISE) != 0, col = (usage & TQ_USAGE_COLUMNWISE) != 0;
+    if (row) set(&q->data, rows, cols, c->elem_dtype);
+    if (col) set(&q->data_t, cols, rows, c->elem_dtype);
+    switch (c->scaling) {
+        case TQ_SCALING_DELAYED:
+        case TQ_SCALING_CURRENT:
+            set(&q->scale_inv, 1, 1, TQ_DTYPE_FLOAT32);
+            set(&q->amax, 1, 1, TQ_DTYPE_FLOAT32);
+            break;
+        case TQ_SCALING_BLOCK:
+            if (c->flags & TQ_QUANT_2D) {
+                if (row) set(&q->scale_inv, ceil_div(rows, 128), pad4(ceil_div(cols, 128)), TQ_DTYPE_FLOAT32);
+                if (col) set(&q->scale_inv_t, ceil_div(cols, 128), pad4(ceil_div(rows, 128)), TQ_DTYPE_FLOAT32);
+            } else {
+                if (row) set(&q->scale_inv, ceil_div(cols, 128), pad4(rows), TQ_DTYPE_FLOAT32);
+                if (col) set(&q->scale_inv_t, ceil_div(rows, 128), pad4(cols), TQ_DTYPE_FLOAT32);
+            }
+            break;
+        case TQ_SCALING_MXFP8:
+            if (row) set(&q->scale_inv, rows, cols / 32, TQ_DTYPE_FLOAT8_E8M0);
+            if (col) set(&q->scale_inv_t, cols, rows / 32, TQ_DTYPE_FLOAT8_E8M0);
+            break;
+        case TQ_SCALING_NVFP4:
+            if (row) set(&q->scale_inv, rows, cols / 16, TQ_DTYPE_FLOAT8_E4M3);
+            if (col) set(&q->scale_inv_t, cols, rows / 16, TQ_DTYPE_FLOAT8_E4M3);
+            if (row) set(&q->amax, 1, 1, TQ_DTYPE_FLOAT32);
+            if (col) set(&q->amax_t, 1, 1, TQ_DTYPE_FLOAT32);
+            break;
+        default:
+            break;
+    }
+    return TQ_SUCCESS;
+}
+
+/* One member of q against the layout: same shape and dtype, contiguous, on the device. */
+static tq_status check_member(const tq_tensor *got, const tq_tensor *want, int device,
+                              const char *name) {
+    if (want->rows == 0 && want->cols == 0 && want->ld == 0) return TQ_SUCCESS; /* not used */
+    tq_status st = tq_tensor_check(got, name);
+    if (st != TQ_SUCCESS) return st;
+    int same_kind = got->dtype == want->dtype
+                    || (tq_dtype_bits(want->dtype) == 8 && got->dtype == TQ_DTYPE_UINT8);
+    /* ld of a member without elements addresses nothing (torch gives [K, 0] a row stride of 1) */
+    const int ld_ok = got->ld == want->cols || got->rows * got->cols == 0;
+    if (!same_kind || got->rows != want->rows || got->cols != want->cols || !ld_ok)
+        return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "%s is %s [%lld, %lld] (ld %lld); the layout "
+                       "needs a contiguous %s [%lld, %lld]", name, tq_dtype_name(got->dtype),
+                       (long long)got->rows, (long long)got->cols, (long long)got->ld,
+                       tq_dtype_name(want->dtype), (long long)want->rows, (long long)want->cols);
+    if (got->device != device)
+        return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "%s is on device %d, x on device %d", name,
+                       got->device, device);
+    return TQ_SUCCESS;
+}
+
+static tq_status check_qtensor(const tq_quant_config *c, const tq_qtensor *q, uint32_t usage,
+                               int device) {
+    if (q == NULL || q->struct_size < sizeof(tq_qtensor))
+        return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "qtensor is NULL or its struct_size is too "
+                       "small (use TQ_QTENSOR_INIT)");
+    tq_qtensor want = TQ_QTENSOR_INIT;
+    tq_status st = tq_quantize_layout(c, q->rows, q->cols, usage, &want);
+    if (st != TQ_SUCCESS) return st;
+    const tq_tensor *got[] = {&q->data, &q->scale_inv, &q->data_t, &q->scale_inv_t, &q->amax, &q->amax_t};
+    const tq_tensor *exp[] = {&want.data, &want.scale_inv, &want.data_t, &want.scale_inv_t, &want.amax, &want.amax_t};
+    static const char *const names[] = {"data", "scale_inv", "data_t", "scale_inv_t", "amax", "amax_t"};
+    for (int i = 0; i < 6 && st == TQ_SUCCESS; i++) st = check_member(got[i], exp[i], device, names[i]);
+    return st;
+}
+
+static int float_dtype(tq_dtype d) {
+    return d == TQ_DTYPE_FLOAT32 || d == TQ_DTYPE_BFLOAT16 || d == TQ_DTYPE_FLOAT16;
+}
+
+#ifdef TQ_WITH_CUDA
+#define DISPATCH(stem, on_cpu, ...) \
+    ((on_cpu) ? tq_##stem##_ref(__VA_ARGS__) : tq_##stem##_cuda(__VA_ARGS__))
+#else
+#define DISPATCH(stem, on_cpu, ...) \
+    ((on_cpu) ? tq_##stem##_ref(__VA_ARGS__) \
+              : tq_fail(TQ_ERROR_NOT_SUPPORTED, "a CUDA tensor, but tequant was built without CUDA"))
+#endif
+
+tq_status tq_quantize(const tq_tensor *x, const tq_quant_config *c, const tq_quantize_args *a,
+                      tq_qtensor *q, struct CUstream_st *stream) {
+    tq_status st = tq_tensor_check(x, "x");
+    if (st != TQ_SUCCESS) return st;
+    if (!float_dtype(x->dtype))
+        return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "quantize: x has dtype %s; expected float32, "
+                       "bfloat16 or float16", tq_dtype_name(x->dtype));
+    if (a == NULL || a->struct_size < sizeof(tq_quantize_args))
+        return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "quantize args are NULL or their struct_size "
+                       "is too small (use TQ_QUANTIZE_ARGS_INIT)");
+    if (q != NULL && (q->rows != x->rows || q->cols != x->cols))
+        return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "qtensor is laid out for [%lld, %lld], x is "
+                       "[%lld, %lld]", (long long)q->rows, (long long)q->cols,
+                       (long long)x->rows, (long long)x->cols);
+    st = check_qtensor(c, q, a->usage, x->device);
+    if (st != TQ_SUCCESS) return st;
+    if (c->scaling == TQ_SCALING_DELAYED) {
+        st = tq_tensor_check(&a->scale, "scale");
+        if (st != TQ_SUCCESS) return st;
+        if (a->scale.dtype != TQ_DTYPE_FLOAT32 || a->scale.rows * a->scale.cols != 1
+            || a->scale.device != x->device)
+            return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "delayed scaling needs scale = one float32 "
+                           "on x's device (%d); got %s [%lld, %lld] on device %d", x->device,
+                           tq_dtype_name(a->scale.dtype), (long long)a->scale.rows,
+                           (long long)a->scale.cols, a->scale.device);
+    }
+    const int on_cpu = x->device == TQ_DEVICE_CPU;
+    switch (c->scaling) {
+        case TQ_SCALING_DELAYED:
+        case TQ_SCALING_CURRENT: return DISPATCH(quantize_fp8, on_cpu, x, c, a, q, stream);
+        case TQ_SCALING_BLOCK: return DISPATCH(quantize_fp8_block, on_cpu, x, c, a, q, stream);
+        case TQ_SCALING_MXFP8: return DISPATCH(quantize_mxfp8, on_cpu, x, c, a, q, stream);
+        case TQ_SCALING_NVFP4: return DISPATCH(quantize_nvfp4, on_cpu, x, c, a, q, stream);
+        default: return tq_fail(TQ_ERROR_INTERNAL, "quantize: unhandled scaling %d", (int)c->scaling);
+    }
+}
+
+tq_status tq_dequantize(const tq_quant_config *c, const tq_qtensor *q, uint32_t usage,
+                        tq_tensor *out, struct CUstream_st *stream) {
+    if (usage != TQ_USAGE_ROWWISE && usage != TQ_USAGE_COLUMNWISE)
+        return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "dequantize reads one direction: usage must be "
+                       "TQ_USAGE_ROWWISE or TQ_USAGE_COLUMNWISE, got %u", (unsigned)usage);
+    tq_status st = tq_tensor_check(out, "out");
+    if (st != TQ_SUCCESS) return st;
+    if (!float_dtype(out->dtype))
+        return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "dequantize: out has dtype %s; expected "
+                       "float32, bfloat16 or float16", tq_dtype_name(out->dtype));
+    st = check_qtensor(c, q, usage, out->device);
+    if (st != TQ_SUCCESS) return st;
+    const int row = usage == TQ_USAGE_ROWWISE;
+    const int64_t want_rows = row ? q->rows : q->cols, want_cols = row ? q->cols : q->rows;
+    if (out->rows != want_rows || out->cols != want_cols)
+        return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "dequantize: out is [%lld, %lld]; the %s "
+                       "direction is [%lld, %lld]", (long long)out->rows, (long long)out->cols,
+                       row ? "rowwise" : "columnwise", (long long)want_rows, (long long)want_cols);
+    const int on_cpu = out->device == TQ_DEVICE_CPU;
+    switch (c->scaling) {
+        case TQ_SCALING_DELAYED:
+        case TQ_SCALING_CURRENT: return DISPATCH(dequantize_fp8, on_cpu, c, q, usage, out, stream);
+        case TQ_SCALING_BLOCK: return DISPATCH(dequantize_fp8_block, on_cpu, c, q, usage, out, stream);
+        case TQ_SCALING_MXFP8: return DISPATCH(dequantize_mxfp8, on_cpu, c, q, usage, out, stream);
+        case TQ_SCALING_NVFP4: return DISPATCH(dequantize_nvfp4, on_cpu, c, q, usage, out, stream);
+        default: return tq_fail(TQ_ERROR_INTERNAL, "dequantize: unhandled scaling %d", (int)c->scaling);
+    }
+}

@@ -1,0 +1,229 @@
+/* quantize.c: the extension's quantize / dequantize calls (te.ops and, later, Linear).
+ *
+ * _quantize lays the result out with the core's tq_quantize_layout (the one definition of the
+ * layouts), allocates every member with torch.empty (torch's caching allocator, never
+ * cudaMalloc), runs tq_quantize on x's current stream with the GIL released, and returns the
+ * members as a tuple for python/tequant/quantized.py to wrap. _dequantize is the reverse, into
+ * an output tensor the caller allocated. Tests: tests/test_quantize_*.py, tests/test_ops.py.
+ */
+#include "module.h"
+
+#define FLOAT_INPUTS ((1u << TQ_DTYPE_FLOAT32) | (1u << TQ_DTYPE_BFLOAT16) | (1u << TQ_DTYPE_FLOAT16))
+#define N_MEMBERS 6
+
+static const char *const member_names[N_MEMBERS] = {"data", "scale_inv", "data_t", "scale_inv_t",
+                                                    "amax", "amax_t"};
+
+static tq_tensor *member(tq_qtensor *q, int i) {
+    tq_tensor *m[N_MEMBERS] = {&q->data, &q->scale_inv, &q->data_t, &q->scale_inv_t, &q->amax,
+                               &q->amax_t};
+    return m[i];
+}
+
+static int used(const tq_tensor *t) { return t->rows != 0 || t->cols != 0 || t->ld != 0; }
+
+/* torch.empty / torch.zeros and the dtypes, imported on first use. */
+static int torch_import(tqx_state *st) {
+    if (st->torch_empty != NULL) return 0;
+    PyObject *torch = PyImport_ImportModule("torch");
+    if (torch == NULL) return -1;
+    static const char *const names[TQX_TORCH_DTYPE_COUNT] = {
+        "float32", "uint8", "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu"};
+    int ok = 1;
+    for (int i = 0; i < TQX_TORCH_DTYPE_COUNT && ok; i++)
+        ok = (st->torch_dtypes[i] = PyObject_GetAttrString(torch, names[i])) != NULL;
+    if (ok) ok = (st->torch_zeros = PyObject_GetAttrString(torch, "zeros")) != NULL;
+    if (ok) ok = (st->torch_empty = PyObject_GetAttrString(torch, "empty")) != NULL;
+    Py_DECREF(torch);
+    return ok ? 0 : -1;
+}
+
+static PyObject *torch_dtype_of(tqx_state *st, tq_dtype d) {
+    switch (d) {
+        case TQ_DTYPE_FLOAT32: return st->torch_dtypes[TQX_TORCH_FLOAT32];
+        case TQ_DTYPE_FLOAT8_E4M3: return st->torch_dtypes[TQX_TORCH_FLOAT8_E4M3];
+        case TQ_DTYPE_FLOAT8_E5M2: return st->torch_dtypes[TQX_TORCH_FLOAT8_E5M2];
+        case TQ_DTYPE_FLOAT8_E8M0: return st->torch_dtypes[TQX_TORCH_FLOAT8_E8M0];
+        default: return st->torch_dtypes[TQX_TORCH_UINT8]; /* packed E2M1 pairs */
+    }
+}
+
+/* A new torch tensor for member t (on `device`, a torch.device), its pointer stored in t. */
+static PyObject *alloc_member(tqx_state *st, tq_tensor *t, PyObject *device, int device_index,
+                              int zeroed) {
+    const int64_t cols = t->dtype == TQ_DTYPE_FLOAT4_E2M1X2 ? t->cols / 2 : t->cols;
+    PyObject *shape = Py_BuildValue("(LL)", (long long)t->rows, (long long)cols);
+    if (shape == NULL) return NULL;
+    PyObject *args[3] = {shape, torch_dtype_of(st, t->dtype), device};
+    PyObject *kwnames = Py_BuildValue("(ss)", "dtype", "device");
+    PyObject *tensor = NULL;
+    if (kwnames != NULL)
+        tensor = PyObject_Vectorcall(zeroed ? st->torch_zeros : st->torch_empty, args, 1, kwnames);
+    Py_DECREF(shape);
+    Py_XDECREF(kwnames);
+    if (tensor == NULL) return NULL;
+    tq_tensor view;
+    if (tqx_tensor_from_py(st, tensor, member_names[0], ~0u, &view, NULL) < 0) {
+        Py_DECREF(tensor);
+        return NULL;
+    }
+    t->data = view.data;
+    t->device = device_index;
+    return tensor;
+}
+
+/* A QuantizerConfig object -> its tq_quant_config (registry.c owns the type). */
+static int config_from_py(tqx_state *st, PyObject *obj, tq_quant_config *out) {
+    if (tqx_quantizer_config_get(st, obj, out) < 0) return -1;
+    if (out->scaling == TQ_SCALING_NONE || out->scaling == TQ_SCALING_CUSTOM) {
+        PyErr_Format(PyExc_ValueError, "this quantizer config (%R) does not quantize in tequant's "
+                     "core: scaling is %s", obj, out->scaling == TQ_SCALING_NONE ? "none" : "custom");
+        return -1;
+    }
+    return 0;
+}
+
+/* _quantize(x, config, usage, scale, amax, rng_seed, rng_offset) -> 6-tuple of tensors/None.
+ * usage: 1 rowwise, 2 columnwise, 3 both. scale (delayed only): float32 [1] or None (= 1).
+ * amax (delayed only): a float32 [1] history slot to max-accumulate into, or None (fresh). */
+static PyObject *py_quantize(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_Format(PyExc_TypeError, "_quantize(x, config, usage, scale, amax, rng_seed, "
+                     "rng_offset) takes 7 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    tqx_state *st = tqx_module_state(module);
+    tq_quant_config config;
+    tq_tensor x;
+    tqx_tensor_info info;
+    if (config_from_py(st, args[1], &config) < 0 || torch_import(st) < 0
+        || tqx_tensor_from_py(st, args[0], "x", FLOAT_INPUTS, &x, &info) < 0)
+        return NULL;
+    tq_quantize_args qargs = TQ_QUANTIZE_ARGS_INIT;
+    long usage = PyLong_AsLong(args[2]);
+    if (usage == -1 && PyErr_Occurred()) return NULL;
+    qargs.usage = (uint32_t)usage;
+    qargs.rng_seed = PyLong_AsUnsignedLongLongMask(args[5]);
+    qargs.rng_offset = PyLong_AsUnsignedLongLongMask(args[6]);
+    if (PyErr_Occurred()) return NULL;
+    tq_qtensor q = TQ_QTENSOR_INIT;
+    tq_status s = tq_quantize_layout(&config, x.rows, x.cols, qargs.usage, &q);
+    if (s != TQ_SUCCESS) return tqx_raise_status(st, s);
+
+    PyObject *device = PyObject_GetAttrString(args[0], "device");
+    if (device == NULL) return NULL;
+    PyObject *out[N_MEMBERS] = {NULL};
+    PyObject *scale_owner = NULL;
+    int ok = 1;
+    const int delayed = config.scaling == TQ_SCALING_DELAYED;
+    for (int i = 0; i < N_MEMBERS && ok; i++) {
+        tq_tensor *t = member(&q, i);
+        if (!used(t)) continue;
+        if (delayed && i == 4 && args[4] != Py_None) { /* the caller's history slot */
+            ok = tqx_tensor_from_py(st, args[4], "amax", 1u << TQ_DTYPE_FLOAT32, t, NULL) == 0;
+            if (ok) out[i] = Py_NewRef(args[4]);
+            continue;
+        }
+        /* A fresh delayed amax starts at 0 (the kernel max-accumulates into it). */
+        ok = (out[i] = alloc_member(st, t, device, x.device, delayed && i == 4)) != NULL;
+    }
+    if (ok && delayed) {
+        if (args[3] != Py_None) {
+            ok = tqx_tensor_from_py(st, args[3], "scale", 1u << TQ_DTYPE_FLOAT32, &qargs.scale,
+                                    NULL) == 0;
+        } else { /* no scale yet: 1, as a fresh DelayedScaling state starts */
+            qargs.scale.rows = qargs.scale.cols = qargs.scale.ld = 1;
+            qargs.scale.dtype = TQ_DTYPE_FLOAT32;
+            ok = (scale_owner = alloc_member(st, &qargs.scale, device, x.device, 0)) != NULL;
+            if (ok) {
+                PyObject *r = PyObject_CallMethod(scale_owner, "fill_", "d", 1.0);
+                ok = r != NULL;
+                Py_XDECREF(r);
+            }
+        }
+    }
+    Py_DECREF(device);
+    if (ok) {
+        Py_BEGIN_ALLOW_THREADS
+        s = tq_quantize(&x, &config, &qargs, &q, (struct CUstream_st *)info.stream);
+        Py_END_ALLOW_THREADS
+        if (s != TQ_SUCCESS) {
+            tqx_raise_status(st, s);
+            ok = 0;
+        }
+    }
+    Py_XDECREF(scale_owner); /* the kernel ran on the stream; the allocator keeps it ordered */
+    PyObject *result = ok ? PyTuple_New(N_MEMBERS) : NULL;
+    for (int i = 0; i < N_MEMBERS; i++) {
+        if (result != NULL) PyTuple_SET_ITEM(result, i, out[i] ? out[i] : Py_NewRef(Py_None));
+        else Py_XDECREF(out[i]);
+    }
+    return result;
+}
+
+/* _dequantize(config, rows, cols, members, usage, out): out = the values of one direction. */
+static PyObject *py_dequantize(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_Format(PyExc_TypeError, "_dequantize(config, rows, cols, members, usage, out) "
+                     "takes 6 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    tqx_state *st = tqx_module_state(module);
+    tq_quant_config config;
+    if (config_from_py(st, args[0], &config) < 0) return NULL;
+    tq_qtensor q = TQ_QTENSOR_INIT;
+    q.rows = PyLong_AsLongLong(args[1]);
+    q.cols = PyLong_AsLongLong(args[2]);
+    long usage = PyLong_AsLong(args[4]);
+    if (PyErr_Occurred()) return NULL;
+    if (!PyTuple_Check(args[3]) || PyTuple_GET_SIZE(args[3]) != N_MEMBERS) {
+        PyErr_SetString(PyExc_TypeError, "members must be a 6-tuple (data, scale_inv, data_t, "
+                        "scale_inv_t, amax, amax_t)");
+        return NULL;
+    }
+    /* Read only the members the direction needs; their shapes come from the layout. */
+    tq_qtensor want = TQ_QTENSOR_INIT;
+    tq_status s = tq_quantize_layout(&config, q.rows, q.cols, (uint32_t)usage, &want);
+    if (s != TQ_SUCCESS) return tqx_raise_status(st, s);
+    for (int i = 0; i < N_MEMBERS; i++) {
+        tq_tensor *w = member(&want, i), *t = member(&q, i);
+        if (!used(w)) continue;
+        PyObject *obj = PyTuple_GET_ITEM(args[3], i);
+        if (obj == Py_None) {
+            PyErr_Format(PyExc_ValueError, "this quantized tensor has no %s, which the %s "
+                         "direction needs", member_names[i],
+                         usage == TQ_USAGE_ROWWISE ? "rowwise" : "columnwise");
+            return NULL;
+        }
+        if (tqx_tensor_from_py(st, obj, member_names[i], ~0u, t, NULL) < 0) return NULL;
+        if (w->dtype == TQ_DTYPE_FLOAT4_E2M1X2 && t->dtype == TQ_DTYPE_UINT8) {
+            t->dtype = TQ_DTYPE_FLOAT4_E2M1X2; /* bytes -> codes */
+            t->cols *= 2;
+            t->ld *= 2;
+        }
+    }
+    tq_tensor out;
+    tqx_tensor_info info;
+    if (tqx_tensor_from_py(st, args[5], "out", FLOAT_INPUTS, &out, &info) < 0) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    s = tq_dequantize(&config, &q, (uint32_t)usage, &out, (struct CUstream_st *)info.stream);
+    Py_END_ALLOW_THREADS
+    if (s != TQ_SUCCESS) return tqx_raise_status(st, s);
+    Py_RETURN_NONE;
+}
+
+PyMethodDef tqx_quantize_methods[] = {
+    {"_quantize", (PyCFunction)(void (*)(void))py_quantize, METH_FASTCALL,
+     "_quantize(x, config, usage, scale, amax, rng_seed, rng_offset) -> (data, scale_inv, "
+     "data_t, scale_inv_t, amax, amax_t)\n\nQuantizes x with a QuantizerConfig; see "
+     "tequant.ops.quantize for the public API."},
+    {"_dequantize", (PyCFunction)(void (*)(void))py_dequantize, METH_FASTCALL,
+     "_dequantize(config, rows, cols, members, usage, out)\n\nWrites one direction's values "
+     "into out; see QuantizedTensor.dequantize."},
+    {NULL, NULL, 0, NULL}};
+
+void tqx_quantize_clear(tqx_state *st) {
+    Py_CLEAR(st->torch_empty);
+    Py_CLEAR(st->torch_zeros);
+    for (int i = 0; i < TQX_TORCH_DTYPE_COUNT; i++) Py_CLEAR(st->torch_dtypes[i]);
+}

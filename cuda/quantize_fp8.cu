@@ -1,0 +1,370 @@
+/* quantize_fp8.cu: FP8 per-tensor quantization (DELAYED and CURRENT scaling) and its
+ * dequantization on CUDA.
+ *
+ * Rule (NUMERICS.md 2, TE_REFERENCE A.1 / A.2): q = cvt8(RN(x * scale)), scale_inv = RN(1/scale);
+ * CURRENT: scale = tq_scale_from_amax(max|x|, fmax, eps, pow2, FLT_MAX), amax written to q->amax;
+ * DELAYED: scale given, max|x| max-accumulated into the caller's history slot (atomicMax on the
+ * float's signed bits). Multiplies are tq_mul: a NaN element encodes as 0x7F, dequantizes to
+ * 0x7FFFFFFF.
+ * cvt8 is the hardware's cvt.rn.satfinite (see cvt8x2: the same rule as formats.h, tested on
+ * every bf16 pattern). One pass over x produces both directions: a CTA loads a 128x128 tile
+ * with coalesced 16-byte loads, writes the rowwise codes directly and the transposed codes
+ * through a swizzled shared tile with 16-byte stores. CURRENT runs tq_amax_cuda first (same
+ * stream, no host sync), so it reads x twice: 6 bytes moved per 4 counted for bf16 (walking the
+ * tiles in reverse to reuse x's tail in L2, with streaming stores, measured no gain on H200).
+ * Reference: csrc/ref/quantize_fp8_ref.c. Tests: tests/test_quantize_fp8.py.
+ */
+#include <cuda_runtime.h>
+
+#include "internal_kernels.h"
+#include "launch.cuh"
+#include "tequant/formats.h"
+
+namespace {
+
+using tq_cuda::DeviceGuard;
+using tq_cuda::cuda_failed;
+using tq_cuda::launch_failed;
+
+constexpr int kTile = 128;    /* a CTA's tile of x: kTile rows x kTile cols */
+constexpr int kThreads = 256; /* 8 warps; each thread owns 4 row segments of 16 elements */
+constexpr int kIters = kTile * kTile / 16 / kThreads;
+
+struct Bf16 {
+    uint16_t bits;
+};
+struct Half {
+    uint16_t bits;
+};
+
+__device__ __forceinline__ float widen(float v) { return v; }
+__device__ __forceinline__ float widen(Bf16 v) { return tq_bf16_to_f32(v.bits); }
+__device__ __forceinline__ float widen(Half v) { return tq_f16_to_f32(v.bits); }
+
+/* cvt8 of two scaled values, RNE saturating to +-fmax (Inf too), NaN -> NaN: PTX's
+ * cvt.rn.satfinite, one instruction for two elements. It is the rule of formats.h's
+ * tq_f32_to_e4m3 / tq_f32_to_e5m2 (the CPU reference's codec); tests/test_quantize_fp8.py checks
+ * the two agree on every bf16 pattern, its +-1 ulp fp32 neighbours and 2^20 random fp32
+ * patterns (NaN, Inf, ties, subnormals, saturation included). The software codec costs ~25
+ * instructions per element here, which made this bandwidth-bound kernel compute-bound. `lo`
+ * lands in the low byte (the lower address). A NaN input is tq_mul's canonical +NaN: code 0x7F. */
+template <bool kE5M2>
+__device__ __forceinline__ uint32_t cvt8x2(float lo, float hi) {
+    uint16_t r;
+    if constexpr (kE5M2) asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    else asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+/* 4x4 byte transpose: w[i] holds byte j of row i; t[j] gets byte i of w[i] (8 PRMTs). */
+__device__ __forceinline__ void transpose4x4(const uint32_t (&w)[4], uint32_t (&t)[4]) {
+    const uint32_t a = __byte_perm(w[0], w[1], 0x5140), b = __byte_perm(w[0], w[1], 0x7362);
+    const uint32_t c = __byte_perm(w[2], w[3], 0x5140), d = __byte_perm(w[2], w[3], 0x7362);
+    t[0] = __byte_perm(a, c, 0x5410);
+    t[1] = __byte_perm(a, c, 0x7632);
+    t[2] = __byte_perm(b, d, 0x5410);
+    t[3] = __byte_perm(b, d, 0x7632);
+}
+
+template <typename T>
+union Vec16 { /* 16 bytes of x: 4 floats or 8 bf16 / fp16 */
+    uint4 u;
+    T t[16 / sizeof(T)];
+};
+
+struct CastParams {
+    const void *x;
+    int64_t rows, cols, ld;
+    uint8_t *data;         /* [rows, cols] rowwise codes, or NULL */
+    uint8_t *data_t;       /* [cols, rows] columnwise codes, or NULL */
+    const float *scale;    /* DELAYED: the scale to cast with */
+    const float *amax_in;  /* CURRENT: max|x| from the amax pass */
+    float *amax_out;       /* DELAYED: the history slot to max-accumulate into */
+    float *scale_inv;
+    float fmax, eps;
+    int pow2;
+    int64_t tiles_k;       /* tiles along cols */
+    int x_vec_ok;          /* x's base and row pitch allow 16-byte loads */
+    int data_vec_ok;       /* rowwise rows allow kVec-byte stores */
+    int data_t_vec_ok;     /* columnwise rows allow 16-byte stores */
+};
+
+__device__ __forceinline__ float cast_scale(const CastParams &p) {
+    if (p.scale != nullptr) return *p.scale;
+    return tq_scale_from_amax(*p.amax_in, p.fmax, p.eps, p.pow2, TQ_FLT_MAX);
+}
+
+/* Rowwise store of n <= 8 codes packed little-endian in `codes` at row-major position dst. */
+template <int kN>
+__device__ __forceinline__ void store_codes(uint8_t *dst, const uint32_t (&codes)[kN / 4],
+                                            int valid, bool vec_ok) {
+    if (vec_ok && valid >= kN) {
+        if constexpr (kN == 8) *reinterpret_cast<uint2 *>(dst) = make_uint2(codes[0], codes[1]);
+        else *reinterpret_cast<uint32_t *>(dst) = codes[0];
+        return;
+    }
+#pragma unroll
+    for (int e = 0; e < kN; e++) /* constant indices keep codes in registers */
+        if (e < valid) dst[e] = (uint8_t)(codes[e / 4] >> (8 * (e % 4)));
+}
+
+/* One CTA = one 128x128 tile of x. Thread t owns rows 4*(t/8) + it (it < 4) and, in each, the
+ * vectors v*8 + t%8 (v < 16/kVec) of kVec elements: a warp's load instruction covers 4 whole
+ * 128-column rows (coalesced). Its 4 consecutive rows make 4x4 byte blocks that a register
+ * transpose turns into 32-bit words of the transposed tile. That tile, [k][m] bytes in shared
+ * memory, has its 16-byte chunks of m XOR-swizzled by (k/kVec)%8 = t%8, so a warp's word stores
+ * hit 32 different banks and each row is still 8 whole chunks for the 16-byte read-back. */
+template <typename T, bool kRow, bool kCol, bool kDelayed, bool kE5M2, bool kFull>
+__device__ __forceinline__ void cast_tile(const CastParams &p, int64_t m0, int64_t k0,
+                                          uint8_t *tile_t, float *warp_amax) {
+    constexpr int kVec = 16 / sizeof(T), kNV = 16 / kVec, kWords = kVec / 4;
+    const int lane8 = threadIdx.x & 7, row8 = threadIdx.x >> 3;
+    const T *x = static_cast<const T *>(p.x);
+
+    /* All loads first: 4 x 16 elements in flight per thread. */
+    Vec16<T> raw[kIters][kNV];
+#pragma unroll
+    for (int it = 0; it < kIters; it++) {
+        const int64_t gr = m0 + 4 * row8 + it;
+#pragma unroll
+        for (int v = 0; v < kNV; v++) {
+            const int64_t gc = k0 + (v * 8 + lane8) * kVec;
+            if (kFull || (p.x_vec_ok && gr < p.rows && gc + kVec <= p.cols)) {
+                raw[it][v].u = __ldg(reinterpret_cast<const uint4 *>(x + gr * p.ld + gc));
+            } else {
+#pragma unroll
+                for (int e = 0; e < kVec; e++)
+                    raw[it][v].t[e] = (gr < p.rows && gc + e < p.cols) ? x[gr * p.ld + gc + e] : T{0};
+            }
+        }
+    }
+
+    const float scale = cast_scale(p);
+    if (blockIdx.x == 0 && threadIdx.x == 0) *p.scale_inv = tq_rcp(scale);
+
+    /* Where this thread's 4 rows sit in a row of the transposed tile (m = 4*row8 .. +3). */
+    const int swizzled_m = (((row8 >> 2) ^ lane8) << 4) | ((row8 & 3) << 2);
+    float amax = 0.0f;
+#pragma unroll
+    for (int v = 0; v < kNV; v++) {
+        const int c = (v * 8 + lane8) * kVec; /* the vector's first column in the tile */
+        uint32_t codes[kIters][kWords];
+#pragma unroll
+        for (int it = 0; it < kIters; it++) {
+#pragma unroll
+            for (int g = 0; g < kWords; g++) {
+                float x_hp[4];
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    x_hp[e] = widen(raw[it][v].t[4 * g + e]);
+                    /* = tq_amax_step (NaN ignored, |x| >= 0) in one FMNMX; out-of-range
+                     * elements were loaded as 0 */
+                    if constexpr (kDelayed) amax = fmaxf(amax, fabsf(x_hp[e]));
+                }
+                codes[it][g] = cvt8x2<kE5M2>(tq_mul(x_hp[0], scale), tq_mul(x_hp[1], scale))
+                               | cvt8x2<kE5M2>(tq_mul(x_hp[2], scale), tq_mul(x_hp[3], scale)) << 16;
+            }
+            const int64_t gr = m0 + 4 * row8 + it;
+            if (kRow && (kFull || (gr < p.rows && k0 + c < p.cols)))
+                store_codes<kVec>(p.data + gr * p.cols + k0 + c, codes[it],
+                                  kFull ? kVec : (int)(p.cols - k0 - c), kFull || p.data_vec_ok);
+        }
+        if constexpr (kCol) {
+#pragma unroll
+            for (int g = 0; g < kWords; g++) {
+                const uint32_t rows4[4] = {codes[0][g], codes[1][g], codes[2][g], codes[3][g]};
+                uint32_t cols4[4];
+                transpose4x4(rows4, cols4);
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    *reinterpret_cast<uint32_t *>(&tile_t[(c + 4 * g + e) * kTile + swizzled_m]) = cols4[e];
+            }
+        }
+    }
+
+    if constexpr (kCol) {
+        __syncthreads();
+#pragma unroll
+        for (int it = 0; it < kIters; it++) {
+            const int k = it * 32 + row8, j = lane8;
+            const int64_t gk = k0 + k, gm = m0 + 16 * j;
+            if (!kFull && (gk >= p.cols || gm >= p.rows)) continue;
+            const uint4 chunk = *reinterpret_cast<const uint4 *>(
+                &tile_t[k * kTile + ((j ^ ((k / kVec) & 7)) << 4)]);
+            uint8_t *dst = p.data_t + gk * p.rows + gm;
+            if (kFull || (p.data_t_vec_ok && gm + 16 <= p.rows)) {
+                *reinterpret_cast<uint4 *>(dst) = chunk;
+            } else {
+                const uint32_t w[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
+#pragma unroll
+                for (int i = 0; i < 16; i++)
+                    if (gm + i < p.rows) dst[i] = (uint8_t)(w[i / 4] >> (8 * (i % 4)));
+            }
+        }
+    }
+
+    if constexpr (kDelayed) {
+        for (int offset = 16; offset > 0; offset >>= 1)
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+        if ((threadIdx.x & 31) == 0) warp_amax[threadIdx.x >> 5] = amax;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            for (int w = 1; w < kThreads / 32; w++) amax = fmaxf(amax, warp_amax[w]);
+            /* Signed compare of the bits, as the reference: float max for values >= 0. Always
+             * issued so a zero tile still replaces a negative old slot, like the reference. */
+            atomicMax(reinterpret_cast<int *>(p.amax_out), __float_as_int(amax));
+        }
+    }
+}
+
+/* 16-bit inputs: 4 CTAs (1024 threads, 64 registers each) per SM keep enough loads in flight. */
+template <typename T, bool kRow, bool kCol, bool kDelayed, bool kE5M2>
+__global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 4 : 2) cast_kernel(const CastParams p) {
+    __shared__ alignas(16) uint8_t tile_t[kCol ? kTile * kTile : 16];
+    __shared__ float warp_amax[kThreads / 32];
+    const int64_t tile = blockIdx.x;
+    const int64_t tm = tile / p.tiles_k;
+    const int64_t m0 = tm * kTile, k0 = (tile - tm * p.tiles_k) * kTile;
+    /* Interior tiles with aligned rows (nearly all of a large tensor) skip every bounds check. */
+    const bool full = p.x_vec_ok && (!kRow || p.data_vec_ok) && (!kCol || p.data_t_vec_ok)
+                      && m0 + kTile <= p.rows && k0 + kTile <= p.cols;
+    if (full) cast_tile<T, kRow, kCol, kDelayed, kE5M2, true>(p, m0, k0, tile_t, warp_amax);
+    else cast_tile<T, kRow, kCol, kDelayed, kE5M2, false>(p, m0, k0, tile_t, warp_amax);
+}
+
+/* An empty x: no tile to cast, but scale_inv (and the delayed slot) still follow the rule. */
+__global__ void empty_kernel(const CastParams p) {
+    *p.scale_inv = tq_rcp(cast_scale(p));
+    if (p.amax_out != nullptr) atomicMax(reinterpret_cast<int *>(p.amax_out), 0);
+}
+
+template <typename T, bool kRow, bool kCol, bool kDelayed>
+void launch_cast(const CastParams &p, int e5m2, unsigned grid, cudaStream_t s) {
+    if (e5m2) cast_kernel<T, kRow, kCol, kDelayed, true><<<grid, kThreads, 0, s>>>(p);
+    else cast_kernel<T, kRow, kCol, kDelayed, false><<<grid, kThreads, 0, s>>>(p);
+}
+
+template <typename T, bool kRow, bool kCol>
+void launch_cast(const CastParams &p, int delayed, int e5m2, unsigned grid, cudaStream_t s) {
+    if (delayed) launch_cast<T, kRow, kCol, true>(p, e5m2, grid, s);
+    else launch_cast<T, kRow, kCol, false>(p, e5m2, grid, s);
+}
+
+template <typename T>
+void launch_cast(const CastParams &p, uint32_t usage, int delayed, int e5m2, unsigned grid,
+                 cudaStream_t s) {
+    if (usage == (TQ_USAGE_ROWWISE | TQ_USAGE_COLUMNWISE))
+        launch_cast<T, true, true>(p, delayed, e5m2, grid, s);
+    else if (usage == TQ_USAGE_ROWWISE) launch_cast<T, true, false>(p, delayed, e5m2, grid, s);
+    else launch_cast<T, false, true>(p, delayed, e5m2, grid, s);
+}
+
+bool aligned16(const void *ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
+
+/* ---- dequantize: out = RN(fp8 * scale_inv), then RNE to out's dtype ---- */
+
+__device__ __forceinline__ void store_out(float *out, float v) { *out = v; }
+__device__ __forceinline__ void store_out(Bf16 *out, float v) { out->bits = tq_f32_to_bf16(v); }
+__device__ __forceinline__ void store_out(Half *out, float v) { out->bits = tq_f32_to_f16(v); }
+
+template <typename TOut, bool kE5M2>
+__global__ void __launch_bounds__(kThreads) dequantize_kernel(const uint8_t *__restrict__ codes,
+                                                              int64_t rows, int64_t cols,
+                                                              const float *scale_inv,
+                                                              TOut *__restrict__ out, int64_t ld) {
+    const float s = *scale_inv;
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+        for (int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += stride) {
+            store_out(out + r * ld + c, tq_mul(tq_fp8_to_f32(codes[r * cols + c], kE5M2), s));
+        }
+    }
+}
+
+template <typename TOut>
+void launch_dequantize(const uint8_t *codes, const tq_tensor *out, const float *scale_inv,
+                       int e5m2, cudaStream_t s) {
+    const int64_t bx = (out->cols + kThreads - 1) / kThreads;
+    const dim3 grid((unsigned)(bx < 4096 ? bx : 4096), (unsigned)(out->rows < 65535 ? out->rows : 65535));
+    TOut *o = static_cast<TOut *>(out->data);
+    if (e5m2)
+        dequantize_kernel<TOut, true><<<grid, kThreads, 0, s>>>(codes, out->rows, out->cols, scale_inv, o, out->ld);
+    else
+        dequantize_kernel<TOut, false><<<grid, kThreads, 0, s>>>(codes, out->rows, out->cols, scale_inv, o, out->ld);
+}
+
+
+}  // namespace
+
+extern "C" tq_status tq_quantize_fp8_cuda(const tq_tensor *x, const tq_quant_config *c,
+                                          const tq_quantize_args *a, tq_qtensor *q,
+                                          struct CUstream_st *stream) {
+    DeviceGuard guard(x->device);
+    if (guard.status != cudaSuccess) return cuda_failed("fp8 quantize: making x's device current", guard.status);
+    cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+    const int delayed = c->scaling == TQ_SCALING_DELAYED;
+    const int e5m2 = c->elem_dtype == TQ_DTYPE_FLOAT8_E5M2;
+    const size_t elem_size = x->dtype == TQ_DTYPE_FLOAT32 ? 4 : 2;
+
+    if (!delayed) { /* the amax pass; the cast reads its result from device memory */
+        tq_status st = tq_amax_cuda(x, &q->amax, stream);
+        if (st != TQ_SUCCESS) return st;
+    }
+    CastParams p = {};
+    p.x = x->data;
+    p.rows = x->rows;
+    p.cols = x->cols;
+    p.ld = x->ld;
+    p.data = static_cast<uint8_t *>(q->data.data);
+    p.data_t = static_cast<uint8_t *>(q->data_t.data);
+    p.scale = delayed ? static_cast<const float *>(a->scale.data) : nullptr;
+    p.amax_in = delayed ? nullptr : static_cast<const float *>(q->amax.data);
+    p.amax_out = delayed ? static_cast<float *>(q->amax.data) : nullptr;
+    p.scale_inv = static_cast<float *>(q->scale_inv.data);
+    p.fmax = c->fmax;
+    p.eps = c->amax_epsilon;
+    p.pow2 = (c->flags & TQ_QUANT_POW2_SCALE) != 0;
+
+    if (x->rows == 0 || x->cols == 0) {
+        empty_kernel<<<1, 1, 0, s>>>(p);
+    } else {
+        const int64_t vec = 16 / (int64_t)elem_size;
+        const int64_t tiles_m = (x->rows + kTile - 1) / kTile, tiles_k = (x->cols + kTile - 1) / kTile;
+        if (tiles_m * tiles_k > 0x7FFFFFFFLL)
+            return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "fp8 quantize: x [%lld, %lld] has more "
+                           "than 2^31 tiles of 128x128", (long long)x->rows, (long long)x->cols);
+        p.tiles_k = tiles_k;
+        p.x_vec_ok = aligned16(x->data) && ((uint64_t)x->ld * elem_size) % 16 == 0;
+        p.data_vec_ok = p.data != nullptr && aligned16(p.data) && x->cols % vec == 0;
+        p.data_t_vec_ok = p.data_t != nullptr && aligned16(p.data_t) && x->rows % 16 == 0;
+        const unsigned grid = (unsigned)(tiles_m * tiles_k);
+        switch (x->dtype) {
+            case TQ_DTYPE_FLOAT32: launch_cast<float>(p, a->usage, delayed, e5m2, grid, s); break;
+            case TQ_DTYPE_BFLOAT16: launch_cast<Bf16>(p, a->usage, delayed, e5m2, grid, s); break;
+            default: launch_cast<Half>(p, a->usage, delayed, e5m2, grid, s); break;
+        }
+    }
+    const cudaError_t err = cudaPeekAtLastError();
+    if (err != cudaSuccess) return cuda_failed("fp8 quantize kernel launch", err);
+    return TQ_SUCCESS;
+}
+
+extern "C" tq_status tq_dequantize_fp8_cuda(const tq_quant_config *c, const tq_qtensor *q,
+                                            uint32_t usage, tq_tensor *out,
+                                            struct CUstream_st *stream) {
+    if (out->rows == 0 || out->cols == 0) return TQ_SUCCESS;
+    DeviceGuard guard(out->device);
+    if (guard.status != cudaSuccess) return cuda_failed("fp8 dequantize: making out's device current", guard.status);
+    cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+    const int e5m2 = c->elem_dtype == TQ_DTYPE_FLOAT8_E5M2;
+    const uint8_t *codes = static_cast<const uint8_t *>(usage == TQ_USAGE_ROWWISE ? q->data.data : q->data_t.data);
+    const float *scale_inv = static_cast<const float *>(q->scale_inv.data);
+    switch (out->dtype) {
+        case TQ_DTYPE_FLOAT32: launch_dequantize<float>(codes, out, scale_inv, e5m2, s); break;
+        case TQ_DTYPE_BFLOAT16: launch_dequantize<Bf16>(codes, out, scale_inv, e5m2, s); break;
+        default: launch_dequantize<Half>(codes, out, scale_inv, e5m2, s); break;
+    }
+    const cudaError_t err = cudaPeekAtLastError();
+    if (err != cudaSuccess) return cuda_failed("fp8 dequantize kernel launch", err);
+    return TQ_SUCCESS;
+}

@@ -1,0 +1,480 @@
+/* quantize_nvfp4.cu: tq_quantize on CUDA for NVFP4 (NUMERICS.md 2 "NVFP4", "RHT", 3.1-3.3;
+ * TE_REFERENCE A.5). Per direction with its global amax A: S_enc = tq_nvfp4_s_enc(A), per block
+ * of 16 (or 16x16 tile, TQ_QUANT_2D) s_b = tq_nvfp4_block_scale(amax_b, RN(S_enc*RN(1/6))),
+ * code = cvt4(RN(v * tq_nvfp4_block_enc(s_b, RN(1/S_enc)))), or stochastic rounding with the
+ * Philox bytes of the element's output index. Columnwise quantizes x^T, or RN_bf16(RHT) of
+ * each 16-row group with TQ_QUANT_RHT. Two launches, no host sync: pass 1 reads x for the
+ * global amaxes (q->amax, post-RHT q->amax_t); pass 2 reads each 128-row tile once into shared
+ * memory and writes both directions. Pass 2 is issue-bound on Hopper (no E2M1 convert before
+ * sm_100). Dequantize: quantize_nvfp4_dequant.cu. Reference: csrc/ref/quantize_nvfp4_ref.c
+ * (bit for bit). Tests: tests/test_quantize_nvfp4.py, tests/test_quantize_nvfp4_rht_sr.py.
+ */
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <type_traits>
+
+#include "internal_kernels.h"
+#include "launch.cuh"
+#include "tequant/formats.h"
+
+namespace {
+
+using tq_cuda::DeviceGuard;
+using tq_cuda::cuda_failed;
+using tq_cuda::launch_failed;
+
+constexpr int kThreads = 256;
+constexpr int kTileRows = 128;               /* rows of x per pass-2 tile */
+constexpr int kTileBytes = 256;              /* bytes of x per tile row: 128 16-bit or 64 fp32 */
+constexpr int kSmemStride = kTileBytes + 16; /* padding: row r starts 4*r banks further, so the
+                                                rowwise 16-byte reads of 8 rows never collide */
+
+/* Element types: how a stored element widens to fp32 exactly. */
+struct F32 {
+    using storage = float;
+    static __device__ __forceinline__ float widen(float v) { return v; }
+};
+struct BF16 {
+    using storage = uint16_t;
+    static __device__ __forceinline__ float widen(uint16_t v) { return tq_bf16_to_f32(v); }
+};
+struct F16 {
+    using storage = uint16_t;
+    static __device__ __forceinline__ float widen(uint16_t v) { return tq_f16_to_f32(v); }
+};
+
+/* Widens the n = 16 / sizeof(storage) elements packed in a 16-byte chunk. */
+template <typename E>
+__device__ __forceinline__ void widen_chunk(const uint4 &chunk, float *out) {
+    using T = typename E::storage;
+    constexpr int n = 16 / sizeof(T);
+    T elems[n];
+    memcpy(elems, &chunk, 16);
+#pragma unroll
+    for (int i = 0; i < n; i++) out[i] = E::widen(elems[i]);
+}
+
+/* Loads the V-sized chunk (uint4 or uint32_t) of x at row r, element column c: one vector load
+ * when rows are sizeof(V)-aligned (kVec), else element by element. */
+template <typename E, typename V, bool kVec>
+__device__ __forceinline__ V load_chunk(const typename E::storage *x, int64_t ld, int64_t r,
+                                        int64_t c) {
+    using T = typename E::storage;
+    const T *src = x + r * ld + c;
+    if (kVec) return __ldg(reinterpret_cast<const V *>(src));
+    constexpr int n = sizeof(V) / sizeof(T);
+    T elems[n];
+#pragma unroll
+    for (int i = 0; i < n; i++) elems[i] = src[i];
+    V chunk;
+    memcpy(&chunk, elems, sizeof(V));
+    return chunk;
+}
+
+/* 16-byte asynchronous global -> shared copy; src_size 0 writes zeros and reads nothing. */
+__device__ __forceinline__ void cp_async16(void *smem, const void *gmem, bool valid) {
+    const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
+                 "r"(valid ? 16 : 0)
+                 : "memory");
+}
+
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+__device__ __forceinline__ float round_bf16(float v) { return tq_bf16_to_f32(tq_f32_to_bf16(v)); }
+
+/* The RHT of one group of 16 consecutive rows of a column (NUMERICS 2): inputs rounded to bf16,
+ * out[j] = RN_bf16(sum over i = 0..15 in order of v_i * tq_rht_coeff(i, j)). Every coefficient
+ * is +-tq_rht_coeff(i, 0) and IEEE rounding is sign-symmetric, so v_i * tq_rht_coeff(i, j) is
+ * exactly +-(v_i * tq_rht_coeff(i, 0)): 16 products per group instead of 256, same bits. The
+ * loops unroll completely and the coefficient comparisons fold to constants. */
+template <typename E, bool kRoundOut = true>
+__device__ __forceinline__ void rht16(const float *v, float *out) {
+    float w[16];
+#pragma unroll /* widened bf16 inputs round to themselves (NaN stays NaN): skip the rounding */
+    for (int i = 0; i < 16; i++)
+        w[i] = (std::is_same<E, BF16>::value ? v[i] : round_bf16(v[i])) * tq_rht_coeff(i, 0);
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+        float acc = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 16; i++)
+            acc = acc + (tq_rht_coeff(i, j) == tq_rht_coeff(i, 0) ? w[i] : -w[i]);
+        out[j] = kRoundOut ? round_bf16(acc) : acc;
+    }
+}
+
+__device__ __forceinline__ float warp_amax(float m, int lanes) {
+    for (int offset = 1; offset < lanes; offset <<= 1)
+        m = tq_amax_step(m, __shfl_xor_sync(0xffffffffu, m, offset));
+    return m;
+}
+
+/* Per-thread max-reduction of two amaxes to one atomicMax each per block (values >= 0 and never
+ * NaN, so comparing the float bits as unsigned integers orders them). */
+__device__ __forceinline__ void block_amax_to(float m, float *out, float *scratch) {
+    m = warp_amax(m, 32);
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = m;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        m = threadIdx.x < kThreads / 32 ? scratch[threadIdx.x] : 0.0f;
+        m = warp_amax(m, 32);
+        if (threadIdx.x == 0 && m > 0.0f)
+            atomicMax(reinterpret_cast<unsigned int *>(out), __float_as_uint(m));
+    }
+    __syncthreads();
+}
+
+struct AmaxParams {
+    const void *x;
+    int64_t rows, cols, ld;
+    float *amax;   /* max|x|, or NULL when not needed */
+    float *amax_t; /* columnwise: max|x| without RHT, max|RN_bf16(RHT)| with it; or NULL */
+};
+
+/* Pass 1. Work item = 16 rows x one chunk of columns (16 bytes; 4 bytes with the RHT, whose 16
+ * outputs per column would not fit in registers for 8 columns); consecutive threads take
+ * consecutive chunks of the same rows (coalesced). The RHT groups are the item's 16 rows. */
+template <typename E, bool kVec, bool kRht>
+__global__ void __launch_bounds__(kThreads) amax_kernel(AmaxParams p) {
+    using T = typename E::storage;
+    using V = typename std::conditional<kRht, uint32_t, uint4>::type;
+    constexpr int n = sizeof(V) / sizeof(T);
+    const T *x = static_cast<const T *>(p.x);
+    const int64_t chunks_per_row = p.cols / n, items = (p.rows / 16) * chunks_per_row;
+    float amax = 0.0f, amax_rht = 0.0f;
+    for (int64_t item = (int64_t)blockIdx.x * kThreads + threadIdx.x; item < items;
+         item += (int64_t)gridDim.x * kThreads) {
+        const int64_t r0 = item / chunks_per_row * 16, c = item % chunks_per_row * n;
+        T elems[16][n];
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            const V raw = load_chunk<E, V, kVec>(x, p.ld, r0 + i, c);
+            memcpy(elems[i], &raw, sizeof(V));
+        }
+#pragma unroll
+        for (int i = 0; i < 16; i++)
+#pragma unroll
+            for (int e = 0; e < n; e++) amax = tq_amax_step(amax, E::widen(elems[i][e]));
+        if (kRht) {
+#pragma unroll
+            for (int e = 0; e < n; e++) { /* column c + e: one RHT group */
+                float group[16], out[16];
+#pragma unroll
+                for (int i = 0; i < 16; i++) group[i] = E::widen(elems[i][e]);
+                /* max_j |RN_bf16(y_j)| = RN_bf16(max_j |y_j|): the rounding is monotonic and
+                 * odd (NaN ignored either way), so round the group's max once. */
+                rht16<E, false>(group, out);
+                float group_max = 0.0f;
+#pragma unroll
+                for (int j = 0; j < 16; j++) group_max = tq_amax_step(group_max, out[j]);
+                amax_rht = tq_amax_step(amax_rht, round_bf16(group_max));
+            }
+        }
+    }
+    __shared__ float scratch[kThreads / 32];
+    if (p.amax != nullptr) block_amax_to(amax, p.amax, scratch);
+    if (p.amax_t != nullptr) block_amax_to(kRht ? amax_rht : amax, p.amax_t, scratch);
+}
+
+struct CastParams {
+    const void *x;
+    int64_t rows, cols, ld;
+    uint8_t *data, *scale_inv;     /* rowwise [M, K/2] bytes, [M, K/16]; NULL when not produced */
+    uint8_t *data_t, *scale_inv_t; /* columnwise [K, M/2], [K, M/16]; NULL when not produced */
+    const float *amax, *amax_t;    /* the global amaxes written by pass 1 */
+    int vec16; /* every row of x starts 16-byte aligned */
+    uint64_t seed, offset;
+};
+
+/* The per-tensor factors of one direction from its global amax (device memory, no host sync). */
+struct TensorScale {
+    float s_dec, s_enc_div6;
+    __device__ explicit TensorScale(const float *amax) {
+        const float s_enc = tq_nvfp4_s_enc(amax != nullptr ? *amax : 0.0f);
+        s_dec = tq_rcp(s_enc);
+        s_enc_div6 = s_enc * TQ_RCP_6;
+    }
+};
+
+/* Quantizes the 16 values of one block with its block amax: returns its E4M3 scale byte and
+ * writes the 16 codes packed into 8 bytes (even element in the low nibble). `group` is the
+ * block's Philox group (its first output index / 16) when stochastic rounding is on. */
+template <bool kSr>
+__device__ __forceinline__ uint8_t quantize_block(const float *v, float block_amax,
+                                                  const TensorScale &ts, const CastParams &p,
+                                                  uint64_t group, uint2 *packed) {
+    const uint8_t s_b = tq_nvfp4_block_scale(block_amax, ts.s_enc_div6);
+    const float enc = tq_nvfp4_block_enc(s_b, ts.s_dec);
+    uint32_t words[4] = {0, 0, 0, 0};
+    if (kSr) tq_sr_group_bits(p.seed, p.offset, group, words);
+    uint32_t lo = 0, hi = 0;
+#pragma unroll
+    for (int e = 0; e < 16; e++) {
+        const float scaled = tq_mul(v[e], enc);
+        const uint32_t code = kSr ? tq_f32_to_e2m1_sr(scaled, tq_sr_byte(words, e))
+                                  : tq_f32_to_e2m1(scaled);
+        if (e < 8) lo |= code << (4 * e);
+        else hi |= code << (4 * (e - 8));
+    }
+    *packed = make_uint2(lo, hi);
+    return s_b;
+}
+
+/* Stores n_blocks packed blocks (8 bytes each) contiguously at dst: 16-byte stores when dst is
+ * 16-byte aligned and every block is valid, else one 8-byte store per valid block. */
+template <int kBlocks>
+__device__ __forceinline__ void store_blocks(uint8_t *dst, const uint2 *packed, int n_valid) {
+    if (kBlocks % 2 == 0 && n_valid == kBlocks && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
+#pragma unroll
+        for (int b = 0; b < kBlocks; b += 2)
+            reinterpret_cast<uint4 *>(dst)[b / 2] =
+                make_uint4(packed[b].x, packed[b].y, packed[b + 1].x, packed[b + 1].y);
+    } else {
+#pragma unroll
+        for (int b = 0; b < kBlocks; b++)
+            if (b < n_valid) reinterpret_cast<uint2 *>(dst)[b] = packed[b];
+    }
+}
+
+/* Stores kN scale bytes contiguously at dst: one 2- or 4-byte store when all are valid and dst
+ * is aligned to it (fewer, fuller L2 writes), else byte by byte. */
+template <int kN>
+__device__ __forceinline__ void store_scales(uint8_t *dst, const uint8_t *s_b, int n_valid) {
+    using W = typename std::conditional<kN == 4, uint32_t, uint16_t>::type;
+    if ((kN == 2 || kN == 4) && n_valid == kN && (reinterpret_cast<uintptr_t>(dst) & (kN - 1)) == 0) {
+        W word = 0;
+#pragma unroll
+        for (int i = 0; i < kN; i++) word |= (W)((W)s_b[i] << (8 * i));
+        *reinterpret_cast<W *>(dst) = word;
+    } else {
+#pragma unroll
+        for (int i = 0; i < kN; i++)
+            if (i < n_valid) dst[i] = s_b[i];
+    }
+}
+
+/* Pass 2: one CTA per 128-row x 256-byte tile of x, read once into shared memory.
+ * Rowwise: thread t takes row t % 128 and half t / 128 of the tile's columns (2 or 4 blocks),
+ * so a warp reads 32 rows at the same offset (conflict-free with the padded stride) and writes
+ * 32 rows of 16-32 contiguous bytes. With 2D, the 16 lanes of a tile's 16 rows reduce its amax.
+ * Columnwise: thread t takes the 4-byte word column t % 64 (2 16-bit columns or 1 fp32 column)
+ * and rows 32*(t / 64) .. +31 (two groups of 16), so a warp reads 32 consecutive words of a row
+ * and each thread writes 16 contiguous bytes of data_t per column. */
+template <typename E, bool kRht, bool k2D, bool kSr>
+__global__ void __launch_bounds__(kThreads) cast_kernel(CastParams p) {
+    using T = typename E::storage;
+    constexpr int kTileCols = kTileBytes / (int)sizeof(T);
+    constexpr int kChunkElems = 16 / (int)sizeof(T);
+    constexpr int kChunksPerRow = kTileBytes / 16;
+    __shared__ __align__(16) uint8_t tile[kTileRows * kSmemStride];
+
+    const int64_t tiles_k = (p.cols + kTileCols - 1) / kTileCols;
+    const int64_t m0 = (int64_t)blockIdx.x / tiles_k * kTileRows;
+    const int64_t k0 = (int64_t)blockIdx.x % tiles_k * kTileCols;
+    const int tile_rows = (int)min((int64_t)kTileRows, p.rows - m0); /* multiples of 16 */
+    const int tile_cols = (int)min((int64_t)kTileCols, p.cols - k0);
+    const T *x = static_cast<const T *>(p.x);
+
+    /* The whole tile is requested before anything waits: cp.async (16 bytes, zero-filled
+     * outside x) when rows are 16-byte aligned, else all element loads into registers first. */
+    constexpr int kChunksPerThread = kTileRows * kChunksPerRow / kThreads;
+    if (p.vec16) {
+#pragma unroll
+        for (int i = 0; i < kChunksPerThread; i++) {
+            const int chunk = i * kThreads + threadIdx.x;
+            const int r = chunk / kChunksPerRow, c = chunk % kChunksPerRow * kChunkElems;
+            const bool inside = r < tile_rows && c < tile_cols;
+            const T *src = inside ? x + (m0 + r) * p.ld + k0 + c : x;
+            cp_async16(&tile[r * kSmemStride + c * (int)sizeof(T)], src, inside);
+        }
+        cp_async_wait_all();
+    } else {
+        uint4 v[kChunksPerThread];
+#pragma unroll
+        for (int i = 0; i < kChunksPerThread; i++) {
+            const int chunk = i * kThreads + threadIdx.x;
+            const int r = chunk / kChunksPerRow, c = chunk % kChunksPerRow * kChunkElems;
+            v[i] = make_uint4(0u, 0u, 0u, 0u);
+            if (r < tile_rows && c < tile_cols) v[i] = load_chunk<E, uint4, false>(x, p.ld, m0 + r, k0 + c);
+        }
+#pragma unroll
+        for (int i = 0; i < kChunksPerThread; i++) {
+            const int chunk = i * kThreads + threadIdx.x;
+            const int r = chunk / kChunksPerRow, c = chunk % kChunksPerRow * kChunkElems;
+            *reinterpret_cast<uint4 *>(&tile[r * kSmemStride + c * (int)sizeof(T)]) = v[i];
+        }
+    }
+    __syncthreads();
+
+    if (p.data != nullptr) {
+        constexpr int kBlocks = kTileCols / 2 / 16; /* per thread: 4 (16-bit) or 2 (fp32) */
+        const TensorScale ts(p.amax);
+        const int r = threadIdx.x % kTileRows, half = threadIdx.x / kTileRows;
+        const int c_first = half * (kTileCols / 2);
+        const bool row_ok = r < tile_rows;
+        const int64_t m = m0 + r;
+        uint2 packed[kBlocks];
+        uint8_t s_bs[kBlocks];
+        int n_valid = 0;
+#pragma unroll
+        for (int b = 0; b < kBlocks; b++) {
+            const int c = c_first + b * 16;
+            float v[16];
+#pragma unroll
+            for (int q = 0; q < 16 / kChunkElems; q++)
+                widen_chunk<E>(*reinterpret_cast<const uint4 *>(
+                                   &tile[r * kSmemStride + (c + q * kChunkElems) * (int)sizeof(T)]),
+                               &v[q * kChunkElems]);
+            float amax_b = 0.0f;
+#pragma unroll
+            for (int e = 0; e < 16; e++) amax_b = tq_amax_step(amax_b, v[e]);
+            if (k2D) amax_b = warp_amax(amax_b, 16); /* lanes 16a..16a+15 = the tile's rows */
+            const int64_t k = k0 + c;
+            const uint64_t group = (uint64_t)(m * p.cols + k) / 16u;
+            s_bs[b] = quantize_block<kSr>(v, amax_b, ts, p, group, &packed[b]);
+            if (c < tile_cols) n_valid = b + 1;
+        }
+        if (row_ok) {
+            store_scales<kBlocks>(p.scale_inv + m * (p.cols / 16) + (k0 + c_first) / 16, s_bs, n_valid);
+            store_blocks<kBlocks>(p.data + (m * p.cols + k0 + c_first) / 2, packed, n_valid);
+        }
+    }
+
+    if (p.data_t != nullptr) {
+        constexpr int kColsPerWord = 4 / (int)sizeof(T);
+        constexpr int kWordCols = kTileBytes / 4;
+        const TensorScale ts(p.amax_t);
+        const int wc = threadIdx.x % kWordCols, quarter = threadIdx.x / kWordCols;
+        const int r_first = quarter * 32;
+        /* Column c of this thread's word, rows r_first + i: one 2- or 4-byte shared load (a warp
+         * reads 32 consecutive words of one row: no bank conflict). Columns are processed one
+         * at a time to keep 32 values live, not 64. */
+        const uint8_t *base = &tile[r_first * kSmemStride + wc * 4];
+        auto value = [&](int i, int c) {
+            return E::widen(*reinterpret_cast<const T *>(base + i * kSmemStride + c * (int)sizeof(T)));
+        };
+        float tile_amax[2] = {0.0f, 0.0f}; /* 2D: per group, over the 16x16 tile */
+        if (k2D) {
+#pragma unroll
+            for (int c = 0; c < kColsPerWord; c++)
+#pragma unroll
+                for (int i = 0; i < 32; i++) tile_amax[i / 16] = tq_amax_step(tile_amax[i / 16], value(i, c));
+#pragma unroll /* the lanes holding the tile's 16 columns */
+            for (int g = 0; g < 2; g++) tile_amax[g] = warp_amax(tile_amax[g], 16 / kColsPerWord);
+        }
+#pragma unroll
+        for (int c = 0; c < kColsPerWord; c++) {
+            float v[32];
+#pragma unroll
+            for (int i = 0; i < 32; i++) v[i] = value(i, c);
+            const int col = wc * kColsPerWord + c;
+            const int64_t k = k0 + col, m = m0 + r_first;
+            uint2 packed[2];
+            uint8_t s_bs[2];
+            int n_valid = 0;
+#pragma unroll
+            for (int g = 0; g < 2; g++) {
+                float *group_v = &v[16 * g];
+                if (kRht) {
+                    float out[16];
+                    rht16<E>(group_v, out);
+#pragma unroll
+                    for (int j = 0; j < 16; j++) group_v[j] = out[j];
+                }
+                float amax_g = tile_amax[g];
+                if (!k2D) {
+#pragma unroll
+                    for (int i = 0; i < 16; i++) amax_g = tq_amax_step(amax_g, group_v[i]);
+                }
+                const uint64_t group = (uint64_t)(k * p.rows + m) / 16u + (uint64_t)g;
+                s_bs[g] = quantize_block<kSr>(group_v, amax_g, ts, p, group, &packed[g]);
+                if (r_first + 16 * g < tile_rows) n_valid = g + 1;
+            }
+            if (col < tile_cols && n_valid > 0) {
+                store_scales<2>(p.scale_inv_t + k * (p.rows / 16) + m / 16, s_bs, n_valid);
+                store_blocks<2>(p.data_t + (k * p.rows + m) / 2, packed, n_valid);
+            }
+        }
+    }
+}
+
+
+template <typename E, bool kVec>
+void launch_amax(const AmaxParams &ap, bool rht, int sms, cudaStream_t s) {
+    const int64_t chunk = rht ? 4 : 16;
+    const int64_t items = ap.rows / 16 * (ap.cols / (chunk / (int64_t)sizeof(typename E::storage)));
+    const int64_t blocks = std::min<int64_t>((items + kThreads - 1) / kThreads, 8LL * sms);
+    if (rht) amax_kernel<E, kVec, true><<<(unsigned)blocks, kThreads, 0, s>>>(ap);
+    else amax_kernel<E, kVec, false><<<(unsigned)blocks, kThreads, 0, s>>>(ap);
+}
+
+template <typename E, bool kSr>
+void launch_cast(const CastParams &cp, bool rht, bool two_d, cudaStream_t s) {
+    using T = typename E::storage;
+    constexpr int64_t kTileCols = kTileBytes / sizeof(T);
+    const int64_t tiles = (cp.rows + kTileRows - 1) / kTileRows * ((cp.cols + kTileCols - 1) / kTileCols);
+    if (two_d) cast_kernel<E, false, true, kSr><<<(unsigned)tiles, kThreads, 0, s>>>(cp);
+    else if (rht) cast_kernel<E, true, false, kSr><<<(unsigned)tiles, kThreads, 0, s>>>(cp);
+    else cast_kernel<E, false, false, kSr><<<(unsigned)tiles, kThreads, 0, s>>>(cp);
+}
+
+/* vec16 / vec4: every row start of x is 16- / 4-byte aligned. The amax pass uses the RHT
+ * kernel only when the columnwise amax needs the transform. */
+template <typename E>
+void launch(const AmaxParams &ap, const CastParams &cp, bool vec16, bool vec4, bool rht, bool two_d,
+            bool sr, int sms, cudaStream_t s) {
+    const bool rht_amax = rht && ap.amax_t != nullptr;
+    const bool amax_vec = rht_amax ? vec4 : vec16;
+    if (amax_vec) launch_amax<E, true>(ap, rht_amax, sms, s);
+    else launch_amax<E, false>(ap, rht_amax, sms, s);
+    if (cudaPeekAtLastError() != cudaSuccess) return;
+    if (sr) launch_cast<E, true>(cp, rht, two_d, s);
+    else launch_cast<E, false>(cp, rht, two_d, s);
+}
+
+}  // namespace
+
+extern "C" tq_status tq_quantize_nvfp4_cuda(const tq_tensor *x, const tq_quant_config *config,
+                                            const tq_quantize_args *args, tq_qtensor *q,
+                                            struct CUstream_st *stream) {
+    DeviceGuard guard(x->device);
+    if (guard.status != cudaSuccess) return cuda_failed("NVFP4 quantize: making x's device current", guard.status);
+    cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+    const bool row = (args->usage & TQ_USAGE_ROWWISE) != 0, col = (args->usage & TQ_USAGE_COLUMNWISE) != 0;
+    const bool rht = (config->flags & TQ_QUANT_RHT) != 0, two_d = (config->flags & TQ_QUANT_2D) != 0;
+    float *amax = row ? static_cast<float *>(q->amax.data) : nullptr;
+    float *amax_t = col ? static_cast<float *>(q->amax_t.data) : nullptr;
+    cudaError_t err = cudaSuccess;
+    if (amax != nullptr && err == cudaSuccess) err = cudaMemsetAsync(amax, 0, sizeof(float), s);
+    if (amax_t != nullptr && err == cudaSuccess) err = cudaMemsetAsync(amax_t, 0, sizeof(float), s);
+    if (err != cudaSuccess) return cuda_failed("NVFP4 quantize: zeroing the amaxes (cudaMemsetAsync)", err);
+    if (x->rows == 0 || x->cols == 0) return TQ_SUCCESS;
+    if ((x->rows / kTileRows + 1) * (x->cols / 64 + 1) > INT32_MAX)
+        return tq_fail(TQ_ERROR_NOT_SUPPORTED, "NVFP4 quantize: x [%lld, %lld] needs more tiles "
+                       "than one launch takes", (long long)x->rows, (long long)x->cols);
+    int sms = 132;
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, x->device) != cudaSuccess) sms = 132;
+
+    const AmaxParams ap = {x->data, x->rows, x->cols, x->ld, amax, amax_t};
+    CastParams cp = {x->data, x->rows, x->cols, x->ld, nullptr, nullptr, nullptr, nullptr,
+                     amax, amax_t, 0, args->rng_seed, args->rng_offset};
+    const bool sr = (config->flags & TQ_QUANT_STOCHASTIC_ROUNDING) != 0;
+    if (row) cp.data = static_cast<uint8_t *>(q->data.data), cp.scale_inv = static_cast<uint8_t *>(q->scale_inv.data);
+    if (col) cp.data_t = static_cast<uint8_t *>(q->data_t.data), cp.scale_inv_t = static_cast<uint8_t *>(q->scale_inv_t.data);
+    /* 16-byte loads need every row start aligned: the base pointer and the row pitch. */
+    const int64_t elem = x->dtype == TQ_DTYPE_FLOAT32 ? 4 : 2;
+    const uintptr_t base = reinterpret_cast<uintptr_t>(x->data);
+    const bool vec16 = (base & 15) == 0 && (x->ld * elem) % 16 == 0;
+    const bool vec4 = (base & 3) == 0 && (x->ld * elem) % 4 == 0;
+    cp.vec16 = vec16;
+    switch (x->dtype) {
+        case TQ_DTYPE_FLOAT32: launch<F32>(ap, cp, vec16, vec4, rht, two_d, sr, sms, s); break;
+        case TQ_DTYPE_BFLOAT16: launch<BF16>(ap, cp, vec16, vec4, rht, two_d, sr, sms, s); break;
+        default: launch<F16>(ap, cp, vec16, vec4, rht, two_d, sr, sms, s); break;
+    }
+    err = cudaPeekAtLastError();
+    if (err != cudaSuccess) return cuda_failed("NVFP4 quantize kernel launch", err);
+    return TQ_SUCCESS;
+}

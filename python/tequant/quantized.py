@@ -1,0 +1,124 @@
+"""QuantizedTensor: the result of te.ops.quantize, a plain holder of torch tensors.
+
+Not a torch.Tensor subclass (no __torch_dispatch__ cost): it holds the quantized data of one or
+both directions, their scales and amaxes, the QuantizerConfig that made them and the logical
+shape of the high-precision tensor. Layouts are the core's (csrc/include/tequant/tequant.h);
+the accessors codes() and scales() give canonical forms that tests compare bit for bit.
+Tests: tests/test_ops.py and tests/test_quantize_*.py.
+"""
+import torch
+
+from . import _C
+
+ROWWISE, COLUMNWISE = 1, 2
+_MEMBERS = ("data", "scale_inv", "data_t", "scale_inv_t", "amax", "amax_t")
+_DIRECTIONS = {"rowwise": ROWWISE, "columnwise": COLUMNWISE}
+
+
+def _direction(direction):
+    try:
+        return _DIRECTIONS[direction]
+    except (KeyError, TypeError):
+        raise ValueError(f"direction must be 'rowwise' or 'columnwise', got {direction!r}") from None
+
+
+def _ceil_div(a, b):
+    return -(-a // b)
+
+
+class QuantizedTensor:
+    """A tensor quantized by te.ops.quantize.
+
+    Attributes:
+        config: the tequant.QuantizerConfig (format, scaling, block shape, flags) that made it.
+        shape: the logical shape of the high-precision tensor ([..., K]); rows = prod(shape[:-1]).
+        dtype: the high-precision dtype it came from.
+        data, scale_inv: the rowwise direction ([M, K], blocks along K), or None.
+        data_t, scale_inv_t: the columnwise direction, the physical transpose [K, M] with blocks
+            along M (NVFP4 with RHT: the quantized RHT(x^T)), or None.
+        amax, amax_t: float32 [1, 1] amaxes where the format has them (per-tensor FP8: amax;
+            NVFP4: amax rowwise, amax_t columnwise), else None.
+    """
+
+    __slots__ = ("config", "shape", "dtype") + _MEMBERS
+
+    def __init__(self, config, shape, dtype, members):
+        self.config = config
+        self.shape = torch.Size(shape)
+        self.dtype = dtype
+        for name, value in zip(_MEMBERS, members):
+            setattr(self, name, value)
+
+    @property
+    def rows(self):
+        """M: the product of the leading dims."""
+        return self.shape[:-1].numel() if len(self.shape) > 1 else 1
+
+    @property
+    def cols(self):
+        """K: the last dim."""
+        return self.shape[-1] if len(self.shape) else 1
+
+    @property
+    def device(self):
+        return next(t for t in (self.data, self.data_t) if t is not None).device
+
+    def has(self, direction):
+        """Whether the 'rowwise' or 'columnwise' direction was produced."""
+        return (self.data if _direction(direction) == ROWWISE else self.data_t) is not None
+
+    def _members(self):
+        return tuple(getattr(self, name) for name in _MEMBERS)
+
+    def dequantize_direction(self, direction, dtype=torch.float32):
+        """The values of one direction in its physical shape: [M, K] rowwise, [K, M] columnwise."""
+        usage = _direction(direction)
+        if not self.has(direction):
+            raise ValueError(f"this QuantizedTensor has no {direction} data; quantize with "
+                             f"{direction}=True")
+        shape = (self.rows, self.cols) if usage == ROWWISE else (self.cols, self.rows)
+        out = torch.empty(shape, dtype=dtype, device=self.device)
+        _C._dequantize(self.config, self.rows, self.cols, self._members(), usage, out)
+        return out
+
+    def dequantize(self, dtype=torch.float32):
+        """The high-precision values in the logical shape, from the rowwise data when present,
+        else from the columnwise data (transposed back; with NVFP4's RHT these are the values
+        of the transformed tensor, not of x)."""
+        if self.data is not None:
+            return self.dequantize_direction("rowwise", dtype).reshape(self.shape)
+        return self.dequantize_direction("columnwise", dtype).t().reshape(self.shape)
+
+    def codes(self, direction="rowwise"):
+        """The element codes of one direction as uint8 in its physical shape ([M, K] or [K, M]):
+        FP8 bit patterns, or E2M1 codes 0..15 unpacked from the nibbles (even column low)."""
+        data = self.data if _direction(direction) == ROWWISE else self.data_t
+        if data is None:
+            raise ValueError(f"this QuantizedTensor has no {direction} data")
+        bits = data.view(torch.uint8)
+        if self.config.format != "E2M1":
+            return bits
+        return torch.stack((bits & 0xF, bits >> 4), dim=-1).reshape(bits.shape[0], -1)
+
+    def scales(self, direction="rowwise"):
+        """The scales of one direction in a compact [rows, blocks] form of that direction, in
+        their storage dtype (float32, float8_e8m0fnu, float8_e4m3fn): [1, 1] per tensor;
+        FP8 1x128: [M, ceil(K/128)] rowwise, [K, ceil(M/128)] columnwise; FP8 128x128:
+        [ceil(M/128), ceil(K/128)] rowwise and its transpose columnwise; MXFP8 / NVFP4: the
+        stored [M, K/block] / [K, M/block] (2D tiles repeat their scale on each row)."""
+        usage = _direction(direction)
+        if not self.has(direction):
+            raise ValueError(f"this QuantizedTensor has no {direction} data")
+        scale = self.scale_inv if usage == ROWWISE or self.config.block is None else self.scale_inv_t
+        if self.config.scaling != "block":
+            return scale
+        m, k = (self.rows, self.cols) if usage == ROWWISE else (self.cols, self.rows)
+        if self.config.two_d:  # [ceil(m/128), pad4(ceil(k/128))]
+            return scale[:, :_ceil_div(k, 128)]
+        return scale[:, :m].t()  # stored [ceil(k/128), pad4(m)], m contiguous
+
+    def __repr__(self):
+        dirs = [d for d in ("rowwise", "columnwise") if self.has(d)]
+        return (f"QuantizedTensor(shape={tuple(self.shape)}, format={self.config.format}, "
+                f"scaling={self.config.scaling!r}, block={self.config.block}, "
+                f"directions={dirs}, device={self.device})")
