@@ -13,7 +13,8 @@ static void set(tq_tensor *t, int64_t rows, int64_t cols, tq_dtype dtype) {
     t->data = NULL;
     t->rows = rows;
     t->cols = cols;
-    t->ld = cols;
+    /* ld is never 0 (ld == 0 marks a member the layout does not use); packed E2M1 needs it even */
+    t->ld = cols > 0 ? cols : (dtype == TQ_DTYPE_FLOAT4_E2M1X2 ? 2 : 1);
     t->dtype = dtype;
     t->device = TQ_DEVICE_CPU;
 }
