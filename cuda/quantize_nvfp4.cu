@@ -1,14 +1,18 @@
 /* quantize_nvfp4.cu: tq_quantize on CUDA for NVFP4 (NUMERICS.md 2 "NVFP4", "RHT", 3.1-3.3;
  * TE_REFERENCE A.5). Per direction with its global amax A: S_enc = tq_nvfp4_s_enc(A), per block
- * of 16 (or 16x16 tile, TQ_QUANT_2D) s_b = tq_nvfp4_block_scale(amax_b, RN(S_enc*RN(1/6))),
+ * of 16 (or 16x16 tile, TQ_QUANT_2D) s_b = block_scale(amax_b, RN(S_enc*RN(1/6))),
  * code = cvt4(RN(v * tq_nvfp4_block_enc(s_b, RN(1/S_enc)))), or stochastic rounding with the
  * Philox bytes of the element's output index. Columnwise quantizes x^T, or RN_bf16(RHT) of
  * each 16-row group with TQ_QUANT_RHT. Two launches, no host sync: pass 1 reads x for the
  * global amaxes (q->amax, post-RHT q->amax_t); pass 2 reads each 128-row tile once into shared
  * memory and writes both directions. Pass 2 is issue-bound on Hopper (no E2M1 convert before
- * sm_100). Dequantize: quantize_nvfp4_dequant.cu. Reference: csrc/ref/quantize_nvfp4_ref.c
+ * sm_100), so the per-element work is cut to the bone: the RHT is formats.h's butterfly, E2M1
+ * codes come from one FPU-rounded add (e2m1_grid_code), block scales use the hardware E4M3
+ * convert and an IEEE reciprocal. Dequantize: quantize_nvfp4_dequant.cu. Reference: csrc/ref/quantize_nvfp4_ref.c
  * (bit for bit). Tests: tests/test_quantize_nvfp4.py, tests/test_quantize_nvfp4_rht_sr.py.
  */
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -26,6 +30,7 @@ using tq_cuda::launch_failed;
 
 constexpr int kThreads = 256;
 constexpr int kTileRows = 128;               /* rows of x per pass-2 tile */
+constexpr int kCastBlocksPerSm = 3;          /* pass 2 is latency bound at 2 CTAs (96 registers) */
 constexpr int kTileBytes = 256;              /* bytes of x per tile row: 128 16-bit or 64 fp32 */
 constexpr int kSmemStride = kTileBytes + 16; /* padding: row r starts 4*r banks further, so the
                                                 rowwise 16-byte reads of 8 rows never collide */
@@ -41,7 +46,8 @@ struct BF16 {
 };
 struct F16 {
     using storage = uint16_t;
-    static __device__ __forceinline__ float widen(uint16_t v) { return tq_f16_to_f32(v); }
+    /* The hardware half -> single convert is exact, like tq_f16_to_f32 (NaN payloads aside). */
+    static __device__ __forceinline__ float widen(uint16_t v) { return __half2float(__ushort_as_half(v)); }
 };
 
 /* Widens the n = 16 / sizeof(storage) elements packed in a 16-byte chunk. */
@@ -82,27 +88,22 @@ __device__ __forceinline__ void cp_async16(void *smem, const void *gmem, bool va
 
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
-__device__ __forceinline__ float round_bf16(float v) { return tq_bf16_to_f32(tq_f32_to_bf16(v)); }
+/* RN_bf16 as a value: the hardware convert (F2FP) rounds like tq_f32_to_bf16 for every non-NaN
+ * input; a NaN stays a NaN (payload aside), and NaN payloads never reach a code or an amax. */
+__device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
 /* The RHT of one group of 16 consecutive rows of a column (NUMERICS 2): inputs rounded to bf16,
- * out[j] = RN_bf16(sum over i = 0..15 in order of v_i * tq_rht_coeff(i, j)). Every coefficient
- * is +-tq_rht_coeff(i, 0) and IEEE rounding is sign-symmetric, so v_i * tq_rht_coeff(i, j) is
- * exactly +-(v_i * tq_rht_coeff(i, 0)): 16 products per group instead of 256, same bits. The
- * loops unroll completely and the coefficient comparisons fold to constants. */
+ * formats.h's tq_rht16 butterfly (its order, bit for bit), outputs rounded to bf16 unless the
+ * caller rounds later. Widened bf16 inputs round to themselves: no rounding for BF16. */
 template <typename E, bool kRoundOut = true>
-__device__ __forceinline__ void rht16(const float *v, float *out) {
-    float w[16];
-#pragma unroll /* widened bf16 inputs round to themselves (NaN stays NaN): skip the rounding */
+__device__ __forceinline__ void rht16(float *v) {
+#pragma unroll
     for (int i = 0; i < 16; i++)
-        w[i] = (std::is_same<E, BF16>::value ? v[i] : round_bf16(v[i])) * tq_rht_coeff(i, 0);
+        if (!std::is_same<E, BF16>::value) v[i] = round_bf16(v[i]);
+    tq_rht16(v);
 #pragma unroll
-    for (int j = 0; j < 16; j++) {
-        float acc = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 16; i++)
-            acc = acc + (tq_rht_coeff(i, j) == tq_rht_coeff(i, 0) ? w[i] : -w[i]);
-        out[j] = kRoundOut ? round_bf16(acc) : acc;
-    }
+    for (int j = 0; j < 16; j++)
+        if (kRoundOut) v[j] = round_bf16(v[j]);
 }
 
 __device__ __forceinline__ float warp_amax(float m, int lanes) {
@@ -160,15 +161,15 @@ __global__ void __launch_bounds__(kThreads) amax_kernel(AmaxParams p) {
         if (kRht) {
 #pragma unroll
             for (int e = 0; e < n; e++) { /* column c + e: one RHT group */
-                float group[16], out[16];
+                float group[16];
 #pragma unroll
                 for (int i = 0; i < 16; i++) group[i] = E::widen(elems[i][e]);
                 /* max_j |RN_bf16(y_j)| = RN_bf16(max_j |y_j|): the rounding is monotonic and
                  * odd (NaN ignored either way), so round the group's max once. */
-                rht16<E, false>(group, out);
+                rht16<E, false>(group);
                 float group_max = 0.0f;
 #pragma unroll
-                for (int j = 0; j < 16; j++) group_max = tq_amax_step(group_max, out[j]);
+                for (int j = 0; j < 16; j++) group_max = tq_amax_step(group_max, group[j]);
                 amax_rht = tq_amax_step(amax_rht, round_bf16(group_max));
             }
         }
@@ -198,6 +199,56 @@ struct TensorScale {
     }
 };
 
+/* The E2M1 magnitude code of m in [0, 6] (not NaN), rounded to nearest even (kRz false) or
+ * toward zero (kRz true), plus 298 (the caller subtracts it once per packed word). E2M1's grid
+ * step in [0, 2), [2, 4), [4, 6] is 2^(e-1), e = max(exponent of m, 0) (e = 0, 1, 2), and
+ * c = 2^(e+22) has exactly that ulp, so the one fp32 add m + c rounds m to the grid (RN: ties
+ * to an even multiple of the step, which is E2M1's even mantissa). bits(m + c) - bits(c) counts
+ * steps; the code adds 2e, and (bits(c) >> 22) = 298 + 2e supplies it. Checked equal to
+ * tq_f32_to_e2m1 / tq_f32_to_e2m1_sr on every fp32 input (RN) and a dense sweep (SR). */
+template <bool kRz>
+__device__ __forceinline__ uint32_t e2m1_grid_code(float m) {
+    const uint32_t c_bits = (max(__float_as_uint(m), 0x3F800000u) & 0x7F800000u) + (22u << 23);
+    const float c = __uint_as_float(c_bits);
+    const float r = kRz ? __fadd_rz(m, c) : __fadd_rn(m, c);
+    return __float_as_uint(r) - c_bits + (c_bits >> 22);
+}
+constexpr uint32_t kGridBias = 298u * 0x11111111u; /* 298 in each of 8 nibbles, mod 2^32 */
+
+/* Code (magnitude + 298) of a scaled value v, round to nearest (tq_f32_to_e2m1 without the sign):
+ * fminf gives min(|v|, 6), and 6 for NaN (+6, code 7). The sign is added by the caller; on the
+ * device a NaN v is the FMUL's canonical positive NaN, so it gets no sign, as in formats.h. */
+__device__ __forceinline__ uint32_t e2m1_rn_biased(float v) { return e2m1_grid_code<false>(fminf(fabsf(v), 6.0f)); }
+
+/* Stochastic rounding (tq_f32_to_e2m1_sr without the sign) with random byte u = byte `k` of
+ * `word`: t = |v| + u * step(|v|) / 256 (exact product, one rounding), then floor to the grid of
+ * min(t, 6) (round toward zero; NaN gives 6). step(|v|) / 256 = 2^(e-136) with the exponent e
+ * clamped to [127, 129] (|v| >= 4, Inf and NaN: step 2). u becomes a float exactly through the
+ * bits 2^23 + u minus 2^23 (no integer-to-float convert). */
+__device__ __forceinline__ uint32_t e2m1_sr_biased(float v, uint32_t word, int k) {
+    const float mag = fabsf(v);
+    const uint32_t e = min(max(__float_as_uint(mag), 0x3F800000u), 0x40800000u) & 0x7F800000u;
+    const float step_256 = __uint_as_float(e - (9u << 23));
+    const float u = __uint_as_float(__byte_perm(word, 0x4B000000u, 0x7650u + (uint32_t)k)) - 8388608.0f;
+    const float t = __fadd_rn(mag, __fmul_rn(u, step_256));
+    return e2m1_grid_code<true>(fminf(t, 6.0f));
+}
+
+/* NVFP4 block scale byte (tq_nvfp4_block_scale) with the hardware E4M3 convert: its input is
+ * never NaN (block amaxes ignore NaN, s_enc_div6 is finite), and on non-NaN inputs
+ * cvt.rn.satfinite.e4m3x2 equals tq_f32_to_e4m3 (tests/test_formats.py checks the codec). */
+__device__ __forceinline__ uint8_t block_scale(float block_amax, float s_enc_div6) {
+    const float s = fminf(block_amax * s_enc_div6, TQ_FLT_MAX);
+    return (uint8_t)__nv_cvt_float_to_fp8(s, __NV_SATFINITE, __NV_E4M3);
+}
+
+/* tq_nvfp4_block_enc: min(RN(1 / RN(s_b * S_dec)), FLT_MAX); E4M3 -> f32 via the exact
+ * hardware convert (s_b is never the NaN pattern), RN reciprocal by __frcp_rn (IEEE). */
+__device__ __forceinline__ float block_enc(uint8_t s_b, float s_dec) {
+    const float s_b_f32 = __half2float(__half(__nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)s_b, __NV_E4M3)));
+    return fminf(__frcp_rn(s_b_f32 * s_dec), TQ_FLT_MAX);
+}
+
 /* Quantizes the 16 values of one block with its block amax: returns its E4M3 scale byte and
  * writes the 16 codes packed into 8 bytes (even element in the low nibble). `group` is the
  * block's Philox group (its first output index / 16) when stochastic rounding is on. */
@@ -205,20 +256,20 @@ template <bool kSr>
 __device__ __forceinline__ uint8_t quantize_block(const float *v, float block_amax,
                                                   const TensorScale &ts, const CastParams &p,
                                                   uint64_t group, uint2 *packed) {
-    const uint8_t s_b = tq_nvfp4_block_scale(block_amax, ts.s_enc_div6);
-    const float enc = tq_nvfp4_block_enc(s_b, ts.s_dec);
+    const uint8_t s_b = block_scale(block_amax, ts.s_enc_div6);
+    const float enc = block_enc(s_b, ts.s_dec);
     uint32_t words[4] = {0, 0, 0, 0};
     if (kSr) tq_sr_group_bits(p.seed, p.offset, group, words);
-    uint32_t lo = 0, hi = 0;
+    uint32_t mag[2] = {0, 0}, sign[2] = {0, 0};
 #pragma unroll
     for (int e = 0; e < 16; e++) {
         const float scaled = tq_mul(v[e], enc);
-        const uint32_t code = kSr ? tq_f32_to_e2m1_sr(scaled, tq_sr_byte(words, e))
-                                  : tq_f32_to_e2m1(scaled);
-        if (e < 8) lo |= code << (4 * e);
-        else hi |= code << (4 * (e - 8));
+        const uint32_t code = kSr ? e2m1_sr_biased(scaled, words[e / 4], e % 4) : e2m1_rn_biased(scaled);
+        const int shift = 4 * (e % 8);
+        mag[e / 8] += code << shift;
+        sign[e / 8] |= (__float_as_uint(scaled) >> (28 - shift)) & (8u << shift);
     }
-    *packed = make_uint2(lo, hi);
+    *packed = make_uint2((mag[0] - kGridBias) | sign[0], (mag[1] - kGridBias) | sign[1]);
     return s_b;
 }
 
@@ -263,7 +314,7 @@ __device__ __forceinline__ void store_scales(uint8_t *dst, const uint8_t *s_b, i
  * and rows 32*(t / 64) .. +31 (two groups of 16), so a warp reads 32 consecutive words of a row
  * and each thread writes 16 contiguous bytes of data_t per column. */
 template <typename E, bool kRht, bool k2D, bool kSr>
-__global__ void __launch_bounds__(kThreads) cast_kernel(CastParams p) {
+__global__ void __launch_bounds__(kThreads, kSr ? 2 : kCastBlocksPerSm) cast_kernel(CastParams p) {
     using T = typename E::storage;
     constexpr int kTileCols = kTileBytes / (int)sizeof(T);
     constexpr int kChunkElems = 16 / (int)sizeof(T);
@@ -348,12 +399,17 @@ __global__ void __launch_bounds__(kThreads) cast_kernel(CastParams p) {
         const TensorScale ts(p.amax_t);
         const int wc = threadIdx.x % kWordCols, quarter = threadIdx.x / kWordCols;
         const int r_first = quarter * 32;
-        /* Column c of this thread's word, rows r_first + i: one 2- or 4-byte shared load (a warp
-         * reads 32 consecutive words of one row: no bank conflict). Columns are processed one
-         * at a time to keep 32 values live, not 64. */
+        /* The thread's word column, rows r_first + i: one 4-byte shared load per row (a warp
+         * reads 32 consecutive words of one row: no bank conflict), kept packed; columns are
+         * widened one at a time to keep 32 floats live, not 64. */
         const uint8_t *base = &tile[r_first * kSmemStride + wc * 4];
+        uint32_t words[32];
+#pragma unroll
+        for (int i = 0; i < 32; i++) words[i] = *reinterpret_cast<const uint32_t *>(base + i * kSmemStride);
         auto value = [&](int i, int c) {
-            return E::widen(*reinterpret_cast<const T *>(base + i * kSmemStride + c * (int)sizeof(T)));
+            T elems[kColsPerWord];
+            memcpy(elems, &words[i], 4);
+            return E::widen(elems[c]);
         };
         float tile_amax[2] = {0.0f, 0.0f}; /* 2D: per group, over the 16x16 tile */
         if (k2D) {
@@ -377,12 +433,7 @@ __global__ void __launch_bounds__(kThreads) cast_kernel(CastParams p) {
 #pragma unroll
             for (int g = 0; g < 2; g++) {
                 float *group_v = &v[16 * g];
-                if (kRht) {
-                    float out[16];
-                    rht16<E>(group_v, out);
-#pragma unroll
-                    for (int j = 0; j < 16; j++) group_v[j] = out[j];
-                }
+                if (kRht) rht16<E>(group_v);
                 float amax_g = tile_amax[g];
                 if (!k2D) {
 #pragma unroll

@@ -101,14 +101,17 @@ def rht_matrix(sign_mask=0xD7E8):
 
 def rht_columnwise(x):
     """RN_bf16 of the RHT applied along M to x [M, K] (M % 16 == 0), returned transposed [K, M]
-    in float32: each output is the fp32 sum over i = 0..15, in that order, of v_i * R[i][j]."""
-    r = rht_matrix()
-    xt = x.float().t().reshape(x.shape[1], -1, 16)  # [K, M/16, 16]
-    xt = xt.to(torch.bfloat16).float()  # fp32 / fp16 inputs are rounded to bf16 first
-    out = torch.zeros_like(xt)
-    for i in range(16):
-        out = out + xt[..., i:i + 1] * r[i]
-    return out.to(torch.bfloat16).float().reshape(x.shape[1], x.shape[0])
+    in float32, in tequant's butterfly order (formats.h tq_rht16): each 16-group v (rounded to
+    bf16) is multiplied by s_i * 0.25, then stages h = 1, 2, 4, 8 replace every pair (i, i + h)
+    with i & h == 0 by (v_i + v_{i+h}, v_i - v_{i+h}) in fp32."""
+    s = torch.tensor([-0.25 if (0xD7E8 >> i) & 1 else 0.25 for i in range(16)])
+    v = x.float().t().reshape(x.shape[1], -1, 16)  # [K, M/16, 16]
+    v = v.to(torch.bfloat16).float() * s  # fp32 / fp16 inputs are rounded to bf16 first
+    for h in (1, 2, 4, 8):
+        pairs = v.reshape(*v.shape[:-1], 16 // (2 * h), 2, h)  # index i = 2h * blk + h * side + t
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        v = torch.stack((a + b, a - b), dim=-2).reshape(v.shape)
+    return v.to(torch.bfloat16).float().reshape(x.shape[1], x.shape[0])
 
 
 def philox4x32_10(counter, key):

@@ -15,7 +15,8 @@ typedef struct direction {
     const tq_tensor *x;
     int columnwise;
     int rht;              /* columnwise only */
-    float rht_coeff[16][16];
+    int64_t rht_col, rht_row0; /* the group last transformed (column k of x, rows g..g+15) */
+    float rht_out[16];         /* its 16 outputs, RN_bf16 */
     int64_t rows, cols;   /* of this direction: [M, K] or [K, M] */
 } direction;
 
@@ -29,15 +30,19 @@ static float x_at(const tq_tensor *x, int64_t r, int64_t c) {
 static float round_bf16(float v) { return tq_bf16_to_f32(tq_f32_to_bf16(v)); }
 
 /* Element (r, c) of the direction's matrix. With RHT (columnwise), r is a column k of x and c
- * a row m: output j = m mod 16 of the group of rows g..g+15 (g = m - j), summed in order. */
-static float dir_value(const direction *d, int64_t r, int64_t c) {
+ * a row m: output j = m mod 16 of tq_rht16 of the BF16-rounded group of rows g..g+15
+ * (g = m - j), rounded to BF16. The group's outputs are kept for the next 15 calls. */
+static float dir_value(direction *d, int64_t r, int64_t c) {
     if (!d->columnwise) return x_at(d->x, r, c);
     if (!d->rht) return x_at(d->x, c, r);
     const int64_t g = c - c % 16;
-    const int j = (int)(c % 16);
-    float acc = 0.0f;
-    for (int i = 0; i < 16; i++) acc = acc + round_bf16(x_at(d->x, g + i, r)) * d->rht_coeff[i][j];
-    return round_bf16(acc);
+    if (d->rht_col != r || d->rht_row0 != g) {
+        for (int i = 0; i < 16; i++) d->rht_out[i] = round_bf16(x_at(d->x, g + i, r));
+        tq_rht16(d->rht_out);
+        for (int i = 0; i < 16; i++) d->rht_out[i] = round_bf16(d->rht_out[i]);
+        d->rht_col = r, d->rht_row0 = g;
+    }
+    return d->rht_out[c % 16];
 }
 
 static void direction_init(direction *d, const tq_tensor *x, int columnwise, int rht) {
@@ -46,12 +51,11 @@ static void direction_init(direction *d, const tq_tensor *x, int columnwise, int
     d->rht = columnwise && rht;
     d->rows = columnwise ? x->cols : x->rows;
     d->cols = columnwise ? x->rows : x->cols;
-    for (int i = 0; i < 16; i++)
-        for (int j = 0; j < 16; j++) d->rht_coeff[i][j] = tq_rht_coeff(i, j);
+    d->rht_col = -1, d->rht_row0 = -1;
 }
 
 /* The direction's global amax: max |value| over the whole matrix, NaN ignored. */
-static float direction_amax(const direction *d) {
+static float direction_amax(direction *d) {
     float amax = 0.0f;
     for (int64_t r = 0; r < d->rows; r++)
         for (int64_t c = 0; c < d->cols; c++) amax = tq_amax_step(amax, dir_value(d, r, c));
@@ -61,7 +65,7 @@ static float direction_amax(const direction *d) {
 /* Quantizes one direction with global amax `amax` into packed codes `data` ([rows, cols/2]
  * bytes) and E4M3 scale bytes `scale_inv` ([rows, cols/16]). Blocks are walked as tiles of
  * `height` rows (16 with 2D, else 1) by 16 columns: the tile's values, its amax, its scale. */
-static void quantize_direction(const direction *d, float amax, int two_d, int sr, uint64_t seed,
+static void quantize_direction(direction *d, float amax, int two_d, int sr, uint64_t seed,
                                uint64_t offset, uint8_t *data, uint8_t *scale_inv) {
     const float s_enc = tq_nvfp4_s_enc(amax);
     const float s_dec = tq_rcp(s_enc);

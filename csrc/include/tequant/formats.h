@@ -4,7 +4,7 @@
  *   - fp32 -> E4M3 / E5M2 (RNE, saturating to +-448 / +-57344, NaN kept) and back;
  *   - fp32 -> E2M1 (RNE, saturating to +-6; NaN -> +6, negative zero -> code 8) and back, plus
  *     the stochastic-rounding variant; E8M0 rounded up (MXFP8) and its reciprocal;
- *   - the per-tensor / block / MXFP8 / NVFP4 scale rules, Philox4x32-10 and the RHT sign mask.
+ *   - the per-tensor / block / MXFP8 / NVFP4 scale rules, Philox4x32-10 and the RHT butterfly.
  * Everything is integer bit work or single IEEE operations (multiply, divide, add) so host and
  * device agree bit for bit; the CUDA build uses -fmad=false and the C build -ffp-contract=off so
  * no multiply-add is fused. Tests: tests/test_formats.py (every bf16 pattern and a dense fp32
@@ -315,13 +315,24 @@ TQ_HD uint32_t tq_sr_byte(const uint32_t words[4], uint64_t i) {
 
 /* ---- random Hadamard transform (NUMERICS 2): R = diag(s) * H16 * 0.25 ---- */
 
-/* R[i][j] = s_i * (-1)^popcount(i & j) * 0.25, s_i = -1 where bit i of the sign mask is set.
- * Output j of a 16-group v is RN_bf16(sum over i = 0..15, in that order, in fp32, of v_i * R[i][j]). */
-TQ_HD float tq_rht_coeff(int i, int j) {
-    uint32_t x = (uint32_t)(i & j), parity = 0;
-    while (x) parity ^= x & 1u, x >>= 1;
-    parity ^= (TQ_RHT_SIGN_MASK >> i) & 1u;
-    return parity ? -0.25f : 0.25f;
+/* The RHT of one 16-group v (in place), y = v R with R[i][j] = s_i * (-1)^popcount(i & j) * 0.25,
+ * s_i = -1 where bit i of the sign mask is set, evaluated in this exact fp32 order (tequant's
+ * definition; every step but the adds is exact):
+ *   1. v_i = v_i * (s_i * 0.25)   (exact for bf16 inputs: a sign flip and a power of two);
+ *   2. four butterfly stages, h = 1, 2, 4, 8 in that order: for every i with (i & h) == 0,
+ *      (v_i, v_{i+h}) = (RN(v_i + v_{i+h}), RN(v_i - v_{i+h}));
+ *   3. output j is v_j (the caller rounds it to BF16).
+ * The stages compute the Sylvester H16 (the order changes only the fp32 rounding of the sums). */
+TQ_HD void tq_rht16(float v[16]) {
+    for (int i = 0; i < 16; i++) v[i] = v[i] * (((TQ_RHT_SIGN_MASK >> i) & 1u) ? -0.25f : 0.25f);
+    for (int h = 1; h < 16; h <<= 1) {
+        for (int i = 0; i < 16; i++) {
+            if (i & h) continue;
+            const float a = v[i], b = v[i + h];
+            v[i] = a + b;
+            v[i + h] = a - b;
+        }
+    }
 }
 
 #endif /* TEQUANT_FORMATS_H_ */
