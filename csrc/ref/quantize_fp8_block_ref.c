@@ -8,18 +8,12 @@
  * bit for bit. Tests: tests/test_quantize_fp8_block.py (against an independent torch reference).
  */
 #include "internal_kernels.h"
+#include "ref_io.h"
 #include "tequant/formats.h"
 
 #define BLOCK 128
 
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-static float load_x(const tq_tensor *x, int64_t r, int64_t c) {
-    const int64_t i = r * x->ld + c;
-    if (x->dtype == TQ_DTYPE_FLOAT32) return ((const float *)x->data)[i];
-    if (x->dtype == TQ_DTYPE_BFLOAT16) return tq_bf16_to_f32(((const uint16_t *)x->data)[i]);
-    return tq_f16_to_f32(((const uint16_t *)x->data)[i]);
-}
 
 /* Max finite value of x's dtype: the scale used when fmax / amax overflows (TE's value_for_inf). */
 static float input_max(tq_dtype dtype) {
@@ -33,7 +27,7 @@ static float block_scale(const tq_tensor *x, const tq_quant_config *c, int64_t r
                          int64_t c0, int64_t c1) {
     float amax = 0.0f;
     for (int64_t r = r0; r < r1; r++)
-        for (int64_t k = c0; k < c1; k++) amax = tq_amax_step(amax, load_x(x, r, k));
+        for (int64_t k = c0; k < c1; k++) amax = tq_amax_step(amax, tq_ref_load(x, r, k));
     return tq_scale_from_amax(amax, c->fmax, c->amax_epsilon, (c->flags & TQ_QUANT_POW2_SCALE) != 0,
                               input_max(x->dtype));
 }
@@ -44,7 +38,7 @@ static void block_quantize(const tq_tensor *x, int e5m2, float scale, int64_t r0
     const int64_t rows = x->rows, cols = x->cols;
     for (int64_t r = r0; r < r1; r++) {
         for (int64_t k = c0; k < c1; k++) {
-            const uint8_t code = tq_f32_to_fp8(tq_mul(load_x(x, r, k), scale), e5m2);
+            const uint8_t code = tq_f32_to_fp8(tq_mul(tq_ref_load(x, r, k), scale), e5m2);
             if (data) data[r * cols + k] = code;
             if (data_t) data_t[k * rows + r] = code;
         }
@@ -135,10 +129,7 @@ tq_status tq_dequantize_fp8_block_ref(const tq_quant_config *c, const tq_qtensor
             const float s = two_d ? scale_inv[(r / BLOCK) * scale->ld + k / BLOCK]
                                   : scale_inv[(k / BLOCK) * scale->ld + r];
             const float v = tq_mul(tq_fp8_to_f32(codes[r * data->cols + k], e5m2), s);
-            const int64_t i = r * out->ld + k;
-            if (out->dtype == TQ_DTYPE_FLOAT32) ((float *)out->data)[i] = v;
-            else if (out->dtype == TQ_DTYPE_BFLOAT16) ((uint16_t *)out->data)[i] = tq_f32_to_bf16(v);
-            else ((uint16_t *)out->data)[i] = tq_f32_to_f16(v);
+            tq_ref_store(out, r, k, v);
         }
     }
     return TQ_SUCCESS;

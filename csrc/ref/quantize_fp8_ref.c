@@ -6,14 +6,8 @@
  * encodes as 0x7F and dequantizes to 0x7FFFFFFF, the same bits as on the GPU.
  */
 #include "internal_kernels.h"
+#include "ref_io.h"
 #include "tequant/formats.h"
-
-static float load_hp(const tq_tensor *x, int64_t r, int64_t c) {
-    const int64_t i = r * x->ld + c;
-    if (x->dtype == TQ_DTYPE_FLOAT32) return ((const float *)x->data)[i];
-    if (x->dtype == TQ_DTYPE_BFLOAT16) return tq_bf16_to_f32(((const uint16_t *)x->data)[i]);
-    return tq_f16_to_f32(((const uint16_t *)x->data)[i]);
-}
 
 /* The history slot keeps the larger of old and new compared as SIGNED int bits: that is what the
  * CUDA kernel's atomicMax on the float's bits does; for the non-negative values a history holds
@@ -28,7 +22,7 @@ tq_status tq_quantize_fp8_ref(const tq_tensor *x, const tq_quant_config *c,
     const int e5m2 = c->elem_dtype == TQ_DTYPE_FLOAT8_E5M2;
     float amax = 0.0f;
     for (int64_t r = 0; r < x->rows; r++)
-        for (int64_t col = 0; col < x->cols; col++) amax = tq_amax_step(amax, load_hp(x, r, col));
+        for (int64_t col = 0; col < x->cols; col++) amax = tq_amax_step(amax, tq_ref_load(x, r, col));
 
     float scale;
     if (c->scaling == TQ_SCALING_CURRENT) {
@@ -45,19 +39,12 @@ tq_status tq_quantize_fp8_ref(const tq_tensor *x, const tq_quant_config *c,
     const int64_t rows = x->rows, cols = x->cols;
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t col = 0; col < cols; col++) {
-            const uint8_t code = tq_f32_to_fp8(tq_mul(load_hp(x, r, col), scale), e5m2);
+            const uint8_t code = tq_f32_to_fp8(tq_mul(tq_ref_load(x, r, col), scale), e5m2);
             if (a->usage & TQ_USAGE_ROWWISE) data[r * cols + col] = code;
             if (a->usage & TQ_USAGE_COLUMNWISE) data_t[col * rows + r] = code;
         }
     }
     return TQ_SUCCESS;
-}
-
-static void store_out(tq_tensor *out, int64_t r, int64_t c, float v) {
-    const int64_t i = r * out->ld + c;
-    if (out->dtype == TQ_DTYPE_FLOAT32) ((float *)out->data)[i] = v;
-    else if (out->dtype == TQ_DTYPE_BFLOAT16) ((uint16_t *)out->data)[i] = tq_f32_to_bf16(v);
-    else ((uint16_t *)out->data)[i] = tq_f32_to_f16(v);
 }
 
 tq_status tq_dequantize_fp8_ref(const tq_quant_config *c, const tq_qtensor *q, uint32_t usage,
@@ -68,7 +55,7 @@ tq_status tq_dequantize_fp8_ref(const tq_quant_config *c, const tq_qtensor *q, u
     const uint8_t *codes = (const uint8_t *)(usage == TQ_USAGE_ROWWISE ? q->data.data : q->data_t.data);
     for (int64_t r = 0; r < out->rows; r++) {
         for (int64_t col = 0; col < out->cols; col++) {
-            store_out(out, r, col, tq_mul(tq_fp8_to_f32(codes[r * out->cols + col], e5m2), scale_inv));
+            tq_ref_store(out, r, col, tq_mul(tq_fp8_to_f32(codes[r * out->cols + col], e5m2), scale_inv));
         }
     }
     return TQ_SUCCESS;

@@ -8,23 +8,16 @@
  * Tests: tests/test_quantize_mxfp8.py (against torch references, and CUDA against this).
  */
 #include "internal_kernels.h"
+#include "ref_io.h"
 #include "tequant/formats.h"
 
 #define MX_BLOCK 32
-
-/* x(r, c) widened exactly to fp32. */
-static float load_x(const tq_tensor *x, int64_t r, int64_t c) {
-    const int64_t i = r * x->ld + c;
-    if (x->dtype == TQ_DTYPE_FLOAT32) return ((const float *)x->data)[i];
-    if (x->dtype == TQ_DTYPE_BFLOAT16) return tq_bf16_to_f32(((const uint16_t *)x->data)[i]);
-    return tq_f16_to_f32(((const uint16_t *)x->data)[i]);
-}
 
 /* max |x| over rows [r0, r0 + nr) x cols [c0, c0 + nc), NaN ignored. */
 static float region_amax(const tq_tensor *x, int64_t r0, int64_t nr, int64_t c0, int64_t nc) {
     float amax = 0.0f;
     for (int64_t r = r0; r < r0 + nr; r++)
-        for (int64_t c = c0; c < c0 + nc; c++) amax = tq_amax_step(amax, load_x(x, r, c));
+        for (int64_t c = c0; c < c0 + nc; c++) amax = tq_amax_step(amax, tq_ref_load(x, r, c));
     return amax;
 }
 
@@ -48,7 +41,7 @@ tq_status tq_quantize_mxfp8_ref(const tq_tensor *x, const tq_quant_config *confi
                 for (int64_t r = r0; r < r0 + tile_rows; r++) {
                     scale[r * (K / MX_BLOCK) + kb] = e;
                     for (int64_t c = kb * MX_BLOCK; c < (kb + 1) * MX_BLOCK; c++)
-                        data[r * K + c] = tq_f32_to_fp8(load_x(x, r, c) * factor, e5m2);
+                        data[r * K + c] = tq_f32_to_fp8(tq_ref_load(x, r, c) * factor, e5m2);
                 }
             }
         }
@@ -64,7 +57,7 @@ tq_status tq_quantize_mxfp8_ref(const tq_tensor *x, const tq_quant_config *confi
                 for (int64_t c = c0; c < c0 + tile_cols; c++) {
                     scale_t[c * (M / MX_BLOCK) + mb] = e;
                     for (int64_t r = mb * MX_BLOCK; r < (mb + 1) * MX_BLOCK; r++)
-                        data_t[c * M + r] = tq_f32_to_fp8(load_x(x, r, c) * factor, e5m2);
+                        data_t[c * M + r] = tq_f32_to_fp8(tq_ref_load(x, r, c) * factor, e5m2);
                 }
             }
         }
@@ -83,11 +76,8 @@ tq_status tq_dequantize_mxfp8_ref(const tq_quant_config *config, const tq_qtenso
     for (int64_t r = 0; r < data->rows; r++) {
         for (int64_t c = 0; c < data->cols; c++) {
             const uint8_t e = exps[r * scale->cols + c / MX_BLOCK];
-            const float v = tq_fp8_to_f32(codes[r * data->cols + c], e5m2) * tq_e8m0_to_f32(e);
-            const int64_t i = r * out->ld + c;
-            if (out->dtype == TQ_DTYPE_FLOAT32) ((float *)out->data)[i] = v;
-            else if (out->dtype == TQ_DTYPE_BFLOAT16) ((uint16_t *)out->data)[i] = tq_f32_to_bf16(v);
-            else ((uint16_t *)out->data)[i] = tq_f32_to_f16(v);
+            const float v = tq_mul(tq_fp8_to_f32(codes[r * data->cols + c], e5m2), tq_e8m0_to_f32(e));
+            tq_ref_store(out, r, c, v);
         }
     }
     return TQ_SUCCESS;

@@ -8,6 +8,7 @@
  * elements of a direction's row, or 16x16 tiles with TQ_QUANT_2D (same tile in both directions).
  */
 #include "internal_kernels.h"
+#include "ref_io.h"
 #include "tequant/formats.h"
 
 /* The matrix one direction quantizes: element (r, c) of x (rowwise) or of x^T (columnwise). */
@@ -20,24 +21,17 @@ typedef struct direction {
     int64_t rows, cols;   /* of this direction: [M, K] or [K, M] */
 } direction;
 
-static float x_at(const tq_tensor *x, int64_t r, int64_t c) {
-    const int64_t i = r * x->ld + c;
-    if (x->dtype == TQ_DTYPE_FLOAT32) return ((const float *)x->data)[i];
-    if (x->dtype == TQ_DTYPE_BFLOAT16) return tq_bf16_to_f32(((const uint16_t *)x->data)[i]);
-    return tq_f16_to_f32(((const uint16_t *)x->data)[i]);
-}
-
 static float round_bf16(float v) { return tq_bf16_to_f32(tq_f32_to_bf16(v)); }
 
 /* Element (r, c) of the direction's matrix. With RHT (columnwise), r is a column k of x and c
  * a row m: output j = m mod 16 of tq_rht16 of the BF16-rounded group of rows g..g+15
  * (g = m - j), rounded to BF16. The group's outputs are kept for the next 15 calls. */
 static float dir_value(direction *d, int64_t r, int64_t c) {
-    if (!d->columnwise) return x_at(d->x, r, c);
-    if (!d->rht) return x_at(d->x, c, r);
+    if (!d->columnwise) return tq_ref_load(d->x, r, c);
+    if (!d->rht) return tq_ref_load(d->x, c, r);
     const int64_t g = c - c % 16;
     if (d->rht_col != r || d->rht_row0 != g) {
-        for (int i = 0; i < 16; i++) d->rht_out[i] = round_bf16(x_at(d->x, g + i, r));
+        for (int i = 0; i < 16; i++) d->rht_out[i] = round_bf16(tq_ref_load(d->x, g + i, r));
         tq_rht16(d->rht_out);
         for (int i = 0; i < 16; i++) d->rht_out[i] = round_bf16(d->rht_out[i]);
         d->rht_col = r, d->rht_row0 = g;
@@ -133,13 +127,6 @@ tq_status tq_quantize_nvfp4_ref(const tq_tensor *x, const tq_quant_config *confi
     return TQ_SUCCESS;
 }
 
-static void store(tq_tensor *out, int64_t r, int64_t c, float v) {
-    const int64_t i = r * out->ld + c;
-    if (out->dtype == TQ_DTYPE_FLOAT32) ((float *)out->data)[i] = v;
-    else if (out->dtype == TQ_DTYPE_BFLOAT16) ((uint16_t *)out->data)[i] = tq_f32_to_bf16(v);
-    else ((uint16_t *)out->data)[i] = tq_f32_to_f16(v);
-}
-
 tq_status tq_dequantize_nvfp4_ref(const tq_quant_config *config, const tq_qtensor *q,
                                   uint32_t usage, tq_tensor *out, struct CUstream_st *stream) {
     (void)config, (void)stream;
@@ -153,7 +140,7 @@ tq_status tq_dequantize_nvfp4_ref(const tq_quant_config *config, const tq_qtenso
             const uint8_t byte = data[(r * cols + c) / 2];
             const uint8_t code = (uint8_t)(c % 2 == 0 ? byte & 0xFu : byte >> 4);
             const float dec = tq_nvfp4_block_dec(scale_inv[r * blocks_per_row + c / 16], amax);
-            store(out, r, c, tq_mul(tq_e2m1_to_f32(code), dec));
+            tq_ref_store(out, r, c, tq_mul(tq_e2m1_to_f32(code), dec));
         }
     }
     return TQ_SUCCESS;
