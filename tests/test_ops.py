@@ -155,20 +155,6 @@ def test_scale_and_history_only_for_delayed(name):
         te.ops.quantize(x, RECIPES[name], amax_history=torch.zeros(1))
 
 
-def test_delayed_scale_and_history_must_be_one_float32():
-    x = torch.zeros(16, 16)
-    with pytest.raises(ValueError, match="scale has dtype float64; expected one of: float32"):
-        te.ops.quantize(x, DelayedScaling(), scale=torch.ones(1, dtype=torch.float64))
-    with pytest.raises(ValueError, match="scale = one float32 on x's device"):
-        te.ops.quantize(x, DelayedScaling(), scale=torch.ones(2))
-    with pytest.raises(TypeError, match="scale must be a torch.Tensor, got list"):
-        te.ops.quantize(x, DelayedScaling(), scale=[1.0])
-    with pytest.raises(ValueError, match="amax has dtype int32"):
-        te.ops.quantize(x, DelayedScaling(), amax_history=torch.zeros(1, dtype=torch.int32))
-    with pytest.raises(ValueError, match=r"amax is float32 \[1, 2\].*needs a contiguous float32 \[1, 1\]"):
-        te.ops.quantize(x, DelayedScaling(), amax_history=torch.zeros(2))
-
-
 @pytest.mark.parametrize("role", ["foo", "Input", "", None, 3, "weights"])
 def test_bad_role_names(role):
     with pytest.raises(ValueError, match="role must be one of 'input', 'weight', 'output', "
@@ -398,3 +384,29 @@ def test_cuda_members_match_the_cpu_reference(recipe, role):
     for direction in ("rowwise", "columnwise"):
         got = q_gpu.dequantize_direction(direction).cpu()
         assert torch.equal(got.view(torch.int32), q_cpu.dequantize_direction(direction).view(torch.int32))
+
+
+def test_delayed_scaling_state_tensors_are_checked():
+    x = randn((64, 64))
+    for kw, what in [(dict(scale=torch.ones(2)), "scale"),
+                     (dict(scale=torch.ones(1, dtype=torch.float64)), "scale"),
+                     (dict(amax_history=torch.zeros(2)), "amax_history"),
+                     (dict(scale=[1.0]), "scale"),
+                     (dict(amax_history=torch.zeros(1, dtype=torch.int32)), "amax_history"),
+                     (dict(amax_history=[0.0]), "amax_history")]:
+        with pytest.raises(ValueError, match=f"{what} must be a float32 tensor of one element"):
+            te.ops.quantize(x, DelayedScaling(), **kw)
+
+
+@pytest.mark.parametrize("rng", [(1,), (1, 2, 3), ("a", 1), (-1, 5), (0, 2**64), 7])
+def test_bad_rng_is_rejected(rng):
+    with pytest.raises(ValueError, match="rng"):
+        te.ops.quantize(randn((64, 64)), NVFP4BlockScaling(), role="grad_output", rng=rng)
+
+
+@gpu
+@pytest.mark.gpu
+def test_generator_of_another_device_is_rejected():
+    with pytest.raises(ValueError, match="generator is on cpu, x on cuda"):
+        te.ops.quantize(randn((64, 64)).cuda(), NVFP4BlockScaling(), role="grad_output",
+                        generator=torch.Generator())

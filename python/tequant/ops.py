@@ -31,6 +31,16 @@ def _rng_state(device, generator):
     return gen.initial_seed(), offset
 
 
+def _checked_rng(rng):
+    try:
+        seed, offset = (int(v) for v in rng)
+    except (TypeError, ValueError):
+        raise ValueError(f"rng must be a (seed, offset) pair of ints, got {rng!r}") from None
+    if not (0 <= seed < 2**64 and 0 <= offset < 2**64):
+        raise ValueError(f"rng=(seed, offset) must both be in [0, 2**64), got {rng!r}")
+    return seed, offset
+
+
 def quantize(x, recipe=None, role="input", rowwise=True, columnwise=False, *, scale=None,
              amax_history=None, generator=None, rng=None):
     """Quantizes x with the quantizer `recipe` (None: Float8CurrentScaling()) gives `role`.
@@ -68,10 +78,20 @@ def quantize(x, recipe=None, role="input", rowwise=True, columnwise=False, *, sc
     if config.scaling != "delayed" and (scale is not None or amax_history is not None):
         raise ValueError("scale and amax_history apply to DelayedScaling only; this recipe's "
                          f"{role!r} quantizer uses {config.scaling} scaling")
+    for name, t in (("scale", scale), ("amax_history", amax_history)):
+        if t is not None and not (isinstance(t, torch.Tensor) and t.dtype == torch.float32
+                                  and t.numel() == 1 and t.device == x.device):
+            got = (f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor)
+                   else type(t).__name__)
+            raise ValueError(f"{name} must be a float32 tensor of one element on x's device "
+                             f"({x.device}), e.g. a view history[0, i:i+1]; got {got}")
+    if generator is not None and generator.device.type != x.device.type:
+        raise ValueError(f"generator is on {generator.device}, x on {x.device}: stochastic "
+                         "rounding draws from a generator of x's device")
     seed = offset = 0
     if config.stochastic_rounding:
         if rng is not None:
-            seed, offset = (int(v) for v in rng)
+            seed, offset = _checked_rng(rng)
         else:
             seed, offset = _rng_state(x.device, generator)
     usage = (ROWWISE if rowwise else 0) | (COLUMNWISE if columnwise else 0)
