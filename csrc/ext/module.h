@@ -138,6 +138,9 @@ typedef struct tqx_tensor_info {
     int64_t shape[8];
     void *stream; /* the framework's current CUDA stream for a CUDA tensor, else NULL */
 } tqx_tensor_info;
+/* dtype_mask of the high-precision tensors tequant quantizes and writes: fp32, bf16, fp16. */
+#define TQX_FLOAT_DTYPES \
+    ((1u << TQ_DTYPE_FLOAT32) | (1u << TQ_DTYPE_BFLOAT16) | (1u << TQ_DTYPE_FLOAT16))
 int tqx_tensor_from_py(tqx_state *st, PyObject *obj, const char *name, uint32_t dtype_mask,
                        tq_tensor *out, tqx_tensor_info *info);
 extern PyMethodDef tqx_tensor_view_methods[];

@@ -6,7 +6,6 @@
  */
 #include "module.h"
 
-#define FLOAT_INPUTS ((1u << TQ_DTYPE_FLOAT32) | (1u << TQ_DTYPE_BFLOAT16) | (1u << TQ_DTYPE_FLOAT16))
 
 /* _amax(x, out): out[0] = max |x| (NaN ignored), on x's device and current stream. */
 static PyObject *py_amax(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
@@ -17,7 +16,7 @@ static PyObject *py_amax(PyObject *module, PyObject *const *args, Py_ssize_t nar
     tqx_state *st = tqx_module_state(module);
     tq_tensor x, out;
     tqx_tensor_info info;
-    if (tqx_tensor_from_py(st, args[0], "x", FLOAT_INPUTS, &x, &info) < 0
+    if (tqx_tensor_from_py(st, args[0], "x", TQX_FLOAT_DTYPES, &x, &info) < 0
         || tqx_tensor_from_py(st, args[1], "out", 1u << TQ_DTYPE_FLOAT32, &out, NULL) < 0)
         return NULL;
     tq_status s;

@@ -8,7 +8,6 @@
  */
 #include "module.h"
 
-#define FLOAT_INPUTS ((1u << TQ_DTYPE_FLOAT32) | (1u << TQ_DTYPE_BFLOAT16) | (1u << TQ_DTYPE_FLOAT16))
 #define N_MEMBERS 6
 
 static const char *const member_names[N_MEMBERS] = {"data", "scale_inv", "data_t", "scale_inv_t",
@@ -97,7 +96,7 @@ static PyObject *py_quantize(PyObject *module, PyObject *const *args, Py_ssize_t
     tq_tensor x;
     tqx_tensor_info info;
     if (config_from_py(st, args[1], &config) < 0 || torch_import(st) < 0
-        || tqx_tensor_from_py(st, args[0], "x", FLOAT_INPUTS, &x, &info) < 0)
+        || tqx_tensor_from_py(st, args[0], "x", TQX_FLOAT_DTYPES, &x, &info) < 0)
         return NULL;
     tq_quantize_args qargs = TQ_QUANTIZE_ARGS_INIT;
     long usage = PyLong_AsLong(args[2]);
@@ -204,7 +203,7 @@ static PyObject *py_dequantize(PyObject *module, PyObject *const *args, Py_ssize
     }
     tq_tensor out;
     tqx_tensor_info info;
-    if (tqx_tensor_from_py(st, args[5], "out", FLOAT_INPUTS, &out, &info) < 0) return NULL;
+    if (tqx_tensor_from_py(st, args[5], "out", TQX_FLOAT_DTYPES, &out, &info) < 0) return NULL;
     Py_BEGIN_ALLOW_THREADS
     s = tq_dequantize(&config, &q, (uint32_t)usage, &out, (struct CUstream_st *)info.stream);
     Py_END_ALLOW_THREADS
