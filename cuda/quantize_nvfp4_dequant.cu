@@ -1,6 +1,7 @@
 /* quantize_nvfp4_dequant.cu: tq_dequantize on CUDA for NVFP4, one direction (NUMERICS.md 2,
  * TE_REFERENCE 6.5): value = e2m1(code) * tq_nvfp4_block_dec(s_b, A), with A the amax of that
  * direction (q->amax rowwise, q->amax_t columnwise), written as fp32, or RNE to bf16 / fp16.
+ * With that amax's data NULL it writes e2m1(code) * s_b: the values the GEMM multiplies (gemm.c).
  * Reference: csrc/ref/quantize_nvfp4_ref.c (bit for bit). Tests: tests/test_quantize_nvfp4*.py.
  */
 #include <cuda_runtime.h>
@@ -39,13 +40,16 @@ __global__ void __launch_bounds__(kThreads) dequantize_kernel(const uint8_t *__r
                                                               const float *__restrict__ amax,
                                                               int64_t rows, int64_t cols,
                                                               Out *__restrict__ out, int64_t ld) {
-    const float global_amax = *amax;
+    /* amax == nullptr: the GEMM values q * s_b (the global factor is the GEMM's alpha). */
+    const bool with_global = amax != nullptr;
+    const float global_amax = with_global ? *amax : 0.0f;
     const int64_t bytes_per_row = cols / 2, n = rows * bytes_per_row;
     for (int64_t i = (int64_t)blockIdx.x * kThreads + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * kThreads) {
         const int64_t r = i / bytes_per_row, c = (i - r * bytes_per_row) * 2;
         const uint8_t byte = data[i];
-        const float dec = tq_nvfp4_block_dec(scale_inv[r * (cols / 16) + c / 16], global_amax);
+        const uint8_t s_b = scale_inv[r * (cols / 16) + c / 16];
+        const float dec = with_global ? tq_nvfp4_block_dec(s_b, global_amax) : tq_e4m3_to_f32(s_b);
         store_out(&out[r * ld + c], tq_mul(tq_e2m1_to_f32((uint8_t)(byte & 0xFu)), dec));
         store_out(&out[r * ld + c + 1], tq_mul(tq_e2m1_to_f32((uint8_t)(byte >> 4)), dec));
     }

@@ -34,6 +34,25 @@ tq_status tq_codec_cuda(tq_codec codec, const tq_tensor *in, tq_tensor *out, str
                                           uint32_t usage, tq_tensor *out,                      \
                                           struct CUstream_st *stream);
 
+/* tq_<stem>_ref(...) for CPU tensors, tq_<stem>_cuda(...) for CUDA tensors (NOT_SUPPORTED in a
+ * build without CUDA). */
+#ifdef TQ_WITH_CUDA
+#define TQ_DISPATCH(stem, on_cpu, ...) \
+    ((on_cpu) ? tq_##stem##_ref(__VA_ARGS__) : tq_##stem##_cuda(__VA_ARGS__))
+#else
+#define TQ_DISPATCH(stem, on_cpu, ...) \
+    ((on_cpu) ? tq_##stem##_ref(__VA_ARGS__) \
+              : tq_fail(TQ_ERROR_NOT_SUPPORTED, "a CUDA tensor, but tequant was built without CUDA"))
+#endif
+
+/* quantize.c: q's members for the directions in usage, checked against tq_quantize_layout
+ * (shape, dtype, contiguous, on `device`); and tq_dequantize's dispatch without its checks. An
+ * NVFP4 direction whose amax data is NULL dequantizes to q * s_b (the GEMM values, gemm.c). */
+tq_status tq_qtensor_check_members(const tq_quant_config *config, const tq_qtensor *q,
+                                   uint32_t usage, int device);
+tq_status tq_dequantize_dispatch(const tq_quant_config *config, const tq_qtensor *q,
+                                 uint32_t usage, tq_tensor *out, struct CUstream_st *stream);
+
 TQ_DECLARE_QUANTIZER(fp8)
 TQ_DECLARE_QUANTIZER(fp8_block)
 TQ_DECLARE_QUANTIZER(mxfp8)

@@ -113,8 +113,8 @@ static tq_status check_member(const tq_tensor *got, const tq_tensor *want, int d
     return TQ_SUCCESS;
 }
 
-static tq_status check_qtensor(const tq_quant_config *c, const tq_qtensor *q, uint32_t usage,
-                               int device) {
+tq_status tq_qtensor_check_members(const tq_quant_config *c, const tq_qtensor *q, uint32_t usage,
+                                   int device) {
     if (q == NULL || q->struct_size < sizeof(tq_qtensor))
         return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "qtensor is NULL or its struct_size is too "
                        "small (use TQ_QTENSOR_INIT)");
@@ -132,15 +132,6 @@ static int float_dtype(tq_dtype d) {
     return d == TQ_DTYPE_FLOAT32 || d == TQ_DTYPE_BFLOAT16 || d == TQ_DTYPE_FLOAT16;
 }
 
-#ifdef TQ_WITH_CUDA
-#define DISPATCH(stem, on_cpu, ...) \
-    ((on_cpu) ? tq_##stem##_ref(__VA_ARGS__) : tq_##stem##_cuda(__VA_ARGS__))
-#else
-#define DISPATCH(stem, on_cpu, ...) \
-    ((on_cpu) ? tq_##stem##_ref(__VA_ARGS__) \
-              : tq_fail(TQ_ERROR_NOT_SUPPORTED, "a CUDA tensor, but tequant was built without CUDA"))
-#endif
-
 tq_status tq_quantize(const tq_tensor *x, const tq_quant_config *c, const tq_quantize_args *a,
                       tq_qtensor *q, struct CUstream_st *stream) {
     tq_status st = tq_tensor_check(x, "x");
@@ -155,7 +146,7 @@ tq_status tq_quantize(const tq_tensor *x, const tq_quant_config *c, const tq_qua
         return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "qtensor is laid out for [%lld, %lld], x is "
                        "[%lld, %lld]", (long long)q->rows, (long long)q->cols,
                        (long long)x->rows, (long long)x->cols);
-    st = check_qtensor(c, q, a->usage, x->device);
+    st = tq_qtensor_check_members(c, q, a->usage, x->device);
     if (st != TQ_SUCCESS) return st;
     if (c->scaling == TQ_SCALING_DELAYED) {
         st = tq_tensor_check(&a->scale, "scale");
@@ -170,10 +161,10 @@ tq_status tq_quantize(const tq_tensor *x, const tq_quant_config *c, const tq_qua
     const int on_cpu = x->device == TQ_DEVICE_CPU;
     switch (c->scaling) {
         case TQ_SCALING_DELAYED:
-        case TQ_SCALING_CURRENT: return DISPATCH(quantize_fp8, on_cpu, x, c, a, q, stream);
-        case TQ_SCALING_BLOCK: return DISPATCH(quantize_fp8_block, on_cpu, x, c, a, q, stream);
-        case TQ_SCALING_MXFP8: return DISPATCH(quantize_mxfp8, on_cpu, x, c, a, q, stream);
-        case TQ_SCALING_NVFP4: return DISPATCH(quantize_nvfp4, on_cpu, x, c, a, q, stream);
+        case TQ_SCALING_CURRENT: return TQ_DISPATCH(quantize_fp8, on_cpu, x, c, a, q, stream);
+        case TQ_SCALING_BLOCK: return TQ_DISPATCH(quantize_fp8_block, on_cpu, x, c, a, q, stream);
+        case TQ_SCALING_MXFP8: return TQ_DISPATCH(quantize_mxfp8, on_cpu, x, c, a, q, stream);
+        case TQ_SCALING_NVFP4: return TQ_DISPATCH(quantize_nvfp4, on_cpu, x, c, a, q, stream);
         default: return tq_fail(TQ_ERROR_INTERNAL, "quantize: unhandled scaling %d", (int)c->scaling);
     }
 }
@@ -188,7 +179,7 @@ tq_status tq_dequantize(const tq_quant_config *c, const tq_qtensor *q, uint32_t 
     if (!float_dtype(out->dtype))
         return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "dequantize: out has dtype %s; expected "
                        "float32, bfloat16 or float16", tq_dtype_name(out->dtype));
-    st = check_qtensor(c, q, usage, out->device);
+    st = tq_qtensor_check_members(c, q, usage, out->device);
     if (st != TQ_SUCCESS) return st;
     const int row = usage == TQ_USAGE_ROWWISE;
     const int64_t want_rows = row ? q->rows : q->cols, want_cols = row ? q->cols : q->rows;
@@ -196,13 +187,18 @@ tq_status tq_dequantize(const tq_quant_config *c, const tq_qtensor *q, uint32_t 
         return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "dequantize: out is [%lld, %lld]; the %s "
                        "direction is [%lld, %lld]", (long long)out->rows, (long long)out->cols,
                        row ? "rowwise" : "columnwise", (long long)want_rows, (long long)want_cols);
+    return tq_dequantize_dispatch(c, q, usage, out, stream);
+}
+
+tq_status tq_dequantize_dispatch(const tq_quant_config *c, const tq_qtensor *q, uint32_t usage,
+                                 tq_tensor *out, struct CUstream_st *stream) {
     const int on_cpu = out->device == TQ_DEVICE_CPU;
     switch (c->scaling) {
         case TQ_SCALING_DELAYED:
-        case TQ_SCALING_CURRENT: return DISPATCH(dequantize_fp8, on_cpu, c, q, usage, out, stream);
-        case TQ_SCALING_BLOCK: return DISPATCH(dequantize_fp8_block, on_cpu, c, q, usage, out, stream);
-        case TQ_SCALING_MXFP8: return DISPATCH(dequantize_mxfp8, on_cpu, c, q, usage, out, stream);
-        case TQ_SCALING_NVFP4: return DISPATCH(dequantize_nvfp4, on_cpu, c, q, usage, out, stream);
+        case TQ_SCALING_CURRENT: return TQ_DISPATCH(dequantize_fp8, on_cpu, c, q, usage, out, stream);
+        case TQ_SCALING_BLOCK: return TQ_DISPATCH(dequantize_fp8_block, on_cpu, c, q, usage, out, stream);
+        case TQ_SCALING_MXFP8: return TQ_DISPATCH(dequantize_mxfp8, on_cpu, c, q, usage, out, stream);
+        case TQ_SCALING_NVFP4: return TQ_DISPATCH(dequantize_nvfp4, on_cpu, c, q, usage, out, stream);
         default: return tq_fail(TQ_ERROR_INTERNAL, "dequantize: unhandled scaling %d", (int)c->scaling);
     }
 }

@@ -20,7 +20,7 @@ static int tequant_exec(PyObject *module) {
         return -1;
     PyMethodDef *tables[] = {tqx_registry_methods, tqx_capability_methods, tqx_state_methods,
                              tqx_tensor_view_methods, tqx_ops_methods, tqx_quantize_methods,
-                             tqx_codec_methods};
+                             tqx_codec_methods, tqx_gemm_methods};
     for (size_t i = 0; i < sizeof tables / sizeof tables[0]; i++)
         if (PyModule_AddFunctions(module, tables[i]) < 0) return -1;
     return 0;
@@ -37,9 +37,8 @@ static int tequant_traverse(PyObject *module, visitproc visit, void *arg) {
     for (int k = 0; k < TQX_RECIPE_KIND_COUNT; k++) Py_VISIT(st->recipe_classes[k]);
     Py_VISIT(st->default_recipe);
     Py_VISIT(st->dlpack_type);
-    Py_VISIT(st->torch_empty);
-    Py_VISIT(st->torch_zeros);
-    for (int i = 0; i < TQX_TORCH_DTYPE_COUNT; i++) Py_VISIT(st->torch_dtypes[i]);
+    const int visited = tqx_torch_traverse(st, visit, arg);
+    if (visited != 0) return visited;
     return tqx_registry_traverse(st, visit, arg);
 }
 
@@ -47,7 +46,7 @@ static int tequant_clear(PyObject *module) {
     tqx_state *st = tqx_module_state(module);
     if (st == NULL) return 0;
     tqx_registry_clear(st);
-    tqx_quantize_clear(st);
+    tqx_torch_clear(st);
     Py_CLEAR(st->autocast_type);
     Py_CLEAR(st->execution_mode_type);
     Py_CLEAR(st->cuda_error);

@@ -67,7 +67,9 @@ typedef enum tqx_torch_dtype {
     TQX_TORCH_FLOAT8_E4M3 = 2,
     TQX_TORCH_FLOAT8_E5M2 = 3,
     TQX_TORCH_FLOAT8_E8M0 = 4,
-    TQX_TORCH_DTYPE_COUNT = 5
+    TQX_TORCH_BFLOAT16 = 5,
+    TQX_TORCH_FLOAT16 = 6,
+    TQX_TORCH_DTYPE_COUNT = 7
 } tqx_torch_dtype;
 
 #define TQX_ID_CACHE_SIZE 8
@@ -101,9 +103,11 @@ typedef struct tqx_state {
     /* DLPack exchange, cached per tensor type */
     PyTypeObject *dlpack_type; /* strong */
     const DLPackExchangeAPI *dlpack_api;
-    /* torch allocation (quantize.c), imported on first use */
-    PyObject *torch_empty, *torch_zeros;
+    /* torch functions and dtypes (torch_calls.c), imported on first use */
+    PyObject *torch_empty, *torch_zeros, *torch_mm;
     PyObject *torch_dtypes[TQX_TORCH_DTYPE_COUNT];
+    /* gemm.c: the cuBLASLt workspace per (device, stream), a dict of uint8 tensors */
+    PyObject *gemm_workspaces;
     /* interned keyword names for the autocast constructor */
     PyObject *str_enabled, *str_calibrating, *str_recipe, *str_amax_reduction_group;
 } tqx_state;
@@ -151,9 +155,28 @@ extern PyMethodDef tqx_ops_methods[];
 /* codec.c: _C._codec, the elementwise codecs for tests */
 extern PyMethodDef tqx_codec_methods[];
 
+/* torch_calls.c: torch functions the extension calls (allocation, dtypes), imported once. */
+int tqx_torch_import(tqx_state *st); /* -1 with an exception */
+PyObject *tqx_torch_dtype_of(tqx_state *st, tq_dtype d); /* borrowed; packed E2M1 -> uint8 */
+tq_dtype tqx_dtype_of_torch(tqx_state *st, PyObject *dtype); /* TQ_DTYPE_COUNT_ if not a float */
+/* A new [rows, cols] tensor (cols in elements; packed E2M1 counts codes) of dtype on `device`
+ * (a torch.device), torch.zeros when zeroed; its data pointer goes to *data. */
+PyObject *tqx_torch_new(tqx_state *st, int64_t rows, int64_t cols, tq_dtype dtype,
+                        PyObject *device, int zeroed, void **data);
+void tqx_torch_clear(tqx_state *st);
+int tqx_torch_traverse(tqx_state *st, visitproc visit, void *arg);
+
 /* quantize.c */
 extern PyMethodDef tqx_quantize_methods[];
-void tqx_quantize_clear(tqx_state *st);
+/* A QuantizerConfig object that quantizes in the core -> its config; -1 with an exception. */
+int tqx_config_from_py(tqx_state *st, PyObject *obj, tq_quant_config *out);
+/* members: the 6-tuple (data, scale_inv, data_t, scale_inv_t, amax, amax_t) of a QuantizedTensor
+ * -> q's members that `usage` needs (laid out per tq_quantize_layout); -1 with an exception. */
+int tqx_qtensor_from_py(tqx_state *st, const tq_quant_config *config, int64_t rows, int64_t cols,
+                        PyObject *members, uint32_t usage, tq_qtensor *q);
+
+/* gemm.c */
+extern PyMethodDef tqx_gemm_methods[];
 
 /* autocast.c + state.c */
 int tqx_autocast_init(PyObject *module, tqx_state *st);

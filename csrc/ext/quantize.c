@@ -21,58 +21,16 @@ static tq_tensor *member(tq_qtensor *q, int i) {
 
 static int used(const tq_tensor *t) { return t->rows != 0 || t->cols != 0 || t->ld != 0; }
 
-/* torch.empty / torch.zeros and the dtypes, imported on first use. */
-static int torch_import(tqx_state *st) {
-    if (st->torch_empty != NULL) return 0;
-    PyObject *torch = PyImport_ImportModule("torch");
-    if (torch == NULL) return -1;
-    static const char *const names[TQX_TORCH_DTYPE_COUNT] = {
-        "float32", "uint8", "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu"};
-    int ok = 1;
-    for (int i = 0; i < TQX_TORCH_DTYPE_COUNT && ok; i++)
-        ok = (st->torch_dtypes[i] = PyObject_GetAttrString(torch, names[i])) != NULL;
-    if (ok) ok = (st->torch_zeros = PyObject_GetAttrString(torch, "zeros")) != NULL;
-    if (ok) ok = (st->torch_empty = PyObject_GetAttrString(torch, "empty")) != NULL;
-    Py_DECREF(torch);
-    return ok ? 0 : -1;
-}
-
-static PyObject *torch_dtype_of(tqx_state *st, tq_dtype d) {
-    switch (d) {
-        case TQ_DTYPE_FLOAT32: return st->torch_dtypes[TQX_TORCH_FLOAT32];
-        case TQ_DTYPE_FLOAT8_E4M3: return st->torch_dtypes[TQX_TORCH_FLOAT8_E4M3];
-        case TQ_DTYPE_FLOAT8_E5M2: return st->torch_dtypes[TQX_TORCH_FLOAT8_E5M2];
-        case TQ_DTYPE_FLOAT8_E8M0: return st->torch_dtypes[TQX_TORCH_FLOAT8_E8M0];
-        default: return st->torch_dtypes[TQX_TORCH_UINT8]; /* packed E2M1 pairs */
-    }
-}
-
 /* A new torch tensor for member t (on `device`, a torch.device), its pointer stored in t. */
 static PyObject *alloc_member(tqx_state *st, tq_tensor *t, PyObject *device, int device_index,
                               int zeroed) {
-    const int64_t cols = t->dtype == TQ_DTYPE_FLOAT4_E2M1X2 ? t->cols / 2 : t->cols;
-    PyObject *shape = Py_BuildValue("(LL)", (long long)t->rows, (long long)cols);
-    if (shape == NULL) return NULL;
-    PyObject *args[3] = {shape, torch_dtype_of(st, t->dtype), device};
-    PyObject *kwnames = Py_BuildValue("(ss)", "dtype", "device");
-    PyObject *tensor = NULL;
-    if (kwnames != NULL)
-        tensor = PyObject_Vectorcall(zeroed ? st->torch_zeros : st->torch_empty, args, 1, kwnames);
-    Py_DECREF(shape);
-    Py_XDECREF(kwnames);
-    if (tensor == NULL) return NULL;
-    tq_tensor view;
-    if (tqx_tensor_from_py(st, tensor, member_names[0], ~0u, &view, NULL) < 0) {
-        Py_DECREF(tensor);
-        return NULL;
-    }
-    t->data = view.data;
-    t->device = device_index;
+    PyObject *tensor = tqx_torch_new(st, t->rows, t->cols, t->dtype, device, zeroed, &t->data);
+    if (tensor != NULL) t->device = device_index;
     return tensor;
 }
 
 /* A QuantizerConfig object -> its tq_quant_config (registry.c owns the type). */
-static int config_from_py(tqx_state *st, PyObject *obj, tq_quant_config *out) {
+int tqx_config_from_py(tqx_state *st, PyObject *obj, tq_quant_config *out) {
     if (tqx_quantizer_config_get(st, obj, out) < 0) return -1;
     if (out->scaling == TQ_SCALING_NONE || out->scaling == TQ_SCALING_CUSTOM) {
         PyErr_Format(PyExc_ValueError, "this quantizer config (%R) does not quantize in tequant's "
@@ -95,7 +53,7 @@ static PyObject *py_quantize(PyObject *module, PyObject *const *args, Py_ssize_t
     tq_quant_config config;
     tq_tensor x;
     tqx_tensor_info info;
-    if (config_from_py(st, args[1], &config) < 0 || torch_import(st) < 0
+    if (tqx_config_from_py(st, args[1], &config) < 0 || tqx_torch_import(st) < 0
         || tqx_tensor_from_py(st, args[0], "x", TQX_FLOAT_DTYPES, &x, &info) < 0)
         return NULL;
     tq_quantize_args qargs = TQ_QUANTIZE_ARGS_INIT;
@@ -160,6 +118,42 @@ static PyObject *py_quantize(PyObject *module, PyObject *const *args, Py_ssize_t
     return result;
 }
 
+int tqx_qtensor_from_py(tqx_state *st, const tq_quant_config *config, int64_t rows, int64_t cols,
+                        PyObject *members, uint32_t usage, tq_qtensor *q) {
+    if (!PyTuple_Check(members) || PyTuple_GET_SIZE(members) != N_MEMBERS) {
+        PyErr_SetString(PyExc_TypeError, "members must be a 6-tuple (data, scale_inv, data_t, "
+                        "scale_inv_t, amax, amax_t)");
+        return -1;
+    }
+    const tq_qtensor empty = TQ_QTENSOR_INIT;
+    *q = empty;
+    q->rows = rows;
+    q->cols = cols;
+    /* Read only the members the direction needs; their shapes come from the layout. */
+    tq_qtensor want = TQ_QTENSOR_INIT;
+    tq_status s = tq_quantize_layout(config, rows, cols, usage, &want);
+    if (s != TQ_SUCCESS) return tqx_raise_status(st, s), -1;
+    for (int i = 0; i < N_MEMBERS; i++) {
+        tq_tensor *w = member(&want, i), *t = member(q, i);
+        if (!used(w)) continue;
+        PyObject *obj = PyTuple_GET_ITEM(members, i);
+        if (obj == Py_None) {
+            PyErr_Format(PyExc_ValueError, "this quantized tensor has no %s, which the %s "
+                         "direction needs (quantize it with %s=True)", member_names[i],
+                         usage == TQ_USAGE_ROWWISE ? "rowwise" : "columnwise",
+                         usage == TQ_USAGE_ROWWISE ? "rowwise" : "columnwise");
+            return -1;
+        }
+        if (tqx_tensor_from_py(st, obj, member_names[i], ~0u, t, NULL) < 0) return -1;
+        if (w->dtype == TQ_DTYPE_FLOAT4_E2M1X2 && t->dtype == TQ_DTYPE_UINT8) {
+            t->dtype = TQ_DTYPE_FLOAT4_E2M1X2; /* bytes -> codes */
+            t->cols *= 2;
+            t->ld *= 2;
+        }
+    }
+    return 0;
+}
+
 /* _dequantize(config, rows, cols, members, usage, out): out = the values of one direction. */
 static PyObject *py_dequantize(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 6) {
@@ -169,41 +163,17 @@ static PyObject *py_dequantize(PyObject *module, PyObject *const *args, Py_ssize
     }
     tqx_state *st = tqx_module_state(module);
     tq_quant_config config;
-    if (config_from_py(st, args[0], &config) < 0) return NULL;
-    tq_qtensor q = TQ_QTENSOR_INIT;
-    q.rows = PyLong_AsLongLong(args[1]);
-    q.cols = PyLong_AsLongLong(args[2]);
+    if (tqx_config_from_py(st, args[0], &config) < 0) return NULL;
+    tq_qtensor q;
+    const int64_t rows = PyLong_AsLongLong(args[1]), cols = PyLong_AsLongLong(args[2]);
     long usage = PyLong_AsLong(args[4]);
     if (PyErr_Occurred()) return NULL;
-    if (!PyTuple_Check(args[3]) || PyTuple_GET_SIZE(args[3]) != N_MEMBERS) {
-        PyErr_SetString(PyExc_TypeError, "members must be a 6-tuple (data, scale_inv, data_t, "
-                        "scale_inv_t, amax, amax_t)");
+    if (tqx_qtensor_from_py(st, &config, rows, cols, args[3], (uint32_t)usage, &q) < 0)
         return NULL;
-    }
-    /* Read only the members the direction needs; their shapes come from the layout. */
-    tq_qtensor want = TQ_QTENSOR_INIT;
-    tq_status s = tq_quantize_layout(&config, q.rows, q.cols, (uint32_t)usage, &want);
-    if (s != TQ_SUCCESS) return tqx_raise_status(st, s);
-    for (int i = 0; i < N_MEMBERS; i++) {
-        tq_tensor *w = member(&want, i), *t = member(&q, i);
-        if (!used(w)) continue;
-        PyObject *obj = PyTuple_GET_ITEM(args[3], i);
-        if (obj == Py_None) {
-            PyErr_Format(PyExc_ValueError, "this quantized tensor has no %s, which the %s "
-                         "direction needs", member_names[i],
-                         usage == TQ_USAGE_ROWWISE ? "rowwise" : "columnwise");
-            return NULL;
-        }
-        if (tqx_tensor_from_py(st, obj, member_names[i], ~0u, t, NULL) < 0) return NULL;
-        if (w->dtype == TQ_DTYPE_FLOAT4_E2M1X2 && t->dtype == TQ_DTYPE_UINT8) {
-            t->dtype = TQ_DTYPE_FLOAT4_E2M1X2; /* bytes -> codes */
-            t->cols *= 2;
-            t->ld *= 2;
-        }
-    }
     tq_tensor out;
     tqx_tensor_info info;
     if (tqx_tensor_from_py(st, args[5], "out", TQX_FLOAT_DTYPES, &out, &info) < 0) return NULL;
+    tq_status s;
     Py_BEGIN_ALLOW_THREADS
     s = tq_dequantize(&config, &q, (uint32_t)usage, &out, (struct CUstream_st *)info.stream);
     Py_END_ALLOW_THREADS
@@ -221,8 +191,3 @@ PyMethodDef tqx_quantize_methods[] = {
      "into out; see QuantizedTensor.dequantize."},
     {NULL, NULL, 0, NULL}};
 
-void tqx_quantize_clear(tqx_state *st) {
-    Py_CLEAR(st->torch_empty);
-    Py_CLEAR(st->torch_zeros);
-    for (int i = 0; i < TQX_TORCH_DTYPE_COUNT; i++) Py_CLEAR(st->torch_dtypes[i]);
-}

@@ -133,13 +133,15 @@ tq_status tq_dequantize_nvfp4_ref(const tq_quant_config *config, const tq_qtenso
     const int row = usage == TQ_USAGE_ROWWISE;
     const uint8_t *data = (const uint8_t *)(row ? q->data.data : q->data_t.data);
     const uint8_t *scale_inv = (const uint8_t *)(row ? q->scale_inv.data : q->scale_inv_t.data);
-    const float amax = *(const float *)(row ? q->amax.data : q->amax_t.data);
+    /* No amax: the GEMM values q * s_b, whose global factor is the GEMM's alpha (gemm.c). */
+    const float *amax = (const float *)(row ? q->amax.data : q->amax_t.data);
     const int64_t rows = out->rows, cols = out->cols, blocks_per_row = cols / 16;
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t c = 0; c < cols; c++) {
             const uint8_t byte = data[(r * cols + c) / 2];
             const uint8_t code = (uint8_t)(c % 2 == 0 ? byte & 0xFu : byte >> 4);
-            const float dec = tq_nvfp4_block_dec(scale_inv[r * blocks_per_row + c / 16], amax);
+            const uint8_t s_b = scale_inv[r * blocks_per_row + c / 16];
+            const float dec = amax ? tq_nvfp4_block_dec(s_b, *amax) : tq_e4m3_to_f32(s_b);
             tq_ref_store(out, r, c, tq_mul(tq_e2m1_to_f32(code), dec));
         }
     }

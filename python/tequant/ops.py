@@ -1,16 +1,17 @@
-"""te.ops: the stateless functional API (quantize, dequantize; gemm arrives with the GEMM issue).
+"""te.ops: the stateless functional API: quantize, dequantize and gemm.
 
 For users who want no module state: `q = te.ops.quantize(x, recipe, role="input")` quantizes
 with exactly the quantizer a te.Linear would use for that role under that recipe, on CPU (the C
-reference) or CUDA (the kernels), and `te.ops.dequantize(q)` reads it back.
-Tests: tests/test_ops.py and tests/test_quantize_*.py.
+reference) or CUDA (the kernels), `te.ops.dequantize(q)` reads it back, and
+`te.ops.gemm(qa, qb, ...)` multiplies two quantized tensors as Linear's GEMMs do.
+Tests: tests/test_ops.py, tests/test_quantize_*.py and tests/test_gemm.py.
 """
 import torch
 
 from . import _C
 from .quantized import COLUMNWISE, ROWWISE, QuantizedTensor
 
-__all__ = ["quantize", "dequantize"]
+__all__ = ["quantize", "dequantize", "gemm"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -107,3 +108,71 @@ def dequantize(q, dtype=torch.float32):
     if dtype not in _FLOATS:
         raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
     return q.dequantize(dtype)
+
+
+_ACCUMULATE, _FAST_ACCUM = 1, 2  # tq_gemm_flags
+
+
+def _operand(q, usage, name):
+    if not isinstance(q, QuantizedTensor):
+        raise TypeError(f"{name} must be a tequant.QuantizedTensor, got {type(q).__name__}")
+    return (q.config, q.rows, q.cols, q._members(), usage)
+
+
+def gemm(a, b, *, transpose_a=False, transpose_b=False, out_dtype=None, bias=None, out=None,
+         accumulate=False, use_split_accumulator=True):
+    """op(a) @ op(b) (+ bias) for two QuantizedTensors, as te.Linear's GEMMs compute it.
+
+    op transposes its operand when transpose_a / transpose_b is set. The direction each operand
+    must have been quantized with follows: a rowwise (columnwise when transpose_a), b columnwise
+    (rowwise when transpose_b). Linear's three products:
+
+        fprop  y  = x @ W.T   gemm(qx, qw, transpose_b=True)     TE layout "TN"
+        dgrad  dx = dy @ W    gemm(qdy, qw)                      TE layout "NN"
+        wgrad  dW = dy.T @ x  gemm(qdy, qx, transpose_a=True)    TE layout "NT"
+
+    Args:
+        a: [..., K] (leading dims kept in the result) or, with transpose_a, a 2-D [K', M] view
+            whose rows are contracted.
+        b: [K, N], or [N, K] with transpose_b.
+        out_dtype: torch.float32, bfloat16 or float16 (FP8 pairs) / float32 or bfloat16
+            (MXFP8, NVFP4); default a.dtype, the dtype a was quantized from.
+        bias: [N], added in the GEMM's epilogue after converting it to the dtype the epilogue
+            takes (FP8: bfloat16, or float16 beside a float16 output; MXFP8/NVFP4: out_dtype).
+        out: a contiguous result tensor to write (of out_dtype when given).
+        accumulate: add the product into out (gradient accumulation); needs out.
+        use_split_accumulator: False selects Hopper's FP8 fast accumulation (per-tensor FP8
+            pairs only; block-scaled, MXFP8 and NVFP4 GEMMs always accumulate in full FP32).
+
+    Pairs: FP8 per-tensor x FP8 per-tensor (delayed and current mix), FP8 block 1x128 x 1x128 or
+    x 128x128, MXFP8 x MXFP8, NVFP4 x NVFP4. On CUDA the FP8 pairs run natively in cuBLASLt and
+    MXFP8/NVFP4 are emulated exactly (BF16 dequantization, BF16 GEMM, NVFP4's global factor as
+    alpha); on CPU the dequantized values are multiplied in float32. Other pairs, E5M2 x E5M2
+    and two 128x128-block operands raise NotImplementedError; FP8 needs K % 16 == 0 (ValueError).
+    """
+    usage_a = COLUMNWISE if transpose_a else ROWWISE
+    usage_b = ROWWISE if transpose_b else COLUMNWISE
+    spec_a, spec_b = _operand(a, usage_a, "a"), _operand(b, usage_b, "b")
+    for q, usage, name in ((a, usage_a, "a"), (b, usage_b, "b")):
+        if (q.data if usage == ROWWISE else q.data_t) is None:
+            direction = "rowwise" if usage == ROWWISE else "columnwise"
+            raise ValueError(f"{name} has no {direction} data, which this product reads "
+                             f"(quantize {name} with {direction}=True)")
+    if out_dtype is None:
+        out_dtype = out.dtype if out is not None else a.dtype
+    elif out is not None and out.dtype != out_dtype:
+        raise ValueError(f"out has dtype {out.dtype} but out_dtype is {out_dtype}")
+    if accumulate and out is None:
+        raise ValueError("accumulate=True adds the product into out: pass out=")
+    lead = a.shape[:-1] if not transpose_a and len(a.shape) > 2 else None
+    out_2d = out
+    if out is not None and lead is not None:
+        if out.shape[:-1] != lead:
+            raise ValueError(f"out has shape {tuple(out.shape)}; the product is "
+                             f"{tuple(lead) + (out.shape[-1],)}")
+        out_2d = out.view(-1, out.shape[-1])
+    flags = (_ACCUMULATE if accumulate else 0) | (0 if use_split_accumulator else _FAST_ACCUM)
+    result = _C._gemm(spec_a, spec_b, out_2d, out_dtype, bias, flags)
+    if out is not None:
+        return out
+    return result.view(*lead, result.shape[-1]) if lead is not None else result

@@ -281,6 +281,12 @@ TQ_HD float tq_nvfp4_block_dec(uint8_t block_scale, float global_amax) {
     return (tq_e4m3_to_f32(block_scale) * global_amax) * TQ_RCP_2688;
 }
 
+/* NVFP4 GEMM global factor (alpha) of two operands with direction amaxes A and B:
+ * RN(RN(A * B) * RN(1/7225344)). The GEMM multiplies q * s_b values; this restores the rest. */
+TQ_HD float tq_nvfp4_gemm_alpha(float amax_a, float amax_b) {
+    return (amax_a * amax_b) * TQ_RCP_7225344;
+}
+
 /* ---- Philox4x32-10 (stochastic rounding, NUMERICS 3.2) ---- */
 
 TQ_HD void tq_philox4x32_10(const uint32_t counter[4], const uint32_t key[2], uint32_t out[4]) {

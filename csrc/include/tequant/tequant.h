@@ -251,6 +251,112 @@ TQ_API tq_status tq_dequantize(const tq_quant_config *config, const tq_qtensor *
                                tq_tensor *out, struct CUstream_st *stream);
 
 /* ---------------------------------------------------------------------------------------------
+ * GEMMs
+ *
+ * out[M, N] = alpha * A[M, K] . B[N, K]^T (+ bias[N]) (+ out when accumulating), where A and B
+ * are ONE direction each of quantized tensors, read in its physical layout [rows, K] (rowwise
+ * data [M, K], or columnwise data_t [K, M], the transpose) and contracted over its columns.
+ * The three Linear products (TE_REFERENCE 7.5) in these terms:
+ *   fprop  y  = x  . W^T   A = x rowwise,   B = W rowwise
+ *   dgrad  dx = dy . W     A = dy rowwise,  B = W columnwise
+ *   wgrad  dW = dy^T . x   A = dy columnwise, B = x columnwise
+ * Pairs (both operands of one family; NUMERICS.md 4):
+ *   per-tensor FP8 (DELAYED/CURRENT, mixable)  native cuBLASLt, scale_inv pointers as scales;
+ *                                              E5M2 x E5M2 is refused (cuBLASLt has none)
+ *   FP8 BLOCK 1x128 x 1x128, 1x128 x 128x128   native cuBLASLt VEC128_32F / BLK128x128_32F;
+ *                                              two 128x128 operands are refused (Hopper)
+ *   MXFP8 x MXFP8, NVFP4 x NVFP4               emulated: both operands are dequantized exactly
+ *                                              to BF16 (q * 2^(e-127); NVFP4 q * s_b without the
+ *                                              global factor) and multiplied by a BF16 cuBLASLt
+ *                                              GEMM with FP32 accumulation; NVFP4's global factor
+ *                                              is alpha = RN(RN(amax_A*amax_B) * RN(1/7225344))
+ *                                              (amax of the direction used). Values equal a
+ *                                              block-scaled GEMM's up to FP32 summation order.
+ * FP8 pairs (cuBLASLt's rules): K a multiple of 16; N * sizeof(out element) a multiple of 16
+ * bytes (N % 8 for 16-bit outputs, N % 4 for FP32); block pairs also N % 8 (any M: block pairs
+ * with M % 8 != 0 run on a zero-padded copy of A). MXFP8 and NVFP4 layouts already align.
+ * Accuracy: emulated pairs accumulate in FP32; Hopper's FP8 tensor cores keep fewer accumulator
+ * bits inside an MMA even with split accumulation (about 1e-4 relative error measured on H200
+ * with FP32 output), more with FAST_ACCUM.
+ * Outputs: FLOAT32, BFLOAT16, FLOAT16 (FP8 pairs); FLOAT32, BFLOAT16 (emulated pairs).
+ * tq_gemm runs on CUDA tensors only; on CPU, tq_gemm_operand_values gives the values to multiply
+ * (the Python extension multiplies them with torch in FP32).
+ * ------------------------------------------------------------------------------------------- */
+
+typedef struct tq_gemm_operand {
+    const tq_quant_config *config;
+    const tq_qtensor *q;
+    uint32_t usage; /* TQ_USAGE_ROWWISE or TQ_USAGE_COLUMNWISE: the direction to read */
+} tq_gemm_operand;
+
+typedef enum tq_gemm_flags {
+    TQ_GEMM_ACCUMULATE = 1u << 0, /* out += result (beta = 1) instead of out = result */
+    TQ_GEMM_FAST_ACCUM = 1u << 1  /* Hopper FP8 fast accumulation (MMParams use_split_accumulator
+                                     = False); applies to per-tensor FP8 pairs only, as in TE */
+} tq_gemm_flags;
+
+/* What a GEMM of a and b into out_dtype needs; filled by tq_gemm_query. */
+typedef struct tq_gemm_info {
+    size_t struct_size;   /* sizeof(tq_gemm_info), set by TQ_GEMM_INFO_INIT */
+    int64_t m, n, k;      /* out is [m, n]; the contraction length is k */
+    int device;           /* the operands' device (TQ_DEVICE_CPU or a CUDA ordinal) */
+    int emulated;         /* 1: MXFP8 / NVFP4 through BF16 (see above) */
+    tq_dtype bias_dtype;  /* the dtype the epilogue takes bias in */
+    size_t scratch_bytes; /* CUDA scratch tq_gemm needs besides the cuBLASLt workspace */
+} tq_gemm_info;
+
+#define TQ_GEMM_INFO_INIT {sizeof(tq_gemm_info), 0, 0, 0, TQ_DEVICE_CPU, 0, TQ_DTYPE_FLOAT32, 0}
+
+typedef struct tq_gemm_args {
+    size_t struct_size; /* sizeof(tq_gemm_args), set by TQ_GEMM_ARGS_INIT */
+    uint32_t flags;     /* tq_gemm_flags */
+    tq_tensor bias;     /* [1, N] (or [N, 1]) of info.bias_dtype, or data == NULL for none */
+    tq_tensor workspace; /* cuBLASLt workspace bytes (UINT8, any size; TQ_GEMM_WORKSPACE_BYTES
+                            lets it choose among all algorithms); the caller keeps one per stream */
+    tq_tensor scratch;  /* UINT8, at least info.scratch_bytes (may be empty when that is 0) */
+} tq_gemm_args;
+
+#define TQ_GEMM_ARGS_INIT {sizeof(tq_gemm_args), 0u, {0}, {0}, {0}}
+#define TQ_GEMM_WORKSPACE_BYTES ((size_t)32 << 20)
+
+/* Checks the pair, shapes and out_dtype (the same rules on every device) and fills info. */
+TQ_API tq_status tq_gemm_query(const tq_gemm_operand *a, const tq_gemm_operand *b,
+                               tq_dtype out_dtype, tq_gemm_info *info);
+
+/* out = alpha * A . B^T (+ bias) (+ out), on out's CUDA device and `stream` (no sync). Plans
+ * (descriptors + the heuristic's algorithm) are cached per (device, shapes, dtypes, scaling,
+ * epilogue, alignment), so a repeated call runs no heuristic. Thread-safe. */
+TQ_API tq_status tq_gemm(const tq_gemm_operand *a, const tq_gemm_operand *b,
+                         const tq_gemm_args *args, tq_tensor *out, struct CUstream_st *stream);
+
+/* The values one operand's direction contributes to the GEMM, [rows, K] as FLOAT32 or BFLOAT16:
+ * q * scale_inv (per tensor or block), q * 2^(e-127) (MXFP8), q * s_b (NVFP4, without the global
+ * factor: formats.h tq_nvfp4_gemm_alpha gives it). Exact in FLOAT32 except per-tensor/block FP8's rounding of
+ * q * scale_inv; exact in BFLOAT16 for MXFP8 and NVFP4. CPU or CUDA (on `stream`). */
+TQ_API tq_status tq_gemm_operand_values(const tq_gemm_operand *op, tq_tensor *out,
+                                        struct CUstream_st *stream);
+
+/* The GEMM's alpha as a FLOAT32 [1, 1] on the operands' device: for NVFP4 pairs
+ * tq_nvfp4_gemm_alpha(amax_A, amax_B) of the directions' amaxes, else 1. tq_gemm applies it
+ * itself; a CPU caller multiplying tq_gemm_operand_values scales its product by it. */
+TQ_API tq_status tq_gemm_alpha(const tq_gemm_operand *a, const tq_gemm_operand *b,
+                               tq_tensor *alpha, struct CUstream_st *stream);
+
+/* Plan-cache counters, for tests and tuning: heuristic queries run, calls served from the cache,
+ * plans held now. tq_gemm_plan_cache_clear drops every plan (not the counters). */
+typedef struct tq_gemm_plan_stats {
+    size_t struct_size; /* sizeof(tq_gemm_plan_stats), set by TQ_GEMM_PLAN_STATS_INIT */
+    uint64_t heuristic_queries;
+    uint64_t cache_hits;
+    uint64_t plans;
+} tq_gemm_plan_stats;
+
+#define TQ_GEMM_PLAN_STATS_INIT {sizeof(tq_gemm_plan_stats), 0, 0, 0}
+
+TQ_API tq_status tq_gemm_plan_stats_get(tq_gemm_plan_stats *stats);
+TQ_API tq_status tq_gemm_plan_cache_clear(void);
+
+/* ---------------------------------------------------------------------------------------------
  * Scalar codecs, elementwise (the rules of formats.h on whole tensors; used to test the codecs
  * exhaustively on CPU and CUDA, and handy for inspecting formats)
  * ------------------------------------------------------------------------------------------- */

@@ -1,0 +1,49 @@
+/* internal_gemm.h: one cuBLASLt matmul as gemm.c describes it to gemm_cublaslt.c, which owns the
+ * handles, the plan cache and the launch. Not part of the public API.
+ *
+ * Column-major cuBLAS terms: D[m, n] = alpha * op(A)[m, k] . B[k, n] + beta * D, with A stored
+ * [k, m] (TRANSA = T) and B stored [k, n] (TRANSB = N): tequant's row-major out[M, N] =
+ * A_tq[M, K] . B_tq[N, K]^T is this with cuBLAS A = B_tq (m = N) and cuBLAS B = A_tq (n = M).
+ * Tests: tests/test_gemm.py (plan-cache counters, every pair on the GPU machine).
+ */
+#ifndef TEQUANT_CORE_INTERNAL_GEMM_H_
+#define TEQUANT_CORE_INTERNAL_GEMM_H_
+
+#include "internal.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct tq_lt_call {
+    int device;
+    int a_type, b_type, d_type; /* cudaDataType_t values */
+    int bias_type;              /* cudaDataType_t of bias, or -1 for no bias epilogue */
+    int a_scale_mode, b_scale_mode; /* cublasLtMatmulMatrixScale_t, or -1: no scale pointer */
+    const void *a, *b, *a_scale, *b_scale, *bias;
+    void *d;
+    int64_t m, n, k, lda, ldb, ldd;
+    int fast_accum;
+    int device_scalars; /* alpha and beta point to device floats (else host floats) */
+    const float *alpha, *beta;
+    void *workspace;
+    size_t workspace_bytes;
+    struct CUstream_st *stream;
+    const char *what; /* the pair, for error messages ("FP8 E4M3 x E4M3 per-tensor") */
+} tq_lt_call;
+
+/* Runs the call through a cached plan (heuristic on the first call of its kind). */
+tq_status tq_lt_matmul(const tq_lt_call *call);
+
+/* gemm_alpha: alpha_beta[0] = tq_nvfp4_gemm_alpha(*amax_a, *amax_b), or 1 when amax_a is NULL;
+ * alpha_beta[1] = beta when n_out is 2. Device floats on CUDA (on `stream`), host floats on CPU. */
+tq_status tq_gemm_alpha_ref(const float *amax_a, const float *amax_b, float beta,
+                            float *alpha_beta, int n_out, struct CUstream_st *stream);
+tq_status tq_gemm_alpha_cuda(const float *amax_a, const float *amax_b, float beta,
+                             float *alpha_beta, int n_out, struct CUstream_st *stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* TEQUANT_CORE_INTERNAL_GEMM_H_ */

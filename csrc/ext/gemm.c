@@ -1,0 +1,234 @@
+/* gemm.c: the extension's GEMM call (te.ops.gemm now, te.Linear's C path next).
+ *
+ * _gemm checks the pair with the core's tq_gemm_query (the same rules on every device), converts
+ * the bias to the dtype the epilogue takes, then:
+ *   CUDA: tq_gemm on the output's current stream with the GIL released; the cuBLASLt workspace
+ *         is one torch uint8 tensor per (device, stream), kept in the module state (concurrent
+ *         streams must not share one), and per-call scratch (emulated operands, padding) comes
+ *         from torch.empty, i.e. the caching allocator;
+ *   CPU:  both operands' GEMM values from the C reference (tq_gemm_operand_values, FP32), one
+ *         torch.mm in FP32, then alpha, the accumulated output and the bias in FP32, and a single
+ *         rounding into out, in the order cuBLASLt's epilogue applies them.
+ * Tests: tests/test_gemm.py.
+ */
+#include "module.h"
+
+/* An operand spec (config, rows, cols, members, usage) -> the core's operand. */
+typedef struct operand {
+    tq_quant_config config;
+    tq_qtensor q;
+    tq_gemm_operand op;
+    PyObject *any_member; /* borrowed: a tensor of the direction, for its device */
+} operand;
+
+static int operand_from_py(tqx_state *st, PyObject *spec, const char *name, operand *o) {
+    if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) != 5) {
+        PyErr_Format(PyExc_TypeError, "GEMM operand %s must be a (config, rows, cols, members, "
+                     "usage) tuple", name);
+        return -1;
+    }
+    PyObject *const *item = &PyTuple_GET_ITEM(spec, 0);
+    const int64_t rows = PyLong_AsLongLong(item[1]), cols = PyLong_AsLongLong(item[2]);
+    const long usage = PyLong_AsLong(item[4]);
+    if (PyErr_Occurred()) return -1;
+    if (tqx_config_from_py(st, item[0], &o->config) < 0
+        || tqx_qtensor_from_py(st, &o->config, rows, cols, item[3], (uint32_t)usage, &o->q) < 0)
+        return -1;
+    o->op.config = &o->config;
+    o->op.q = &o->q;
+    o->op.usage = (uint32_t)usage;
+    o->any_member = PyTuple_GET_ITEM(item[3], usage == TQ_USAGE_ROWWISE ? 0 : 2);
+    return 0;
+}
+
+/* The cuBLASLt workspace of (device, stream): made on first use, then reused. */
+static int workspace_for(tqx_state *st, PyObject *device, int device_index, void *stream,
+                         tq_tensor *ws, PyObject **owner) {
+    if (st->gemm_workspaces == NULL && (st->gemm_workspaces = PyDict_New()) == NULL) return -1;
+    PyObject *key = Py_BuildValue("(iK)", device_index, (unsigned long long)(uintptr_t)stream);
+    if (key == NULL) return -1;
+    PyObject *tensor = PyDict_GetItemWithError(st->gemm_workspaces, key); /* borrowed */
+    int rc = 0;
+    if (tensor == NULL && !PyErr_Occurred()) {
+        void *data;
+        tensor = tqx_torch_new(st, 1, (int64_t)TQ_GEMM_WORKSPACE_BYTES, TQ_DTYPE_UINT8, device, 0, &data);
+        if (tensor == NULL || PyDict_SetItem(st->gemm_workspaces, key, tensor) < 0) rc = -1;
+        Py_XDECREF(tensor); /* the dict holds it */
+    }
+    Py_DECREF(key);
+    if (rc < 0 || tensor == NULL) return -1;
+    *owner = tensor;
+    return tqx_tensor_from_py(st, tensor, "workspace", 1u << TQ_DTYPE_UINT8, ws, NULL);
+}
+
+static int cuda_gemm(tqx_state *st, operand *a, operand *b, const tq_gemm_info *info,
+                     tq_gemm_args *args, tq_tensor *out, void *stream, PyObject *device) {
+    PyObject *ws_owner, *scratch = NULL;
+    if (workspace_for(st, device, info->device, stream, &args->workspace, &ws_owner) < 0) return -1;
+    if (info->scratch_bytes > 0) {
+        scratch = tqx_torch_new(st, 1, (int64_t)info->scratch_bytes, TQ_DTYPE_UINT8, device, 0,
+                                &args->scratch.data);
+        if (scratch == NULL) return -1;
+        args->scratch.rows = 1;
+        args->scratch.cols = args->scratch.ld = (int64_t)info->scratch_bytes;
+        args->scratch.dtype = TQ_DTYPE_UINT8;
+        args->scratch.device = info->device;
+    }
+    tq_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = tq_gemm(&a->op, &b->op, args, out, (struct CUstream_st *)stream);
+    Py_END_ALLOW_THREADS
+    Py_XDECREF(scratch); /* the kernels are queued on the stream; the allocator orders reuse */
+    if (s != TQ_SUCCESS) return tqx_raise_status(st, s), -1;
+    return 0;
+}
+
+/* result = method(obj, *args) with one argument, the reference to obj's result dropped. */
+static int call_in_place(PyObject *obj, const char *method, PyObject *arg) {
+    PyObject *r = PyObject_CallMethod(obj, method, "O", arg);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
+}
+
+static int cpu_gemm(tqx_state *st, operand *a, operand *b, const tq_gemm_info *info, int accumulate,
+                    PyObject *bias, PyObject *out_obj, PyObject *device) {
+    tq_tensor va = {NULL, info->m, info->k, info->k, TQ_DTYPE_FLOAT32, TQ_DEVICE_CPU};
+    tq_tensor vb = {NULL, info->n, info->k, info->k, TQ_DTYPE_FLOAT32, TQ_DEVICE_CPU};
+    PyObject *ta = tqx_torch_new(st, va.rows, va.cols, TQ_DTYPE_FLOAT32, device, 0, &va.data);
+    PyObject *tb = ta ? tqx_torch_new(st, vb.rows, vb.cols, TQ_DTYPE_FLOAT32, device, 0, &vb.data) : NULL;
+    PyObject *tbt = NULL, *prod = NULL;
+    float alpha = 1.0f;
+    tq_tensor alpha_t = {&alpha, 1, 1, 1, TQ_DTYPE_FLOAT32, TQ_DEVICE_CPU};
+    int rc = -1;
+    if (tb == NULL) goto done;
+    tq_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = tq_gemm_operand_values(&a->op, &va, NULL);
+    if (s == TQ_SUCCESS) s = tq_gemm_operand_values(&b->op, &vb, NULL);
+    if (s == TQ_SUCCESS) s = tq_gemm_alpha(&a->op, &b->op, &alpha_t, NULL);
+    Py_END_ALLOW_THREADS
+    if (s != TQ_SUCCESS) {
+        tqx_raise_status(st, s);
+        goto done;
+    }
+    if ((tbt = PyObject_CallMethod(tb, "t", NULL)) == NULL) goto done;
+    if ((prod = PyObject_CallFunctionObjArgs(st->torch_mm, ta, tbt, NULL)) == NULL) goto done;
+    if (alpha != 1.0f) {
+        PyObject *f = PyFloat_FromDouble(alpha); /* exact: a float32 widened */
+        const int failed = f == NULL || call_in_place(prod, "mul_", f) < 0;
+        Py_XDECREF(f);
+        if (failed) goto done;
+    }
+    if (accumulate && call_in_place(prod, "add_", out_obj) < 0) goto done;
+    if (bias != NULL && call_in_place(prod, "add_", bias) < 0) goto done;
+    rc = call_in_place(out_obj, "copy_", prod);
+done:
+    Py_XDECREF(ta);
+    Py_XDECREF(tb);
+    Py_XDECREF(tbt);
+    Py_XDECREF(prod);
+    return rc;
+}
+
+/* _gemm(a, b, out, out_dtype, bias, flags) -> out [M, N]: out = alpha * A . B^T (+ bias)
+ * (+ out with TQ_GEMM_ACCUMULATE). a, b: (config, rows, cols, members, usage) specs; out: a
+ * tensor or None (then a new one of out_dtype); bias: a tensor of N elements or None. */
+static PyObject *py_gemm(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_Format(PyExc_TypeError, "_gemm(a, b, out, out_dtype, bias, flags) takes 6 "
+                     "arguments (%zd given)", nargs);
+        return NULL;
+    }
+    tqx_state *st = tqx_module_state(module);
+    operand a, b;
+    const long flags = PyLong_AsLong(args[5]);
+    if (flags == -1 && PyErr_Occurred()) return NULL;
+    if (tqx_torch_import(st) < 0 || operand_from_py(st, args[0], "a", &a) < 0
+        || operand_from_py(st, args[1], "b", &b) < 0)
+        return NULL;
+    const int accumulate = (flags & TQ_GEMM_ACCUMULATE) != 0;
+    PyObject *out_obj = args[2], *bias = NULL, *device = NULL, *result = NULL;
+    tq_tensor out;
+    tqx_tensor_info out_info;
+    tq_dtype out_dtype;
+    if (out_obj != Py_None) {
+        if (tqx_tensor_from_py(st, out_obj, "out", TQX_FLOAT_DTYPES, &out, &out_info) < 0) return NULL;
+        out_dtype = out.dtype;
+    } else if (accumulate) {
+        PyErr_SetString(PyExc_ValueError, "accumulate=True adds into out: pass out=");
+        return NULL;
+    } else if ((out_dtype = tqx_dtype_of_torch(st, args[3])) == TQ_DTYPE_COUNT_) {
+        PyErr_Format(PyExc_ValueError, "out_dtype must be torch.float32, torch.bfloat16 or "
+                     "torch.float16, got %R", args[3]);
+        return NULL;
+    }
+    tq_gemm_info info = TQ_GEMM_INFO_INIT;
+    tq_status s = tq_gemm_query(&a.op, &b.op, out_dtype, &info);
+    if (s != TQ_SUCCESS) return tqx_raise_status(st, s);
+    if ((device = PyObject_GetAttrString(a.any_member, "device")) == NULL) return NULL;
+    if (out_obj == Py_None) {
+        void *data;
+        if ((out_obj = tqx_torch_new(st, info.m, info.n, out_dtype, device, 0, &data)) == NULL
+            || tqx_tensor_from_py(st, out_obj, "out", TQX_FLOAT_DTYPES, &out, &out_info) < 0)
+            goto done;
+    } else {
+        Py_INCREF(out_obj);
+        if (out.rows != info.m || out.cols != info.n || out.device != info.device) {
+            PyErr_Format(PyExc_ValueError, "out is [%lld, %lld] on device %d; the product is "
+                         "[%lld, %lld] on device %d", (long long)out.rows, (long long)out.cols,
+                         out.device, (long long)info.m, (long long)info.n, info.device);
+            goto done;
+        }
+    }
+    tq_gemm_args gargs = TQ_GEMM_ARGS_INIT;
+    gargs.flags = (uint32_t)flags;
+    if (args[4] != Py_None) { /* the epilogue's dtype, converted once here */
+        PyObject *dtype = tqx_torch_dtype_of(st, info.bias_dtype);
+        if ((bias = PyObject_CallMethod(args[4], "to", "O", dtype)) == NULL
+            || tqx_tensor_from_py(st, bias, "bias", 1u << info.bias_dtype, &gargs.bias, NULL) < 0)
+            goto done;
+        if (gargs.bias.rows * gargs.bias.cols != info.n || gargs.bias.device != info.device) {
+            PyErr_Format(PyExc_ValueError, "bias has %lld elements on device %d; the product "
+                         "has N=%lld columns on device %d", (long long)(gargs.bias.rows * gargs.bias.cols),
+                         gargs.bias.device, (long long)info.n, info.device);
+            goto done;
+        }
+    }
+    const int rc = info.device == TQ_DEVICE_CPU
+                       ? cpu_gemm(st, &a, &b, &info, accumulate, bias, out_obj, device)
+                       : cuda_gemm(st, &a, &b, &info, &gargs, &out, out_info.stream, device);
+    if (rc == 0) result = Py_NewRef(out_obj);
+done:
+    Py_XDECREF(out_obj);
+    Py_XDECREF(bias);
+    Py_XDECREF(device);
+    return result;
+}
+
+static PyObject *py_gemm_plan_stats(PyObject *module, PyObject *unused) {
+    (void)unused;
+    tq_gemm_plan_stats stats = TQ_GEMM_PLAN_STATS_INIT;
+    tq_status s = tq_gemm_plan_stats_get(&stats);
+    if (s != TQ_SUCCESS) return tqx_raise_status(tqx_module_state(module), s);
+    return Py_BuildValue("{sKsKsK}", "heuristic_queries", (unsigned long long)stats.heuristic_queries,
+                         "cache_hits", (unsigned long long)stats.cache_hits, "plans",
+                         (unsigned long long)stats.plans);
+}
+
+static PyObject *py_gemm_plan_cache_clear(PyObject *module, PyObject *unused) {
+    (void)unused;
+    tq_status s = tq_gemm_plan_cache_clear();
+    if (s != TQ_SUCCESS) return tqx_raise_status(tqx_module_state(module), s);
+    Py_RETURN_NONE;
+}
+
+PyMethodDef tqx_gemm_methods[] = {
+    {"_gemm", (PyCFunction)(void (*)(void))py_gemm, METH_FASTCALL,
+     "_gemm(a, b, out, out_dtype, bias, flags) -> out\n\nout[M, N] = alpha * A . B^T (+ bias) "
+     "(+ out when flags has ACCUMULATE=1; FAST_ACCUM=2). a, b: (config, rows, cols, members, "
+     "usage). See tequant.ops.gemm for the public API."},
+    {"_gemm_plan_stats", py_gemm_plan_stats, METH_NOARGS,
+     "_gemm_plan_stats() -> dict(heuristic_queries, cache_hits, plans) of the cuBLASLt plan cache."},
+    {"_gemm_plan_cache_clear", py_gemm_plan_cache_clear, METH_NOARGS,
+     "_gemm_plan_cache_clear(): drops every cached cuBLASLt plan (the counters stay)."},
+    {NULL, NULL, 0, NULL}};
