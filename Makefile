@@ -27,12 +27,13 @@ build: deps
 test: build
 	$(PYTHON) -m pytest $(PYTEST_ARGS) tests
 
-# bench_quantize needs a GPU; without one it runs its quick CPU-side check.
+# bench_quantize and bench_gemm need a GPU; without one they run their quick CPU-side checks.
 bench: build
 	$(PYTHON) benchmarks/bench_autocast.py
 	@if $(PYTHON) -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then \
-		$(PYTHON) benchmarks/bench_quantize.py; \
-	else $(PYTHON) benchmarks/bench_quantize.py --device cpu --shapes 256x256; fi
+		$(PYTHON) benchmarks/bench_quantize.py && $(PYTHON) benchmarks/bench_gemm.py; \
+	else $(PYTHON) benchmarks/bench_quantize.py --device cpu --shapes 256x256 && \
+		$(PYTHON) benchmarks/bench_gemm.py --device cpu; fi
 
 clean:
 	rm -rf build python/tequant/*.so *.egg-info python/*.egg-info

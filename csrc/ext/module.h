@@ -170,6 +170,13 @@ int tqx_torch_traverse(tqx_state *st, visitproc visit, void *arg);
 extern PyMethodDef tqx_quantize_methods[];
 /* A QuantizerConfig object that quantizes in the core -> its config; -1 with an exception. */
 int tqx_config_from_py(tqx_state *st, PyObject *obj, tq_quant_config *out);
+/* Quantizes x_obj (viewed as x; its current stream) with config into new torch members, laid out
+ * in q: returns the 6-tuple (data, scale_inv, data_t, scale_inv_t, amax, amax_t), None where
+ * unused. qargs: usage and SR rng (its scale is filled here). scale / amax: DelayedScaling's
+ * scale and history slot (None: 1 / a fresh amax). NULL with an exception. */
+PyObject *tqx_quantize_members(tqx_state *st, PyObject *x_obj, const tq_tensor *x, void *stream,
+                               const tq_quant_config *config, tq_quantize_args *qargs,
+                               PyObject *scale, PyObject *amax, tq_qtensor *q);
 /* members: the 6-tuple (data, scale_inv, data_t, scale_inv_t, amax, amax_t) of a QuantizedTensor
  * -> q's members that `usage` needs (laid out per tq_quantize_layout); -1 with an exception. */
 int tqx_qtensor_from_py(tqx_state *st, const tq_quant_config *config, int64_t rows, int64_t cols,

@@ -40,6 +40,64 @@ int tqx_config_from_py(tqx_state *st, PyObject *obj, tq_quant_config *out) {
     return 0;
 }
 
+PyObject *tqx_quantize_members(tqx_state *st, PyObject *x_obj, const tq_tensor *x, void *stream,
+                               const tq_quant_config *config, tq_quantize_args *qargs,
+                               PyObject *scale, PyObject *amax, tq_qtensor *q) {
+    const tq_qtensor empty = TQ_QTENSOR_INIT;
+    *q = empty;
+    tq_status s = tq_quantize_layout(config, x->rows, x->cols, qargs->usage, q);
+    if (s != TQ_SUCCESS) return tqx_raise_status(st, s);
+    PyObject *device = PyObject_GetAttrString(x_obj, "device");
+    if (device == NULL) return NULL;
+    PyObject *out[N_MEMBERS] = {NULL};
+    PyObject *scale_owner = NULL;
+    int ok = 1;
+    const int delayed = config->scaling == TQ_SCALING_DELAYED;
+    for (int i = 0; i < N_MEMBERS && ok; i++) {
+        tq_tensor *t = member(q, i);
+        if (!used(t)) continue;
+        if (delayed && i == 4 && amax != Py_None) { /* the caller's history slot */
+            ok = tqx_tensor_from_py(st, amax, "amax", 1u << TQ_DTYPE_FLOAT32, t, NULL) == 0;
+            if (ok) out[i] = Py_NewRef(amax);
+            continue;
+        }
+        /* A fresh delayed amax starts at 0 (the kernel max-accumulates into it). */
+        ok = (out[i] = alloc_member(st, t, device, x->device, delayed && i == 4)) != NULL;
+    }
+    if (ok && delayed) {
+        if (scale != Py_None) {
+            ok = tqx_tensor_from_py(st, scale, "scale", 1u << TQ_DTYPE_FLOAT32, &qargs->scale,
+                                    NULL) == 0;
+        } else { /* no scale yet: 1, as a fresh DelayedScaling state starts */
+            qargs->scale.rows = qargs->scale.cols = qargs->scale.ld = 1;
+            qargs->scale.dtype = TQ_DTYPE_FLOAT32;
+            ok = (scale_owner = alloc_member(st, &qargs->scale, device, x->device, 0)) != NULL;
+            if (ok) {
+                PyObject *r = PyObject_CallMethod(scale_owner, "fill_", "d", 1.0);
+                ok = r != NULL;
+                Py_XDECREF(r);
+            }
+        }
+    }
+    Py_DECREF(device);
+    if (ok) {
+        Py_BEGIN_ALLOW_THREADS
+        s = tq_quantize(x, config, qargs, q, (struct CUstream_st *)stream);
+        Py_END_ALLOW_THREADS
+        if (s != TQ_SUCCESS) {
+            tqx_raise_status(st, s);
+            ok = 0;
+        }
+    }
+    Py_XDECREF(scale_owner); /* the kernel ran on the stream; the allocator keeps it ordered */
+    PyObject *result = ok ? PyTuple_New(N_MEMBERS) : NULL;
+    for (int i = 0; i < N_MEMBERS; i++) {
+        if (result != NULL) PyTuple_SET_ITEM(result, i, out[i] ? out[i] : Py_NewRef(Py_None));
+        else Py_XDECREF(out[i]);
+    }
+    return result;
+}
+
 /* _quantize(x, config, usage, scale, amax, rng_seed, rng_offset) -> 6-tuple of tensors/None.
  * usage: 1 rowwise, 2 columnwise, 3 both. scale (delayed only): float32 [1] or None (= 1).
  * amax (delayed only): a float32 [1] history slot to max-accumulate into, or None (fresh). */
@@ -63,59 +121,8 @@ static PyObject *py_quantize(PyObject *module, PyObject *const *args, Py_ssize_t
     qargs.rng_seed = PyLong_AsUnsignedLongLongMask(args[5]);
     qargs.rng_offset = PyLong_AsUnsignedLongLongMask(args[6]);
     if (PyErr_Occurred()) return NULL;
-    tq_qtensor q = TQ_QTENSOR_INIT;
-    tq_status s = tq_quantize_layout(&config, x.rows, x.cols, qargs.usage, &q);
-    if (s != TQ_SUCCESS) return tqx_raise_status(st, s);
-
-    PyObject *device = PyObject_GetAttrString(args[0], "device");
-    if (device == NULL) return NULL;
-    PyObject *out[N_MEMBERS] = {NULL};
-    PyObject *scale_owner = NULL;
-    int ok = 1;
-    const int delayed = config.scaling == TQ_SCALING_DELAYED;
-    for (int i = 0; i < N_MEMBERS && ok; i++) {
-        tq_tensor *t = member(&q, i);
-        if (!used(t)) continue;
-        if (delayed && i == 4 && args[4] != Py_None) { /* the caller's history slot */
-            ok = tqx_tensor_from_py(st, args[4], "amax", 1u << TQ_DTYPE_FLOAT32, t, NULL) == 0;
-            if (ok) out[i] = Py_NewRef(args[4]);
-            continue;
-        }
-        /* A fresh delayed amax starts at 0 (the kernel max-accumulates into it). */
-        ok = (out[i] = alloc_member(st, t, device, x.device, delayed && i == 4)) != NULL;
-    }
-    if (ok && delayed) {
-        if (args[3] != Py_None) {
-            ok = tqx_tensor_from_py(st, args[3], "scale", 1u << TQ_DTYPE_FLOAT32, &qargs.scale,
-                                    NULL) == 0;
-        } else { /* no scale yet: 1, as a fresh DelayedScaling state starts */
-            qargs.scale.rows = qargs.scale.cols = qargs.scale.ld = 1;
-            qargs.scale.dtype = TQ_DTYPE_FLOAT32;
-            ok = (scale_owner = alloc_member(st, &qargs.scale, device, x.device, 0)) != NULL;
-            if (ok) {
-                PyObject *r = PyObject_CallMethod(scale_owner, "fill_", "d", 1.0);
-                ok = r != NULL;
-                Py_XDECREF(r);
-            }
-        }
-    }
-    Py_DECREF(device);
-    if (ok) {
-        Py_BEGIN_ALLOW_THREADS
-        s = tq_quantize(&x, &config, &qargs, &q, (struct CUstream_st *)info.stream);
-        Py_END_ALLOW_THREADS
-        if (s != TQ_SUCCESS) {
-            tqx_raise_status(st, s);
-            ok = 0;
-        }
-    }
-    Py_XDECREF(scale_owner); /* the kernel ran on the stream; the allocator keeps it ordered */
-    PyObject *result = ok ? PyTuple_New(N_MEMBERS) : NULL;
-    for (int i = 0; i < N_MEMBERS; i++) {
-        if (result != NULL) PyTuple_SET_ITEM(result, i, out[i] ? out[i] : Py_NewRef(Py_None));
-        else Py_XDECREF(out[i]);
-    }
-    return result;
+    tq_qtensor q;
+    return tqx_quantize_members(st, args[0], &x, info.stream, &config, &qargs, args[3], args[4], &q);
 }
 
 int tqx_qtensor_from_py(tqx_state *st, const tq_quant_config *config, int64_t rows, int64_t cols,

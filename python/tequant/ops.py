@@ -114,9 +114,15 @@ _ACCUMULATE, _FAST_ACCUM = 1, 2  # tq_gemm_flags
 
 
 def _operand(q, usage, name):
+    """The (config, rows, cols, members, usage) spec _C._gemm takes for one direction of q."""
     if not isinstance(q, QuantizedTensor):
         raise TypeError(f"{name} must be a tequant.QuantizedTensor, got {type(q).__name__}")
-    return (q.config, q.rows, q.cols, q._members(), usage)
+    members = q._member_tuple
+    if members[0 if usage == ROWWISE else 2] is None:
+        direction = "rowwise" if usage == ROWWISE else "columnwise"
+        raise ValueError(f"{name} has no {direction} data, which this product reads "
+                         f"(quantize {name} with {direction}=True)")
+    return (q.config, q.rows, q.cols, members, usage)
 
 
 def gemm(a, b, *, transpose_a=False, transpose_b=False, out_dtype=None, bias=None, out=None,
@@ -153,11 +159,6 @@ def gemm(a, b, *, transpose_a=False, transpose_b=False, out_dtype=None, bias=Non
     usage_a = COLUMNWISE if transpose_a else ROWWISE
     usage_b = ROWWISE if transpose_b else COLUMNWISE
     spec_a, spec_b = _operand(a, usage_a, "a"), _operand(b, usage_b, "b")
-    for q, usage, name in ((a, usage_a, "a"), (b, usage_b, "b")):
-        if (q.data if usage == ROWWISE else q.data_t) is None:
-            direction = "rowwise" if usage == ROWWISE else "columnwise"
-            raise ValueError(f"{name} has no {direction} data, which this product reads "
-                             f"(quantize {name} with {direction}=True)")
     if out_dtype is None:
         out_dtype = out.dtype if out is not None else a.dtype
     elif out is not None and out.dtype != out_dtype:

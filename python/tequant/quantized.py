@@ -40,24 +40,29 @@ class QuantizedTensor:
             NVFP4: amax rowwise, amax_t columnwise), else None.
     """
 
-    __slots__ = ("config", "shape", "dtype") + _MEMBERS
+    __slots__ = ("config", "shape", "dtype", "_member_tuple", "_rows", "_cols") + _MEMBERS
 
     def __init__(self, config, shape, dtype, members):
         self.config = config
         self.shape = torch.Size(shape)
         self.dtype = dtype
+        members = tuple(members)
         for name, value in zip(_MEMBERS, members):
             setattr(self, name, value)
+        self._member_tuple = members  # what the C calls take, built once
+        shape = self.shape
+        self._rows = shape[:-1].numel() if len(shape) > 1 else 1
+        self._cols = shape[-1] if len(shape) else 1
 
     @property
     def rows(self):
         """M: the product of the leading dims."""
-        return self.shape[:-1].numel() if len(self.shape) > 1 else 1
+        return self._rows
 
     @property
     def cols(self):
         """K: the last dim."""
-        return self.shape[-1] if len(self.shape) else 1
+        return self._cols
 
     @property
     def device(self):
@@ -68,7 +73,7 @@ class QuantizedTensor:
         return (self.data if _direction(direction) == ROWWISE else self.data_t) is not None
 
     def _members(self):
-        return tuple(getattr(self, name) for name in _MEMBERS)
+        return self._member_tuple
 
     def dequantize_direction(self, direction, dtype=torch.float32):
         """The values of one direction in its physical shape: [M, K] rowwise, [K, M] columnwise."""

@@ -251,6 +251,42 @@ TQ_API tq_status tq_dequantize(const tq_quant_config *config, const tq_qtensor *
                                tq_tensor *out, struct CUstream_st *stream);
 
 /* ---------------------------------------------------------------------------------------------
+ * Delayed scaling: the amax-history and scale update (NUMERICS.md 2, TE_REFERENCE 6.1, the
+ * FUSED semantics). Each slot is one (module, role) of DelayedScaling state:
+ *   last = reduced_amax[i] if given and != 0, else h[0];
+ *   last == 0: nothing changes (no roll; the scale stays);
+ *   otherwise the history becomes [0, h[2], ..., h[L-1], last] (row 0 accumulates the next
+ *     step; the newest completed step sits at the end) and
+ *     amax = max(h[1], ..., h[L-1], last) (TQ_AMAX_ALGO_MAX, fmaxf: NaN ignored; just last when
+ *     L == 1: the window is this step and the L-1 before it) or last (TQ_AMAX_ALGO_MOST_RECENT);
+ *     scale = RN(scaled_max / amax) if amax is finite and > 0 (an Inf quotient -> FLT_MAX),
+ *     else the old scale.
+ * ------------------------------------------------------------------------------------------- */
+
+typedef struct tq_amax_slot {
+    float *history;   /* h[i] = history[i * stride], i < history_len; h[0] = this step's amax */
+    int64_t stride;   /* in floats, >= 1 */
+    float *scale;     /* the slot's FP32 scale */
+    float scaled_max; /* RN(fmax * 2^-margin) of the slot's format, computed by the caller */
+} tq_amax_slot;
+
+typedef struct tq_amax_update_args {
+    size_t struct_size;        /* sizeof(tq_amax_update_args), set by TQ_AMAX_UPDATE_ARGS_INIT */
+    int64_t history_len;       /* L >= 1, the same for every slot */
+    tq_amax_algo amax_algo;    /* TQ_AMAX_ALGO_MAX or TQ_AMAX_ALGO_MOST_RECENT */
+    const float *reduced_amax; /* NULL, or n_slots floats (all-reduced amaxes) on the device */
+    int device;                /* where every history and scale lives (TQ_DEVICE_CPU or CUDA) */
+} tq_amax_update_args;
+
+#define TQ_AMAX_UPDATE_ARGS_INIT {sizeof(tq_amax_update_args), 1, TQ_AMAX_ALGO_MAX, NULL, TQ_DEVICE_CPU}
+
+/* Updates n_slots slots in place: the C reference on CPU, on CUDA a few launches on `stream` for
+ * any number of slots (one launch per batch of slots; no sync, no allocation). `slots` is a host
+ * array. */
+TQ_API tq_status tq_amax_update(const tq_amax_slot *slots, int64_t n_slots,
+                                const tq_amax_update_args *args, struct CUstream_st *stream);
+
+/* ---------------------------------------------------------------------------------------------
  * GEMMs
  *
  * out[M, N] = alpha * A[M, K] . B[N, K]^T (+ bias[N]) (+ out when accumulating), where A and B
