@@ -185,6 +185,9 @@ int tqx_qtensor_from_py(tqx_state *st, const tq_quant_config *config, int64_t ro
 /* gemm.c */
 extern PyMethodDef tqx_gemm_methods[];
 
+/* amax_update.c: _amax_update, delayed scaling's history roll and scale update */
+extern PyMethodDef tqx_amax_update_methods[];
+
 /* autocast.c + state.c */
 int tqx_autocast_init(PyObject *module, tqx_state *st);
 extern PyMethodDef tqx_state_methods[];

@@ -1,0 +1,159 @@
+/* amax_update.c: the extension's call into tq_amax_update, delayed scaling's amax-history roll
+ * and scale update (tequant.h "Delayed scaling").
+ *
+ * _amax_update(slots, history_len, algo, reduced): slots is a list/tuple of (history, scale,
+ * scaled_max) with history a float32 [L, 1] view (e.g. hist[:, j:j+1] of an [L, n] buffer: row
+ * stride n), scale a float32 tensor of one element, scaled_max a float; algo "max" or
+ * "most_recent"; reduced None or a contiguous float32 tensor of len(slots) all-reduced amaxes.
+ * Everything on one device; runs on that device's current stream with the GIL released.
+ * Tests: tests/test_amax_update.py.
+ */
+#include <stdio.h>
+
+#include "module.h"
+
+static void device_name(int device, char *buf, size_t cap) {
+    if (device == TQ_DEVICE_CPU) snprintf(buf, cap, "cpu");
+    else snprintf(buf, cap, "cuda:%d", device);
+}
+
+/* -1 with ValueError when t (named name) is not on `device` (where `first` lives). */
+static int same_device(const tq_tensor *t, const char *name, int device, const char *first) {
+    if (t->device == device) return 0;
+    char got[32], want[32];
+    device_name(t->device, got, sizeof got);
+    device_name(device, want, sizeof want);
+    PyErr_Format(PyExc_ValueError, "%s is on %s but %s is on %s: every history, scale and reduced "
+                 "amax of one update must be on one device", name, got, first, want);
+    return -1;
+}
+
+static int algo_from_py(PyObject *obj, tq_amax_algo *out) {
+    if (PyUnicode_Check(obj)) {
+        if (PyUnicode_CompareWithASCIIString(obj, "max") == 0) return *out = TQ_AMAX_ALGO_MAX, 0;
+        if (PyUnicode_CompareWithASCIIString(obj, "most_recent") == 0)
+            return *out = TQ_AMAX_ALGO_MOST_RECENT, 0;
+        PyErr_Format(PyExc_ValueError, "algo must be 'max' or 'most_recent', got %R", obj);
+        return -1;
+    }
+    if (PyCallable_Check(obj)) return *out = TQ_AMAX_ALGO_CUSTOM, 0; /* the core refuses it */
+    PyErr_Format(PyExc_TypeError, "algo must be 'max' or 'most_recent', got %s",
+                 Py_TYPE(obj)->tp_name);
+    return -1;
+}
+
+/* slot j's (history, scale, scaled_max) -> *slot; its device to *device (checked against the
+ * first slot's). *stream gets slot 0's current stream. */
+static int slot_from_py(tqx_state *st, PyObject *item, Py_ssize_t j, int64_t history_len,
+                        int *device, void **stream, tq_amax_slot *slot) {
+    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 3) {
+        PyErr_Format(PyExc_TypeError, "slots[%zd] must be a (history, scale, scaled_max) tuple, "
+                     "got %s", j, Py_TYPE(item)->tp_name);
+        return -1;
+    }
+    char name[64];
+    tq_tensor h, s;
+    tqx_tensor_info info;
+    snprintf(name, sizeof name, "slots[%zd].history", j);
+    if (tqx_tensor_from_py(st, PyTuple_GET_ITEM(item, 0), name, 1u << TQ_DTYPE_FLOAT32, &h,
+                           j == 0 ? &info : NULL) < 0)
+        return -1;
+    if (h.cols != 1 || h.rows != history_len) {
+        PyErr_Format(PyExc_ValueError, "%s is viewed as [%lld, %lld]; expected [history_len, 1] = "
+                     "[%lld, 1] (a column such as hist[:, j:j+1])", name, (long long)h.rows,
+                     (long long)h.cols, (long long)history_len);
+        return -1;
+    }
+    if (j == 0) {
+        *device = h.device;
+        *stream = info.stream;
+    } else if (same_device(&h, name, *device, "slots[0].history") < 0) {
+        return -1;
+    }
+    snprintf(name, sizeof name, "slots[%zd].scale", j);
+    if (tqx_tensor_from_py(st, PyTuple_GET_ITEM(item, 1), name, 1u << TQ_DTYPE_FLOAT32, &s,
+                           NULL) < 0)
+        return -1;
+    if (s.rows * s.cols != 1) {
+        PyErr_Format(PyExc_ValueError, "%s has %lld elements; expected one", name,
+                     (long long)(s.rows * s.cols));
+        return -1;
+    }
+    if (same_device(&s, name, *device, "slots[0].history") < 0) return -1;
+    const double scaled_max = PyFloat_AsDouble(PyTuple_GET_ITEM(item, 2));
+    if (scaled_max == -1.0 && PyErr_Occurred()) return -1;
+    slot->history = (float *)h.data;
+    slot->stride = h.rows > 1 ? h.ld : 1;
+    slot->scale = (float *)s.data;
+    slot->scaled_max = (float)scaled_max; /* RN to float, as TE computes it on the host */
+    return 0;
+}
+
+static PyObject *py_amax_update(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "_amax_update(slots, history_len, algo, reduced) takes 4 "
+                     "arguments (%zd given)", nargs);
+        return NULL;
+    }
+    tqx_state *st = tqx_module_state(module);
+    tq_amax_update_args uargs = TQ_AMAX_UPDATE_ARGS_INIT;
+    uargs.history_len = PyLong_AsLongLong(args[1]);
+    if (uargs.history_len == -1 && PyErr_Occurred()) return NULL;
+    if (algo_from_py(args[2], &uargs.amax_algo) < 0) return NULL;
+    if (!PyList_Check(args[0]) && !PyTuple_Check(args[0])) {
+        PyErr_Format(PyExc_TypeError, "slots must be a list or tuple of (history, scale, "
+                     "scaled_max), got %s", Py_TYPE(args[0])->tp_name);
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(args[0], "slots must be a list or tuple");
+    if (seq == NULL) return NULL;
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    tq_amax_slot *slots = PyMem_Malloc((size_t)(n > 0 ? n : 1) * sizeof(tq_amax_slot));
+    if (slots == NULL) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    int device = TQ_DEVICE_CPU, ok = 1;
+    void *stream = NULL;
+    for (Py_ssize_t j = 0; j < n && ok; j++)
+        ok = slot_from_py(st, PySequence_Fast_GET_ITEM(seq, j), j, uargs.history_len, &device,
+                          &stream, &slots[j]) == 0;
+    if (ok && args[3] != Py_None) {
+        tq_tensor r;
+        tqx_tensor_info rinfo;
+        ok = tqx_tensor_from_py(st, args[3], "reduced", 1u << TQ_DTYPE_FLOAT32, &r, &rinfo) == 0;
+        if (ok && (r.rows * r.cols != n || (r.rows > 1 && r.ld != r.cols))) {
+            PyErr_Format(PyExc_ValueError, "reduced must be a contiguous float32 tensor of "
+                         "len(slots) = %zd elements, got [%lld, %lld] with row stride %lld", n,
+                         (long long)r.rows, (long long)r.cols, (long long)r.ld);
+            ok = 0;
+        }
+        if (ok && n == 0) { /* no history names the device: the reduced buffer does */
+            device = r.device;
+            stream = rinfo.stream;
+        }
+        if (ok)
+            ok = same_device(&r, "reduced", device, n > 0 ? "slots[0].history" : "reduced") == 0;
+        if (ok) uargs.reduced_amax = (const float *)r.data;
+    }
+    tq_status s = TQ_SUCCESS;
+    if (ok) {
+        uargs.device = device;
+        Py_BEGIN_ALLOW_THREADS
+        s = tq_amax_update(slots, (int64_t)n, &uargs, (struct CUstream_st *)stream);
+        Py_END_ALLOW_THREADS
+    }
+    PyMem_Free(slots);
+    Py_DECREF(seq); /* the tensors stay alive: the caller holds slots */
+    if (!ok) return NULL;
+    if (s != TQ_SUCCESS) return tqx_raise_status(st, s);
+    Py_RETURN_NONE;
+}
+
+PyMethodDef tqx_amax_update_methods[] = {
+    {"_amax_update", (PyCFunction)(void (*)(void))py_amax_update, METH_FASTCALL,
+     "_amax_update(slots, history_len, algo, reduced)\n\nDelayed scaling's amax-history roll and "
+     "scale update, in place. slots: list/tuple of (history [L, 1] float32 view, scale float32 "
+     "[1], scaled_max float); algo: 'max' or 'most_recent'; reduced: None or a contiguous "
+     "float32 tensor of len(slots) all-reduced amaxes (0 entries fall back to history[0])."},
+    {NULL, NULL, 0, NULL}};
