@@ -372,7 +372,7 @@ def test_cuda_non_default_stream():
 @gpu
 def test_cuda_mixed_devices():
     hist, scale = one_slot([1.0, 2.0])
-    with pytest.raises(ValueError, match=r"slots\[0\].scale is on cuda:0 but slots\[0\].history"):
+    with pytest.raises(ValueError, match=r"slots\[0\].scale is on cpu but slots\[0\].history is on cuda:0"):
         _C._amax_update([(hist.cuda(), scale, 448.0)], 2, "max", None)
     with pytest.raises(ValueError, match=r"slots\[1\].history is on cpu"):
         _C._amax_update([(hist.cuda(), scale.cuda(), 448.0), (hist, scale, 448.0)], 2, "max", None)

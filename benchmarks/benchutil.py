@@ -1,0 +1,192 @@
+"""What the benchmarks in this folder share (bench_gemm.py, bench_quantize.py): `import benchutil`.
+
+Timing (CUDA events behind a sleep kernel, or time.perf_counter on CPU) over rotated buffers sized
+against L2, host time per call in interleaved loops, the environment header (GPU, driver, CUDA,
+torch, Python, commit, date), Markdown table text, and the --device / --out / exit-status plumbing.
+"""
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+
+def ceil_div(a, b):
+    return -(-a // b)
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing
+# ----------------------------------------------------------------------------------------------
+
+def time_cuda(fn, buffers, warmup, iters):
+    """Median microseconds of fn(buffer) over iters calls, each between two CUDA events; call i
+    takes buffers[i % len(buffers)], so a set of buffers larger than L2 is never cached."""
+    for i in range(warmup):
+        fn(buffers[i % len(buffers)])
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    # Hold the GPU back (~50 ms) while the calls are queued: the host then runs ahead, so no
+    # host time falls between an event pair (small shapes would otherwise time the launch path).
+    torch.cuda._sleep(100_000_000)
+    for i in range(iters):
+        starts[i].record()
+        fn(buffers[i % len(buffers)])  # its outputs return to the caching allocator in order
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
+
+
+def time_cpu(fn, buffers, warmup, iters):
+    """time_cuda's measure on CPU: each call timed alone with time.perf_counter."""
+    for i in range(warmup):
+        fn(buffers[i % len(buffers)])
+    times = []
+    for i in range(iters):
+        t0 = time.perf_counter()
+        fn(buffers[i % len(buffers)])
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def timer(device):
+    return time_cuda if device == "cuda" else time_cpu
+
+
+def sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def rotated_count(device, minimum, set_bytes, *, l2_multiple=4, most=128):
+    """How many buffer sets of set_bytes to rotate: minimum, and on CUDA at least enough to span
+    l2_multiple x the L2 cache (but no more than most)."""
+    if device != "cuda":
+        return minimum
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    return min(max(minimum, ceil_div(l2_multiple * l2, set_bytes)), most)
+
+
+def time_host(fns, device, calls, repeats):
+    """Median microseconds per call of each fn() (no argument): repeats rounds, each running a
+    loop of calls calls of every fn in turn (interleaved: drift hits all alike), timed with
+    time.perf_counter and synchronized around each loop only."""
+    samples = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, times in zip(fns, samples):
+            sync(device)
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            sync(device)
+            times.append((time.perf_counter() - t0) * 1e6 / calls)
+    return [statistics.median(times) for times in samples]
+
+
+# ----------------------------------------------------------------------------------------------
+# Environment header
+# ----------------------------------------------------------------------------------------------
+
+def run_git(*args):
+    try:
+        res = subprocess.run(["git", *args], capture_output=True, text=True,
+                             cwd=os.path.dirname(os.path.abspath(__file__)))
+    except OSError:
+        return ""
+    return res.stdout.strip() if res.returncode == 0 else ""
+
+
+def machine(device, libraries=()):
+    """'GPU: ...; driver ...; CUDA ...; <name version>...; torch ...; Python ...; commit ...; date',
+    libraries being (name, version) pairs; the commit is marked +dirty when tracked files differ."""
+    commit = run_git("rev-parse", "--short", "HEAD") or "?"
+    if commit != "?" and run_git("status", "--porcelain", "--untracked-files=no"):
+        commit += "+dirty"
+    if device == "cuda":
+        gpu = torch.cuda.get_device_name()
+        try:
+            driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
+                                     "--format=csv,noheader"], capture_output=True,
+                                    text=True).stdout.split("\n")[0].strip() or "?"
+        except OSError:
+            driver = "?"
+    else:
+        gpu, driver = "none (CPU reference)", "-"
+    return "; ".join([f"GPU: {gpu}", f"driver {driver}", f"CUDA {torch.version.cuda or '-'}",
+                      *(f"{name} {version}" for name, version in libraries),
+                      f"torch {torch.__version__}", f"Python {platform.python_version()}",
+                      f"commit {commit}", f"{datetime.date.today()}"])
+
+
+# ----------------------------------------------------------------------------------------------
+# Markdown text
+# ----------------------------------------------------------------------------------------------
+
+def table_head(columns, left):
+    """A Markdown table's header lines: the first `left` columns left-aligned, the rest right."""
+    return ["| " + " | ".join(columns) + " |",
+            "|" + "---|" * left + "---:|" * (len(columns) - left)]
+
+
+def num_text(v):
+    return f"{v:.0f}" if v >= 100 else f"{v:.3g}"
+
+
+def ratio_text(num, den):
+    if not (num and den):
+        return "-"
+    r = num / den
+    return f"{r:.2f}x" if 0.1 <= r < 100 else f"{r:.2g}x"
+
+
+def one_line(text, limit=160):
+    """text on one line for a table cell; over limit, its head and tail (torch's scaling errors
+    end with the shapes and strides it got)."""
+    text = " ".join(str(text).split()).replace("|", "/")
+    if len(text) <= limit:
+        return text
+    head = min(100, limit // 3)
+    return text[:head] + " ... " + text[len(text) - (limit - head - 5):]
+
+
+def exc_text(e):
+    return f"{type(e).__name__}: {e}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------------------------
+
+def parser(doc):
+    """An ArgumentParser described by doc's first line, with --device (cuda when there is one)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--device", choices=("cuda", "cpu"),
+                    default="cuda" if torch.cuda.is_available() else "cpu")
+    return ap
+
+
+def parse(ap):
+    args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda but no CUDA device is available")
+    return args
+
+
+def finish(text, out, failures, title="FAILED"):
+    """Prints text and appends it to the file out (when given); returns the exit status: 1 after
+    listing failures on stderr under title, 0 when there are none."""
+    print(text)
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "a") as f:
+            f.write(text + "\n\n")
+    if failures:
+        print(f"\n{title}:\n  " + "\n  ".join(failures), file=sys.stderr)
+        return 1
+    return 0
