@@ -105,9 +105,13 @@ def run_git(*args):
 def machine(device, libraries=()):
     """'GPU: ...; driver ...; CUDA ...; <name version>...; torch ...; Python ...; commit ...; date',
     libraries being (name, version) pairs; the commit is marked +dirty when tracked files differ."""
-    commit = run_git("rev-parse", "--short", "HEAD") or "?"
-    if commit != "?" and run_git("status", "--porcelain", "--untracked-files=no"):
-        commit += "+dirty"
+    # TEQUANT_BENCH_COMMIT names the commit where the checkout has no (or a stale) .git, as on
+    # the lent GPU machine, whose copy of the working tree keeps an old .git.
+    commit = os.environ.get("TEQUANT_BENCH_COMMIT")
+    if not commit:
+        commit = run_git("rev-parse", "--short", "HEAD") or "?"
+        if commit != "?" and run_git("status", "--porcelain", "--untracked-files=no"):
+            commit += "+dirty"
     if device == "cuda":
         gpu = torch.cuda.get_device_name()
         try:

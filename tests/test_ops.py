@@ -234,7 +234,7 @@ def test_dequantize_argument_errors():
 @pytest.mark.gpu
 def test_delayed_scale_on_another_device_is_refused():
     x = torch.zeros(16, 16, device="cuda")
-    with pytest.raises(ValueError, match="scale = one float32 on x's device"):
+    with pytest.raises(ValueError, match="scale must be a float32 tensor of one element on x's device"):
         te.ops.quantize(x, DelayedScaling(), scale=torch.ones(1))
 
 
