@@ -33,8 +33,9 @@
  * frame stays as it was published, since a copied context may still hold it after the exit.
  * Where this differs from TransformerEngine: the "first module" flag lives on the outermost
  * autocast and an inner exit does not set it again (TE's snapshot restore could mark two
- * modules "first" and run the backward amax update twice). The delayed-scaling update at the
- * outermost exit belongs to te.Linear's issue and hooks in here.
+ * modules "first" and run the backward amax update twice). The outermost exit hands the
+ * DelayedScaling modules that quantized inside it (the root frame's `pending` list) to the
+ * update callback python/tequant/delayed.py registers (state.c _set_delayed_update).
  * Tests: tests/test_autocast.py; speed: benchmarks/bench_autocast.py.
  */
 #include "autocast.h"
@@ -105,6 +106,7 @@ static PyObject *autocast_make(PyTypeObject *type, PyObject *const *args, Py_ssi
     self->first_module = 0;
     self->depth = 0;
     self->root = NULL;
+    self->pending = NULL;
     self->active = 0;
     self->token = NULL;
     return (PyObject *)self;
@@ -153,6 +155,7 @@ static AutocastObject *autocast_clone(AutocastObject *self) {
     c->published = c->first_module = c->active = 0;
     c->depth = 0;
     c->root = NULL;
+    c->pending = NULL;
     c->token = NULL;
     return c;
 }
@@ -177,6 +180,7 @@ static PyObject *autocast_enter(AutocastObject *self, PyObject *unused) {
     frame->depth = outer ? outer->depth + 1 : 1;
     frame->root = outer ? (AutocastObject *)Py_NewRef(tqx_frame_root(outer)) : NULL;
     frame->first_module = outer == NULL;
+    Py_CLEAR(frame->pending);
     frame->published = 1;
     Py_DECREF(outer_obj);
     PyObject *token = PyContextVar_Set(st->context_var, (PyObject *)frame);
@@ -194,11 +198,32 @@ static PyObject *autocast_exit(AutocastObject *self, PyObject *const *args, Py_s
                         "active (exited twice, or never entered)");
         return NULL;
     }
-    int r = PyContextVar_Reset(self->st->context_var, self->token);
+    tqx_state *st = self->st;
+    /* The outermost frame hands its DelayedScaling modules to the forward update (TE: at the
+     * exit of the outermost autocast), whether or not the block raised. */
+    PyObject *frame_obj, *pending = NULL;
+    if (PyContextVar_Get(st->context_var, NULL, &frame_obj) < 0) return NULL;
+    if (frame_obj != Py_None) {
+        AutocastObject *frame = (AutocastObject *)frame_obj;
+        if (frame->depth == 1) pending = frame->pending, frame->pending = NULL;
+    }
+    Py_DECREF(frame_obj);
+    int r = PyContextVar_Reset(st->context_var, self->token);
     Py_CLEAR(self->token);
     self->active = 0;
-    if (r < 0) return NULL; /* exited in another context than it was entered in */
-    Py_RETURN_FALSE;        /* never swallows the block's exception */
+    if (r < 0) { /* exited in another context than it was entered in */
+        Py_XDECREF(pending);
+        return NULL;
+    }
+    if (pending != NULL && st->delayed_update != NULL) {
+        PyObject *done = PyObject_CallOneArg(st->delayed_update, pending);
+        Py_DECREF(pending);
+        if (done == NULL) return NULL;
+        Py_DECREF(done);
+    } else {
+        Py_XDECREF(pending);
+    }
+    Py_RETURN_FALSE; /* never swallows the block's exception */
 }
 
 static void autocast_dealloc(AutocastObject *self) {
@@ -207,6 +232,7 @@ static void autocast_dealloc(AutocastObject *self) {
     Py_XDECREF(self->group);
     Py_XDECREF(self->token);
     Py_XDECREF(self->root);
+    Py_XDECREF(self->pending);
     tp->tp_free(self);
     Py_DECREF(tp);
 }

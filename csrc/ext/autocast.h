@@ -23,6 +23,8 @@ typedef struct AutocastObject {
     char first_module;  /* on a root frame: no quantized module has asked yet (mutable flag) */
     int depth;          /* 1 for the outermost */
     struct AutocastObject *root; /* strong: the outermost frame; NULL when this is the root */
+    PyObject *pending;  /* on a root frame: list of the DelayedScaling modules that quantized in
+                           it (state.c _delayed_register), handed to the update at its exit */
     /* instance fields */
     char active;        /* between __enter__ and __exit__ */
     PyObject *token;    /* strong while active: restores the outer state */

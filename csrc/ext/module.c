@@ -37,6 +37,7 @@ static int tequant_traverse(PyObject *module, visitproc visit, void *arg) {
     for (int k = 0; k < TQX_RECIPE_KIND_COUNT; k++) Py_VISIT(st->recipe_classes[k]);
     Py_VISIT(st->default_recipe);
     Py_VISIT(st->dlpack_type);
+    Py_VISIT(st->delayed_update);
     const int visited = tqx_torch_traverse(st, visit, arg);
     if (visited != 0) return visited;
     return tqx_registry_traverse(st, visit, arg);
@@ -55,6 +56,7 @@ static int tequant_clear(PyObject *module) {
     for (int k = 0; k < TQX_RECIPE_KIND_COUNT; k++) Py_CLEAR(st->recipe_classes[k]);
     Py_CLEAR(st->default_recipe);
     Py_CLEAR(st->dlpack_type);
+    Py_CLEAR(st->delayed_update);
     Py_CLEAR(st->str_enabled);
     Py_CLEAR(st->str_calibrating);
     Py_CLEAR(st->str_recipe);

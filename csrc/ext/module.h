@@ -106,6 +106,8 @@ typedef struct tqx_state {
     /* torch functions and dtypes (torch_calls.c), imported on first use */
     PyObject *torch_empty, *torch_zeros, *torch_mm;
     PyObject *torch_dtypes[TQX_TORCH_DTYPE_COUNT];
+    /* state.c: called with the root frame's DelayedScaling modules at the outermost exit */
+    PyObject *delayed_update;
     /* gemm.c: the cuBLASLt workspace per (device, stream), a dict of uint8 tensors */
     PyObject *gemm_workspaces;
     /* interned keyword names for the autocast constructor */

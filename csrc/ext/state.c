@@ -71,7 +71,37 @@ static PyObject *is_first_fp8_module(PyObject *module, PyObject *unused) {
     return PyBool_FromLong(first);
 }
 
+/* Appends obj to the outermost autocast's list of DelayedScaling modules; returns (list, first):
+ * first is True for the call that created the list (that module runs the backward update). */
+static PyObject *delayed_register(PyObject *module, PyObject *obj) {
+    READ_STATE(module, ac);
+    if (ac == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "_delayed_register outside te.autocast");
+        return NULL;
+    }
+    AutocastObject *root = tqx_frame_root(ac);
+    const int first = root->pending == NULL;
+    if (first && (root->pending = PyList_New(0)) == NULL) return NULL;
+    if (PyList_Append(root->pending, obj) < 0) return NULL;
+    return Py_BuildValue("(OO)", root->pending, first ? Py_True : Py_False);
+}
+
+static PyObject *set_delayed_update(PyObject *module, PyObject *fn) {
+    tqx_state *st = tqx_module_state(module);
+    if (!PyCallable_Check(fn)) {
+        PyErr_SetString(PyExc_TypeError, "_set_delayed_update takes a callable");
+        return NULL;
+    }
+    Py_XSETREF(st->delayed_update, Py_NewRef(fn));
+    Py_RETURN_NONE;
+}
+
 PyMethodDef tqx_state_methods[] = {
+    {"_delayed_register", delayed_register, METH_O,
+     "_delayed_register(module) -> (list, first)\n\nRecords a DelayedScaling module in the "
+     "outermost autocast; its forward update runs at that autocast's exit."},
+    {"_set_delayed_update", set_delayed_update, METH_O,
+     "_set_delayed_update(fn): fn(modules) runs at the outermost autocast's exit."},
     {"is_fp8_enabled", is_fp8_enabled, METH_NOARGS,
      "is_fp8_enabled() -> bool\n\nTrue inside an enabled te.autocast on this thread/context."},
     {"is_fp8_calibration", is_fp8_calibration, METH_NOARGS,

@@ -29,6 +29,7 @@ from ._C import (
     recipe_key,
 )
 from .quantized import QuantizedTensor
+from .linear import Linear
 from .capability import (
     fp8_autocast,
     is_fp8_available,
@@ -42,7 +43,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CudaError", "ExecutionMode", "QuantizerConfig", "autocast", "autocast_depth", "build_info",
     "execution_mode", "fp8_autocast", "gemm_split_accumulator", "get_fp8_group", "get_fp8_recipe",
-    "is_first_fp8_module", "is_fp8_available", "is_fp8_block_scaling_available",
+    "is_first_fp8_module", "is_fp8_available", "Linear", "is_fp8_block_scaling_available",
     "is_fp8_calibration", "is_fp8_enabled", "is_mxfp8_available", "is_nvfp4_available",
     "ops", "QuantizedTensor", "quantizer_config", "recipe", "recipe_key",
 ]

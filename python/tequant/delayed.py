@@ -1,0 +1,131 @@
+"""DelayedScaling state of te.Linear: per-module amax histories and scales, and their update.
+
+Each module holds four float32 buffers (saved by state_dict): `delayed_amax_history_fwd` [L, 2]
+and `delayed_scale_fwd` [2] for its input and weight, `delayed_amax_history_bwd` [L, 1] and
+`delayed_scale_bwd` [1] for its grad_output. Quantizing casts with the scale and max-accumulates
+the tensor's amax into row 0 of its column. The update (NUMERICS.md 2, TE_REFERENCE 6.1) runs for
+the forward columns of every module that quantized in an autocast at that autocast's outermost
+exit (csrc/ext/autocast.c calls `_update_forward`), and for the backward columns at the end of
+the backward of the module that ran first in forward; amaxes are all-reduced (MAX) over the
+autocast's amax_reduction_group first. The fused rule runs in one C call per batch of modules
+(tq_amax_update); callable amax_compute_algo / scaling_factor_compute_algo use TE's unfused rule
+in torch. Tests: tests/test_linear_delayed.py.
+"""
+import torch
+
+from . import _C
+
+FORWARD, BACKWARD = "fwd", "bwd"
+_COLUMNS = {FORWARD: ("x", "w"), BACKWARD: ("dy",)}
+
+
+def ensure(module, plan):
+    """Creates the module's buffers for `plan` (history length L) on the weight's device, when
+    missing or when L changed; existing state is kept otherwise."""
+    length = plan.x.amax_history_len
+    hist = getattr(module, "delayed_amax_history_fwd", None)
+    device = module.weight.device
+    if hist is not None and hist.shape[0] == length and hist.device == device:
+        return
+    for direction, n in ((FORWARD, 2), (BACKWARD, 1)):
+        module.register_buffer(f"delayed_amax_history_{direction}",
+                               torch.zeros(length, n, dtype=torch.float32, device=device))
+        module.register_buffer(f"delayed_scale_{direction}",
+                               torch.ones(n, dtype=torch.float32, device=device))
+
+
+def slot(module, direction, column):
+    """(scale [1], history row-0 slot [1]) views the quantizer casts with and accumulates into."""
+    hist = getattr(module, f"delayed_amax_history_{direction}")
+    scale = getattr(module, f"delayed_scale_{direction}")
+    return scale[column:column + 1], hist[0, column:column + 1]
+
+
+def calibrate(module, plan, inp):
+    """calibrating=True without quantizing: max-accumulate the amaxes of x and W (TE's
+    Float8Quantizer.calibrate)."""
+    ensure(module, plan)
+    hist = module.delayed_amax_history_fwd
+    with torch.no_grad():
+        for column, t in enumerate((inp, module.weight)):
+            amax = t.detach().abs().amax().float() if t.numel() else hist.new_zeros(())
+            hist[0, column] = torch.maximum(hist[0, column], amax)
+
+
+def _update(modules, direction):
+    seen, batches = set(), {}
+    for module in modules:
+        if id(module) in seen:  # a module called twice in one autocast is updated once
+            continue
+        seen.add(id(module))
+        plan, group = module._delayed_plan, module._delayed_group
+        recipe = plan.recipe
+        batches.setdefault((plan.x.amax_history_len, id(recipe), id(group)), (recipe, group, []))[2] \
+            .append((module, plan))
+    for recipe, group, members in batches.values():
+        slots = []
+        for module, plan in members:
+            hist = getattr(module, f"delayed_amax_history_{direction}")
+            scale = getattr(module, f"delayed_scale_{direction}")
+            for column, role in enumerate(_COLUMNS[direction]):
+                config = getattr(plan, role)
+                scaled_max = config.fmax * 2.0 ** -config.margin
+                slots.append((hist[:, column:column + 1], scale[column:column + 1], scaled_max))
+        reduced = _reduce(slots, recipe, group)
+        algo, scale_algo = recipe.amax_compute_algo, recipe.scaling_factor_compute_algo
+        if callable(algo) or scale_algo is not None:
+            _update_unfused(slots, reduced, recipe)
+        else:
+            _C._amax_update(slots, recipe.amax_history_len, algo, reduced)
+
+
+def _reduce(slots, recipe, group):
+    """The slots' row-0 amaxes all-reduced (MAX) over group, or None without a reduction."""
+    if not (recipe.reduce_amax and group is not None and torch.distributed.is_available()
+            and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size(group) > 1):
+        return None
+    amaxes = torch.cat([hist[0] for hist, _, _ in slots]).contiguous()
+    torch.distributed.all_reduce(amaxes, op=torch.distributed.ReduceOp.MAX, group=group)
+    return amaxes
+
+
+def _update_unfused(slots, reduced, recipe):
+    """TE's unfused update (quantization.py): reduced amaxes into row 0, amax from the callable
+    (or max / most recent), roll by one with row 0 zeroed, scale from the callable or
+    (fmax / amax) / 2^margin kept where amax is not finite and positive, Inf -> FLT_MAX."""
+    algo, scale_algo = recipe.amax_compute_algo, recipe.scaling_factor_compute_algo
+    flt_max = torch.finfo(torch.float32).max
+    with torch.no_grad():
+        for i, (hist, scale, scaled_max) in enumerate(slots):
+            h = hist[:, 0]
+            if reduced is not None:
+                h[0] = reduced[i]
+            if callable(algo):
+                amax = torch.as_tensor(algo(h.clone()), dtype=torch.float32, device=h.device)
+            else:
+                amax = h.amax() if algo == "max" else h[0]
+            h.copy_(torch.roll(h, -1))
+            h[0] = 0
+            if scale_algo is not None:
+                fmax = scaled_max * 2.0 ** recipe.margin
+                new = torch.as_tensor(scale_algo(amax, scale.clone(), fmax, recipe),
+                                      dtype=torch.float32, device=h.device).reshape(1)
+            else:
+                new = (scaled_max * 2.0 ** recipe.margin / amax) / 2.0 ** recipe.margin
+                new = torch.where(torch.isfinite(amax) & (amax > 0), new, scale[0]).reshape(1)
+            scale.copy_(torch.where(torch.isinf(new), torch.full_like(new, flt_max), new))
+
+
+def _update_forward(modules):
+    """Called by the outermost te.autocast's exit with the modules that quantized in it (only
+    modules whose forward ran with grad enabled register: TE updates for training steps)."""
+    _update(modules, FORWARD)
+
+
+def update_backward(modules):
+    """Called at the end of the backward of the module that ran first in forward."""
+    _update(modules, BACKWARD)
+
+
+_C._set_delayed_update(_update_forward)
