@@ -205,3 +205,33 @@ def test_custom_quantizer_without_the_protocol_is_a_type_error():
         with te.autocast(recipe=recipe):
             lin(torch.randn(2, 16))
     assert te.autocast_depth() == 0
+
+
+def _reduction_worker(rank, world, init_file, results):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        torch.manual_seed(0)  # same weights on every rank
+        lin = te.Linear(16, 16)
+        x = torch.full((4, 16), float(rank + 1))  # rank r's input amax is r + 1
+        with te.autocast(recipe=DelayedScaling(amax_history_len=2),
+                         amax_reduction_group=dist.group.WORLD):
+            lin(x).sum().backward()
+        results[rank] = (lin.delayed_scale_fwd.tolist(),
+                         lin.delayed_amax_history_fwd[:, 0].tolist())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_amaxes_are_all_reduced_over_the_group(tmp_path):
+    """Two gloo ranks with input amaxes 1 and 2: both take the MAX before the update."""
+    import torch.multiprocessing as mp
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed is not available")
+    results = mp.Manager().dict()
+    mp.spawn(_reduction_worker, args=(2, str(tmp_path / "init"), results), nprocs=2)
+    assert results[0] == results[1]
+    scales, history = results[0]
+    assert scales[0] == float(np.float32(448.0) / np.float32(2.0))
+    assert history == [0.0, 2.0]

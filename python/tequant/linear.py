@@ -291,7 +291,8 @@ class Linear(torch.nn.Module):
 
     def _quantized_weight(self, weight, plan, is_first_microbatch):
         cache = self._weight_cache
-        if is_first_microbatch is False and cache is not None and cache[0] == plan.key:
+        if (is_first_microbatch is False and cache is not None and cache[0] == plan.key
+                and cache[1][0].device == weight.device):  # .to() moves the weight, not this
             return cache[1]
         state = delayed.slot(self, delayed.FORWARD, 1) if plan.delayed else (None, None)
         members = _quantize(weight, plan.w, ROWWISE | COLUMNWISE, state)
