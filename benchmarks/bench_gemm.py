@@ -30,15 +30,8 @@ import benchutil  # noqa: E402
 
 BF16 = torch.bfloat16
 # name -> (label, M, K, N): y[M, N] = x[M, K] . W[N, K]^T
-SHAPES = {
-    "8192": ("8192^3", 8192, 8192, 8192),
-    "qkv": ("QKV", 15872, 4096, 12288),
-    "proj": ("proj", 15872, 4096, 4096),
-    "fc1": ("FC1", 15872, 4096, 16384),
-    "fc2": ("FC2", 15872, 16384, 4096),
-    "small": ("small", 2048, 1024, 1024),
-}
-GEMM_SET = ("qkv", "proj", "fc1", "fc2")
+SHAPES = benchutil.GEMM_SHAPES
+GEMM_SET = benchutil.GEMM_SET
 # CPU: torch._scaled_mm there is a slow reference loop (~0.1 s at 128^3): keep shapes tiny
 DEFAULT_SHAPES = {"cuda": "8192,qkv,proj,fc1,fc2,small", "cpu": "128x128x128,64x256x128"}
 QUICK_SHAPES = {"cuda": "8192,small", "cpu": "128x128x128"}
@@ -54,25 +47,8 @@ QUANT_BOUND = {"bf16": 8e-3, "E4M3": 0.1, "E2M1": 0.3}
 FP8_MAX = 448.0
 
 
-def rel_err(y, ref, *, dtype=torch.float64):
-    y, ref = y.to(dtype), ref.to(dtype)
-    return float((y - ref).norm() / ref.norm().clamp_min(1e-300))
-
-
-def parse_shapes(text):
-    shapes = []
-    for item in text.split(","):
-        item = item.strip().lower()
-        if item in SHAPES:
-            shapes.append((item,) + SHAPES[item])
-        else:
-            try:
-                m, k, n = (int(v) for v in item.split("x"))
-            except ValueError:
-                raise SystemExit(f"--shapes: {item!r} is neither one of {', '.join(SHAPES)} "
-                                 "nor MxKxN (tokens x in-features x out-features)") from None
-            shapes.append((item, item, m, k, n))
-    return shapes
+rel_err = benchutil.rel_err
+parse_shapes = benchutil.parse_shapes
 
 
 # --- Variants ----------------------------------------------------------------------------------

@@ -1,8 +1,11 @@
-"""What the benchmarks in this folder share (bench_gemm.py, bench_quantize.py): `import benchutil`.
+"""What the benchmarks in this folder share (bench_gemm.py, bench_quantize.py, bench_linear.py,
+bench_overhead.py): `import benchutil`.
 
 Timing (CUDA events behind a sleep kernel, or time.perf_counter on CPU) over rotated buffers sized
 against L2, host time per call in interleaved loops, the environment header (GPU, driver, CUDA,
-torch, Python, commit, date), Markdown table text, and the --device / --out / exit-status plumbing.
+torch, Python, commit, date), PERFORMANCE.md's GEMM shapes, the recipes by short name, the
+relative error used by the checks, Markdown table text, and the --device / --out / exit-status
+plumbing.
 """
 import argparse
 import datetime
@@ -87,6 +90,65 @@ def time_host(fns, device, calls, repeats):
             sync(device)
             times.append((time.perf_counter() - t0) * 1e6 / calls)
     return [statistics.median(times) for times in samples]
+
+
+# ----------------------------------------------------------------------------------------------
+# Shapes, recipes, checks
+# ----------------------------------------------------------------------------------------------
+
+# PERFORMANCE.md's GEMM shapes: key -> (label, M, K, N), y[M, N] = x[M, K] . W[N, K]^T
+GEMM_SHAPES = {
+    "8192": ("8192^3", 8192, 8192, 8192),
+    "qkv": ("QKV", 15872, 4096, 12288),
+    "proj": ("proj", 15872, 4096, 4096),
+    "fc1": ("FC1", 15872, 4096, 16384),
+    "fc2": ("FC2", 15872, 16384, 4096),
+    "small": ("small", 2048, 1024, 1024),
+}
+GEMM_SET = ("qkv", "proj", "fc1", "fc2")  # TE's published 5B configuration, M = 15872 tokens
+
+
+def parse_shapes(text, shapes=GEMM_SHAPES):
+    """[(key, label, M, K, N)] from a comma list of shapes' keys or MxKxN items (tokens x
+    in-features x out-features; key and label are then the item itself)."""
+    out = []
+    for item in text.split(","):
+        item = item.strip().lower()
+        if item in shapes:
+            out.append((item,) + shapes[item])
+        else:
+            try:
+                m, k, n = (int(v) for v in item.split("x"))
+            except ValueError:
+                raise SystemExit(f"--shapes: {item!r} is neither one of {', '.join(shapes)} "
+                                 "nor MxKxN (tokens x in-features x out-features)") from None
+            out.append((item, item, m, k, n))
+    return out
+
+
+# The recipes of tequant.recipe by short name, in table order; FP8_RECIPES are P5's and P7's.
+RECIPE_NAMES = ("delayed", "current", "block", "mxfp8", "nvfp4")
+FP8_RECIPES = ("delayed", "current", "block")
+
+
+def make_recipes(text=None):
+    """[(name, recipe)] for a comma list of RECIPE_NAMES (default: all), defaults of each."""
+    from tequant import recipe as r  # here: benchutil itself does not need tequant
+    kinds = {"delayed": r.DelayedScaling, "current": r.Float8CurrentScaling,
+             "block": r.Float8BlockScaling, "mxfp8": r.MXFP8BlockScaling,
+             "nvfp4": r.NVFP4BlockScaling}
+    names = [v.strip() for v in (text or ",".join(RECIPE_NAMES)).split(",") if v.strip()]
+    unknown = [v for v in names if v not in kinds]
+    if unknown:
+        raise SystemExit(f"--recipes: unknown {', '.join(unknown)}; choose from "
+                         f"{', '.join(RECIPE_NAMES)}")
+    return [(name, kinds[name]()) for name in names]
+
+
+def rel_err(y, ref, *, dtype=torch.float64):
+    """Relative Frobenius error |y - ref| / |ref|, computed in dtype."""
+    y, ref = y.detach().to(dtype), ref.detach().to(dtype)
+    return float((y - ref).norm() / ref.norm().clamp_min(1e-300))
 
 
 # ----------------------------------------------------------------------------------------------
