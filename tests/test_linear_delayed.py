@@ -229,7 +229,7 @@ def test_amaxes_are_all_reduced_over_the_group(tmp_path):
     import torch.multiprocessing as mp
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed is not available")
-    results = mp.Manager().dict()
+    results = mp.get_context("spawn").Manager().dict()
     mp.spawn(_reduction_worker, args=(2, str(tmp_path / "init"), results), nprocs=2)
     assert results[0] == results[1]
     scales, history = results[0]
