@@ -123,9 +123,11 @@ tq_status tq_gemm_query(const tq_gemm_operand *a, const tq_gemm_operand *b, tq_d
     tq_status st = operand_direction(a, "A", &da);
     if (st == TQ_SUCCESS) st = operand_direction(b, "B", &db);
     if (st != TQ_SUCCESS) return st;
+    char dev_a[16], dev_b[16];
     if (da.data->device != db.data->device)
         return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "GEMM operands are on different devices (A on "
-                       "%d, B on %d)", da.data->device, db.data->device);
+                       "%s, B on %s)", tq_device_str(da.data->device, dev_a),
+                       tq_device_str(db.data->device, dev_b));
     if (da.k != db.k)
         return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "GEMM contraction lengths differ: A's direction "
                        "is [%lld, %lld] and B's is [%lld, %lld] (both contract over their columns)",
@@ -191,11 +193,12 @@ tq_status tq_gemm_operand_values(const tq_gemm_operand *op, tq_tensor *out,
     if (out->dtype != TQ_DTYPE_FLOAT32 && out->dtype != TQ_DTYPE_BFLOAT16)
         return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "GEMM values: out has dtype %s; expected "
                        "float32 or bfloat16", tq_dtype_name(out->dtype));
+    char od[16], dd[16];
     if (out->rows != d.rows || out->cols != d.k || out->device != d.data->device)
-        return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "GEMM values: out is [%lld, %lld] on device %d; "
-                       "the direction is [%lld, %lld] on device %d", (long long)out->rows,
-                       (long long)out->cols, out->device, (long long)d.rows, (long long)d.k,
-                       d.data->device);
+        return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "GEMM values: out is [%lld, %lld] on %s; the "
+                       "direction is [%lld, %lld] on %s", (long long)out->rows,
+                       (long long)out->cols, tq_device_str(out->device, od), (long long)d.rows,
+                       (long long)d.k, tq_device_str(d.data->device, dd));
     return values_dispatch(op, out, stream);
 }
 
@@ -393,9 +396,10 @@ tq_status tq_gemm(const tq_gemm_operand *a, const tq_gemm_operand *b, const tq_g
     if (device == TQ_DEVICE_CPU)
         return tq_fail(TQ_ERROR_NOT_SUPPORTED, "tq_gemm runs on CUDA tensors; on CPU multiply the "
                        "values of tq_gemm_operand_values (the Python extension does, with torch)");
+    char od[16], dd[16];
     if (info.device != device)
-        return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "GEMM: out is on device %d, the operands on "
-                       "device %d", device, info.device);
+        return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "GEMM: out is on %s, the operands on %s",
+                       tq_device_str(device, od), tq_device_str(info.device, dd));
     if (out->rows != info.m || out->cols != info.n)
         return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "GEMM: out is [%lld, %lld]; the product is "
                        "[%lld, %lld]", (long long)out->rows, (long long)out->cols,
@@ -407,19 +411,20 @@ tq_status tq_gemm(const tq_gemm_operand *a, const tq_gemm_operand *b, const tq_g
         const int contiguous = bias->rows == 1 || (bias->cols == 1 && bias->ld == 1);
         if (bias->dtype != info.bias_dtype || bias->rows * bias->cols != info.n || !contiguous
             || bias->device != device)
-            return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "GEMM: bias is %s [%lld, %lld] on device %d; "
-                           "this GEMM takes a contiguous %s bias of %lld elements on device %d",
+            return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "GEMM: bias is %s [%lld, %lld] on %s; this "
+                           "GEMM takes a contiguous %s bias of %lld elements on %s",
                            tq_dtype_name(bias->dtype), (long long)bias->rows, (long long)bias->cols,
-                           bias->device, tq_dtype_name(info.bias_dtype), (long long)info.n, device);
+                           tq_device_str(bias->device, od), tq_dtype_name(info.bias_dtype),
+                           (long long)info.n, tq_device_str(device, dd));
     }
     if (info.scratch_bytes > 0
         && (args->scratch.data == NULL || args->scratch.device != device
             || (size_t)(args->scratch.rows * args->scratch.cols) < info.scratch_bytes))
-        return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "GEMM: scratch must hold %zu bytes on device %d "
-                       "(tq_gemm_query's scratch_bytes)", info.scratch_bytes, device);
+        return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "GEMM: scratch must hold %zu bytes on %s "
+                       "(tq_gemm_query's scratch_bytes)", info.scratch_bytes, tq_device_str(device, od));
     if (args->workspace.data != NULL && args->workspace.device != device)
-        return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "GEMM: the workspace is on device %d, out on %d",
-                       args->workspace.device, device);
+        return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "GEMM: the workspace is on %s, out on %s",
+                       tq_device_str(args->workspace.device, od), tq_device_str(device, dd));
     if (!info.emulated && (out->ld * (tq_dtype_bits(out->dtype) / 8)) % 16 != 0)
         return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "GEMM: out's row stride (%lld elements) must be "
                        "a multiple of 16 bytes for FP8 GEMMs (cuBLASLt)", (long long)out->ld);

@@ -19,6 +19,9 @@ extern "C" {
 #define TQ_PRINTF_LIKE(fmt_index, first_arg)
 #endif
 
+/* "cpu" or "cuda:N" for messages; buf holds at least 16 chars. */
+const char *tq_device_str(int device, char *buf);
+
 /* Formats the message into this thread's last-error buffer and returns status. */
 tq_status tq_fail(tq_status status, const char *fmt, ...) TQ_PRINTF_LIKE(2, 3);
 

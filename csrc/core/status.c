@@ -34,3 +34,9 @@ tq_status tq_fail(tq_status status, const char *fmt, ...) {
     va_end(args);
     return status;
 }
+
+const char *tq_device_str(int device, char *buf) {
+    if (device == TQ_DEVICE_CPU) snprintf(buf, 16, "cpu");
+    else snprintf(buf, 16, "cuda:%d", device);
+    return buf;
+}

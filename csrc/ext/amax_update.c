@@ -12,17 +12,13 @@
 
 #include "module.h"
 
-static void device_name(int device, char *buf, size_t cap) {
-    if (device == TQ_DEVICE_CPU) snprintf(buf, cap, "cpu");
-    else snprintf(buf, cap, "cuda:%d", device);
-}
 
 /* -1 with ValueError when t (named name) is not on `device` (where `first` lives). */
 static int same_device(const tq_tensor *t, const char *name, int device, const char *first) {
     if (t->device == device) return 0;
     char got[32], want[32];
-    device_name(t->device, got, sizeof got);
-    device_name(device, want, sizeof want);
+    tqx_device_name(t->device, got, sizeof got);
+    tqx_device_name(device, want, sizeof want);
     PyErr_Format(PyExc_ValueError, "%s is on %s but %s is on %s: every history, scale and reduced "
                  "amax of one update must be on one device", name, got, first, want);
     return -1;

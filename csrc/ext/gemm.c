@@ -174,9 +174,11 @@ static PyObject *py_gemm(PyObject *module, PyObject *const *args, Py_ssize_t nar
     } else {
         Py_INCREF(out_obj);
         if (out.rows != info.m || out.cols != info.n || out.device != info.device) {
-            PyErr_Format(PyExc_ValueError, "out is [%lld, %lld] on device %d; the product is "
-                         "[%lld, %lld] on device %d", (long long)out.rows, (long long)out.cols,
-                         out.device, (long long)info.m, (long long)info.n, info.device);
+            char got[32], want[32];
+            PyErr_Format(PyExc_ValueError, "out is [%lld, %lld] on %s; the product is [%lld, %lld] "
+                         "on %s", (long long)out.rows, (long long)out.cols,
+                         tqx_device_name(out.device, got, sizeof got), (long long)info.m,
+                         (long long)info.n, tqx_device_name(info.device, want, sizeof want));
             goto done;
         }
     }
@@ -188,9 +190,11 @@ static PyObject *py_gemm(PyObject *module, PyObject *const *args, Py_ssize_t nar
             || tqx_tensor_from_py(st, bias, "bias", 1u << info.bias_dtype, &gargs.bias, NULL) < 0)
             goto done;
         if (gargs.bias.rows * gargs.bias.cols != info.n || gargs.bias.device != info.device) {
-            PyErr_Format(PyExc_ValueError, "bias has %lld elements on device %d; the product "
-                         "has N=%lld columns on device %d", (long long)(gargs.bias.rows * gargs.bias.cols),
-                         gargs.bias.device, (long long)info.n, info.device);
+            char got[32], want[32];
+            PyErr_Format(PyExc_ValueError, "bias has %lld elements on %s; the product has N=%lld "
+                         "columns on %s", (long long)(gargs.bias.rows * gargs.bias.cols),
+                         tqx_device_name(gargs.bias.device, got, sizeof got), (long long)info.n,
+                         tqx_device_name(info.device, want, sizeof want));
             goto done;
         }
     }

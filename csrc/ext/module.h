@@ -194,6 +194,13 @@ extern PyMethodDef tqx_amax_update_methods[];
 int tqx_autocast_init(PyObject *module, tqx_state *st);
 extern PyMethodDef tqx_state_methods[];
 
+/* "cpu" or "cuda:N", for messages. */
+static inline const char *tqx_device_name(int device, char *buf, size_t cap) {
+    if (device == TQ_DEVICE_CPU) snprintf(buf, cap, "cpu");
+    else snprintf(buf, cap, "cuda:%d", device);
+    return buf;
+}
+
 static inline tqx_state *tqx_module_state(PyObject *module) {
     return (tqx_state *)PyModule_GetState(module);
 }
