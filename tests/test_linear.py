@@ -712,3 +712,28 @@ def test_mlp_trains_like_high_precision(name, within):
     assert hp < 0.5 * zero, (hp, zero)  # learnable: a run that does not learn cannot match it
     assert q != hp  # the run was quantized
     assert abs(q - hp) / hp < within, (q, hp)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("override", ["high_precision", "dequantized"])
+def test_backward_override(override, device):
+    """backward_override runs dgrad/wgrad in the input precision: on the unquantized x and W
+    ("high_precision") or on the dequantized forward operands ("dequantized")."""
+    recipe = Float8CurrentScaling(backward_override=override)
+    torch.manual_seed(7)
+    lin = te.Linear(64, 32, device=device)
+    x = torch.randn(7, 64, device=device, requires_grad=True)
+    with te.autocast(recipe=recipe):
+        y = lin(x)
+    g = torch.randn(7, 32, device=device)
+    (y * g).sum().backward()
+    w = lin.weight.detach()
+    if override == "high_precision":
+        want_dx, want_dw = g @ w, g.t() @ x.detach()
+    else:
+        qx = te.ops.quantize(x.detach(), recipe, "input")
+        qw = te.ops.quantize(w, recipe, "weight")
+        want_dx, want_dw = g @ qw.dequantize(), g.t() @ qx.dequantize()
+        assert not torch.allclose(want_dw, g.t() @ x.detach())  # the operands were quantized
+    assert torch.allclose(x.grad, want_dx, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(lin.weight.grad, want_dw, rtol=1e-5, atol=1e-6)

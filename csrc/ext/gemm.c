@@ -13,15 +13,19 @@
  */
 #include "module.h"
 
-/* An operand spec (config, rows, cols, members, usage) -> the core's operand. */
-typedef struct operand {
-    tq_quant_config config;
-    tq_qtensor q;
-    tq_gemm_operand op;
-    PyObject *any_member; /* borrowed: a tensor of the direction, for its device */
-} operand;
+int tqx_operand_set(tqx_state *st, const tq_quant_config *config, int64_t rows, int64_t cols,
+                    PyObject *members, uint32_t usage, tqx_operand *o) {
+    o->config = *config;
+    if (tqx_qtensor_from_py(st, &o->config, rows, cols, members, usage, &o->q) < 0) return -1;
+    o->op.config = &o->config;
+    o->op.q = &o->q;
+    o->op.usage = usage;
+    o->any_member = PyTuple_GET_ITEM(members, usage == TQ_USAGE_ROWWISE ? 0 : 2);
+    return 0;
+}
 
-static int operand_from_py(tqx_state *st, PyObject *spec, const char *name, operand *o) {
+/* An operand spec (config, rows, cols, members, usage) -> the core's operand. */
+static int operand_from_py(tqx_state *st, PyObject *spec, const char *name, tqx_operand *o) {
     if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) != 5) {
         PyErr_Format(PyExc_TypeError, "GEMM operand %s must be a (config, rows, cols, members, "
                      "usage) tuple", name);
@@ -31,14 +35,9 @@ static int operand_from_py(tqx_state *st, PyObject *spec, const char *name, oper
     const int64_t rows = PyLong_AsLongLong(item[1]), cols = PyLong_AsLongLong(item[2]);
     const long usage = PyLong_AsLong(item[4]);
     if (PyErr_Occurred()) return -1;
-    if (tqx_config_from_py(st, item[0], &o->config) < 0
-        || tqx_qtensor_from_py(st, &o->config, rows, cols, item[3], (uint32_t)usage, &o->q) < 0)
-        return -1;
-    o->op.config = &o->config;
-    o->op.q = &o->q;
-    o->op.usage = (uint32_t)usage;
-    o->any_member = PyTuple_GET_ITEM(item[3], usage == TQ_USAGE_ROWWISE ? 0 : 2);
-    return 0;
+    tq_quant_config config;
+    if (tqx_config_from_py(st, item[0], &config) < 0) return -1;
+    return tqx_operand_set(st, &config, rows, cols, item[3], (uint32_t)usage, o);
 }
 
 /* The cuBLASLt workspace of (device, stream): made on first use, then reused. */
@@ -61,7 +60,7 @@ static int workspace_for(tqx_state *st, PyObject *device, int device_index, void
     return tqx_tensor_from_py(st, tensor, "workspace", 1u << TQ_DTYPE_UINT8, ws, NULL);
 }
 
-static int cuda_gemm(tqx_state *st, operand *a, operand *b, const tq_gemm_info *info,
+static int cuda_gemm(tqx_state *st, tqx_operand *a, tqx_operand *b, const tq_gemm_info *info,
                      tq_gemm_args *args, tq_tensor *out, void *stream, PyObject *device) {
     PyObject *ws_owner, *scratch = NULL;
     if (workspace_for(st, device, info->device, stream, &args->workspace, &ws_owner) < 0) return -1;
@@ -90,7 +89,7 @@ static int call_in_place(PyObject *obj, const char *method, PyObject *arg) {
     return r == NULL ? -1 : 0;
 }
 
-static int cpu_gemm(tqx_state *st, operand *a, operand *b, const tq_gemm_info *info, int accumulate,
+static int cpu_gemm(tqx_state *st, tqx_operand *a, tqx_operand *b, const tq_gemm_info *info, int accumulate,
                     PyObject *bias, PyObject *out_obj, PyObject *device) {
     tq_tensor va = {NULL, info->m, info->k, info->k, TQ_DTYPE_FLOAT32, TQ_DEVICE_CPU};
     tq_tensor vb = {NULL, info->n, info->k, info->k, TQ_DTYPE_FLOAT32, TQ_DEVICE_CPU};
@@ -130,42 +129,24 @@ done:
     return rc;
 }
 
-/* _gemm(a, b, out, out_dtype, bias, flags) -> out [M, N]: out = alpha * A . B^T (+ bias)
- * (+ out with TQ_GEMM_ACCUMULATE). a, b: (config, rows, cols, members, usage) specs; out: a
- * tensor or None (then a new one of out_dtype); bias: a tensor of N elements or None. */
-static PyObject *py_gemm(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6) {
-        PyErr_Format(PyExc_TypeError, "_gemm(a, b, out, out_dtype, bias, flags) takes 6 "
-                     "arguments (%zd given)", nargs);
-        return NULL;
-    }
-    tqx_state *st = tqx_module_state(module);
-    operand a, b;
-    const long flags = PyLong_AsLong(args[5]);
-    if (flags == -1 && PyErr_Occurred()) return NULL;
-    if (tqx_torch_import(st) < 0 || operand_from_py(st, args[0], "a", &a) < 0
-        || operand_from_py(st, args[1], "b", &b) < 0)
-        return NULL;
+PyObject *tqx_gemm_run(tqx_state *st, tqx_operand *a, tqx_operand *b, PyObject *out_obj,
+                       tq_dtype out_dtype, PyObject *bias_obj, uint32_t flags) {
+    if (tqx_torch_import(st) < 0) return NULL;
     const int accumulate = (flags & TQ_GEMM_ACCUMULATE) != 0;
-    PyObject *out_obj = args[2], *bias = NULL, *device = NULL, *result = NULL;
+    PyObject *bias = NULL, *device = NULL, *result = NULL;
     tq_tensor out;
     tqx_tensor_info out_info;
-    tq_dtype out_dtype;
     if (out_obj != Py_None) {
         if (tqx_tensor_from_py(st, out_obj, "out", TQX_FLOAT_DTYPES, &out, &out_info) < 0) return NULL;
         out_dtype = out.dtype;
     } else if (accumulate) {
         PyErr_SetString(PyExc_ValueError, "accumulate=True adds into out: pass out=");
         return NULL;
-    } else if ((out_dtype = tqx_dtype_of_torch(st, args[3])) == TQ_DTYPE_COUNT_) {
-        PyErr_Format(PyExc_ValueError, "out_dtype must be torch.float32, torch.bfloat16 or "
-                     "torch.float16, got %R", args[3]);
-        return NULL;
     }
     tq_gemm_info info = TQ_GEMM_INFO_INIT;
-    tq_status s = tq_gemm_query(&a.op, &b.op, out_dtype, &info);
+    tq_status s = tq_gemm_query(&a->op, &b->op, out_dtype, &info);
     if (s != TQ_SUCCESS) return tqx_raise_status(st, s);
-    if ((device = PyObject_GetAttrString(a.any_member, "device")) == NULL) return NULL;
+    if ((device = PyObject_GetAttrString(a->any_member, "device")) == NULL) return NULL;
     if (out_obj == Py_None) {
         void *data;
         if ((out_obj = tqx_torch_new(st, info.m, info.n, out_dtype, device, 0, &data)) == NULL
@@ -183,10 +164,10 @@ static PyObject *py_gemm(PyObject *module, PyObject *const *args, Py_ssize_t nar
         }
     }
     tq_gemm_args gargs = TQ_GEMM_ARGS_INIT;
-    gargs.flags = (uint32_t)flags;
-    if (args[4] != Py_None) { /* the epilogue's dtype, converted once here */
+    gargs.flags = flags;
+    if (bias_obj != Py_None) { /* the epilogue's dtype, converted once here */
         PyObject *dtype = tqx_torch_dtype_of(st, info.bias_dtype);
-        if ((bias = PyObject_CallMethod(args[4], "to", "O", dtype)) == NULL
+        if ((bias = PyObject_CallMethod(bias_obj, "to", "O", dtype)) == NULL
             || tqx_tensor_from_py(st, bias, "bias", 1u << info.bias_dtype, &gargs.bias, NULL) < 0)
             goto done;
         if (gargs.bias.rows * gargs.bias.cols != info.n || gargs.bias.device != info.device) {
@@ -199,14 +180,39 @@ static PyObject *py_gemm(PyObject *module, PyObject *const *args, Py_ssize_t nar
         }
     }
     const int rc = info.device == TQ_DEVICE_CPU
-                       ? cpu_gemm(st, &a, &b, &info, accumulate, bias, out_obj, device)
-                       : cuda_gemm(st, &a, &b, &info, &gargs, &out, out_info.stream, device);
+                       ? cpu_gemm(st, a, b, &info, accumulate, bias, out_obj, device)
+                       : cuda_gemm(st, a, b, &info, &gargs, &out, out_info.stream, device);
     if (rc == 0) result = Py_NewRef(out_obj);
 done:
     Py_XDECREF(out_obj);
     Py_XDECREF(bias);
     Py_XDECREF(device);
     return result;
+}
+
+/* _gemm(a, b, out, out_dtype, bias, flags) -> out [M, N]: out = alpha * A . B^T (+ bias)
+ * (+ out with TQ_GEMM_ACCUMULATE). a, b: (config, rows, cols, members, usage) specs; out: a
+ * tensor or None (then a new one of out_dtype); bias: a tensor of N elements or None. */
+static PyObject *py_gemm(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_Format(PyExc_TypeError, "_gemm(a, b, out, out_dtype, bias, flags) takes 6 "
+                     "arguments (%zd given)", nargs);
+        return NULL;
+    }
+    tqx_state *st = tqx_module_state(module);
+    tqx_operand a, b;
+    const long flags = PyLong_AsLong(args[5]);
+    if (flags == -1 && PyErr_Occurred()) return NULL;
+    if (tqx_torch_import(st) < 0 || operand_from_py(st, args[0], "a", &a) < 0
+        || operand_from_py(st, args[1], "b", &b) < 0)
+        return NULL;
+    tq_dtype out_dtype = TQ_DTYPE_FLOAT32;
+    if (args[2] == Py_None && (out_dtype = tqx_dtype_of_torch(st, args[3])) == TQ_DTYPE_COUNT_) {
+        PyErr_Format(PyExc_ValueError, "out_dtype must be torch.float32, torch.bfloat16 or "
+                     "torch.float16, got %R", args[3]);
+        return NULL;
+    }
+    return tqx_gemm_run(st, &a, &b, args[2], out_dtype, args[4], (uint32_t)flags);
 }
 
 static PyObject *py_gemm_plan_stats(PyObject *module, PyObject *unused) {

@@ -108,6 +108,8 @@ typedef struct tqx_state {
     PyObject *torch_dtypes[TQX_TORCH_DTYPE_COUNT];
     /* state.c: called with the root frame's DelayedScaling modules at the outermost exit */
     PyObject *delayed_update;
+    /* linear.c: tequant.ops._rng_state, the stochastic-rounding (seed, offset) source */
+    PyObject *rng_state;
     /* gemm.c: the cuBLASLt workspace per (device, stream), a dict of uint8 tensors */
     PyObject *gemm_workspaces;
     /* interned keyword names for the autocast constructor */
@@ -184,8 +186,23 @@ PyObject *tqx_quantize_members(tqx_state *st, PyObject *x_obj, const tq_tensor *
 int tqx_qtensor_from_py(tqx_state *st, const tq_quant_config *config, int64_t rows, int64_t cols,
                         PyObject *members, uint32_t usage, tq_qtensor *q);
 
-/* gemm.c */
+/* gemm.c: one direction of a quantized tensor as a GEMM operand, and the GEMM call. */
+typedef struct tqx_operand {
+    tq_quant_config config;
+    tq_qtensor q;
+    tq_gemm_operand op;
+    PyObject *any_member; /* borrowed: a tensor of the direction, for its device */
+} tqx_operand;
+int tqx_operand_set(tqx_state *st, const tq_quant_config *config, int64_t rows, int64_t cols,
+                    PyObject *members, uint32_t usage, tqx_operand *o); /* -1 with an exception */
+/* out = alpha * A . B^T (+ bias) (+ out): out_obj a tensor or Py_None (then a new [M, N] of
+ * out_dtype), bias_obj a tensor or Py_None; flags tq_gemm_flags. New reference, or NULL. */
+PyObject *tqx_gemm_run(tqx_state *st, tqx_operand *a, tqx_operand *b, PyObject *out_obj,
+                       tq_dtype out_dtype, PyObject *bias_obj, uint32_t flags);
 extern PyMethodDef tqx_gemm_methods[];
+
+/* linear.c: te.Linear's forward and backward calls */
+extern PyMethodDef tqx_linear_methods[];
 
 /* amax_update.c: _amax_update, delayed scaling's history roll and scale update */
 extern PyMethodDef tqx_amax_update_methods[];

@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 
 from . import _C, delayed
-from .ops import _rng_state
 from .quantized import COLUMNWISE, ROWWISE
 from .recipe import QuantizerRole
 
@@ -34,7 +33,7 @@ class _Plan:
     """What one recipe asks of a Linear, looked up once per recipe and cached on the module."""
 
     __slots__ = ("recipe", "key", "x", "w", "dy", "align", "flags", "backward_override",
-                 "delayed")
+                 "delayed", "c_args")
 
     def __init__(self, recipe):
         self.recipe = recipe
@@ -47,126 +46,74 @@ class _Plan:
         self.flags = tuple(0 if s else _FAST_ACCUM for s in split)  # fprop, dgrad, wgrad
         self.backward_override = getattr(recipe, "backward_override", None)
         self.delayed = self.x.scaling == "delayed"
+        emulated = self.x.scaling in ("mxfp8", "nvfp4")
+        self.c_args = (self.key, self.x, self.w, self.dy, self.align) + self.flags + (emulated,)
 
 
-def _gemm(a, b, out_dtype, bias, flags, plan):
-    """_C._gemm, writing float16 results of emulated pairs through float32 (the BF16 GEMM has no
-    float16 output)."""
-    if out_dtype == torch.float16 and plan.x.scaling in ("mxfp8", "nvfp4"):
-        return _C._gemm(a, b, None, torch.float32, bias, flags).to(torch.float16)
-    return _C._gemm(a, b, None, out_dtype, bias, flags)
-
-
-def _quantize(x2d, config, usage, state=(None, None)):
-    """Members of x2d quantized with config; state = DelayedScaling's (scale, amax slot)."""
-    seed = offset = 0
-    if config.stochastic_rounding:
-        seed, offset = _rng_state(x2d.device, None)
-    return _C._quantize(x2d, config, usage, state[0], state[1], seed, offset)
-
-
-def _pad_rows(x2d, multiple):
-    rows = x2d.shape[0]
-    padded = -(-rows // multiple) * multiple
-    if padded == rows:
-        return x2d
-    out = x2d.new_zeros((padded, x2d.shape[1]))
-    out[:rows].copy_(x2d)
-    return out
-
-
-def _rowwise_only(members):
-    return members[:2] + (None, None) + members[4:]
-
-
-def _columnwise_only(members, config):
-    """The columnwise members; per-tensor FP8's one scale_inv serves both directions."""
-    shared = members[1] if config.scaling in ("delayed", "current") else None
-    return (None, shared) + members[2:]
+_NEED_DGRAD, _NEED_WGRAD, _KEEP_X_ROWWISE = 1, 2, 4  # csrc/ext/linear.c
 
 
 class _QuantizedLinear(torch.autograd.Function):
-    """y = x W^T + b with quantized GEMMs; backward per the same plan."""
+    """y = x W^T + b with quantized GEMMs: one C call forward (csrc/ext/linear.c
+    _linear_forward), one backward (_linear_backward)."""
 
     @staticmethod
     def forward(ctx, inp, weight, bias, module, plan, is_first_microbatch, pending):
-        k, n = weight.shape[1], weight.shape[0]
-        x2d = inp.reshape(-1, k)
-        if not x2d.is_contiguous():
-            x2d = x2d.contiguous()
-        rows = x2d.shape[0]
-        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        needs = ((_NEED_DGRAD if ctx.needs_input_grad[0] else 0)
+                 | (_NEED_WGRAD if ctx.needs_input_grad[1] else 0))
         override = plan.backward_override
-        xp = _pad_rows(x2d, plan.align)
-        padded = xp.shape[0]
-        x_usage = ROWWISE | (COLUMNWISE if need_wgrad and override is None else 0)
-        qx = _quantize(xp, plan.x, x_usage,
-                       delayed.slot(module, delayed.FORWARD, 0) if plan.delayed else (None, None))
-        qw = module._quantized_weight(weight, plan, is_first_microbatch)
-        out = _gemm((plan.x, padded, k, qx, ROWWISE), (plan.w, n, k, qw, ROWWISE), inp.dtype,
-                    bias, plan.flags[0], plan)
-        ctx.plan, ctx.shape, ctx.rows, ctx.padded = plan, inp.shape, rows, padded
+        c_needs = needs if override is None else (_KEEP_X_ROWWISE if override == "dequantized"
+                                                  else 0)
+        if plan.delayed:
+            x_state = delayed.slot(module, delayed.FORWARD, 0)
+            w_state = delayed.slot(module, delayed.FORWARD, 1)
+        else:
+            x_state = w_state = None
+        inp = inp.contiguous()
+        out, saved = _C._linear_forward(plan.c_args, inp, weight, bias, c_needs,
+                                        module._weight_cache, is_first_microbatch, x_state,
+                                        w_state)
+        ctx.plan, ctx.saved, ctx.needs, ctx.shape = plan, saved, needs, inp.shape
         ctx.module, ctx.pending = module, pending
-        ctx.dtype = inp.dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
+        ctx.dtype, ctx.weight_dtype = inp.dtype, weight.dtype
         if override == "high_precision":
-            ctx.save_for_backward(x2d, weight)
-        elif override == "dequantized":
-            ctx.quantized = (_rowwise_only(qx), _rowwise_only(qw))
-        else:  # the columnwise x for wgrad, and W (its columnwise direction serves dgrad)
-            ctx.quantized = (_columnwise_only(qx, plan.x) if need_wgrad else None, qw)
-        ctx.weight_dtype = weight.dtype
-        return out[:rows].view(*inp.shape[:-1], n)
+            ctx.save_for_backward(inp, weight)
+        return out
 
     @staticmethod
     def backward(ctx, dy):
-        plan = ctx.plan
-        n, k = dy.shape[-1], ctx.shape[-1]
-        dy2d = dy.reshape(-1, n)
-        if not dy2d.is_contiguous():
-            dy2d = dy2d.contiguous()
-        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dx = dw = db = None
+        plan, needs = ctx.plan, ctx.needs
+        dy = dy.contiguous()
         if plan.backward_override is not None:
-            dx, dw = _high_precision_backward(ctx, dy2d, need_dgrad, need_wgrad)
+            dx, dw = _high_precision_backward(ctx, dy.reshape(-1, dy.shape[-1]), needs)
         else:
-            qx, qw = ctx.quantized
-            dyp = _pad_rows(dy2d, plan.align)
-            padded = dyp.shape[0]
-            usage = (ROWWISE if need_dgrad else 0) | (COLUMNWISE if need_wgrad else 0)
-            if usage:
-                state = (delayed.slot(ctx.module, delayed.BACKWARD, 0) if plan.delayed
-                         else (None, None))
-                qdy = _quantize(dyp, plan.dy, usage, state)
-            if need_dgrad:  # dx = dy W: dy rowwise [M, N], W columnwise [K, N]
-                dx = _gemm((plan.dy, padded, n, qdy, ROWWISE), (plan.w, n, k, qw, COLUMNWISE),
-                           ctx.dtype, None, plan.flags[1], plan)[:ctx.rows]
-            if need_wgrad:  # dW = dy^T x: dy columnwise [N, M], x columnwise [K, M]
-                dw = _gemm((plan.dy, padded, n, qdy, COLUMNWISE),
-                           (plan.x, padded, k, qx, COLUMNWISE), ctx.weight_dtype, None,
-                           plan.flags[2], plan)
-        if dx is not None:
-            dx = dx.view(ctx.shape)
+            state = delayed.slot(ctx.module, delayed.BACKWARD, 0) if plan.delayed else None
+            dx, dw = _C._linear_backward(plan.c_args, ctx.saved, dy, needs, state, ctx.shape)
+        db = None
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-            db = dy2d.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+            db = dy.reshape(-1, dy.shape[-1]).sum(0, dtype=torch.float32).to(ctx.bias_dtype)
         if ctx.pending is not None:  # first in forward, so last in backward: update them all
             delayed.update_backward(ctx.pending)
         return dx, dw, db, None, None, None, None
 
 
-def _high_precision_backward(ctx, dy2d, need_dgrad, need_wgrad):
+def _high_precision_backward(ctx, dy2d, needs):
     """backward_override: "high_precision" multiplies the unquantized x and W, "dequantized"
-    the dequantized forward operands, both in dy's precision."""
-    plan, rows = ctx.plan, ctx.rows
+    the dequantized forward operands (rowwise x and W), both in dy's precision."""
+    plan = ctx.plan
     if plan.backward_override == "high_precision":
-        x2d, weight = ctx.saved_tensors
+        inp, weight = ctx.saved_tensors
+        x2d = inp.reshape(-1, inp.shape[-1])
     else:
-        qx, qw = ctx.quantized
-        k, n = ctx.shape[-1], dy2d.shape[1]
-        x2d = _dequantized(plan.x, ctx.padded, k, qx, dy2d.dtype)[:rows]
+        qx, qw, rows, padded, n, k = ctx.saved[:6]
+        x2d = _dequantized(plan.x, padded, k, qx, dy2d.dtype)[:rows]
         weight = _dequantized(plan.w, n, k, qw, dy2d.dtype)
-    dx = (dy2d @ weight.to(dy2d.dtype)).to(ctx.dtype) if need_dgrad else None
-    dw = (dy2d.t() @ x2d.to(dy2d.dtype)).to(ctx.weight_dtype) if need_wgrad else None
+    dx = dw = None
+    if needs & _NEED_DGRAD:
+        dx = (dy2d @ weight.to(dy2d.dtype)).to(ctx.dtype).view(ctx.shape)
+    if needs & _NEED_WGRAD:
+        dw = (dy2d.t() @ x2d.to(dy2d.dtype)).to(ctx.weight_dtype)
     return dx, dw
 
 
@@ -250,7 +197,7 @@ class Linear(torch.nn.Module):
         else:
             torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
         self._plans = {}           # recipe key -> _Plan
-        self._weight_cache = None  # (recipe key, weight members) for is_first_microbatch=False
+        self._weight_cache = []    # [recipe key, weight members] for is_first_microbatch=False
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -288,16 +235,6 @@ class Linear(torch.nn.Module):
                                     "dequantize(quantized) methods")
             self._plans[key] = quantizers
         return quantizers
-
-    def _quantized_weight(self, weight, plan, is_first_microbatch):
-        cache = self._weight_cache
-        if (is_first_microbatch is False and cache is not None and cache[0] == plan.key
-                and cache[1][0].device == weight.device):  # .to() moves the weight, not this
-            return cache[1]
-        state = delayed.slot(self, delayed.FORWARD, 1) if plan.delayed else (None, None)
-        members = _quantize(weight, plan.w, ROWWISE | COLUMNWISE, state)
-        self._weight_cache = (plan.key, members) if is_first_microbatch is not None else None
-        return members
 
     def forward(self, inp, is_first_microbatch=None):
         bias = None if self.return_bias else self.bias

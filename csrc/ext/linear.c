@@ -1,0 +1,302 @@
+/* linear.c: te.Linear's host path, one C call per direction (python/tequant/linear.py holds
+ * the autograd Function around them).
+ *
+ *   _linear_forward(plan, inp, weight, bias, needs, cache, first_microbatch, x_state, w_state)
+ *       -> (out, saved)
+ *   _linear_backward(saved, dy, needs, dy_state) -> (dx, dw)
+ *
+ * plan = (key, cfg_x, cfg_w, cfg_dy, align, flags_fprop, flags_dgrad, flags_wgrad, emulated):
+ * the recipe's quantizer configs for input / weight / grad_output, the row multiple the format
+ * needs (rows are zero-padded to it; zero rows add nothing to any product or amax), each GEMM's
+ * tq_gemm_flags, and whether the pair is emulated (MXFP8 / NVFP4: no float16 output, so float16
+ * goes through float32). needs: bit 1 dgrad (dx), bit 2 wgrad (dW), bit 4 keep x's rowwise
+ * direction in saved (backward_override="dequantized"). cache: the module's list
+ * [key, weight members] for is_first_microbatch (True: quantize and keep, False: reuse, None:
+ * quantize, keep nothing). *_state: DelayedScaling's (scale, amax slot) views, or None.
+ * Forward quantizes x rowwise (+ columnwise for wgrad) and W in both directions, runs fprop with
+ * the bias in the epilogue, and saves the columnwise x and W for backward (TE_REFERENCE 7.3-7.5).
+ * Tests: tests/test_linear.py, tests/test_linear_delayed.py.
+ */
+#include "module.h"
+
+#define NEED_DGRAD 1
+#define NEED_WGRAD 2
+#define KEEP_X_ROWWISE 4 /* backward_override="dequantized" reads the rowwise x */
+
+typedef struct plan {
+    PyObject *key;
+    tq_quant_config x, w, dy;
+    int64_t align;
+    uint32_t flags[3];
+    int emulated;
+} plan;
+
+static int plan_from_py(tqx_state *st, PyObject *obj, plan *p) {
+    if (!PyTuple_Check(obj) || PyTuple_GET_SIZE(obj) != 9) {
+        PyErr_SetString(PyExc_TypeError, "linear plan must be a 9-tuple");
+        return -1;
+    }
+    PyObject *const *it = &PyTuple_GET_ITEM(obj, 0);
+    p->key = it[0];
+    if (tqx_config_from_py(st, it[1], &p->x) < 0 || tqx_config_from_py(st, it[2], &p->w) < 0
+        || tqx_config_from_py(st, it[3], &p->dy) < 0)
+        return -1;
+    p->align = PyLong_AsLongLong(it[4]);
+    for (int i = 0; i < 3; i++) p->flags[i] = (uint32_t)PyLong_AsUnsignedLong(it[5 + i]);
+    p->emulated = PyObject_IsTrue(it[8]);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* The SR (seed, offset) from tequant.ops._rng_state (the device's generator), or zeros. */
+static int rng_for(tqx_state *st, const tq_quant_config *c, PyObject *x, tq_quantize_args *qa) {
+    qa->rng_seed = qa->rng_offset = 0;
+    if (!(c->flags & TQ_QUANT_STOCHASTIC_ROUNDING)) return 0;
+    if (st->rng_state == NULL) {
+        PyObject *ops = PyImport_ImportModule("tequant.ops");
+        if (ops == NULL) return -1;
+        st->rng_state = PyObject_GetAttrString(ops, "_rng_state");
+        Py_DECREF(ops);
+        if (st->rng_state == NULL) return -1;
+    }
+    PyObject *device = PyObject_GetAttrString(x, "device");
+    PyObject *pair = device ? PyObject_CallFunctionObjArgs(st->rng_state, device, Py_None, NULL) : NULL;
+    Py_XDECREF(device);
+    if (pair == NULL) return -1;
+    int ok = PyArg_ParseTuple(pair, "KK", &qa->rng_seed, &qa->rng_offset);
+    Py_DECREF(pair);
+    return ok ? 0 : -1;
+}
+
+/* x2d [rows, cols] zero-padded to a multiple of `align` rows (a new reference; x2d itself when
+ * aligned). */
+static PyObject *pad_rows(tqx_state *st, PyObject *x2d, const tq_tensor *x, int64_t align,
+                          int64_t *padded) {
+    *padded = (x->rows + align - 1) / align * align;
+    if (*padded == x->rows) return Py_NewRef(x2d);
+    PyObject *device = PyObject_GetAttrString(x2d, "device");
+    if (device == NULL) return NULL;
+    void *data;
+    PyObject *xp = tqx_torch_new(st, *padded, x->cols, x->dtype, device, 1, &data);
+    Py_DECREF(device);
+    PyObject *head = xp ? PyObject_CallMethod(xp, "narrow", "iLL", 0, 0LL, (long long)x->rows) : NULL;
+    PyObject *done = head ? PyObject_CallMethod(head, "copy_", "O", x2d) : NULL;
+    Py_XDECREF(head);
+    if (done == NULL) {
+        Py_XDECREF(xp);
+        return NULL;
+    }
+    Py_DECREF(done);
+    return xp;
+}
+
+/* Quantizes a 2-D tensor with config into members (new reference). state: None or the
+ * delayed (scale, amax slot) pair. */
+static PyObject *quantize(tqx_state *st, PyObject *x2d, const tq_quant_config *config,
+                          uint32_t usage, PyObject *state) {
+    tq_tensor x;
+    tqx_tensor_info info;
+    if (tqx_tensor_from_py(st, x2d, "x", TQX_FLOAT_DTYPES, &x, &info) < 0) return NULL;
+    tq_quantize_args qa = TQ_QUANTIZE_ARGS_INIT;
+    qa.usage = usage;
+    if (rng_for(st, config, x2d, &qa) < 0) return NULL;
+    PyObject *scale = Py_None, *amax = Py_None;
+    if (state != Py_None && !PyArg_ParseTuple(state, "OO", &scale, &amax)) return NULL;
+    tq_qtensor q;
+    return tqx_quantize_members(st, x2d, &x, info.stream, config, &qa, scale, amax, &q);
+}
+
+/* Members without the direction(s) backward does not read; per-tensor FP8's one scale_inv serves
+ * both directions, so it stays. */
+static PyObject *keep_columnwise(PyObject *m, const tq_quant_config *c) {
+    const int shared = c->scaling == TQ_SCALING_DELAYED || c->scaling == TQ_SCALING_CURRENT;
+    PyObject *t = PyTuple_New(6);
+    if (t == NULL) return NULL;
+    for (int i = 0; i < 6; i++) {
+        PyObject *v = (i == 0 || (i == 1 && !shared)) ? Py_None : PyTuple_GET_ITEM(m, i);
+        PyTuple_SET_ITEM(t, i, Py_NewRef(v));
+    }
+    return t;
+}
+
+/* out = A . B^T through the core, float16 results of emulated pairs through float32. */
+static PyObject *gemm(tqx_state *st, const plan *p, tqx_operand *a, tqx_operand *b,
+                      tq_dtype out_dtype, PyObject *bias, uint32_t flags) {
+    if (!(p->emulated && out_dtype == TQ_DTYPE_FLOAT16))
+        return tqx_gemm_run(st, a, b, Py_None, out_dtype, bias, flags);
+    PyObject *f32 = tqx_gemm_run(st, a, b, Py_None, TQ_DTYPE_FLOAT32, bias, flags);
+    PyObject *out = f32 ? PyObject_CallMethod(f32, "to", "O", tqx_torch_dtype_of(st, TQ_DTYPE_FLOAT16)) : NULL;
+    Py_XDECREF(f32);
+    return out;
+}
+
+/* The weight's members: the cached ones when first_microbatch is False and the cache holds this
+ * plan's on the weight's device, else freshly quantized (and cached unless None). */
+static PyObject *weight_members(tqx_state *st, const plan *p, PyObject *weight, PyObject *cache,
+                                PyObject *first, PyObject *state) {
+    if (!PyList_Check(cache)) {
+        PyErr_SetString(PyExc_TypeError, "linear weight cache must be a list");
+        return NULL;
+    }
+    if (first == Py_False && PyList_GET_SIZE(cache) == 2) {
+        PyObject *members = PyList_GET_ITEM(cache, 1);
+        int same_key = PyObject_RichCompareBool(PyList_GET_ITEM(cache, 0), p->key, Py_EQ);
+        if (same_key < 0) return NULL;
+        tq_tensor w, cached;
+        if (same_key && tqx_tensor_from_py(st, weight, "weight", TQX_FLOAT_DTYPES, &w, NULL) == 0
+            && tqx_tensor_from_py(st, PyTuple_GET_ITEM(members, 0), "cached weight", ~0u, &cached,
+                                  NULL) == 0
+            && w.device == cached.device)
+            return Py_NewRef(members);
+        if (PyErr_Occurred()) return NULL;
+    }
+    PyObject *members = quantize(st, weight, &p->w, TQ_USAGE_ROWWISE | TQ_USAGE_COLUMNWISE, state);
+    if (members == NULL) return NULL;
+    PyObject *kept = first == Py_None ? PyList_New(0) : Py_BuildValue("[OO]", p->key, members);
+    int rc = kept ? PyList_SetSlice(cache, 0, PyList_GET_SIZE(cache), kept) : -1;
+    Py_XDECREF(kept);
+    if (rc < 0) {
+        Py_DECREF(members);
+        return NULL;
+    }
+    return members;
+}
+
+/* The leading shape of t with its last dim replaced by n. */
+static PyObject *shape_with_last(PyObject *t, int64_t n) {
+    PyObject *shape = PyObject_GetAttrString(t, "shape");
+    if (shape == NULL) return NULL;
+    PyObject *list = PySequence_List(shape);
+    Py_DECREF(shape);
+    if (list == NULL) return NULL;
+    PyObject *last = PyLong_FromLongLong(n);
+    const Py_ssize_t len = PyList_GET_SIZE(list);
+    int rc = last && len > 0 ? PyList_SetItem(list, len - 1, last) : -1;
+    if (rc < 0 && last && len == 0) Py_DECREF(last);
+    PyObject *tuple = rc == 0 ? PyList_AsTuple(list) : NULL;
+    Py_DECREF(list);
+    return tuple;
+}
+
+/* rows [0, rows) of a padded [padded, n] result, viewed as `shape`. */
+static PyObject *unpad(PyObject *full, int64_t rows, int64_t padded, PyObject *shape) {
+    PyObject *head = rows == padded ? Py_NewRef(full)
+                                    : PyObject_CallMethod(full, "narrow", "iLL", 0, 0LL, (long long)rows);
+    PyObject *out = head && shape ? PyObject_CallMethod(head, "view", "O", shape) : NULL;
+    Py_XDECREF(head);
+    return out;
+}
+
+static PyObject *py_linear_forward(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 9) {
+        PyErr_Format(PyExc_TypeError, "_linear_forward takes 9 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    tqx_state *st = tqx_module_state(module);
+    plan p;
+    const long needs = PyLong_AsLong(args[4]);
+    if (needs == -1 && PyErr_Occurred()) return NULL;
+    if (tqx_torch_import(st) < 0 || plan_from_py(st, args[0], &p) < 0) return NULL;
+    PyObject *inp = args[1], *weight = args[2], *bias = args[3];
+    tq_tensor w;
+    if (tqx_tensor_from_py(st, weight, "weight", TQX_FLOAT_DTYPES, &w, NULL) < 0) return NULL;
+    const int64_t n = w.rows, k = w.cols;
+    PyObject *x2d = PyObject_CallMethod(inp, "reshape", "(iL)", -1, (long long)k);
+    PyObject *xp = NULL, *qx = NULL, *qw = NULL, *full = NULL, *shape = NULL, *out = NULL;
+    PyObject *result = NULL;
+    tq_tensor x;
+    int64_t padded = 0;
+    if (x2d == NULL || tqx_tensor_from_py(st, x2d, "input", TQX_FLOAT_DTYPES, &x, NULL) < 0) goto done;
+    if ((xp = pad_rows(st, x2d, &x, p.align, &padded)) == NULL) goto done;
+    const uint32_t x_usage = TQ_USAGE_ROWWISE | ((needs & NEED_WGRAD) ? TQ_USAGE_COLUMNWISE : 0);
+    if ((qx = quantize(st, xp, &p.x, x_usage, args[7])) == NULL) goto done;
+    if ((qw = weight_members(st, &p, weight, args[5], args[6], args[8])) == NULL) goto done;
+    tqx_operand a, b;
+    if (tqx_operand_set(st, &p.x, padded, k, qx, TQ_USAGE_ROWWISE, &a) < 0
+        || tqx_operand_set(st, &p.w, n, k, qw, TQ_USAGE_ROWWISE, &b) < 0)
+        goto done;
+    if ((full = gemm(st, &p, &a, &b, x.dtype, bias, p.flags[0])) == NULL) goto done;
+    if ((shape = shape_with_last(inp, n)) == NULL || (out = unpad(full, x.rows, padded, shape)) == NULL)
+        goto done;
+    /* saved: (x members (columnwise only, unless kept whole) or None, W members, rows, padded
+     * rows, N, K, dtype of x, dtype of W) */
+    PyObject *x_saved = (needs & KEEP_X_ROWWISE) ? Py_NewRef(qx)
+                        : (needs & NEED_WGRAD)   ? keep_columnwise(qx, &p.x)
+                                                 : Py_NewRef(Py_None);
+    if (x_saved == NULL) goto done;
+    PyObject *saved = Py_BuildValue("(NOLLLLii)", x_saved, qw, (long long)x.rows,
+                                    (long long)padded, (long long)n, (long long)k, (int)x.dtype,
+                                    (int)w.dtype);
+    if (saved != NULL) result = PyTuple_Pack(2, out, saved);
+    Py_XDECREF(saved);
+done:
+    Py_XDECREF(x2d);
+    Py_XDECREF(xp);
+    Py_XDECREF(qx);
+    Py_XDECREF(qw);
+    Py_XDECREF(full);
+    Py_XDECREF(shape);
+    Py_XDECREF(out);
+    return result;
+}
+
+static PyObject *py_linear_backward(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_Format(PyExc_TypeError, "_linear_backward takes 6 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    tqx_state *st = tqx_module_state(module);
+    plan p;
+    PyObject *qx, *qw;
+    long long rows, padded, n, k;
+    int x_dtype, w_dtype;
+    const long needs = PyLong_AsLong(args[3]);
+    if (needs == -1 && PyErr_Occurred()) return NULL;
+    if (tqx_torch_import(st) < 0 || plan_from_py(st, args[0], &p) < 0
+        || !PyArg_ParseTuple(args[1], "OOLLLLii", &qx, &qw, &rows, &padded, &n, &k, &x_dtype,
+                             &w_dtype))
+        return NULL;
+    PyObject *dy = args[2], *inp_shape = args[5];
+    PyObject *dy2d = PyObject_CallMethod(dy, "reshape", "(iL)", -1, (long long)n);
+    PyObject *dyp = NULL, *qdy = NULL, *dx_full = NULL, *dx = NULL, *dw = NULL, *result = NULL;
+    tq_tensor d;
+    int64_t dy_padded;
+    if (dy2d == NULL || tqx_tensor_from_py(st, dy2d, "grad_output", TQX_FLOAT_DTYPES, &d, NULL) < 0)
+        goto done;
+    if ((dyp = pad_rows(st, dy2d, &d, p.align, &dy_padded)) == NULL) goto done;
+    const uint32_t usage = ((needs & NEED_DGRAD) ? TQ_USAGE_ROWWISE : 0)
+                           | ((needs & NEED_WGRAD) ? TQ_USAGE_COLUMNWISE : 0);
+    if (usage && (qdy = quantize(st, dyp, &p.dy, usage, args[4])) == NULL) goto done;
+    if (needs & NEED_DGRAD) { /* dx = dy . W: dy rowwise [M, N], W columnwise [K, N] */
+        tqx_operand a, b;
+        if (tqx_operand_set(st, &p.dy, padded, n, qdy, TQ_USAGE_ROWWISE, &a) < 0
+            || tqx_operand_set(st, &p.w, n, k, qw, TQ_USAGE_COLUMNWISE, &b) < 0
+            || (dx_full = gemm(st, &p, &a, &b, (tq_dtype)x_dtype, Py_None, p.flags[1])) == NULL
+            || (dx = unpad(dx_full, rows, padded, inp_shape)) == NULL)
+            goto done;
+    }
+    if (needs & NEED_WGRAD) { /* dW = dy^T . x: dy columnwise [N, M], x columnwise [K, M] */
+        tqx_operand a, b;
+        if (tqx_operand_set(st, &p.dy, padded, n, qdy, TQ_USAGE_COLUMNWISE, &a) < 0
+            || tqx_operand_set(st, &p.x, padded, k, qx, TQ_USAGE_COLUMNWISE, &b) < 0
+            || (dw = gemm(st, &p, &a, &b, (tq_dtype)w_dtype, Py_None, p.flags[2])) == NULL)
+            goto done;
+    }
+    result = PyTuple_Pack(2, dx ? dx : Py_None, dw ? dw : Py_None);
+done:
+    Py_XDECREF(dy2d);
+    Py_XDECREF(dyp);
+    Py_XDECREF(qdy);
+    Py_XDECREF(dx_full);
+    Py_XDECREF(dx);
+    Py_XDECREF(dw);
+    return result;
+}
+
+PyMethodDef tqx_linear_methods[] = {
+    {"_linear_forward", (PyCFunction)(void (*)(void))py_linear_forward, METH_FASTCALL,
+     "_linear_forward(plan, inp, weight, bias, needs, cache, first_microbatch, x_state, w_state)"
+     " -> (out, saved)\n\nte.Linear's quantized forward; see csrc/ext/linear.c."},
+    {"_linear_backward", (PyCFunction)(void (*)(void))py_linear_backward, METH_FASTCALL,
+     "_linear_backward(plan, saved, dy, needs, dy_state, input_shape) -> (dx, dw)\n\nte.Linear's "
+     "quantized backward; see csrc/ext/linear.c."},
+    {NULL, NULL, 0, NULL}};
