@@ -7,9 +7,9 @@ dx = dy W (dy rowwise, W columnwise) and wgrad dW = dy^T x (dy columnwise, x col
 TE_REFERENCE 7.3-7.5 describe. Backward keeps the quantized columnwise x and the quantized W, not
 high-precision copies. Any number of tokens works: rows are zero-padded to the format's multiple
 (zero rows add nothing to any product) and the result is exactly the unpadded one.
-DelayedScaling keeps its amax histories and scales in module buffers (delayed.py). This version
-drives the C extension's quantize and GEMM calls from Python; the single C call per direction
-arrives with the rest of issue 5.
+DelayedScaling keeps its amax histories and scales in module buffers (delayed.py). The forward
+and the backward are one C call each (csrc/ext/linear.c); this file is the autograd Function,
+the module and the recipe plans around them.
 Tests: tests/test_linear.py.
 """
 import math
