@@ -737,3 +737,22 @@ def test_backward_override(override, device):
         assert not torch.allclose(want_dw, g.t() @ x.detach())  # the operands were quantized
     assert torch.allclose(x.grad, want_dx, rtol=1e-5, atol=1e-6)
     assert torch.allclose(lin.weight.grad, want_dw, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_activation_dtype_follows_torch_autocast(device):
+    """Under torch.autocast (AMP) the input is cast to its dtype, so output and dx use it; the
+    fp32 weight keeps fp32 grads."""
+    torch.manual_seed(8)
+    lin = te.Linear(64, 32, device=device)
+    x = torch.randn(5, 64, device=device, requires_grad=True)
+    with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16):
+        with te.autocast(recipe=Float8CurrentScaling()):
+            y = lin(x)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and lin.weight.grad.dtype == torch.float32
+    qx = te.ops.quantize(x.detach().bfloat16(), Float8CurrentScaling(), "input")
+    qw = te.ops.quantize(lin.weight.detach(), Float8CurrentScaling(), "weight")
+    want = te.ops.gemm(qx, qw, transpose_b=True, out_dtype=torch.bfloat16, bias=lin.bias.detach())
+    assert torch.equal(y.detach(), want)

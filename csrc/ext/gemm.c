@@ -111,7 +111,10 @@ static int cpu_gemm(tqx_state *st, tqx_operand *a, tqx_operand *b, const tq_gemm
         goto done;
     }
     if ((tbt = PyObject_CallMethod(tb, "t", NULL)) == NULL) goto done;
-    if ((prod = PyObject_CallFunctionObjArgs(st->torch_mm, ta, tbt, NULL)) == NULL) goto done;
+    int amp_was_on; /* under torch.autocast the float32 mm would run in bf16 */
+    if (tqx_autocast_off(st, "cpu", &amp_was_on) < 0) goto done;
+    prod = PyObject_CallFunctionObjArgs(st->torch_mm, ta, tbt, NULL);
+    if (tqx_autocast_restore(st, "cpu", amp_was_on) < 0 || prod == NULL) goto done;
     if (alpha != 1.0f) {
         PyObject *f = PyFloat_FromDouble(alpha); /* exact: a float32 widened */
         const int failed = f == NULL || call_in_place(prod, "mul_", f) < 0;

@@ -1,9 +1,10 @@
 /* linear.c: te.Linear's host path, one C call per direction (python/tequant/linear.py holds
  * the autograd Function around them).
  *
- *   _linear_forward(plan, inp, weight, bias, needs, cache, first_microbatch, x_state, w_state)
+ *   linear_forward(plan, inp, weight, bias, needs, cache, first_microbatch, x_state, w_state)
  *       -> (out, saved)
- *   _linear_backward(saved, dy, needs, dy_state) -> (dx, dw)
+ *   linear_backward(plan, saved, dy, needs, dy_state, input_shape, bias_dtype, pending)
+ *       -> (dx, dw, db)
  *
  * plan = (key, cfg_x, cfg_w, cfg_dy, align, flags_fprop, flags_dgrad, flags_wgrad, emulated):
  * the recipe's quantizer configs for input / weight / grad_output, the row multiple the format
@@ -15,6 +16,9 @@
  * quantize, keep nothing). *_state: DelayedScaling's (scale, amax slot) views, or None.
  * Forward quantizes x rowwise (+ columnwise for wgrad) and W in both directions, runs fprop with
  * the bias in the epilogue, and saves the columnwise x and W for backward (TE_REFERENCE 7.3-7.5).
+ * Backward quantizes dy, runs dgrad and wgrad, sums dy into the bias grad (FP32, then the bias's
+ * dtype; bias_dtype None: no bias grad) and, given the DelayedScaling modules of an autocast
+ * (pending, passed to the module that ran first), runs their backward update last.
  * Tests: tests/test_linear.py, tests/test_linear_delayed.py.
  */
 #include "module.h"
@@ -186,9 +190,23 @@ static PyObject *unpad(PyObject *full, int64_t rows, int64_t padded, PyObject *s
     return out;
 }
 
+/* dy2d summed over rows in FP32, then in the bias's dtype. */
+static PyObject *bias_grad(tqx_state *st, PyObject *dy2d, PyObject *bias_dtype) {
+    PyObject *sum_fn = PyObject_GetAttrString(dy2d, "sum");
+    PyObject *args = Py_BuildValue("(i)", 0);
+    PyObject *kwargs = Py_BuildValue("{sO}", "dtype", tqx_torch_dtype_of(st, TQ_DTYPE_FLOAT32));
+    PyObject *sum = sum_fn && args && kwargs ? PyObject_Call(sum_fn, args, kwargs) : NULL;
+    PyObject *db = sum ? PyObject_CallMethod(sum, "to", "O", bias_dtype) : NULL;
+    Py_XDECREF(sum_fn);
+    Py_XDECREF(args);
+    Py_XDECREF(kwargs);
+    Py_XDECREF(sum);
+    return db;
+}
+
 static PyObject *py_linear_forward(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 9) {
-        PyErr_Format(PyExc_TypeError, "_linear_forward takes 9 arguments (%zd given)", nargs);
+        PyErr_Format(PyExc_TypeError, "linear_forward takes 9 arguments (%zd given)", nargs);
         return NULL;
     }
     tqx_state *st = tqx_module_state(module);
@@ -240,8 +258,8 @@ done:
 }
 
 static PyObject *py_linear_backward(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6) {
-        PyErr_Format(PyExc_TypeError, "_linear_backward takes 6 arguments (%zd given)", nargs);
+    if (nargs != 8) {
+        PyErr_Format(PyExc_TypeError, "linear_backward takes 8 arguments (%zd given)", nargs);
         return NULL;
     }
     tqx_state *st = tqx_module_state(module);
@@ -255,9 +273,10 @@ static PyObject *py_linear_backward(PyObject *module, PyObject *const *args, Py_
         || !PyArg_ParseTuple(args[1], "OOLLLLii", &qx, &qw, &rows, &padded, &n, &k, &x_dtype,
                              &w_dtype))
         return NULL;
-    PyObject *dy = args[2], *inp_shape = args[5];
+    PyObject *dy = args[2], *inp_shape = args[5], *bias_dtype = args[6], *pending = args[7];
     PyObject *dy2d = PyObject_CallMethod(dy, "reshape", "(iL)", -1, (long long)n);
-    PyObject *dyp = NULL, *qdy = NULL, *dx_full = NULL, *dx = NULL, *dw = NULL, *result = NULL;
+    PyObject *dyp = NULL, *qdy = NULL, *dx_full = NULL, *dx = NULL, *dw = NULL, *db = NULL;
+    PyObject *result = NULL;
     tq_tensor d;
     int64_t dy_padded;
     if (dy2d == NULL || tqx_tensor_from_py(st, dy2d, "grad_output", TQX_FLOAT_DTYPES, &d, NULL) < 0)
@@ -281,8 +300,20 @@ static PyObject *py_linear_backward(PyObject *module, PyObject *const *args, Py_
             || (dw = gemm(st, &p, &a, &b, (tq_dtype)w_dtype, Py_None, p.flags[2])) == NULL)
             goto done;
     }
-    result = PyTuple_Pack(2, dx ? dx : Py_None, dw ? dw : Py_None);
+    if (bias_dtype != Py_None && (db = bias_grad(st, dy2d, bias_dtype)) == NULL) goto done;
+    if (pending != Py_None) { /* last in backward: the DelayedScaling backward update */
+        PyObject *r = st->delayed_backward_update
+                          ? PyObject_CallOneArg(st->delayed_backward_update, pending) : NULL;
+        if (r == NULL) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_RuntimeError, "tequant.delayed is not imported");
+            goto done;
+        }
+        Py_DECREF(r);
+    }
+    result = PyTuple_Pack(3, dx ? dx : Py_None, dw ? dw : Py_None, db ? db : Py_None);
 done:
+    Py_XDECREF(db);
     Py_XDECREF(dy2d);
     Py_XDECREF(dyp);
     Py_XDECREF(qdy);
@@ -293,10 +324,10 @@ done:
 }
 
 PyMethodDef tqx_linear_methods[] = {
-    {"_linear_forward", (PyCFunction)(void (*)(void))py_linear_forward, METH_FASTCALL,
-     "_linear_forward(plan, inp, weight, bias, needs, cache, first_microbatch, x_state, w_state)"
+    {"linear_forward", (PyCFunction)(void (*)(void))py_linear_forward, METH_FASTCALL,
+     "linear_forward(plan, inp, weight, bias, needs, cache, first_microbatch, x_state, w_state)"
      " -> (out, saved)\n\nte.Linear's quantized forward; see csrc/ext/linear.c."},
-    {"_linear_backward", (PyCFunction)(void (*)(void))py_linear_backward, METH_FASTCALL,
-     "_linear_backward(plan, saved, dy, needs, dy_state, input_shape) -> (dx, dw)\n\nte.Linear's "
-     "quantized backward; see csrc/ext/linear.c."},
+    {"linear_backward", (PyCFunction)(void (*)(void))py_linear_backward, METH_FASTCALL,
+     "linear_backward(plan, saved, dy, needs, dy_state, input_shape, bias_dtype, pending) -> "
+     "(dx, dw, db)\n\nte.Linear's quantized backward; see csrc/ext/linear.c."},
     {NULL, NULL, 0, NULL}};

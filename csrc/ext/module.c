@@ -39,6 +39,7 @@ static int tequant_traverse(PyObject *module, visitproc visit, void *arg) {
     Py_VISIT(st->default_recipe);
     Py_VISIT(st->dlpack_type);
     Py_VISIT(st->delayed_update);
+    Py_VISIT(st->delayed_backward_update);
     Py_VISIT(st->rng_state);
     const int visited = tqx_torch_traverse(st, visit, arg);
     if (visited != 0) return visited;
@@ -59,6 +60,7 @@ static int tequant_clear(PyObject *module) {
     Py_CLEAR(st->default_recipe);
     Py_CLEAR(st->dlpack_type);
     Py_CLEAR(st->delayed_update);
+    Py_CLEAR(st->delayed_backward_update);
     Py_CLEAR(st->rng_state);
     Py_CLEAR(st->str_enabled);
     Py_CLEAR(st->str_calibrating);

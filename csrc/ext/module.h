@@ -105,9 +105,11 @@ typedef struct tqx_state {
     const DLPackExchangeAPI *dlpack_api;
     /* torch functions and dtypes (torch_calls.c), imported on first use */
     PyObject *torch_empty, *torch_zeros, *torch_mm;
+    PyObject *torch_is_autocast_enabled, *torch_set_autocast_enabled;
     PyObject *torch_dtypes[TQX_TORCH_DTYPE_COUNT];
-    /* state.c: called with the root frame's DelayedScaling modules at the outermost exit */
-    PyObject *delayed_update;
+    /* state.c: called with the root frame's DelayedScaling modules at the outermost exit, and
+     * (backward) at the end of the backward of the module that ran first */
+    PyObject *delayed_update, *delayed_backward_update;
     /* linear.c: tequant.ops._rng_state, the stochastic-rounding (seed, offset) source */
     PyObject *rng_state;
     /* gemm.c: the cuBLASLt workspace per (device, stream), a dict of uint8 tensors */
@@ -167,6 +169,10 @@ tq_dtype tqx_dtype_of_torch(tqx_state *st, PyObject *dtype); /* TQ_DTYPE_COUNT_ 
  * (a torch.device), torch.zeros when zeroed; its data pointer goes to *data. */
 PyObject *tqx_torch_new(tqx_state *st, int64_t rows, int64_t cols, tq_dtype dtype,
                         PyObject *device, int zeroed, void **data);
+/* Turns torch.autocast off for `device_type` ("cpu"); *was_on says whether to restore it with
+ * tqx_autocast_restore. The CPU GEMM's float32 torch.mm must not be recast to bf16 by AMP. */
+int tqx_autocast_off(tqx_state *st, const char *device_type, int *was_on);
+int tqx_autocast_restore(tqx_state *st, const char *device_type, int was_on);
 void tqx_torch_clear(tqx_state *st);
 int tqx_torch_traverse(tqx_state *st, visitproc visit, void *arg);
 

@@ -86,13 +86,15 @@ static PyObject *delayed_register(PyObject *module, PyObject *obj) {
     return Py_BuildValue("(OO)", root->pending, first ? Py_True : Py_False);
 }
 
-static PyObject *set_delayed_update(PyObject *module, PyObject *fn) {
+static PyObject *set_delayed_update(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     tqx_state *st = tqx_module_state(module);
-    if (!PyCallable_Check(fn)) {
-        PyErr_SetString(PyExc_TypeError, "_set_delayed_update takes a callable");
+    if (nargs != 2 || !PyCallable_Check(args[0]) || !PyCallable_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "_set_delayed_update(forward_fn, backward_fn) takes two "
+                        "callables");
         return NULL;
     }
-    Py_XSETREF(st->delayed_update, Py_NewRef(fn));
+    Py_XSETREF(st->delayed_update, Py_NewRef(args[0]));
+    Py_XSETREF(st->delayed_backward_update, Py_NewRef(args[1]));
     Py_RETURN_NONE;
 }
 
@@ -100,8 +102,10 @@ PyMethodDef tqx_state_methods[] = {
     {"_delayed_register", delayed_register, METH_O,
      "_delayed_register(module) -> (list, first)\n\nRecords a DelayedScaling module in the "
      "outermost autocast; its forward update runs at that autocast's exit."},
-    {"_set_delayed_update", set_delayed_update, METH_O,
-     "_set_delayed_update(fn): fn(modules) runs at the outermost autocast's exit."},
+    {"_set_delayed_update", (PyCFunction)(void (*)(void))set_delayed_update, METH_FASTCALL,
+     "_set_delayed_update(forward_fn, backward_fn): forward_fn(modules) runs at the outermost "
+     "autocast's exit, backward_fn(modules) at the end of linear_backward of the module that "
+     "ran first in forward."},
     {"is_fp8_enabled", is_fp8_enabled, METH_NOARGS,
      "is_fp8_enabled() -> bool\n\nTrue inside an enabled te.autocast on this thread/context."},
     {"is_fp8_calibration", is_fp8_calibration, METH_NOARGS,

@@ -21,6 +21,8 @@ int tqx_torch_import(tqx_state *st) {
         ok = (st->torch_dtypes[i] = PyObject_GetAttrString(torch, dtype_names[i])) != NULL;
     if (ok) ok = (st->torch_zeros = PyObject_GetAttrString(torch, "zeros")) != NULL;
     if (ok) ok = (st->torch_empty = PyObject_GetAttrString(torch, "empty")) != NULL;
+    if (ok) ok = (st->torch_is_autocast_enabled = PyObject_GetAttrString(torch, "is_autocast_enabled")) != NULL;
+    if (ok) ok = (st->torch_set_autocast_enabled = PyObject_GetAttrString(torch, "set_autocast_enabled")) != NULL;
     if (ok) ok = (st->torch_mm = PyObject_GetAttrString(torch, "mm")) != NULL;
     Py_DECREF(torch);
     if (!ok) tqx_torch_clear(st); /* all or nothing: torch_mm marks a complete import */
@@ -68,10 +70,30 @@ PyObject *tqx_torch_new(tqx_state *st, int64_t rows, int64_t cols, tq_dtype dtyp
     return tensor;
 }
 
+int tqx_autocast_off(tqx_state *st, const char *device_type, int *was_on) {
+    PyObject *on = PyObject_CallFunction(st->torch_is_autocast_enabled, "s", device_type);
+    if (on == NULL) return -1;
+    *was_on = PyObject_IsTrue(on);
+    Py_DECREF(on);
+    if (*was_on <= 0) return *was_on;
+    PyObject *r = PyObject_CallFunction(st->torch_set_autocast_enabled, "sO", device_type, Py_False);
+    Py_XDECREF(r);
+    return r ? 0 : -1;
+}
+
+int tqx_autocast_restore(tqx_state *st, const char *device_type, int was_on) {
+    if (!was_on) return 0;
+    PyObject *r = PyObject_CallFunction(st->torch_set_autocast_enabled, "sO", device_type, Py_True);
+    Py_XDECREF(r);
+    return r ? 0 : -1;
+}
+
 void tqx_torch_clear(tqx_state *st) {
     Py_CLEAR(st->torch_empty);
     Py_CLEAR(st->torch_zeros);
     Py_CLEAR(st->torch_mm);
+    Py_CLEAR(st->torch_is_autocast_enabled);
+    Py_CLEAR(st->torch_set_autocast_enabled);
     for (int i = 0; i < TQX_TORCH_DTYPE_COUNT; i++) Py_CLEAR(st->torch_dtypes[i]);
     Py_CLEAR(st->gemm_workspaces);
 }
@@ -80,6 +102,8 @@ int tqx_torch_traverse(tqx_state *st, visitproc visit, void *arg) {
     Py_VISIT(st->torch_empty);
     Py_VISIT(st->torch_zeros);
     Py_VISIT(st->torch_mm);
+    Py_VISIT(st->torch_is_autocast_enabled);
+    Py_VISIT(st->torch_set_autocast_enabled);
     for (int i = 0; i < TQX_TORCH_DTYPE_COUNT; i++) Py_VISIT(st->torch_dtypes[i]);
     Py_VISIT(st->gemm_workspaces);
     return 0;

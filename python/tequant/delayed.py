@@ -124,8 +124,9 @@ def _update_forward(modules):
 
 
 def update_backward(modules):
-    """Called at the end of the backward of the module that ran first in forward."""
+    """Called by linear_backward (csrc/ext/linear.c) at the end of the backward of the module
+    that ran first in forward."""
     _update(modules, BACKWARD)
 
 
-_C._set_delayed_update(_update_forward)
+_C._set_delayed_update(_update_forward, update_backward)

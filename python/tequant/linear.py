@@ -55,7 +55,7 @@ _NEED_DGRAD, _NEED_WGRAD, _KEEP_X_ROWWISE = 1, 2, 4  # csrc/ext/linear.c
 
 class _QuantizedLinear(torch.autograd.Function):
     """y = x W^T + b with quantized GEMMs: one C call forward (csrc/ext/linear.c
-    _linear_forward), one backward (_linear_backward)."""
+    linear_forward), one backward (linear_backward)."""
 
     @staticmethod
     def forward(ctx, inp, weight, bias, module, plan, is_first_microbatch, pending):
@@ -70,7 +70,7 @@ class _QuantizedLinear(torch.autograd.Function):
         else:
             x_state = w_state = None
         inp = inp.contiguous()
-        out, saved = _C._linear_forward(plan.c_args, inp, weight, bias, c_needs,
+        out, saved = _C.linear_forward(plan.c_args, inp, weight, bias, c_needs,
                                         module._weight_cache, is_first_microbatch, x_state,
                                         w_state)
         ctx.plan, ctx.saved, ctx.needs, ctx.shape = plan, saved, needs, inp.shape
@@ -85,20 +85,18 @@ class _QuantizedLinear(torch.autograd.Function):
     def backward(ctx, dy):
         plan, needs = ctx.plan, ctx.needs
         dy = dy.contiguous()
+        bias_dtype = ctx.bias_dtype if ctx.needs_input_grad[2] else None
         if plan.backward_override is not None:
-            dx, dw = _high_precision_backward(ctx, dy.reshape(-1, dy.shape[-1]), needs)
-        else:
+            dx, dw, db = _high_precision_backward(ctx, dy.reshape(-1, dy.shape[-1]), needs,
+                                                  bias_dtype)
+        else:  # ctx.pending: first in forward, so last in backward: it updates them all
             state = delayed.slot(ctx.module, delayed.BACKWARD, 0) if plan.delayed else None
-            dx, dw = _C._linear_backward(plan.c_args, ctx.saved, dy, needs, state, ctx.shape)
-        db = None
-        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-            db = dy.reshape(-1, dy.shape[-1]).sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        if ctx.pending is not None:  # first in forward, so last in backward: update them all
-            delayed.update_backward(ctx.pending)
+            dx, dw, db = _C.linear_backward(plan.c_args, ctx.saved, dy, needs, state, ctx.shape,
+                                            bias_dtype, ctx.pending)
         return dx, dw, db, None, None, None, None
 
 
-def _high_precision_backward(ctx, dy2d, needs):
+def _high_precision_backward(ctx, dy2d, needs, bias_dtype):
     """backward_override: "high_precision" multiplies the unquantized x and W, "dequantized"
     the dequantized forward operands (rowwise x and W), both in dy's precision."""
     plan = ctx.plan
@@ -114,7 +112,8 @@ def _high_precision_backward(ctx, dy2d, needs):
         dx = (dy2d @ weight.to(dy2d.dtype)).to(ctx.dtype).view(ctx.shape)
     if needs & _NEED_WGRAD:
         dw = (dy2d.t() @ x2d.to(dy2d.dtype)).to(ctx.weight_dtype)
-    return dx, dw
+    db = dy2d.sum(0, dtype=torch.float32).to(bias_dtype) if bias_dtype is not None else None
+    return dx, dw, db
 
 
 def _dequantized(config, rows, cols, members, dtype):
