@@ -1,6 +1,9 @@
 # tequant: each target does its own set-up on a fresh machine.
-#   make test   install what is missing (torch 2.13 CPU if no torch; pytest; the nvidia-cublas
-#               wheel when nvcc exists but the CUDA install lacks cuBLAS), build, run pytest
+#   make demo   set-up and build, then train a small GPT once per recipe and once in bf16
+#               (python -m tequant.demo $(DEMO_ARGS); table, loss.png, results.json in demo_out/)
+#   make test   install what is missing (torch 2.13 CPU if no torch; pytest, numpy, matplotlib;
+#               the nvidia-cublas wheel when nvcc exists but the CUDA install lacks cuBLAS),
+#               build, run pytest
 #   make build  the set-up and the build only
 #   make bench  the benchmarks in benchmarks/ (tables under docs/results/)
 # An existing torch is used as it is (the GPU machine has torch+CUDA and no network).
@@ -9,12 +12,18 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?= -q
+# e.g. make demo DEMO_ARGS="--recipes bf16,mxfp8 --steps 300" (python -m tequant.demo --help)
+DEMO_ARGS ?=
 
-.PHONY: test build deps bench clean
+.PHONY: demo test build deps bench clean
 
 deps:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_SPEC)"
 	@$(PYTHON) -c "import pytest, numpy" 2>/dev/null || $(PIP) install pytest numpy
+# matplotlib only draws the demo's loss.png: without it (no network) the demo still writes its
+# table and JSON and says what is missing, so a failed install does not stop make.
+	@$(PYTHON) -c "import matplotlib" 2>/dev/null || $(PIP) install matplotlib || \
+		echo "make deps: matplotlib could not be installed; the demo will write no loss.png"
 	@$(PYTHON) -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 64)" \
 		2>/dev/null || $(PIP) install "setuptools>=64"
 	@req="$$($(PYTHON) build_tools/cuda.py --missing-cublas)"; \
@@ -22,6 +31,9 @@ deps:
 
 build: deps
 	$(PIP) install --no-build-isolation --no-deps -e . -q
+
+demo: build
+	$(PYTHON) -m tequant.demo $(DEMO_ARGS)
 
 # pytest exits 5 when it collects no test; make treats any non-zero exit as a failure.
 test: build
