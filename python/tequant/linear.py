@@ -236,6 +236,9 @@ class Linear(torch.nn.Module):
         return quantizers
 
     def forward(self, inp, is_first_microbatch=None):
+        """y = inp W^T + b for inp [..., in_features]: quantized inside te.autocast, exactly
+        F.linear outside. is_first_microbatch: see the class docstring. Returns y, or (y, bias)
+        with return_bias=True."""
         bias = None if self.return_bias else self.bias
         if not _C.is_fp8_enabled():
             if _C.is_fp8_calibration():

@@ -66,6 +66,7 @@ class QuantizedTensor:
 
     @property
     def device(self):
+        """The torch.device the members live on."""
         return next(t for t in (self.data, self.data_t) if t is not None).device
 
     def has(self, direction):
