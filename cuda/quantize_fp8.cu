@@ -12,6 +12,8 @@
  * through a swizzled shared tile with 16-byte stores. CURRENT runs tq_amax_cuda first (same
  * stream, no host sync), so it reads x twice: 6 bytes moved per 4 counted for bf16 (walking the
  * tiles in reverse to reuse x's tail in L2, with streaming stores, measured no gain on H200).
+ * A small CURRENT x (<= 64K elements: launch-bound, e.g. te.Linear on tiny shapes) runs amax
+ * and cast in one single-CTA launch instead (small_current_kernel).
  * Reference: csrc/ref/quantize_fp8_ref.c. Tests: tests/test_quantize_fp8.py.
  */
 #include <cuda_runtime.h>
@@ -244,6 +246,68 @@ void launch_cast(const CastParams &p, int e5m2, unsigned grid, cudaStream_t s) {
     else cast_kernel<T, kRow, kCol, kDelayed, false><<<grid, kThreads, 0, s>>>(p);
 }
 
+/* CURRENT scaling of a small x (at most kSmallElems elements) in ONE launch and one CTA: the
+ * amax (max |x|, NaN ignored: the same exact max tq_amax_cuda computes, in another order, which
+ * a max does not see), then every tile in turn. Small tensors are bound by launch overhead, not
+ * bandwidth: this saves the memset and the separate amax kernel. */
+constexpr int64_t kSmallElems = 1 << 16;
+
+template <typename T, bool kRow, bool kCol, bool kE5M2>
+__global__ void __launch_bounds__(kThreads) small_current_kernel(const CastParams p, float *amax) {
+    __shared__ alignas(16) uint8_t tile_t[kCol ? kTile * kTile : 16];
+    __shared__ float warp_amax[kThreads / 32];
+    const T *x = static_cast<const T *>(p.x);
+    constexpr int kVec = 16 / sizeof(T);
+    float a = 0.0f;
+    if (p.x_vec_ok && p.cols % kVec == 0) { /* 16-byte loads: a quarter of the iterations */
+        const int64_t per_row = p.cols / kVec, n_vec = p.rows * per_row;
+        for (int64_t i = threadIdx.x; i < n_vec; i += kThreads) {
+            const int64_t r = i / per_row, v = i - r * per_row;
+            Vec16<T> chunk;
+            chunk.u = __ldg(reinterpret_cast<const uint4 *>(x + r * p.ld + v * kVec));
+#pragma unroll
+            for (int e = 0; e < kVec; e++) a = fmaxf(a, fabsf(widen(chunk.t[e])));
+        }
+    } else {
+        for (int64_t i = threadIdx.x; i < p.rows * p.cols; i += kThreads) {
+            const int64_t r = i / p.cols, c = i - r * p.cols;
+            a = fmaxf(a, fabsf(widen(x[r * p.ld + c])));
+        }
+    }
+    for (int offset = 16; offset > 0; offset >>= 1)
+        a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, offset));
+    if ((threadIdx.x & 31) == 0) warp_amax[threadIdx.x >> 5] = a;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < kThreads / 32; w++) a = fmaxf(a, warp_amax[w]);
+        *amax = a; /* cast_scale reads it back through p.amax_in */
+    }
+    __syncthreads();
+    const int64_t tiles = ((p.rows + kTile - 1) / kTile) * p.tiles_k;
+    for (int64_t tile = 0; tile < tiles; tile++) {
+        const int64_t tm = tile / p.tiles_k;
+        const int64_t m0 = tm * kTile, k0 = (tile - tm * p.tiles_k) * kTile;
+        const bool full = p.x_vec_ok && (!kRow || p.data_vec_ok) && (!kCol || p.data_t_vec_ok)
+                          && m0 + kTile <= p.rows && k0 + kTile <= p.cols;
+        if (full) cast_tile<T, kRow, kCol, false, kE5M2, true>(p, m0, k0, tile_t, warp_amax);
+        else cast_tile<T, kRow, kCol, false, kE5M2, false>(p, m0, k0, tile_t, warp_amax);
+        __syncthreads(); /* the next tile reuses tile_t */
+    }
+}
+
+template <typename T, bool kRow, bool kCol>
+void launch_small(const CastParams &p, int e5m2, float *amax, cudaStream_t s) {
+    if (e5m2) small_current_kernel<T, kRow, kCol, true><<<1, kThreads, 0, s>>>(p, amax);
+    else small_current_kernel<T, kRow, kCol, false><<<1, kThreads, 0, s>>>(p, amax);
+}
+
+template <typename T>
+void launch_small(const CastParams &p, uint32_t usage, int e5m2, float *amax, cudaStream_t s) {
+    if (usage == (TQ_USAGE_ROWWISE | TQ_USAGE_COLUMNWISE)) launch_small<T, true, true>(p, e5m2, amax, s);
+    else if (usage == TQ_USAGE_ROWWISE) launch_small<T, true, false>(p, e5m2, amax, s);
+    else launch_small<T, false, true>(p, e5m2, amax, s);
+}
+
 template <typename T, bool kRow, bool kCol>
 void launch_cast(const CastParams &p, int delayed, int e5m2, unsigned grid, cudaStream_t s) {
     if (delayed) launch_cast<T, kRow, kCol, true>(p, e5m2, grid, s);
@@ -306,7 +370,9 @@ extern "C" tq_status tq_quantize_fp8_cuda(const tq_tensor *x, const tq_quant_con
     const int e5m2 = c->elem_dtype == TQ_DTYPE_FLOAT8_E5M2;
     const size_t elem_size = x->dtype == TQ_DTYPE_FLOAT32 ? 4 : 2;
 
-    if (!delayed) { /* the amax pass; the cast reads its result from device memory */
+    const int64_t n = x->rows * x->cols;
+    const bool small = !delayed && n > 0 && n <= kSmallElems;
+    if (!delayed && !small) { /* the amax pass; the cast reads its result from device memory */
         tq_status st = tq_amax_cuda(x, &q->amax, stream);
         if (st != TQ_SUCCESS) return st;
     }
@@ -338,7 +404,13 @@ extern "C" tq_status tq_quantize_fp8_cuda(const tq_tensor *x, const tq_quant_con
         p.data_vec_ok = p.data != nullptr && aligned16(p.data) && x->cols % vec == 0;
         p.data_t_vec_ok = p.data_t != nullptr && aligned16(p.data_t) && x->rows % 16 == 0;
         const unsigned grid = (unsigned)(tiles_m * tiles_k);
-        switch (x->dtype) {
+        float *amax = static_cast<float *>(q->amax.data);
+        if (small) switch (x->dtype) {
+            case TQ_DTYPE_FLOAT32: launch_small<float>(p, a->usage, e5m2, amax, s); break;
+            case TQ_DTYPE_BFLOAT16: launch_small<Bf16>(p, a->usage, e5m2, amax, s); break;
+            default: launch_small<Half>(p, a->usage, e5m2, amax, s); break;
+        }
+        else switch (x->dtype) {
             case TQ_DTYPE_FLOAT32: launch_cast<float>(p, a->usage, delayed, e5m2, grid, s); break;
             case TQ_DTYPE_BFLOAT16: launch_cast<Bf16>(p, a->usage, delayed, e5m2, grid, s); break;
             default: launch_cast<Half>(p, a->usage, delayed, e5m2, grid, s); break;
