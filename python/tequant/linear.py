@@ -18,12 +18,12 @@ import torch
 import torch.nn.functional as F
 
 from . import _C, delayed
-from .quantized import COLUMNWISE, ROWWISE
+from .ops import _FAST_ACCUM  # tq_gemm_flags, defined once in ops.py
+from .quantized import ROWWISE
 from .recipe import QuantizerRole
 
 __all__ = ["Linear"]
 
-_ACCUMULATE, _FAST_ACCUM = 1, 2  # tq_gemm_flags
 # Feature dims must be multiples of these (the quantizers' and cuBLASLt's rules); rows are padded
 # to them (FP8 wgrad contracts over rows: cuBLASLt needs K % 16; MXFP8 / NVFP4 quantize 32 / 16).
 _ALIGN = {"delayed": 16, "current": 16, "block": 16, "mxfp8": 32, "nvfp4": 16}
