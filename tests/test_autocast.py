@@ -312,18 +312,18 @@ def test_positional_and_duplicate_arguments():
 
 def test_construction_through_tp_call_matches_vectorcall():
     r = NVFP4BlockScaling()
-    ac = type.__call__(te.autocast, enabled=False, recipe=r)  # tp_call -> tp_new, not vectorcall
+    ac = type.__call__(te.Autocast, enabled=False, recipe=r)  # tp_call -> tp_new, not vectorcall
     assert (ac.enabled, ac.recipe) == (False, r)
     with pytest.raises(TypeError, match="calibrating must be a bool"):
-        type.__call__(te.autocast, calibrating=None)
+        type.__call__(te.Autocast, calibrating=None)
 
 
 def test_autocast_is_final_and_immutable():
     with pytest.raises(TypeError):
-        class Sub(te.autocast):  # noqa: F841
+        class Sub(te.Autocast):  # noqa: F841
             pass
     with pytest.raises(TypeError):
-        te.autocast.extra = 1
+        te.Autocast.extra = 1
     ac = te.autocast()
     with pytest.raises(AttributeError):
         ac.enabled = False

@@ -75,18 +75,27 @@ def test_valid_role_does_not_raise():
     assert cfg.role == "weight"
 
 
+def _forced(recipe, **fields):
+    """A copy of recipe with fields set past its validation, not yet keyed (a constructed
+    recipe is keyed in __post_init__, before any field could be forced)."""
+    forced = object.__new__(type(recipe))
+    state = recipe.__getstate__()
+    state.update(fields)
+    for name, value in state.items():
+        object.__setattr__(forced, name, value)
+    return forced
+
+
 def test_core_config_check_message_reaches_python_as_value_error():
     # A frozen recipe forced past its own validation: the C core's tq_quant_config_check rejects
     # the parsed config, and its tq_last_error() text is the ValueError's message.
-    recipe = R.DelayedScaling()
-    object.__setattr__(recipe, "amax_history_len", 0)
+    recipe = _forced(R.DelayedScaling(), amax_history_len=0)
     with pytest.raises(ValueError, match=r"^DelayedScaling gives an invalid input quantizer: "
                        r"delayed scaling needs amax_history_len >= 1 and margin >= 0, "
                        r"got 0 and 0$"):
         te.quantizer_config(recipe, "input")
 
-    recipe = R.DelayedScaling()
-    object.__setattr__(recipe, "margin", -2)
+    recipe = _forced(R.DelayedScaling(), margin=-2)
     with pytest.raises(ValueError, match=rf"got {recipe.amax_history_len} and -2$"):
         te.execution_mode(recipe)
 

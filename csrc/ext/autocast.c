@@ -279,10 +279,31 @@ static PyType_Slot autocast_slots[] = {
     {0, NULL}};
 
 static PyType_Spec autocast_spec = {
-    .name = "tequant.autocast",
+    .name = "tequant.Autocast",
     .basicsize = sizeof(AutocastObject),
     .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE, /* final: no Py_TPFLAGS_BASETYPE */
     .slots = autocast_slots};
+
+/* te.autocast is this function rather than the type: torch.compile substitutes a traceable
+ * Python twin for a C function (torch.compiler.substitute_in_graph, python/tequant/_compile.py)
+ * but not for a C type, and a vectorcall function costs what the type's vectorcall costs. */
+static PyObject *autocast_fn(PyObject *module, PyObject *const *args, size_t nargsf,
+                             PyObject *kwnames) {
+    tqx_state *st = tqx_module_state(module);
+    return autocast_make(st->autocast_type, args, PyVectorcall_NARGS(nargsf), kwnames);
+}
+
+PyMethodDef tqx_autocast_methods[] = {
+    {"autocast", (PyCFunction)(void (*)(void))autocast_fn, METH_FASTCALL | METH_KEYWORDS,
+     "autocast($module, /, enabled=True, calibrating=False, recipe=None, "
+     "amax_reduction_group=None)\n--\n\n"
+     "Context manager under which te.Linear runs its GEMMs quantized per `recipe`.\n"
+     "recipe=None means Float8CurrentScaling(). enabled=False runs in high precision;\n"
+     "calibrating=True records amaxes (delayed scaling) without quantizing. Nesting overrides\n"
+     "the outer settings for the inner block. State is per thread and per contextvars context.\n"
+     "Raises RuntimeError at entry if this device cannot run the recipe (state untouched).\n"
+     "Returns a tequant.Autocast; works inside torch.compile(fullgraph=True) too."},
+    {NULL, NULL, 0, NULL}};
 
 int tqx_autocast_init(PyObject *module, tqx_state *st) {
     st->context_var = PyContextVar_New("tequant_autocast", Py_None);

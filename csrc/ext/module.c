@@ -16,12 +16,13 @@ static int tequant_exec(PyObject *module) {
     if (!st->str_enabled || !st->str_calibrating || !st->str_recipe || !st->str_amax_reduction_group)
         return -1;
     if (tqx_errors_init(module, st) < 0 || tqx_registry_init(module, st) < 0
-        || tqx_capability_init(module, st) < 0 || tqx_autocast_init(module, st) < 0)
+        || tqx_capability_init(module, st) < 0 || tqx_autocast_init(module, st) < 0
+        || tqx_live_state_init(module, st) < 0)
         return -1;
     PyMethodDef *tables[] = {tqx_registry_methods, tqx_capability_methods, tqx_state_methods,
                              tqx_tensor_view_methods, tqx_ops_methods, tqx_quantize_methods,
                              tqx_codec_methods, tqx_gemm_methods, tqx_amax_update_methods,
-                             tqx_linear_methods};
+                             tqx_linear_methods, tqx_autocast_methods};
     for (size_t i = 0; i < sizeof tables / sizeof tables[0]; i++)
         if (PyModule_AddFunctions(module, tables[i]) < 0) return -1;
     return 0;

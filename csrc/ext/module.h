@@ -215,7 +215,10 @@ extern PyMethodDef tqx_amax_update_methods[];
 
 /* autocast.c + state.c */
 int tqx_autocast_init(PyObject *module, tqx_state *st);
+extern PyMethodDef tqx_autocast_methods[];
 extern PyMethodDef tqx_state_methods[];
+/* state.c: _C._live, the read-only view of the current state torch.compile guards on */
+int tqx_live_state_init(PyObject *module, tqx_state *st);
 
 /* "cpu" or "cuda:N", for messages. */
 static inline const char *tqx_device_name(int device, char *buf, size_t cap) {

@@ -188,7 +188,43 @@ static PyObject *py_dequantize(PyObject *module, PyObject *const *args, Py_ssize
     Py_RETURN_NONE;
 }
 
+/* _quantize_layout(config, rows, cols, usage) -> 6-tuple of (rows, cols, torch dtype) or None:
+ * the torch shapes and dtypes _quantize would allocate (packed E2M1 as uint8 bytes), for the
+ * fake (meta) implementations torch.compile traces with (python/tequant/_compile_ops.py). */
+static PyObject *py_quantize_layout(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "_quantize_layout(config, rows, cols, usage) takes 4 "
+                     "arguments (%zd given)", nargs);
+        return NULL;
+    }
+    tqx_state *st = tqx_module_state(module);
+    tq_quant_config config;
+    if (tqx_config_from_py(st, args[0], &config) < 0 || tqx_torch_import(st) < 0) return NULL;
+    const int64_t rows = PyLong_AsLongLong(args[1]), cols = PyLong_AsLongLong(args[2]);
+    const long usage = PyLong_AsLong(args[3]);
+    if (PyErr_Occurred()) return NULL;
+    tq_qtensor q = TQ_QTENSOR_INIT;
+    tq_status s = tq_quantize_layout(&config, rows, cols, (uint32_t)usage, &q);
+    if (s != TQ_SUCCESS) return tqx_raise_status(st, s);
+    PyObject *result = PyTuple_New(N_MEMBERS);
+    for (int i = 0; result != NULL && i < N_MEMBERS; i++) {
+        const tq_tensor *t = member(&q, i);
+        PyObject *entry = Py_NewRef(Py_None);
+        if (used(t)) {
+            const int64_t c = t->dtype == TQ_DTYPE_FLOAT4_E2M1X2 ? t->cols / 2 : t->cols;
+            Py_SETREF(entry, Py_BuildValue("(LLO)", (long long)t->rows, (long long)c,
+                                           tqx_torch_dtype_of(st, t->dtype)));
+        }
+        if (entry == NULL) Py_CLEAR(result);
+        else PyTuple_SET_ITEM(result, i, entry);
+    }
+    return result;
+}
+
 PyMethodDef tqx_quantize_methods[] = {
+    {"_quantize_layout", (PyCFunction)(void (*)(void))py_quantize_layout, METH_FASTCALL,
+     "_quantize_layout(config, rows, cols, usage) -> 6-tuple of (rows, cols, dtype) or None\n\n"
+     "The members _quantize allocates, as torch shapes and dtypes."},
     {"_quantize", (PyCFunction)(void (*)(void))py_quantize, METH_FASTCALL,
      "_quantize(x, config, usage, scale, amax, rng_seed, rng_offset) -> (data, scale_inv, "
      "data_t, scale_inv_t, amax, amax_t)\n\nQuantizes x with a QuantizerConfig; see "

@@ -22,35 +22,32 @@ static const char *const recipe_class_names[TQX_RECIPE_KIND_COUNT] = {
     "NVFP4BlockScaling", "CustomRecipe"};
 
 int tqx_recipe_import(tqx_state *st) {
-    if (st->default_recipe != NULL) return 0;
+    /* recipe_base marks "imported": constructing the default recipe below re-enters through
+     * the recipe's __post_init__ (it asks for its own key), which must find the classes. */
+    if (st->recipe_base != NULL) return 0;
     PyObject *mod = PyImport_ImportModule("tequant.recipe");
     if (mod == NULL) return -1;
     PyObject *base = PyObject_GetAttrString(mod, "Recipe");
-    if (base == NULL) goto fail;
     PyObject *classes[TQX_RECIPE_KIND_COUNT] = {NULL};
-    for (int k = 0; k < TQX_RECIPE_KIND_COUNT; k++) {
+    for (int k = 0; base != NULL && k < TQX_RECIPE_KIND_COUNT; k++) {
         classes[k] = PyObject_GetAttrString(mod, recipe_class_names[k]);
         if (classes[k] == NULL) {
             for (int j = 0; j < k; j++) Py_DECREF(classes[j]);
-            Py_DECREF(base);
-            goto fail;
+            Py_CLEAR(base);
         }
     }
-    /* recipe=None means Float8CurrentScaling(), built once. */
-    PyObject *dflt = PyObject_CallNoArgs(classes[TQX_RECIPE_CURRENT]);
-    if (dflt == NULL) {
-        for (int k = 0; k < TQX_RECIPE_KIND_COUNT; k++) Py_DECREF(classes[k]);
-        Py_DECREF(base);
-        goto fail;
-    }
+    Py_DECREF(mod);
+    if (base == NULL) return -1;
     st->recipe_base = base;
     for (int k = 0; k < TQX_RECIPE_KIND_COUNT; k++) st->recipe_classes[k] = classes[k];
-    st->default_recipe = dflt;
-    Py_DECREF(mod);
+    /* recipe=None means Float8CurrentScaling(), built once. */
+    st->default_recipe = PyObject_CallNoArgs(classes[TQX_RECIPE_CURRENT]);
+    if (st->default_recipe == NULL) {
+        Py_CLEAR(st->recipe_base);
+        for (int k = 0; k < TQX_RECIPE_KIND_COUNT; k++) Py_CLEAR(st->recipe_classes[k]);
+        return -1;
+    }
     return 0;
-fail:
-    Py_DECREF(mod);
-    return -1;
 }
 
 /* ---- attribute readers: each returns -1 with an exception naming the attribute ---- */

@@ -86,6 +86,96 @@ static PyObject *delayed_register(PyObject *module, PyObject *obj) {
     return Py_BuildValue("(OO)", root->pending, first ? Py_True : Py_False);
 }
 
+/* _C._live: one object whose attributes read the calling thread's / context's autocast state
+ * each time they are read. torch.compile reads C attributes with a real getattr and guards on
+ * the values, so a compiled function called inside te.autocast is specialized on the current
+ * enabled / calibrating / recipe and re-checked on every call, at no cost to eager code.
+ * python/tequant/_compile.py reads it; tests/test_compile.py checks the recompiles. */
+typedef struct {
+    PyObject_HEAD
+    tqx_state *st;
+} LiveObject;
+
+static AutocastObject *live_frame(LiveObject *self, int *error) {
+    return innermost(self->st, error);
+}
+
+static PyObject *live_enabled(LiveObject *self, void *c) {
+    (void)c;
+    int error;
+    AutocastObject *ac = live_frame(self, &error);
+    return error ? NULL : PyBool_FromLong(ac != NULL && ac->enabled);
+}
+
+static PyObject *live_calibrating(LiveObject *self, void *c) {
+    (void)c;
+    int error;
+    AutocastObject *ac = live_frame(self, &error);
+    return error ? NULL : PyBool_FromLong(ac != NULL && ac->calibrating);
+}
+
+static PyObject *live_recipe(LiveObject *self, void *c) {
+    (void)c;
+    int error;
+    AutocastObject *ac = live_frame(self, &error);
+    if (error) return NULL;
+    if (ac != NULL) return Py_NewRef(ac->recipe);
+    if (tqx_recipe_import(self->st) < 0) return NULL;
+    return Py_NewRef(self->st->default_recipe);
+}
+
+static PyObject *live_group(LiveObject *self, void *c) {
+    (void)c;
+    int error;
+    AutocastObject *ac = live_frame(self, &error);
+    return error ? NULL : Py_NewRef(ac != NULL ? ac->group : Py_None);
+}
+
+static PyObject *live_depth(LiveObject *self, void *c) {
+    (void)c;
+    int error;
+    AutocastObject *ac = live_frame(self, &error);
+    return error ? NULL : PyLong_FromLong(ac != NULL ? ac->depth : 0);
+}
+
+static PyGetSetDef live_getset[] = {
+    {"enabled", (getter)live_enabled, NULL, "te.is_fp8_enabled()", NULL},
+    {"calibrating", (getter)live_calibrating, NULL, "te.is_fp8_calibration()", NULL},
+    {"recipe", (getter)live_recipe, NULL, "te.get_fp8_recipe()", NULL},
+    {"amax_reduction_group", (getter)live_group, NULL, "te.get_fp8_group()", NULL},
+    {"depth", (getter)live_depth, NULL, "te.autocast_depth()", NULL},
+    {NULL, NULL, NULL, NULL, NULL}};
+
+static void live_dealloc(LiveObject *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+static PyType_Slot live_slots[] = {
+    {Py_tp_doc, "The current te.autocast state, read afresh on every attribute access."},
+    {Py_tp_dealloc, live_dealloc},
+    {Py_tp_getset, live_getset},
+    {0, NULL}};
+
+static PyType_Spec live_spec = {
+    .name = "tequant._LiveState",
+    .basicsize = sizeof(LiveObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = live_slots};
+
+int tqx_live_state_init(PyObject *module, tqx_state *st) {
+    PyTypeObject *tp = (PyTypeObject *)PyType_FromModuleAndSpec(module, &live_spec, NULL);
+    if (tp == NULL) return -1;
+    LiveObject *live = PyObject_New(LiveObject, tp);
+    Py_DECREF(tp); /* the instance holds the type */
+    if (live == NULL) return -1;
+    live->st = st;
+    const int rc = PyModule_AddObjectRef(module, "_live", (PyObject *)live); /* 3.10+ */
+    Py_DECREF(live);
+    return rc;
+}
+
 static PyObject *set_delayed_update(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     tqx_state *st = tqx_module_state(module);
     if (nargs != 2 || !PyCallable_Check(args[0]) || !PyCallable_Check(args[1])) {

@@ -12,6 +12,7 @@ import torch  # noqa: F401  (loads the CUDA/cuBLAS libraries the extension share
 
 from . import ops, recipe
 from ._C import (
+    Autocast,
     CudaError,
     ExecutionMode,
     QuantizerConfig,
@@ -41,7 +42,7 @@ from .capability import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "CudaError", "ExecutionMode", "QuantizerConfig", "autocast", "autocast_depth", "build_info",
+    "Autocast", "CudaError", "ExecutionMode", "QuantizerConfig", "autocast", "autocast_depth", "build_info",
     "execution_mode", "fp8_autocast", "gemm_split_accumulator", "get_fp8_group", "get_fp8_recipe",
     "is_first_fp8_module", "is_fp8_available", "Linear", "is_fp8_block_scaling_available",
     "is_fp8_calibration", "is_fp8_enabled", "is_mxfp8_available", "is_nvfp4_available",

@@ -225,9 +225,41 @@ class QuantizerRole:
 # ---------------------------------------------------------------------------------------------
 # Recipes.
 
+def _assign_id(recipe: "Recipe") -> None:
+    """Stores the recipe's registry key as the string attribute `_tequant_id`. torch.compile
+    guards on its value (tequant/_compile.py), so equal recipes share compiled code and a
+    different one recompiles. Not a field (eq, hash and repr ignore it); pickling drops it, since
+    keys belong to one process. Skipped while torch.compile traces a construction."""
+    import torch
+
+    if not torch.compiler.is_compiling():
+        from . import _C
+
+        object.__setattr__(recipe, "_tequant_id", str(_C.recipe_key(recipe)))
+
+
 @_frozen
 class Recipe:
     """Base class of all recipes. It has no fields; the predicates say which recipe this is."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        check = cls.__dict__.get("__post_init__")
+        if check is not None:
+            def __post_init__(self: "Recipe", _check: Callable = check) -> None:
+                _check(self)
+                _assign_id(self)
+            cls.__post_init__ = __post_init__
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("_tequant_id", None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
+        _assign_id(self)
 
     def delayed(self) -> bool:
         return isinstance(self, DelayedScaling)
