@@ -310,6 +310,20 @@ static PyObject *py_recipe_key(PyObject *module, PyObject *recipe) {
     return key < 0 ? NULL : PyLong_FromSsize_t(key);
 }
 
+/* The recipe a key was first assigned to (equal to every recipe sharing the key); the compiled
+ * path carries keys, as recipe._tequant_id strings, where a recipe object cannot go. */
+static PyObject *py_recipe_of_key(PyObject *module, PyObject *arg) {
+    tqx_state *st = tqx_module_state(module);
+    const Py_ssize_t key = PyNumber_AsSsize_t(arg, PyExc_OverflowError);
+    if (key == -1 && PyErr_Occurred()) return NULL;
+    if (key < 0 || key >= st->n_recipes) {
+        PyErr_Format(PyExc_KeyError, "no recipe has key %zd in this process (%zd recipes seen)",
+                     key, st->n_recipes);
+        return NULL;
+    }
+    return Py_NewRef(st->recipes[key].recipe);
+}
+
 static PyObject *py_recipe_table_size(PyObject *module, PyObject *unused) {
     (void)unused;
     return PyLong_FromSsize_t(tqx_module_state(module)->n_recipes);
@@ -332,6 +346,8 @@ PyMethodDef tqx_registry_methods[] = {
      "'output', 'grad_output' or 'grad_input')."},
     {"recipe_key", py_recipe_key, METH_O,
      "recipe_key(recipe) -> int\n\nThe small int equal recipes share (interned once)."},
+    {"_recipe_of_key", py_recipe_of_key, METH_O,
+     "_recipe_of_key(key) -> recipe\n\nThe recipe registered under an int key (KeyError if none)."},
     {"_recipe_table_size", py_recipe_table_size, METH_NOARGS, "Number of distinct recipes seen."},
     {"gemm_split_accumulator", py_split_accumulator, METH_O,
      "gemm_split_accumulator(recipe) -> (fprop, dgrad, wgrad)\n\nTrue where that GEMM accumulates "
