@@ -138,7 +138,33 @@ static PyObject *live_depth(LiveObject *self, void *c) {
     return error ? NULL : PyLong_FromLong(ac != NULL ? ac->depth : 0);
 }
 
+/* `_C._live.delayed = entries` hands the DelayedScaling modules a compiled graph ran to the
+ * eager outermost autocast. Dynamo replays a store to a C attribute after the graph, with the
+ * real tensors, on every call (python/tequant/_compile_linear.py); the getter reads () so the
+ * traced code can build the tuple up. */
+static PyObject *live_delayed_get(LiveObject *self, void *c) {
+    (void)self, (void)c;
+    return PyTuple_New(0);
+}
+
+static int live_delayed_set(LiveObject *self, PyObject *value, void *c) {
+    (void)self, (void)c;
+    if (value == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "_live.delayed cannot be deleted");
+        return -1;
+    }
+    PyObject *mod = PyImport_ImportModule("tequant._compile_linear");
+    PyObject *fn = mod ? PyObject_GetAttrString(mod, "register_after_graph") : NULL;
+    PyObject *r = fn ? PyObject_CallOneArg(fn, value) : NULL;
+    Py_XDECREF(mod);
+    Py_XDECREF(fn);
+    Py_XDECREF(r);
+    return r ? 0 : -1;
+}
+
 static PyGetSetDef live_getset[] = {
+    {"delayed", (getter)live_delayed_get, (setter)live_delayed_set,
+     "Compiled DelayedScaling modules for the eager autocast's exit (set after a graph ran)", NULL},
     {"enabled", (getter)live_enabled, NULL, "te.is_fp8_enabled()", NULL},
     {"calibrating", (getter)live_calibrating, NULL, "te.is_fp8_calibration()", NULL},
     {"recipe", (getter)live_recipe, NULL, "te.get_fp8_recipe()", NULL},

@@ -19,10 +19,9 @@ FORWARD, BACKWARD = "fwd", "bwd"
 _COLUMNS = {FORWARD: ("x", "w"), BACKWARD: ("dy",)}
 
 
-def ensure(module, plan):
-    """Creates the module's buffers for `plan` (history length L) on the weight's device, when
-    missing or when L changed; existing state is kept otherwise."""
-    length = plan.x.amax_history_len
+def ensure(module, length):
+    """Creates the module's buffers for history length `length` on the weight's device, when
+    missing or when the length changed; existing state is kept otherwise."""
     hist = getattr(module, "delayed_amax_history_fwd", None)
     device = module.weight.device
     if hist is not None and hist.shape[0] == length and hist.device == device:
@@ -41,10 +40,10 @@ def slot(module, direction, column):
     return scale[column:column + 1], hist[0, column:column + 1]
 
 
-def calibrate(module, plan, inp):
+def calibrate(module, length, inp):
     """calibrating=True without quantizing: max-accumulate the amaxes of x and W (TE's
-    Float8Quantizer.calibrate)."""
-    ensure(module, plan)
+    Float8Quantizer.calibrate) into a history of `length` rows."""
+    ensure(module, length)
     hist = module.delayed_amax_history_fwd
     with torch.no_grad():
         for column, t in enumerate((inp, module.weight)):
@@ -52,12 +51,50 @@ def calibrate(module, plan, inp):
             hist[0, column] = torch.maximum(hist[0, column], amax)
 
 
+def slots_of(plan, hist, scale, direction):
+    """The (history column, scale element, scaled fmax) slots of one module's buffers."""
+    slots = []
+    for column, role in enumerate(_COLUMNS[direction]):
+        config = getattr(plan, role)
+        scaled_max = config.fmax * 2.0 ** -config.margin
+        slots.append((hist[:, column:column + 1], scale[column:column + 1], scaled_max))
+    return slots
+
+
+def update_slots(slots, recipe, group):
+    """All-reduce (MAX over group) then the fused or TE-unfused roll and scale update."""
+    reduced = _reduce(slots, recipe, group)
+    algo, scale_algo = recipe.amax_compute_algo, recipe.scaling_factor_compute_algo
+    if callable(algo) or scale_algo is not None:
+        _update_unfused(slots, reduced, recipe)
+    else:
+        _C._amax_update(slots, recipe.amax_history_len, algo, reduced)
+
+
+class _CompiledEntry:
+    """A compiled te.Linear's forward buffers, registered with an eager te.autocast (a module
+    stand-in for _update; its backward update runs in the compiled backward)."""
+
+    __slots__ = ("_delayed_plan", "_delayed_group", "delayed_amax_history_fwd",
+                 "delayed_scale_fwd")
+
+    def __init__(self, hist, scale, plan, group):
+        self._delayed_plan, self._delayed_group = plan, group
+        self.delayed_amax_history_fwd, self.delayed_scale_fwd = hist, scale
+
+
+def register_compiled(hist, scale, plan, group):
+    """Records a compiled module's forward buffers with the eager outermost te.autocast."""
+    _C._delayed_register(_CompiledEntry(hist, scale, plan, group))
+
+
 def _update(modules, direction):
     seen, batches = set(), {}
     for module in modules:
-        if id(module) in seen:  # a module called twice in one autocast is updated once
+        hist = getattr(module, f"delayed_amax_history_{direction}", None)
+        if hist is None or id(hist) in seen:  # once per module; compiled entries: forward only
             continue
-        seen.add(id(module))
+        seen.add(id(hist))
         plan, group = module._delayed_plan, module._delayed_group
         recipe = plan.recipe
         batches.setdefault((plan.x.amax_history_len, id(recipe), id(group)), (recipe, group, []))[2] \
@@ -67,16 +104,8 @@ def _update(modules, direction):
         for module, plan in members:
             hist = getattr(module, f"delayed_amax_history_{direction}")
             scale = getattr(module, f"delayed_scale_{direction}")
-            for column, role in enumerate(_COLUMNS[direction]):
-                config = getattr(plan, role)
-                scaled_max = config.fmax * 2.0 ** -config.margin
-                slots.append((hist[:, column:column + 1], scale[column:column + 1], scaled_max))
-        reduced = _reduce(slots, recipe, group)
-        algo, scale_algo = recipe.amax_compute_algo, recipe.scaling_factor_compute_algo
-        if callable(algo) or scale_algo is not None:
-            _update_unfused(slots, reduced, recipe)
-        else:
-            _C._amax_update(slots, recipe.amax_history_len, algo, reduced)
+            slots += slots_of(plan, hist, scale, direction)
+        update_slots(slots, recipe, group)
 
 
 def _reduce(slots, recipe, group):

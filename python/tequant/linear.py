@@ -17,7 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import _C, delayed
+from . import _C, _compile_linear, delayed
 from .ops import _FAST_ACCUM  # tq_gemm_flags, defined once in ops.py
 from .quantized import ROWWISE
 from .recipe import QuantizerRole
@@ -195,8 +195,13 @@ class Linear(torch.nn.Module):
             init_method(self.weight)
         else:
             torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        _compile_linear.register_module(self)
         self._plans = {}           # recipe key -> _Plan
         self._weight_cache = []    # [recipe key, weight members] for is_first_microbatch=False
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        _compile_linear.register_module(self)  # a copy (deepcopy, pickle) is a module of its own
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -239,12 +244,15 @@ class Linear(torch.nn.Module):
         """y = inp W^T + b for inp [..., in_features]: quantized inside te.autocast, exactly
         F.linear outside. is_first_microbatch: see the class docstring. Returns y, or (y, bias)
         with return_bias=True."""
+        if torch.compiler.is_compiling():
+            out = _compile_linear.forward(self, inp, is_first_microbatch)
+            return (out, self.bias) if self.return_bias else out
         bias = None if self.return_bias else self.bias
         if not _C.is_fp8_enabled():
             if _C.is_fp8_calibration():
                 plan = self._plan(_C.get_fp8_recipe())
                 if plan.delayed:
-                    delayed.calibrate(self, plan, inp)
+                    delayed.calibrate(self, plan.x.amax_history_len, inp)
             out = F.linear(inp, self.weight, bias)
         else:
             if inp.shape[-1] != self.in_features:
@@ -259,7 +267,7 @@ class Linear(torch.nn.Module):
             plan = self._plan(recipe)
             pending = None
             if plan.delayed:
-                delayed.ensure(self, plan)
+                delayed.ensure(self, plan.x.amax_history_len)
                 self._delayed_plan, self._delayed_group = plan, _C.get_fp8_group()
                 if torch.is_grad_enabled():
                     modules, first = _C._delayed_register(self)

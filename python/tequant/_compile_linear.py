@@ -1,0 +1,369 @@
+"""te.Linear inside torch.compile: the `tequant::linear_fwd`, `tequant::linear_bwd` and
+`tequant::amax_update` ops, their fake implementations, and the autograd Function Dynamo traces.
+
+Eager te.Linear makes one C call per direction (csrc/ext/linear.c); traced code cannot, so the
+same C calls run inside torch.library ops whose schemas carry only tensors, ints and strings
+(the recipe as its `_tequant_id`). Ops return fresh tensors and mutate nothing: DelayedScaling's
+amaxes come back as outputs and are max-accumulated into the module's history in traced torch
+code, and the history roll / scale update returns new tensors that are copied in, so
+functionalization and CUDA graphs see ordinary buffer updates.
+DelayedScaling under compile: the forward update of a module runs at the outermost autocast's
+exit (traced, when that autocast is entered in the compiled code; eager, when the compiled code
+runs inside an eager te.autocast: the module's buffers register with it after the graph runs);
+the backward update of a module runs at the end of its own backward, which gives the eager
+values whenever each module runs once per autocast (the case te.Linear supports under compile).
+Tests: tests/test_compile.py.
+"""
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+from . import _C, _compile, delayed
+
+_NEED_DGRAD, _NEED_WGRAD, _KEEP_X_ROWWISE = 1, 2, 4  # csrc/ext/linear.c
+_ROWWISE, _COLUMNWISE = 1, 2
+_TQ_DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # tq_dtype codes
+_PLANS = {}  # recipe id -> linear._Plan
+
+
+def _plan(recipe_id):
+    plan = _PLANS.get(recipe_id)
+    if plan is None:
+        from .linear import _Plan
+        plan = _PLANS[recipe_id] = _Plan(_C._recipe_of_key(int(recipe_id)))
+    return plan
+
+
+def _shared_scale(config):
+    return config.scaling in ("delayed", "current")
+
+
+def _x_kept(plan, needs):
+    """Which of x's six members linear_forward saves (csrc/ext/linear.c keep_columnwise)."""
+    if needs & _KEEP_X_ROWWISE:
+        usage = _ROWWISE | ((needs & _NEED_WGRAD) and _COLUMNWISE)
+        return tuple(m is not None for m in _C._quantize_layout(plan.x, 128, 128, usage))
+    if not needs & _NEED_WGRAD:
+        return (False,) * 6
+    full = _C._quantize_layout(plan.x, 128, 128, _ROWWISE | _COLUMNWISE)
+    return tuple(m is not None and (i >= 2 or (i == 1 and _shared_scale(plan.x)))
+                 for i, m in enumerate(full))
+
+
+def _w_kept(plan):
+    return tuple(m is not None for m in _C._quantize_layout(plan.w, 128, 128, _ROWWISE | _COLUMNWISE))
+
+
+@torch._dynamo.assume_constant_result
+def info(recipe_id, needs):
+    """Compile-time constants of a recipe: (scaling, align, delayed, backward_override,
+    history_len, x members kept, w members kept)."""
+    plan = _plan(recipe_id)
+    return (plan.x.scaling, plan.align, plan.delayed, plan.backward_override,
+            plan.x.amax_history_len if plan.delayed else 0, _x_kept(plan, needs), _w_kept(plan))
+
+
+def _present(members, kept):
+    return [m for m, k in zip(members, kept) if k]
+
+
+def _six(present, kept):
+    it = iter(present)
+    return tuple(next(it) if k else None for k in kept)
+
+
+def _delayed_state(scale, column, device):
+    # The amax slot in the [1, 1] shape _quantize_layout gives the amax member.
+    return (scale[column:column + 1], torch.zeros(1, 1, dtype=torch.float32, device=device))
+
+
+@torch.library.custom_op("tequant::linear_fwd", mutates_args=())
+def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe_id: str,
+               needs: int, scale_fwd: torch.Tensor | None) -> list[torch.Tensor]:
+    """[y, x's kept members, W's kept members] (+ [amax x, amax W] for DelayedScaling)."""
+    plan = _plan(recipe_id)
+    x_state = w_state = None
+    if plan.delayed:
+        x_state = _delayed_state(scale_fwd, 0, inp.device)
+        w_state = _delayed_state(scale_fwd, 1, inp.device)
+    out, saved = _C.linear_forward(plan.c_args, inp.contiguous(), weight, bias, needs, [], None,
+                                   x_state, w_state)
+    x_members, w_members = saved[0] or (None,) * 6, saved[1]
+    result = ([out] + _present(x_members, _x_kept(plan, needs)) + _present(w_members, _w_kept(plan)))
+    if plan.delayed:  # fresh copies: an output may not alias another one
+        result += [x_state[1].clone(), w_state[1].clone()]
+    return result
+
+
+def _padded(rows, align):
+    return (rows + align - 1) // align * align
+
+
+def _fake_members(config, rows, cols, usage, kept, device):
+    layout = _C._quantize_layout(config, int(rows), int(cols), usage)
+    return [torch.empty(r, c, dtype=d, device=device)
+            for (r, c, d), k in zip((m or (0, 0, None) for m in layout), kept) if k]
+
+
+@linear_fwd.register_fake
+def _(inp, weight, bias, recipe_id, needs, scale_fwd):
+    plan = _plan(recipe_id)
+    n, k = weight.shape
+    rows = inp.numel() // k
+    padded = _padded(rows, plan.align)
+    out = inp.new_empty(tuple(inp.shape[:-1]) + (n,))
+    x_usage = _ROWWISE | (_COLUMNWISE if needs & (_NEED_WGRAD | _KEEP_X_ROWWISE) else 0)
+    result = [out] + _fake_members(plan.x, padded, k, x_usage, _x_kept(plan, needs), inp.device)
+    result += _fake_members(plan.w, n, k, _ROWWISE | _COLUMNWISE, _w_kept(plan), inp.device)
+    if plan.delayed:
+        result += [inp.new_empty((1, 1), dtype=torch.float32) for _ in range(2)]
+    return result
+
+
+@torch.library.custom_op("tequant::linear_bwd", mutates_args=())
+def linear_bwd(dy: torch.Tensor, x_members: list[torch.Tensor], w_members: list[torch.Tensor],
+               recipe_id: str, needs: int, inp_shape: list[int], x_dtype: torch.dtype,
+               w_dtype: torch.dtype, bias_dtype: torch.dtype | None,
+               scale_bwd: torch.Tensor | None) -> list[torch.Tensor]:
+    """[dx if dgrad, dW if wgrad, db if bias_dtype] (+ [amax dy] for DelayedScaling)."""
+    plan = _plan(recipe_id)
+    n, k = _w_shape(plan, w_members)
+    rows = 1
+    for d in inp_shape[:-1]:
+        rows *= d
+    x_kept = _x_kept(plan, needs)
+    x_six = _six(x_members, x_kept) if any(x_kept) else None
+    saved = (x_six, _six(w_members, _w_kept(plan)), rows, _padded(rows, plan.align), n, k,
+             _TQ_DTYPE[x_dtype], _TQ_DTYPE[w_dtype])
+    state = _delayed_state(scale_bwd, 0, dy.device) if plan.delayed else None
+    dx, dw, db = _C.linear_backward(plan.c_args, saved, dy.contiguous(), needs, state,
+                                    tuple(inp_shape), bias_dtype, None)
+    result = [t for t in (dx, dw, db) if t is not None]
+    if plan.delayed:
+        result.append(state[1])
+    return result
+
+
+def _w_shape(plan, w_members):
+    """(N, K) of the weight from its rowwise data (packed E2M1 holds two codes per byte)."""
+    data = w_members[0]
+    return data.shape[0], data.shape[1] * (2 if plan.w.format == "E2M1" else 1)
+
+
+@linear_bwd.register_fake
+def _(dy, x_members, w_members, recipe_id, needs, inp_shape, x_dtype, w_dtype, bias_dtype,
+      scale_bwd):
+    plan = _plan(recipe_id)
+    n, k = _w_shape(plan, w_members)
+    result = []
+    if needs & _NEED_DGRAD:
+        result.append(dy.new_empty(tuple(inp_shape), dtype=x_dtype))
+    if needs & _NEED_WGRAD:
+        result.append(dy.new_empty((n, k), dtype=w_dtype))
+    if bias_dtype is not None:
+        result.append(dy.new_empty((n,), dtype=bias_dtype))
+    if plan.delayed:
+        result.append(dy.new_empty((1, 1), dtype=torch.float32))
+    return result
+
+
+@torch.library.custom_op("tequant::amax_update", mutates_args=())
+def amax_update(history: torch.Tensor, scale: torch.Tensor, recipe_id: str,
+                direction: str) -> list[torch.Tensor]:
+    """DelayedScaling's roll and scale update of one module's [L, n] history and [n] scale,
+    returned as new tensors (delayed.update_slots, the eager rule)."""
+    history, scale = history.clone(), scale.clone()
+    plan = _plan(recipe_id)
+    delayed.update_slots(delayed.slots_of(plan, history, scale, direction), plan.recipe, None)
+    return [history, scale]
+
+
+@amax_update.register_fake
+def _(history, scale, recipe_id, direction):
+    return [torch.empty_like(history), torch.empty_like(scale)]
+
+
+def _accumulated(history, amaxes):
+    """history with row 0 max-accumulating n amaxes, as a new tensor."""
+    return torch.cat((torch.maximum(history[:1], amaxes.view(1, -1)), history[1:]))
+
+
+def _accumulate(history, amaxes):
+    """In place, as one whole-tensor write (an in-place write through a view of a Function's
+    input is not functionalized)."""
+    with torch.no_grad():
+        history.copy_(_accumulated(history, amaxes))
+
+
+def _apply_update(history, scale, recipe_id, direction, current=None):
+    """The roll and scale update of `current` (default: history itself), written into history
+    and scale."""
+    current = history if current is None else current
+    new_history, new_scale = torch.ops.tequant.amax_update(current, scale, recipe_id, direction)
+    with torch.no_grad():
+        history.copy_(new_history)
+        scale.copy_(new_scale)
+
+
+def update_forward(entries):
+    """The traced outermost autocast's exit: the forward update of its DelayedScaling modules."""
+    for _, history, scale, recipe_id in entries:
+        _apply_update(history, scale, recipe_id, delayed.FORWARD)
+
+
+def register_after_graph(entries):
+    """Runs after a compiled graph, inside the eager te.autocast it ran in (the C setter of
+    `_C._live.delayed` calls it): records each compiled module's forward buffers with that
+    autocast, whose outermost exit updates them with the eager modules (delayed.py)."""
+    group = _C.get_fp8_group()
+    for i in range(0, len(entries), 3):  # flat (history, scale, recipe id) triples
+        history, scale, recipe_id = entries[i:i + 3]
+        delayed.register_compiled(history, scale, _plan(recipe_id), group)
+
+
+class _CompiledLinear(torch.autograd.Function):
+    """Linear's quantized forward and backward as Dynamo traces them."""
+
+    @staticmethod
+    def forward(ctx, inp, weight, bias, scale_fwd, hist_fwd, scale_bwd, hist_bwd, recipe_id):
+        needs = ((_NEED_DGRAD if ctx.needs_input_grad[0] else 0)
+                 | (_NEED_WGRAD if ctx.needs_input_grad[1] else 0))
+        scaling, align, is_delayed, override, _, x_kept, w_kept = info(recipe_id, needs)
+        c_needs = needs
+        if override is not None:
+            c_needs = _KEEP_X_ROWWISE if override == "dequantized" else 0
+            x_kept = info(recipe_id, c_needs)[5]
+        outs = torch.ops.tequant.linear_fwd(inp, weight, bias, recipe_id, c_needs, scale_fwd)
+        n_x, n_w = sum(x_kept), sum(w_kept)
+        x_members, w_members = outs[1:1 + n_x], outs[1 + n_x:1 + n_x + n_w]
+        if is_delayed:
+            _accumulate(hist_fwd, torch.cat(outs[1 + n_x + n_w:]))
+        ctx.recipe_id, ctx.needs, ctx.override = recipe_id, needs, override
+        ctx.n_x, ctx.shape, ctx.is_delayed = n_x, tuple(inp.shape), is_delayed
+        ctx.x_dtype, ctx.w_dtype = inp.dtype, weight.dtype
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        kept = (inp, weight) if override == "high_precision" else ()
+        ctx.save_for_backward(*x_members, *w_members, *kept,
+                              *((scale_bwd, hist_bwd) if is_delayed else ()))
+        return outs[0]
+
+    @staticmethod
+    def backward(ctx, dy):
+        saved = ctx.saved_tensors
+        needs, n_x = ctx.needs, ctx.n_x
+        bias_dtype = ctx.bias_dtype if ctx.needs_input_grad[2] else None
+        if ctx.override == "high_precision":
+            inp, weight = saved[-2:]
+            dx, dw, db = _high_precision(dy, inp.reshape(-1, inp.shape[-1]), weight, needs,
+                                         bias_dtype, ctx)
+            return dx, dw, db, None, None, None, None, None
+        if ctx.is_delayed:
+            scale_bwd, hist_bwd = saved[-2:]
+            saved = saved[:-2]
+        else:
+            scale_bwd = hist_bwd = None
+        x_members, w_members = list(saved[:n_x]), list(saved[n_x:])
+        outs = torch.ops.tequant.linear_bwd(dy, x_members, w_members, ctx.recipe_id, needs,
+                                            list(ctx.shape), ctx.x_dtype, ctx.w_dtype, bias_dtype,
+                                            scale_bwd)
+        it = iter(outs)
+        dx = next(it) if needs & _NEED_DGRAD else None
+        dw = next(it) if needs & _NEED_WGRAD else None
+        db = next(it) if bias_dtype is not None else None
+        if ctx.is_delayed:
+            # One write per buffer: AOT's partitioner refuses a buffer written twice in backward.
+            _apply_update(hist_bwd, scale_bwd, ctx.recipe_id, delayed.BACKWARD,
+                          _accumulated(hist_bwd, next(it)))
+        return dx, dw, db, None, None, None, None, None
+
+
+def _high_precision(dy, x2d, weight, needs, bias_dtype, ctx):
+    dy2d = dy.reshape(-1, dy.shape[-1])
+    dx = dw = db = None
+    if needs & _NEED_DGRAD:
+        dx = (dy2d @ weight.to(dy2d.dtype)).to(ctx.x_dtype).view(ctx.shape)
+    if needs & _NEED_WGRAD:
+        dw = (dy2d.t() @ x2d.to(dy2d.dtype)).to(ctx.w_dtype)
+    if bias_dtype is not None:
+        db = dy2d.sum(0, dtype=torch.float32).to(bias_dtype)
+    return dx, dw, db
+
+
+def forward(module, inp, is_first_microbatch):
+    """te.Linear.forward as Dynamo traces it (linear.py calls it while compiling)."""
+    bias = None if module.return_bias else module.bias
+    state = _compile.current()
+    recipe_id = state.recipe_id
+    if not state.enabled:
+        if state.calibrating and info(recipe_id, 0)[2]:
+            delayed.calibrate(module, info(recipe_id, 0)[4], inp)
+        return F.linear(inp, module.weight, bias)
+    if is_first_microbatch is not None:
+        raise NotImplementedError("te.Linear(is_first_microbatch=...) caches the quantized weight "
+                                  "between calls, which torch.compile does not trace; pass None "
+                                  "(the default) inside compiled code")
+    if inp.shape[-1] != module.in_features:
+        raise ValueError(f"input has {inp.shape[-1]} features in its last dim; this Linear "
+                         f"takes {module.in_features}")
+    if torch.is_autocast_enabled(inp.device.type):
+        inp = inp.to(torch.get_autocast_dtype(inp.device.type))
+    if state.recipe.custom():
+        from .linear import _CustomLinear
+        return _CustomLinear.apply(inp, module.weight, bias, module._custom_quantizers(state.recipe))
+    scaling, align, is_delayed, _, history_len, _, _ = info(recipe_id, 0)
+    for name, dim in (("in_features", module.in_features), ("out_features", module.out_features)):
+        if dim % align:
+            raise ValueError(f"{name}={dim} must be a multiple of {align} for {scaling} scaling "
+                             "(te.Linear inside te.autocast)")
+    scale_fwd = hist_fwd = scale_bwd = hist_bwd = None
+    if is_delayed:
+        _ensure_buffers(_module_uid(module), history_len)
+        scale_fwd, hist_fwd = module.delayed_scale_fwd, module.delayed_amax_history_fwd
+        scale_bwd, hist_bwd = module.delayed_scale_bwd, module.delayed_amax_history_bwd
+        if torch.is_grad_enabled():
+            _register_delayed(module, state, hist_fwd, scale_fwd, recipe_id)
+    return _CompiledLinear.apply(inp, module.weight, bias, scale_fwd, hist_fwd, scale_bwd,
+                                 hist_bwd, recipe_id)
+
+
+_MODULES = weakref.WeakValueDictionary()  # uid -> te.Linear, for _ensure_buffers
+
+
+def _module_uid(module):
+    uid = module.__dict__.get("_tequant_uid")
+    if uid is None:
+        raise RuntimeError("te.Linear._tequant_uid missing")  # set in Linear.__init__
+    return uid
+
+
+def register_module(module):
+    """Gives a te.Linear the uid _ensure_buffers finds it by (Linear.__init__)."""
+    uid = str(len(_MODULES)) + "." + str(id(module))
+    module.__dict__["_tequant_uid"] = uid
+    _MODULES[uid] = module
+
+
+@torch._dynamo.assume_constant_result
+def _ensure_buffers(uid, length):
+    """Creates a module's DelayedScaling buffers for real while Dynamo traces (it runs once,
+    at trace time): buffers made inside the graph would be graph outputs, which the backward
+    cannot update in place; made here they are ordinary module buffers (graph inputs)."""
+    delayed.ensure(_MODULES[uid], length)
+    return True
+
+
+def _register_delayed(module, state, hist_fwd, scale_fwd, recipe_id):
+    if state.group is not None:
+        raise NotImplementedError("DelayedScaling with an amax_reduction_group under "
+                                  "torch.compile is not supported yet; run that step eagerly")
+    root = state.root
+    if root is None:  # Dynamo replays this store after the graph, on every call
+        _C._live.delayed = _C._live.delayed + (hist_fwd, scale_fwd, recipe_id)
+        return
+    for entry in root.delayed:
+        if entry[0] is module:
+            raise NotImplementedError(
+                "under torch.compile a DelayedScaling te.Linear can run once per te.autocast "
+                "(eager updates a repeated module once, after all its uses)")
+    root.delayed.append((module, hist_fwd, scale_fwd, recipe_id))
