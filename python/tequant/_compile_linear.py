@@ -212,6 +212,7 @@ def update_forward(entries):
         _apply_update(history, scale, recipe_id, delayed.FORWARD)
 
 
+@torch.compiler.disable  # eager bookkeeping; never a frame for Dynamo to compile
 def register_after_graph(entries):
     """Runs after a compiled graph, inside the eager te.autocast it ran in (the C setter of
     `_C._live.delayed` calls it): records each compiled module's forward buffers with that
