@@ -1,0 +1,149 @@
+"""Step time of te.Linear models: eager vs torch.compile vs torch.compile(mode="reduce-overhead").
+
+Workloads: a small transformer block (LayerNorm, te.Linear QKV / proj / FC1 / FC2, attention in
+torch; 4 x 512 tokens, width 1024) and PERFORMANCE.md's GEMM set (one te.Linear per shape: QKV,
+proj, FC1, FC2 at M=15872), per recipe. A step is `with te.autocast(recipe=r): y = model(x)`
+then y.backward(dy), with the autocast inside the compiled function; bf16 parameters and
+activations. Time: wall microseconds per step in synchronized loops (benchutil.time_host,
+interleaved modes, median of rounds), after warm-up steps that compile and record the graphs.
+Outputs of the three modes are checked equal (bitwise for the GEMM set; the block's torch ops are
+fused by inductor, so its check is a relative error < 1e-2).
+
+Run: python3 benchmarks/bench_compile.py [--quick] [--recipes ...] [--workloads block,qkv,...]
+         [--out FILE]
+"""
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import benchutil  # noqa: E402
+
+import tequant as te  # noqa: E402
+
+WORKLOADS = ("block",) + benchutil.GEMM_SET
+MODES = ("eager", "compiled", "reduce-overhead")
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width, heads, device):
+        super().__init__()
+        kw = {"params_dtype": torch.bfloat16, "device": device}
+        self.heads = heads
+        self.norm1 = torch.nn.LayerNorm(width, device=device, dtype=torch.bfloat16)
+        self.qkv = te.Linear(width, 3 * width, **kw)
+        self.proj = te.Linear(width, width, **kw)
+        self.norm2 = torch.nn.LayerNorm(width, device=device, dtype=torch.bfloat16)
+        self.fc1 = te.Linear(width, 4 * width, **kw)
+        self.fc2 = te.Linear(4 * width, width, **kw)
+
+    def forward(self, x):
+        b, s, w = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, s, w))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+def build(workload, device, small):
+    """(model, x, dy, exact, label): the module, its input and output grad, whether the modes must
+    agree bit for bit, and the row's name."""
+    g = torch.Generator(device=device).manual_seed(0)
+    if workload == "block":
+        width, batch, seq = (256, 2, 64) if small else (1024, 4, 512)
+        model = Block(width, 8, device)
+        x = torch.randn(batch, seq, width, generator=g, device=device, dtype=torch.bfloat16)
+        return model, x, torch.randn_like(x), False, f"block {batch}x{seq} tokens, width {width}"
+    label, m, k, n = benchutil.GEMM_SHAPES[workload]
+    if small:
+        label, m, k, n = "small", 256, 256, 512
+    model = te.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device=device)
+    x = torch.randn(m, k, generator=g, device=device, dtype=torch.bfloat16)
+    dy = torch.randn(m, n, generator=g, device=device, dtype=torch.bfloat16)
+    return model, x, dy, True, f"{label} M={m} {k}->{n}"
+
+
+def steps(model, recipe, device):
+    def forward(x):
+        with te.autocast(recipe=recipe):
+            return model(x)
+
+    fns = {"eager": forward, "compiled": torch.compile(forward, fullgraph=True)}
+    if device == "cuda":
+        fns["reduce-overhead"] = torch.compile(forward, mode="reduce-overhead", fullgraph=True)
+    return fns
+
+
+def run(workload, name, recipe, args, device, failures):
+    torch._dynamo.reset()
+    model, x, dy, exact, label = build(workload, device, args.quick or device == "cpu")
+    fns = steps(model, recipe, device)
+    outputs = {}
+
+    def step_of(mode):
+        fn = fns[mode]
+
+        def step():
+            if mode == "reduce-overhead":
+                torch.compiler.cudagraph_mark_step_begin()
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(7)  # NVFP4's stochastic rounding: the same bits in every mode
+            y = fn(x)
+            y.backward(dy)
+            outputs[mode] = y.detach().clone()
+        return step
+
+    modes = list(fns)
+    step_fns = [step_of(mode) for mode in modes]
+    for step in step_fns:  # compile, record the CUDA graphs, warm up
+        for _ in range(3):
+            step()
+    ref = outputs["eager"]
+    for mode in modes[1:]:
+        err = benchutil.rel_err(outputs[mode], ref)
+        if (exact and not torch.equal(outputs[mode], ref)) or err > 1e-2:
+            failures.append(f"{workload} {name} {mode}: output differs from eager (rel err {err:.2e})")
+    times = benchutil.time_host(step_fns, device, args.calls, args.repeats)
+    return label, dict(zip(modes, times))
+
+
+def main():
+    ap = benchutil.parser(__doc__)
+    ap.add_argument("--quick", action="store_true", help="small shapes, fewer calls")
+    ap.add_argument("--recipes", help="comma list of " + ", ".join(benchutil.RECIPE_NAMES))
+    ap.add_argument("--workloads", help="comma list of " + ", ".join(WORKLOADS))
+    ap.add_argument("--calls", type=int, default=None, help="steps per timed loop")
+    ap.add_argument("--repeats", type=int, default=5, help="timed rounds (median)")
+    ap.add_argument("--out", help="append the Markdown table to this file")
+    args = benchutil.parse(ap)
+    device = args.device
+    if args.calls is None:
+        args.calls = 5 if (args.quick or device == "cpu") else 20
+    workloads = [w.strip() for w in (args.workloads or ",".join(WORKLOADS)).split(",") if w.strip()]
+    recipes = benchutil.make_recipes(args.recipes)
+    failures, rows = [], []
+    for workload in workloads:
+        for name, recipe in recipes:
+            try:
+                where, t = run(workload, name, recipe, args, device, failures)
+            except Exception as e:  # noqa: BLE001  (a row that fails is reported, not fatal)
+                failures.append(f"{workload} {name}: {benchutil.one_line(benchutil.exc_text(e))}")
+                continue
+            rows.append((where, name, t))
+    columns = ["workload", "recipe"] + [f"{m} us/step" for m in MODES] + \
+        ["compiled vs eager", "reduce-overhead vs eager"]
+    lines = [f"## {benchutil.machine(device)}", "",
+             "wall us per fwd+bwd step (autocast inside the compiled function); ratio = eager "
+             "time / mode time (> 1: faster than eager)", ""]
+    lines += benchutil.table_head(columns, 2)
+    for where, name, t in rows:
+        cells = [benchutil.num_text(t[m]) if m in t else "-" for m in MODES]
+        ratios = [benchutil.ratio_text(t["eager"], t.get(m)) for m in MODES[1:]]
+        lines.append("| " + " | ".join([where, name] + cells + ratios) + " |")
+    return benchutil.finish("\n".join(lines), args.out, failures)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
