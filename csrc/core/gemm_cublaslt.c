@@ -238,7 +238,24 @@ tq_status tq_gemm_plan_cache_clear(void) {
     return TQ_SUCCESS;
 }
 
+tq_status tq_stream_is_capturing(struct CUstream_st *stream, int *capturing) {
+    if (capturing == NULL) return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "capturing is NULL");
+    enum cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    cudaError_t e = cudaStreamIsCapturing((cudaStream_t)stream, &status);
+    if (e != cudaSuccess)
+        return tq_fail(TQ_ERROR_CUDA, "cudaStreamIsCapturing: %s", cudaGetErrorString(e));
+    *capturing = status != cudaStreamCaptureStatusNone;
+    return TQ_SUCCESS;
+}
+
 #else /* !TQ_WITH_CUDA: no plans are ever made */
+
+tq_status tq_stream_is_capturing(struct CUstream_st *stream, int *capturing) {
+    (void)stream;
+    if (capturing == NULL) return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "capturing is NULL");
+    *capturing = 0;
+    return TQ_SUCCESS;
+}
 
 tq_status tq_lt_matmul(const tq_lt_call *c) {
     (void)c;

@@ -47,17 +47,34 @@ static int workspace_for(tqx_state *st, PyObject *device, int device_index, void
     PyObject *key = Py_BuildValue("(iK)", device_index, (unsigned long long)(uintptr_t)stream);
     if (key == NULL) return -1;
     PyObject *tensor = PyDict_GetItemWithError(st->gemm_workspaces, key); /* borrowed */
-    int rc = 0;
+    int rc = 0, capturing = 0;
+    *owner = NULL;
     if (tensor == NULL && !PyErr_Occurred()) {
+        tq_status s = tq_stream_is_capturing((struct CUstream_st *)stream, &capturing);
+        if (s != TQ_SUCCESS) {
+            Py_DECREF(key);
+            return tqx_raise_status(st, s), -1;
+        }
         void *data;
         tensor = tqx_torch_new(st, 1, (int64_t)TQ_GEMM_WORKSPACE_BYTES, TQ_DTYPE_UINT8, device, 0, &data);
-        if (tensor == NULL || PyDict_SetItem(st->gemm_workspaces, key, tensor) < 0) rc = -1;
-        Py_XDECREF(tensor); /* the dict holds it */
+        /* Made during a CUDA-graph capture it lives in the graph's memory pool: this call owns it
+         * (torch.compile's CUDA graphs refuse pool memory kept past the graph). */
+        if (tensor != NULL && capturing) *owner = tensor;
+        else if (tensor == NULL || PyDict_SetItem(st->gemm_workspaces, key, tensor) < 0) rc = -1;
+        if (!capturing) Py_XDECREF(tensor); /* the dict holds it */
     }
     Py_DECREF(key);
-    if (rc < 0 || tensor == NULL) return -1;
-    *owner = tensor;
-    return tqx_tensor_from_py(st, tensor, "workspace", 1u << TQ_DTYPE_UINT8, ws, NULL);
+    if (rc < 0 || tensor == NULL) {
+        Py_XDECREF(*owner);
+        *owner = NULL;
+        return -1;
+    }
+    if (tqx_tensor_from_py(st, tensor, "workspace", 1u << TQ_DTYPE_UINT8, ws, NULL) < 0) {
+        Py_XDECREF(*owner);
+        *owner = NULL;
+        return -1;
+    }
+    return 0;
 }
 
 static int cuda_gemm(tqx_state *st, tqx_operand *a, tqx_operand *b, const tq_gemm_info *info,
@@ -67,7 +84,10 @@ static int cuda_gemm(tqx_state *st, tqx_operand *a, tqx_operand *b, const tq_gem
     if (info->scratch_bytes > 0) {
         scratch = tqx_torch_new(st, 1, (int64_t)info->scratch_bytes, TQ_DTYPE_UINT8, device, 0,
                                 &args->scratch.data);
-        if (scratch == NULL) return -1;
+        if (scratch == NULL) {
+            Py_XDECREF(ws_owner);
+            return -1;
+        }
         args->scratch.rows = 1;
         args->scratch.cols = args->scratch.ld = (int64_t)info->scratch_bytes;
         args->scratch.dtype = TQ_DTYPE_UINT8;
@@ -78,6 +98,7 @@ static int cuda_gemm(tqx_state *st, tqx_operand *a, tqx_operand *b, const tq_gem
     s = tq_gemm(&a->op, &b->op, args, out, (struct CUstream_st *)stream);
     Py_END_ALLOW_THREADS
     Py_XDECREF(scratch); /* the kernels are queued on the stream; the allocator orders reuse */
+    Py_XDECREF(ws_owner); /* NULL unless made for this call alone (during a capture) */
     if (s != TQ_SUCCESS) return tqx_raise_status(st, s), -1;
     return 0;
 }

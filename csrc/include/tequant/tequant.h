@@ -392,6 +392,11 @@ typedef struct tq_gemm_plan_stats {
 TQ_API tq_status tq_gemm_plan_stats_get(tq_gemm_plan_stats *stats);
 TQ_API tq_status tq_gemm_plan_cache_clear(void);
 
+/* *capturing = 1 when `stream` is being captured into a CUDA graph (0 otherwise, and always 0
+ * without CUDA): memory the caller allocates then belongs to the graph's pool and must not be
+ * kept past the call. */
+TQ_API tq_status tq_stream_is_capturing(struct CUstream_st *stream, int *capturing);
+
 /* ---------------------------------------------------------------------------------------------
  * Scalar codecs, elementwise (the rules of formats.h on whole tensors; used to test the codecs
  * exhaustively on CPU and CUDA, and handy for inspecting formats)
