@@ -40,7 +40,13 @@ static int operand_from_py(tqx_state *st, PyObject *spec, const char *name, tqx_
     return tqx_operand_set(st, &config, rows, cols, item[3], (uint32_t)usage, o);
 }
 
-/* The cuBLASLt workspace of (device, stream): made on first use, then reused. */
+/* Set by _gemm_workspace_per_call around the calls torch.compile's ops make: their memory may
+ * come from a CUDA-graph pool (cudagraph trees warm up and record in one), where a workspace
+ * kept past the call would be memory the graph does not track. Per thread. */
+static _Thread_local int workspace_per_call;
+
+/* The cuBLASLt workspace of (device, stream): made on first use, then reused (or made for this
+ * call alone during a capture or under workspace_per_call: *owner holds it then). */
 static int workspace_for(tqx_state *st, PyObject *device, int device_index, void *stream,
                          tq_tensor *ws, PyObject **owner) {
     if (st->gemm_workspaces == NULL && (st->gemm_workspaces = PyDict_New()) == NULL) return -1;
@@ -49,8 +55,10 @@ static int workspace_for(tqx_state *st, PyObject *device, int device_index, void
     PyObject *tensor = PyDict_GetItemWithError(st->gemm_workspaces, key); /* borrowed */
     int rc = 0, capturing = 0;
     *owner = NULL;
+    if (workspace_per_call) tensor = NULL, capturing = 1;
     if (tensor == NULL && !PyErr_Occurred()) {
-        tq_status s = tq_stream_is_capturing((struct CUstream_st *)stream, &capturing);
+        tq_status s = capturing ? TQ_SUCCESS
+                                : tq_stream_is_capturing((struct CUstream_st *)stream, &capturing);
         if (s != TQ_SUCCESS) {
             Py_DECREF(key);
             return tqx_raise_status(st, s), -1;
@@ -256,7 +264,19 @@ static PyObject *py_gemm_plan_cache_clear(PyObject *module, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_workspace_per_call(PyObject *module, PyObject *flag) {
+    (void)module;
+    const int on = PyObject_IsTrue(flag);
+    if (on < 0) return NULL;
+    const int previous = workspace_per_call;
+    workspace_per_call = on;
+    return PyBool_FromLong(previous);
+}
+
 PyMethodDef tqx_gemm_methods[] = {
+    {"_gemm_workspace_per_call", py_workspace_per_call, METH_O,
+     "_gemm_workspace_per_call(flag) -> previous\n\nWhile True (on this thread), each GEMM makes "
+     "its own cuBLASLt workspace instead of reusing a cached one (torch.compile's ops)."},
     {"_gemm", (PyCFunction)(void (*)(void))py_gemm, METH_FASTCALL,
      "_gemm(a, b, out, out_dtype, bias, flags) -> out\n\nout[M, N] = alpha * A . B^T (+ bias) "
      "(+ out when flags has ACCUMULATE=1; FAST_ACCUM=2). a, b: (config, rows, cols, members, "
