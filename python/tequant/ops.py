@@ -97,7 +97,7 @@ def quantize(x, recipe=None, role="input", rowwise=True, columnwise=False, *, sc
             seed, offset = _rng_state(x.device, generator)
     usage = (ROWWISE if rowwise else 0) | (COLUMNWISE if columnwise else 0)
     members = _C._quantize(x, config, usage, scale, amax_history, seed, offset)
-    return QuantizedTensor(config, x.shape, x.dtype, members)
+    return QuantizedTensor(config, x.shape, x.dtype, members, recipe, role)
 
 
 def dequantize(q, dtype=torch.float32):
