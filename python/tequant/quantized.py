@@ -4,9 +4,10 @@ Not a torch.Tensor subclass (no __torch_dispatch__ cost): it holds the quantized
 both directions, their scales and amaxes, the QuantizerConfig that made them and the logical
 shape of the high-precision tensor. Layouts are the core's (csrc/include/tequant/tequant.h);
 the accessors codes() and scales() give canonical forms that tests compare bit for bit.
-It also keeps the (recipe, role) pair te.ops.quantize was given, which names the config: one
-built without the config object resolves `config` on first read.
-Tests: tests/test_ops.py and tests/test_quantize_*.py.
+It also keeps the (recipe, role) pair te.ops.quantize was given, which names the config: under
+torch.compile one is built in traced code without the config (a C object Dynamo cannot trace)
+and resolves `config` on first read outside the compiled region (tequant/_compile_trace.py).
+Tests: tests/test_ops.py, tests/test_quantize_*.py and tests/test_compile_ops.py.
 """
 import torch
 
@@ -48,7 +49,7 @@ class QuantizedTensor:
                  "_cols") + _MEMBERS
 
     def __init__(self, config, shape, dtype, members, recipe=None, role=None):
-        self._config = config  # may be None: see the config property
+        self._config = config  # None when built under torch.compile: see the config property
         self.recipe = recipe
         self.role = role
         self.shape = torch.Size(shape)
@@ -63,7 +64,8 @@ class QuantizedTensor:
 
     @property
     def config(self):
-        """The QuantizerConfig; looked up from (recipe, role) on first read if not given."""
+        """The QuantizerConfig; looked up from (recipe, role) on first read if not given (as
+        for one built under torch.compile)."""
         config = self._config
         if config is None:
             config = self._config = _C.quantizer_config(self.recipe, self.role)
@@ -96,7 +98,10 @@ class QuantizedTensor:
         return self._member_tuple
 
     def _fields(self):
-        """(format, scaling, block, two_d) of the config."""
+        """(format, scaling, block, two_d) of the config, also inside torch.compile."""
+        if torch.compiler.is_compiling():
+            from . import _compile_trace
+            return _compile_trace.config_fields(self)
         config = self.config
         return config.format, config.scaling, config.block, config.two_d
 
@@ -106,6 +111,9 @@ class QuantizedTensor:
         if not self.has(direction):
             raise ValueError(f"this QuantizedTensor has no {direction} data; quantize with "
                              f"{direction}=True")
+        if torch.compiler.is_compiling():
+            from . import _compile_trace
+            return _compile_trace.dequantize(self, usage, dtype)
         shape = (self.rows, self.cols) if usage == ROWWISE else (self.cols, self.rows)
         out = torch.empty(shape, dtype=dtype, device=self.device)
         _C._dequantize(self.config, self.rows, self.cols, self._members(), usage, out)
