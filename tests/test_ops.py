@@ -410,3 +410,14 @@ def test_generator_of_another_device_is_rejected():
     with pytest.raises(ValueError, match="generator is on cpu, x on cuda"):
         te.ops.quantize(randn((64, 64)).cuda(), NVFP4BlockScaling(), role="grad_output",
                         generator=torch.Generator())
+
+
+def test_quantized_tensor_records_recipe_and_role_and_looks_its_config_up():
+    recipe = MXFP8BlockScaling()
+    q = te.ops.quantize(randn((32, 64)), recipe, "weight")
+    assert q.recipe is recipe and q.role == "weight"
+    assert te.ops.quantize(randn((32, 64))).recipe is None  # the default recipe
+    lazy = QuantizedTensor(None, q.shape, q.dtype, q._members(), recipe, "weight")
+    assert lazy.config == q.config == te.quantizer_config(recipe, "weight")
+    assert torch.equal(lazy.dequantize(), q.dequantize())
+    assert torch.equal(lazy.scales().view(torch.uint8), q.scales().view(torch.uint8))

@@ -4,11 +4,14 @@ For users who want no module state: `q = te.ops.quantize(x, recipe, role="input"
 with exactly the quantizer a te.Linear would use for that role under that recipe, on CPU (the C
 reference) or CUDA (the kernels), `te.ops.dequantize(q)` reads it back, and
 `te.ops.gemm(qa, qb, ...)` multiplies two quantized tensors as Linear's GEMMs do.
-Tests: tests/test_ops.py, tests/test_quantize_*.py and tests/test_gemm.py.
+Under torch.compile the same functions trace (_compile_trace.py): the C calls become the
+tequant:: custom ops of _compile_ops.py. Eager calls go to C directly.
+Tests: tests/test_ops.py, tests/test_quantize_*.py, tests/test_gemm.py and
+tests/test_compile_ops.py.
 """
 import torch
 
-from . import _C
+from . import _C, _compile_ops  # noqa: F401  (registers the tequant:: ops)
 from .quantized import COLUMNWISE, ROWWISE, QuantizedTensor
 
 __all__ = ["quantize", "dequantize", "gemm"]
@@ -56,7 +59,8 @@ def quantize(x, recipe=None, role="input", rowwise=True, columnwise=False, *, sc
         scale: DelayedScaling only: the float32 [1] scale to cast with (default 1.0).
         amax_history: DelayedScaling only: a float32 [1] view (a history row's slot) that the
             amax of x is max-accumulated into; default a fresh tensor returned as q.amax.
-        generator: the torch.Generator that seeds stochastic rounding (default: the device's).
+        generator: the torch.Generator that seeds stochastic rounding (default: the device's;
+            torch.compile cannot trace one: pass rng there).
         rng: (seed, offset) to use instead of a generator, to reproduce exact bits.
 
     Returns a QuantizedTensor. MXFP8 needs M and K multiples of 32, NVFP4 of 16 (ValueError
@@ -69,16 +73,23 @@ def quantize(x, recipe=None, role="input", rowwise=True, columnwise=False, *, sc
                          "torch.float16")
     if not (rowwise or columnwise):
         raise ValueError("rowwise and columnwise are both False: ask for at least one direction")
-    config = _C.quantizer_config(recipe, role)
-    if config.scaling == "custom":
+    usage = (ROWWISE if rowwise else 0) | (COLUMNWISE if columnwise else 0)
+    compiling = torch.compiler.is_compiling()
+    if compiling:  # the config is a C object: trace with its key and facts instead
+        from . import _compile_trace as traced
+        recipe_id, scaling, stochastic, present = traced.resolve(recipe, role, usage)
+    else:
+        config = _C.quantizer_config(recipe, role)
+        scaling, stochastic = config.scaling, config.stochastic_rounding
+    if scaling == "custom":
         raise NotImplementedError(
             "CustomRecipe quantizers are user objects: call the quantizer its qfactory returns "
             "for this role directly")
-    if config.scaling == "none":
+    if scaling == "none":
         raise ValueError(f"the recipe does not quantize the {role!r} role")
-    if config.scaling != "delayed" and (scale is not None or amax_history is not None):
+    if scaling != "delayed" and (scale is not None or amax_history is not None):
         raise ValueError("scale and amax_history apply to DelayedScaling only; this recipe's "
-                         f"{role!r} quantizer uses {config.scaling} scaling")
+                         f"{role!r} quantizer uses {scaling} scaling")
     for name, t in (("scale", scale), ("amax_history", amax_history)):
         if t is not None and not (isinstance(t, torch.Tensor) and t.dtype == torch.float32
                                   and t.numel() == 1 and t.device == x.device):
@@ -90,14 +101,20 @@ def quantize(x, recipe=None, role="input", rowwise=True, columnwise=False, *, sc
         raise ValueError(f"generator is on {generator.device}, x on {x.device}: stochastic "
                          "rounding draws from a generator of x's device")
     seed = offset = 0
-    if config.stochastic_rounding:
+    if stochastic:
         if rng is not None:
             seed, offset = _checked_rng(rng)
-        else:
+        elif not compiling:
             seed, offset = _rng_state(x.device, generator)
-    usage = (ROWWISE if rowwise else 0) | (COLUMNWISE if columnwise else 0)
+        elif generator is not None:
+            raise ValueError("generator= cannot be traced by torch.compile: pass rng=(seed, "
+                             "offset), or neither to draw from the device's default generator")
+    if compiling:
+        return traced.quantize(x, recipe, recipe_id, role, usage, scale, amax_history,
+                               (seed, offset) if stochastic and rng is not None else None,
+                               stochastic, present)
     members = _C._quantize(x, config, usage, scale, amax_history, seed, offset)
-    return QuantizedTensor(config, x.shape, x.dtype, members)
+    return QuantizedTensor(config, x.shape, x.dtype, members, recipe, role)
 
 
 def dequantize(q, dtype=torch.float32):
@@ -113,8 +130,9 @@ def dequantize(q, dtype=torch.float32):
 _ACCUMULATE, _FAST_ACCUM = 1, 2  # tq_gemm_flags
 
 
-def _operand(q, usage, name):
-    """The (config, rows, cols, members, usage) spec _C._gemm takes for one direction of q."""
+def _operand(q, usage, name, compiling):
+    """The (config, rows, cols, members, usage) spec _C._gemm takes for one direction of q
+    (under torch.compile: the tequant::gemm arguments, _compile_trace.operand)."""
     if not isinstance(q, QuantizedTensor):
         raise TypeError(f"{name} must be a tequant.QuantizedTensor, got {type(q).__name__}")
     members = q._member_tuple
@@ -122,6 +140,9 @@ def _operand(q, usage, name):
         direction = "rowwise" if usage == ROWWISE else "columnwise"
         raise ValueError(f"{name} has no {direction} data, which this product reads "
                          f"(quantize {name} with {direction}=True)")
+    if compiling:
+        from . import _compile_trace
+        return _compile_trace.operand(q, usage)
     return (q.config, q.rows, q.cols, members, usage)
 
 
@@ -158,7 +179,9 @@ def gemm(a, b, *, transpose_a=False, transpose_b=False, out_dtype=None, bias=Non
     """
     usage_a = COLUMNWISE if transpose_a else ROWWISE
     usage_b = ROWWISE if transpose_b else COLUMNWISE
-    spec_a, spec_b = _operand(a, usage_a, "a"), _operand(b, usage_b, "b")
+    compiling = torch.compiler.is_compiling()
+    spec_a = _operand(a, usage_a, "a", compiling)
+    spec_b = _operand(b, usage_b, "b", compiling)
     if out_dtype is None:
         out_dtype = out.dtype if out is not None else a.dtype
     elif out is not None and out.dtype != out_dtype:
@@ -173,7 +196,11 @@ def gemm(a, b, *, transpose_a=False, transpose_b=False, out_dtype=None, bias=Non
                              f"{tuple(lead) + (out.shape[-1],)}")
         out_2d = out.view(-1, out.shape[-1])
     flags = (_ACCUMULATE if accumulate else 0) | (0 if use_split_accumulator else _FAST_ACCUM)
-    result = _C._gemm(spec_a, spec_b, out_2d, out_dtype, bias, flags)
+    if compiling:
+        from . import _compile_trace
+        result = _compile_trace.gemm(spec_a, spec_b, out_2d, out_dtype, bias, flags)
+    else:
+        result = _C._gemm(spec_a, spec_b, out_2d, out_dtype, bias, flags)
     if out is not None:
         return out
     return result.view(*lead, result.shape[-1]) if lead is not None else result

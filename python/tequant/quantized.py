@@ -4,7 +4,10 @@ Not a torch.Tensor subclass (no __torch_dispatch__ cost): it holds the quantized
 both directions, their scales and amaxes, the QuantizerConfig that made them and the logical
 shape of the high-precision tensor. Layouts are the core's (csrc/include/tequant/tequant.h);
 the accessors codes() and scales() give canonical forms that tests compare bit for bit.
-Tests: tests/test_ops.py and tests/test_quantize_*.py.
+It also keeps the (recipe, role) pair te.ops.quantize was given, which names the config: under
+torch.compile one is built in traced code without the config (a C object Dynamo cannot trace)
+and resolves `config` on first read outside the compiled region (tequant/_compile_trace.py).
+Tests: tests/test_ops.py, tests/test_quantize_*.py and tests/test_compile_ops.py.
 """
 import torch
 
@@ -31,6 +34,8 @@ class QuantizedTensor:
 
     Attributes:
         config: the tequant.QuantizerConfig (format, scaling, block shape, flags) that made it.
+        recipe, role: what te.ops.quantize was given (recipe None: Float8CurrentScaling());
+            None for one built from a config alone, which torch.compile cannot take.
         shape: the logical shape of the high-precision tensor ([..., K]); rows = prod(shape[:-1]).
         dtype: the high-precision dtype it came from.
         data, scale_inv: the rowwise direction ([M, K], blocks along K), or None.
@@ -40,10 +45,13 @@ class QuantizedTensor:
             NVFP4: amax rowwise, amax_t columnwise), else None.
     """
 
-    __slots__ = ("config", "shape", "dtype", "_member_tuple", "_rows", "_cols") + _MEMBERS
+    __slots__ = ("_config", "recipe", "role", "shape", "dtype", "_member_tuple", "_rows",
+                 "_cols") + _MEMBERS
 
-    def __init__(self, config, shape, dtype, members):
-        self.config = config
+    def __init__(self, config, shape, dtype, members, recipe=None, role=None):
+        self._config = config  # None when built under torch.compile: see the config property
+        self.recipe = recipe
+        self.role = role
         self.shape = torch.Size(shape)
         self.dtype = dtype
         members = tuple(members)
@@ -53,6 +61,19 @@ class QuantizedTensor:
         shape = self.shape
         self._rows = shape[:-1].numel() if len(shape) > 1 else 1
         self._cols = shape[-1] if len(shape) else 1
+
+    @property
+    def config(self):
+        """The QuantizerConfig; looked up from (recipe, role) on first read if not given (as
+        for one built under torch.compile)."""
+        config = self._config
+        if config is None:
+            config = self._config = _C.quantizer_config(self.recipe, self.role)
+        return config
+
+    @config.setter
+    def config(self, config):
+        self._config = config
 
     @property
     def rows(self):
@@ -67,7 +88,7 @@ class QuantizedTensor:
     @property
     def device(self):
         """The torch.device the members live on."""
-        return next(t for t in (self.data, self.data_t) if t is not None).device
+        return (self.data if self.data is not None else self.data_t).device
 
     def has(self, direction):
         """Whether the 'rowwise' or 'columnwise' direction was produced."""
@@ -76,12 +97,23 @@ class QuantizedTensor:
     def _members(self):
         return self._member_tuple
 
+    def _fields(self):
+        """(format, scaling, block, two_d) of the config, also inside torch.compile."""
+        if torch.compiler.is_compiling():
+            from . import _compile_trace
+            return _compile_trace.config_fields(self)
+        config = self.config
+        return config.format, config.scaling, config.block, config.two_d
+
     def dequantize_direction(self, direction, dtype=torch.float32):
         """The values of one direction in its physical shape: [M, K] rowwise, [K, M] columnwise."""
         usage = _direction(direction)
         if not self.has(direction):
             raise ValueError(f"this QuantizedTensor has no {direction} data; quantize with "
                              f"{direction}=True")
+        if torch.compiler.is_compiling():
+            from . import _compile_trace
+            return _compile_trace.dequantize(self, usage, dtype)
         shape = (self.rows, self.cols) if usage == ROWWISE else (self.cols, self.rows)
         out = torch.empty(shape, dtype=dtype, device=self.device)
         _C._dequantize(self.config, self.rows, self.cols, self._members(), usage, out)
@@ -102,7 +134,7 @@ class QuantizedTensor:
         if data is None:
             raise ValueError(f"this QuantizedTensor has no {direction} data")
         bits = data.view(torch.uint8)
-        if self.config.format != "E2M1":
+        if self._fields()[0] != "E2M1":
             return bits
         return torch.stack((bits & 0xF, bits >> 4), dim=-1).reshape(bits.shape[0], -1)
 
@@ -115,11 +147,12 @@ class QuantizedTensor:
         usage = _direction(direction)
         if not self.has(direction):
             raise ValueError(f"this QuantizedTensor has no {direction} data")
-        scale = self.scale_inv if usage == ROWWISE or self.config.block is None else self.scale_inv_t
-        if self.config.scaling != "block":
+        _, scaling, block, two_d = self._fields()
+        scale = self.scale_inv if usage == ROWWISE or block is None else self.scale_inv_t
+        if scaling != "block":
             return scale
         m, k = (self.rows, self.cols) if usage == ROWWISE else (self.cols, self.rows)
-        if self.config.two_d:  # [ceil(m/128), pad4(ceil(k/128))]
+        if two_d:  # [ceil(m/128), pad4(ceil(k/128))]
             return scale[:, :_ceil_div(k, 128)]
         return scale[:, :m].t()  # stored [ceil(k/128), pad4(m)], m contiguous
 
