@@ -122,7 +122,10 @@ def main():
     if args.calls is None:
         args.calls = 5 if (args.quick or device == "cpu") else 20
     workloads = [w.strip() for w in (args.workloads or ",".join(WORKLOADS)).split(",") if w.strip()]
-    recipes = benchutil.make_recipes(args.recipes)
+    # NVFP4's stochastic rounding draws its (seed, offset) on the host, which a CUDA graph
+    # cannot capture (README: limitations): every mode runs NVFP4 without it here.
+    recipes = [(name + " (no SR)", te.recipe.NVFP4BlockScaling(disable_stochastic_rounding=True))
+               if name == "nvfp4" else (name, r) for name, r in benchutil.make_recipes(args.recipes)]
     failures, rows = [], []
     for workload in workloads:
         for name, recipe in recipes:

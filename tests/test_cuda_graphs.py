@@ -133,3 +133,20 @@ def test_reduce_overhead_training_steps_match_eager(name, where):
     torch.cuda.synchronize()
     _assert_same(expected, _state(model))
     torch._dynamo.reset()
+
+
+def test_stochastic_rounding_inside_a_capture_is_refused_clearly():
+    recipe = NVFP4BlockScaling()  # stochastic rounding on grad_output
+    model, data = _setup()
+    x = data[0]
+    with te.autocast(recipe=recipe):  # warm up eagerly: plans, buffers
+        model(x).float().square().mean().backward()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="disable_stochastic_rounding=True"):
+        with torch.cuda.stream(side), torch.cuda.graph(graph):
+            with te.autocast(recipe=recipe):
+                y = model(x)
+            y.float().square().mean().backward()
+    torch.cuda.synchronize()

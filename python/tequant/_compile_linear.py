@@ -14,13 +14,13 @@ the backward update of a module runs at the end of its own backward, which gives
 values whenever each module runs once per autocast (the case te.Linear supports under compile).
 Tests: tests/test_compile.py.
 """
-import contextlib
 import weakref
 
 import torch
 import torch.nn.functional as F
 
 from . import _C, _compile, delayed
+from ._compile_ops import graph_safe_workspace
 
 _NEED_DGRAD, _NEED_WGRAD, _KEEP_X_ROWWISE = 1, 2, 4  # csrc/ext/linear.c
 _ROWWISE, _COLUMNWISE = 1, 2
@@ -34,17 +34,6 @@ def _plan(recipe_id):
         from .linear import _Plan
         plan = _PLANS[recipe_id] = _Plan(_C._recipe_of_key(int(recipe_id)))
     return plan
-
-
-@contextlib.contextmanager
-def _graph_safe_workspace():
-    """The op may run in a CUDA-graph memory pool (reduce-overhead warms up and records in one):
-    its GEMMs then keep no cached workspace past the call."""
-    previous = _C._gemm_workspace_per_call(True)
-    try:
-        yield
-    finally:
-        _C._gemm_workspace_per_call(previous)
 
 
 def _shared_scale(config):
@@ -99,7 +88,7 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if plan.delayed:
         x_state = _delayed_state(scale_fwd, 0, inp.device)
         w_state = _delayed_state(scale_fwd, 1, inp.device)
-    with _graph_safe_workspace():
+    with graph_safe_workspace():
         out, saved = _C.linear_forward(plan.c_args, inp.contiguous(), weight, bias, needs, [],
                                        None, x_state, w_state)
     x_members, w_members = saved[0] or (None,) * 6, saved[1]
@@ -150,7 +139,7 @@ def linear_bwd(dy: torch.Tensor, x_members: list[torch.Tensor], w_members: list[
     saved = (x_six, _six(w_members, _w_kept(plan)), rows, _padded(rows, plan.align), n, k,
              _TQ_DTYPE[x_dtype], _TQ_DTYPE[w_dtype])
     state = _delayed_state(scale_bwd, 0, dy.device) if plan.delayed else None
-    with _graph_safe_workspace():
+    with graph_safe_workspace():
         dx, dw, db = _C.linear_backward(plan.c_args, saved, dy.contiguous(), needs, state,
                                         tuple(inp_shape), bias_dtype, None)
     result = [t for t in (dx, dw, db) if t is not None]

@@ -16,6 +16,7 @@ max-accumulates it into the history slot). Stochastic rounding without rng: quan
 a CUDA graph captured around it replays the (seed, offset) drawn at capture.
 Tests: tests/test_compile_ops.py.
 """
+import contextlib
 from typing import Optional
 
 import torch
@@ -24,6 +25,17 @@ from . import _C
 from .quantized import ROWWISE
 
 _CONFIGS = {}  # (recipe_id, role) -> QuantizerConfig
+
+
+@contextlib.contextmanager
+def graph_safe_workspace():
+    """An op may run in a CUDA-graph memory pool (reduce-overhead warms up and records in one):
+    its GEMMs then keep no cached cuBLASLt workspace past the call."""
+    previous = _C._gemm_workspace_per_call(True)
+    try:
+        yield
+    finally:
+        _C._gemm_workspace_per_call(previous)
 
 
 def config_of(recipe_id, role):
@@ -112,9 +124,10 @@ def gemm_op(a: list[Optional[torch.Tensor]], a_recipe_id: str, a_role: str, a_ro
             b_role: str, b_rows: int, b_cols: int, b_usage: int, out_dtype: torch.dtype,
             bias: Optional[torch.Tensor], flags: int) -> torch.Tensor:
     """_C._gemm into a new [M, N] tensor: a, b are one operand's members and key each."""
-    return _C._gemm(_spec(a, a_recipe_id, a_role, a_rows, a_cols, a_usage),
-                    _spec(b, b_recipe_id, b_role, b_rows, b_cols, b_usage),
-                    None, out_dtype, bias, flags)
+    with graph_safe_workspace():
+        return _C._gemm(_spec(a, a_recipe_id, a_role, a_rows, a_cols, a_usage),
+                        _spec(b, b_recipe_id, b_role, b_rows, b_cols, b_usage),
+                        None, out_dtype, bias, flags)
 
 
 @gemm_op.register_fake
@@ -131,8 +144,10 @@ def gemm_out_op(a: list[Optional[torch.Tensor]], a_recipe_id: str, a_role: str, 
                 b_role: str, b_rows: int, b_cols: int, b_usage: int, out: torch.Tensor,
                 bias: Optional[torch.Tensor], flags: int) -> None:
     """_C._gemm writing (or, with the ACCUMULATE flag, adding) into the caller's `out`."""
-    _C._gemm(_spec(a, a_recipe_id, a_role, a_rows, a_cols, a_usage),
-             _spec(b, b_recipe_id, b_role, b_rows, b_cols, b_usage), out, out.dtype, bias, flags)
+    with graph_safe_workspace():
+        _C._gemm(_spec(a, a_recipe_id, a_role, a_rows, a_cols, a_usage),
+                 _spec(b, b_recipe_id, b_role, b_rows, b_cols, b_usage), out, out.dtype, bias,
+                 flags)
 
 
 @gemm_out_op.register_fake

@@ -23,6 +23,12 @@ def _rng_state(device, generator):
     """(seed, offset) for stochastic rounding from `generator` or the device's default one,
     advancing it so successive calls draw different bits (NUMERICS.md 3.2)."""
     if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "stochastic rounding draws its (seed, offset) from the generator on the host, "
+                "which a CUDA graph (torch.cuda.graph, torch.compile mode='reduce-overhead') "
+                "cannot capture: the replays would reuse one draw. Under CUDA graphs use "
+                "NVFP4BlockScaling(disable_stochastic_rounding=True), or te.ops.quantize(rng=...)")
         gen = generator or torch.cuda.default_generators[
             device.index if device.index is not None else torch.cuda.current_device()]
         offset = gen.get_offset()
