@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _C, _compile, delayed
-from ._compile_ops import graph_safe_workspace
+from ._compile_ops import fake, graph_safe_workspace, op
 
 _NEED_DGRAD, _NEED_WGRAD, _KEEP_X_ROWWISE = 1, 2, 4  # csrc/ext/linear.c
 _ROWWISE, _COLUMNWISE = 1, 2
@@ -79,7 +79,7 @@ def _delayed_state(scale, column, device):
     return (scale[column:column + 1], torch.zeros(1, 1, dtype=torch.float32, device=device))
 
 
-@torch.library.custom_op("tequant::linear_fwd", mutates_args=())
+@op("tequant::linear_fwd", mutates_args=())
 def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe_id: str,
                needs: int, scale_fwd: torch.Tensor | None) -> list[torch.Tensor]:
     """[y, x's kept members, W's kept members] (+ [amax x, amax W] for DelayedScaling)."""
@@ -108,7 +108,7 @@ def _fake_members(config, rows, cols, usage, kept, device):
             for (r, c, d), k in zip((m or (0, 0, None) for m in layout), kept) if k]
 
 
-@linear_fwd.register_fake
+@fake("tequant::linear_fwd")
 def _(inp, weight, bias, recipe_id, needs, scale_fwd):
     plan = _plan(recipe_id)
     n, k = weight.shape
@@ -123,7 +123,7 @@ def _(inp, weight, bias, recipe_id, needs, scale_fwd):
     return result
 
 
-@torch.library.custom_op("tequant::linear_bwd", mutates_args=())
+@op("tequant::linear_bwd", mutates_args=())
 def linear_bwd(dy: torch.Tensor, x_members: list[torch.Tensor], w_members: list[torch.Tensor],
                recipe_id: str, needs: int, inp_shape: list[int], x_dtype: torch.dtype,
                w_dtype: torch.dtype, bias_dtype: torch.dtype | None,
@@ -154,7 +154,7 @@ def _w_shape(plan, w_members):
     return data.shape[0], data.shape[1] * (2 if plan.w.format == "E2M1" else 1)
 
 
-@linear_bwd.register_fake
+@fake("tequant::linear_bwd")
 def _(dy, x_members, w_members, recipe_id, needs, inp_shape, x_dtype, w_dtype, bias_dtype,
       scale_bwd):
     plan = _plan(recipe_id)
@@ -171,7 +171,7 @@ def _(dy, x_members, w_members, recipe_id, needs, inp_shape, x_dtype, w_dtype, b
     return result
 
 
-@torch.library.custom_op("tequant::amax_update", mutates_args=())
+@op("tequant::amax_update", mutates_args=())
 def amax_update(history: torch.Tensor, scale: torch.Tensor, recipe_id: str,
                 direction: str) -> list[torch.Tensor]:
     """DelayedScaling's roll and scale update of one module's [L, n] history and [n] scale,
@@ -182,7 +182,7 @@ def amax_update(history: torch.Tensor, scale: torch.Tensor, recipe_id: str,
     return [history, scale]
 
 
-@amax_update.register_fake
+@fake("tequant::amax_update")
 def _(history, scale, recipe_id, direction):
     return [torch.empty_like(history), torch.empty_like(scale)]
 
