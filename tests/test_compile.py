@@ -292,3 +292,25 @@ def test_recipe_built_inside_compiled_code_is_refused_clearly():
 
     with pytest.raises(Exception, match="needs a recipe built outside the compiled code"):
         torch.compile(inline, backend="aot_eager", fullgraph=True)(model, x)
+
+
+def test_import_leaves_dynamo_unloaded_and_registers_when_it_loads():
+    # `import tequant` must not cost eager users torch._dynamo's import; the twins and the
+    # trace-time constants register when torch.compile loads it.
+    import os
+    import subprocess
+    import sys
+    code = (
+        "import sys, torch, tequant as te\n"
+        "assert 'torch._dynamo' not in sys.modules\n"
+        "r = te.recipe.Float8CurrentScaling()\n"
+        "m = te.Linear(32, 16)\n"
+        "def f(x):\n"
+        "    with te.autocast(recipe=r):\n"
+        "        return m(x)\n"
+        "x = torch.randn(4, 32)\n"
+        "y = torch.compile(f, backend='eager', fullgraph=True)(x)\n"
+        "assert torch.equal(y, f(x))\n"
+        "assert te._compile._REGISTERED\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)

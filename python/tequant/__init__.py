@@ -39,6 +39,10 @@ from .capability import (
     is_nvfp4_available,
 )
 
+from . import _compile
+
+_compile.register_with_dynamo()  # torch.compile support, without importing torch._dynamo now
+
 __version__ = "0.1.0"
 
 __all__ = [

@@ -15,17 +15,34 @@ runs the twins below. The twin keeps the C semantics (shared/docs/ARCHITECTURE.m
 DelayedScaling's bookkeeping (which modules update at the outermost exit) is in _compile_linear.py.
 Tests: tests/test_compile.py.
 """
+import importlib.abc
+import importlib.util
+import sys
+
 import torch
 
 from . import _C
 
-__all__ = ["current"]
+__all__ = ["current", "constant"]
+
+_CONSTANTS = []  # functions Dynamo evaluates at trace time (assume_constant_result)
+_REGISTERED = []  # [True] once _register ran
+
+
+def constant(fn):
+    """Marks fn for torch._dynamo.assume_constant_result once Dynamo is loaded
+    (register_with_dynamo):
+    importing torch._dynamo costs ~1-2 s, which `import tequant` does not impose on eager code."""
+    _CONSTANTS.append(fn)
+    if "torch._dynamo" in sys.modules and _REGISTERED:
+        torch._dynamo.assume_constant_result(fn)
+    return fn
 
 _TRACED = []  # _TracedAutocast frames entered by the code being traced, innermost last
 _DEFAULT_RECIPE = _C.get_fp8_recipe()  # outside any autocast: the default recipe object
 
 
-@torch._dynamo.assume_constant_result
+@constant
 def _refusal(recipe_id):
     """Why this machine cannot run the recipe (eager __enter__'s RuntimeError text), or ''."""
     try:
@@ -116,8 +133,15 @@ def current():
     return State(live.enabled, live.calibrating, live.recipe, live.amax_reduction_group, None)
 
 
-def _twins():
-    """Registers the traced twins of the C entry points (once, at import)."""
+def _register():
+    """Tells Dynamo about tequant: the twins of the C entry points, the trace-time constants,
+    and the eager-only bookkeeping it must not compile."""
+    _REGISTERED.append(True)
+    from . import _compile_linear
+    for fn in _CONSTANTS:
+        torch._dynamo.assume_constant_result(fn)
+    _compile_linear.register_after_graph = torch._dynamo.disable(
+        _compile_linear.register_after_graph)
     sub = torch.compiler.substitute_in_graph
 
     @sub(_C.autocast)
@@ -149,4 +173,28 @@ def _twins():
         return int(_recipe_id(_DEFAULT_RECIPE if recipe is None else recipe))
 
 
-_twins()
+class _DynamoWatcher(importlib.abc.MetaPathFinder):
+    """Runs _register right after torch._dynamo is imported (by torch.compile, usually)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "torch._dynamo":
+            return None
+        sys.meta_path.remove(self)  # once; the regular finders locate the package
+        spec = importlib.util.find_spec(name)
+        exec_module = spec.loader.exec_module
+
+        def exec_then_register(module):
+            exec_module(module)
+            _register()
+        spec.loader.exec_module = exec_then_register
+        return spec
+
+
+def register_with_dynamo():
+    """Registers with Dynamo now if it is loaded, else right after it loads (tequant/__init__
+    calls this last, once every module it registers exists)."""
+    if "torch._dynamo" in sys.modules:
+        _register()
+    else:
+        sys.meta_path.insert(0, _DynamoWatcher())
+

@@ -56,7 +56,7 @@ def _w_kept(plan):
     return tuple(m is not None for m in _C._quantize_layout(plan.w, 128, 128, _ROWWISE | _COLUMNWISE))
 
 
-@torch._dynamo.assume_constant_result
+@_compile.constant
 def info(recipe_id, needs):
     """Compile-time constants of a recipe: (scaling, align, delayed, backward_override,
     history_len, x members kept, w members kept)."""
@@ -215,10 +215,9 @@ def update_forward(entries):
         _apply_update(history, scale, recipe_id, delayed.FORWARD)
 
 
-@torch.compiler.disable  # eager bookkeeping; never a frame for Dynamo to compile
 def register_after_graph(entries):
     """Runs after a compiled graph, inside the eager te.autocast it ran in (the C setter of
-    `_C._live.delayed` calls it): records each compiled module's forward buffers with that
+    `_C._live.delayed` calls it; _compile._register wraps it in torch._dynamo.disable): records each compiled module's forward buffers with that
     autocast, whose outermost exit updates them with the eager modules (delayed.py)."""
     group = _C.get_fp8_group()
     for i in range(0, len(entries), 3):  # flat (history, scale, recipe id) triples
@@ -348,7 +347,7 @@ def register_module(module):
     _MODULES[uid] = module
 
 
-@torch._dynamo.assume_constant_result
+@_compile.constant
 def _ensure_buffers(uid, length):
     """Creates a module's DelayedScaling buffers for real while Dynamo traces (it runs once,
     at trace time): buffers made inside the graph would be graph outputs, which the backward
