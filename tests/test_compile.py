@@ -10,6 +10,7 @@ code, and the errors the compiled path raises. CUDA graphs: tests/test_cuda_grap
 The code under test: python/tequant/_compile.py and python/tequant/_compile_linear.py.
 """
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -314,3 +315,12 @@ def test_import_leaves_dynamo_unloaded_and_registers_when_it_loads():
         "assert te._compile._REGISTERED\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
+
+
+@pytest.mark.parametrize("override", ["high_precision", "dequantized"])
+@pytest.mark.parametrize("name", ["current", "mxfp8", "nvfp4"])
+def test_backward_override_under_compile_matches_eager(name, override):
+    recipe = dataclasses.replace(RECIPES[name], backward_override=override)
+    step = _inside(recipe)
+    model, x = _check(step, "mlp", "cpu")
+    assert _graph_breaks(step, model, x) == 0

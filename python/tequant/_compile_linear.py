@@ -115,7 +115,7 @@ def _(inp, weight, bias, recipe_id, needs, scale_fwd):
     rows = inp.numel() // k
     padded = _padded(rows, plan.align)
     out = inp.new_empty(tuple(inp.shape[:-1]) + (n,))
-    x_usage = _ROWWISE | (_COLUMNWISE if needs & (_NEED_WGRAD | _KEEP_X_ROWWISE) else 0)
+    x_usage = _ROWWISE | (_COLUMNWISE if needs & _NEED_WGRAD else 0)  # linear.c's rule
     result = [out] + _fake_members(plan.x, padded, k, x_usage, _x_kept(plan, needs), inp.device)
     result += _fake_members(plan.w, n, k, _ROWWISE | _COLUMNWISE, _w_kept(plan), inp.device)
     if plan.delayed:
@@ -244,6 +244,7 @@ class _CompiledLinear(torch.autograd.Function):
             _accumulate(hist_fwd, torch.cat(outs[1 + n_x + n_w:]))
         ctx.recipe_id, ctx.needs, ctx.override = recipe_id, needs, override
         ctx.n_x, ctx.shape, ctx.is_delayed = n_x, tuple(inp.shape), is_delayed
+        ctx.x_kept, ctx.w_kept, ctx.align = x_kept, w_kept, align
         ctx.x_dtype, ctx.w_dtype = inp.dtype, weight.dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
         kept = (inp, weight) if override == "high_precision" else ()
@@ -260,6 +261,10 @@ class _CompiledLinear(torch.autograd.Function):
             inp, weight = saved[-2:]
             dx, dw, db = _high_precision(dy, inp.reshape(-1, inp.shape[-1]), weight, needs,
                                          bias_dtype, ctx)
+            return dx, dw, db, None, None, None, None, None
+        if ctx.override == "dequantized":  # the dequantized forward operands, as in eager
+            x2d, weight = _dequantized_operands(ctx, saved, dy.dtype)
+            dx, dw, db = _high_precision(dy, x2d, weight, needs, bias_dtype, ctx)
             return dx, dw, db, None, None, None, None, None
         if ctx.is_delayed:
             scale_bwd, hist_bwd = saved[-2:]
@@ -279,6 +284,23 @@ class _CompiledLinear(torch.autograd.Function):
             _apply_update(hist_bwd, scale_bwd, ctx.recipe_id, delayed.BACKWARD,
                           _accumulated(hist_bwd, next(it)))
         return dx, dw, db, None, None, None, None, None
+
+
+def _dequantized_operands(ctx, saved, dtype):
+    """backward_override="dequantized": the rowwise x [rows, K] and W [N, K] the forward
+    quantized, dequantized in dy's dtype (linear.py _high_precision_backward in eager)."""
+    n_x = ctx.n_x
+    x_six = list(_six(saved[:n_x], ctx.x_kept))
+    w_six = list(_six(saved[n_x:n_x + sum(ctx.w_kept)], ctx.w_kept))
+    k = ctx.shape[-1]
+    rows = 1
+    for d in ctx.shape[:-1]:
+        rows *= d
+    padded = _padded(rows, ctx.align)
+    n = w_six[0].shape[0]
+    x2d = torch.ops.tequant.dequantize(x_six, ctx.recipe_id, "input", padded, k, _ROWWISE, dtype)
+    weight = torch.ops.tequant.dequantize(w_six, ctx.recipe_id, "weight", n, k, _ROWWISE, dtype)
+    return x2d[:rows], weight
 
 
 def _high_precision(dy, x2d, weight, needs, bias_dtype, ctx):
