@@ -6,7 +6,8 @@ a small transformer block (attention in torch). Each is traced with 0 graph brea
 (torch._dynamo.explain), and two training steps give outputs, gradients and DelayedScaling
 state BIT-identical to eager from the same state. Also: recompiles (a new recipe recompiles once,
 an equal recipe object does not), enabled=False, calibration, the state readers inside compiled
-code, and the errors the compiled path raises. CUDA graphs: tests/test_cuda_graphs.py.
+code, backward_override, DelayedScaling's amax all-reduce over two gloo ranks, and the errors the
+compiled path raises. CUDA graphs: tests/test_cuda_graphs.py.
 The code under test: python/tequant/_compile.py and python/tequant/_compile_linear.py.
 """
 import copy
@@ -324,3 +325,50 @@ def test_backward_override_under_compile_matches_eager(name, override):
     step = _inside(recipe)
     model, x = _check(step, "mlp", "cpu")
     assert _graph_breaks(step, model, x) == 0
+
+
+def _compiled_reduction_worker(rank, world, init_file, where, results):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        recipe = RECIPES["delayed"]
+        torch.manual_seed(0)  # same weights on every rank
+        eager = te.Linear(16, 16)
+        compiled_model = copy.deepcopy(eager)
+        group = dist.group.WORLD
+
+        def inside(m, x):
+            with te.autocast(recipe=recipe, amax_reduction_group=group):
+                return m(x)
+
+        step = torch.compile(inside if where == "inside" else _outside, backend="aot_eager",
+                             fullgraph=True)
+        for i in range(2):
+            x = torch.full((4, 16), float(rank + 1 + i))  # rank r's input amax differs
+            inside(eager, x).mul(rank + 1).sum().backward()  # dy amax differs per rank too
+            if where == "inside":
+                step(compiled_model, x).mul(rank + 1).sum().backward()
+            else:
+                with te.autocast(recipe=recipe, amax_reduction_group=group):
+                    y = step(compiled_model, x)
+                y.mul(rank + 1).sum().backward()
+        results[rank] = [torch.equal(a, b) for a, b in zip(eager.buffers(),
+                                                          compiled_model.buffers())] + \
+            [eager.delayed_amax_history_fwd[:, 0].tolist()]
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("where", ["inside", "outside"])
+def test_amax_reduction_group_under_compile_matches_eager(tmp_path, where):
+    """Two gloo ranks: the compiled module all-reduces its amaxes (MAX) like the eager one."""
+    import torch.multiprocessing as mp
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed is not available")
+    results = mp.get_context("spawn").Manager().dict()
+    mp.spawn(_compiled_reduction_worker, args=(2, str(tmp_path / "init"), where, results),
+             nprocs=2)
+    for rank in range(2):
+        assert results[rank][:4] == [True] * 4
+    assert results[0][4] == results[1][4] and max(results[0][4]) == 3.0  # rank 1's last amax

@@ -12,6 +12,8 @@ exit (traced, when that autocast is entered in the compiled code; eager, when th
 runs inside an eager te.autocast: the module's buffers register with it after the graph runs);
 the backward update of a module runs at the end of its own backward, which gives the eager
 values whenever each module runs once per autocast (the case te.Linear supports under compile).
+Traced updates all-reduce row 0 over the autocast's amax_reduction_group first (a functional
+collective in the graph), as delayed.py's eager update does.
 Tests: tests/test_compile.py.
 """
 import weakref
@@ -59,10 +61,11 @@ def _w_kept(plan):
 @_compile.constant
 def info(recipe_id, needs):
     """Compile-time constants of a recipe: (scaling, align, delayed, backward_override,
-    history_len, x members kept, w members kept)."""
+    history_len, x members kept, w members kept, reduce_amax)."""
     plan = _plan(recipe_id)
     return (plan.x.scaling, plan.align, plan.delayed, plan.backward_override,
-            plan.x.amax_history_len if plan.delayed else 0, _x_kept(plan, needs), _w_kept(plan))
+            plan.x.amax_history_len if plan.delayed else 0, _x_kept(plan, needs), _w_kept(plan),
+            plan.delayed and plan.recipe.reduce_amax)
 
 
 def _present(members, kept):
@@ -199,10 +202,21 @@ def _accumulate(history, amaxes):
         history.copy_(_accumulated(history, amaxes))
 
 
-def _apply_update(history, scale, recipe_id, direction, current=None):
-    """The roll and scale update of `current` (default: history itself), written into history
-    and scale."""
-    current = history if current is None else current
+def _reduced(current, recipe_id, group):
+    """current with row 0 all-reduced (MAX) over the amax reduction group, as delayed._reduce
+    does in eager (traced: Dynamo turns the collective into a functional one in the graph)."""
+    if group is None or not info(recipe_id, 0)[7] or not torch.distributed.is_initialized() \
+            or torch.distributed.get_world_size(group) <= 1:
+        return current
+    row0 = current[:1].clone()
+    torch.distributed.all_reduce(row0, op=torch.distributed.ReduceOp.MAX, group=group)
+    return torch.cat((row0, current[1:]))
+
+
+def _apply_update(history, scale, recipe_id, direction, current=None, group=None):
+    """The roll and scale update of `current` (default: history itself) after the group's
+    all-reduce, written into history and scale."""
+    current = _reduced(history if current is None else current, recipe_id, group)
     new_history, new_scale = torch.ops.tequant.amax_update(current, scale, recipe_id, direction)
     with torch.no_grad():
         history.copy_(new_history)
@@ -211,8 +225,8 @@ def _apply_update(history, scale, recipe_id, direction, current=None):
 
 def update_forward(entries):
     """The traced outermost autocast's exit: the forward update of its DelayedScaling modules."""
-    for _, history, scale, recipe_id in entries:
-        _apply_update(history, scale, recipe_id, delayed.FORWARD)
+    for _, history, scale, recipe_id, group in entries:
+        _apply_update(history, scale, recipe_id, delayed.FORWARD, group=group)
 
 
 def register_after_graph(entries):
@@ -229,10 +243,11 @@ class _CompiledLinear(torch.autograd.Function):
     """Linear's quantized forward and backward as Dynamo traces them."""
 
     @staticmethod
-    def forward(ctx, inp, weight, bias, scale_fwd, hist_fwd, scale_bwd, hist_bwd, recipe_id):
+    def forward(ctx, inp, weight, bias, scale_fwd, hist_fwd, scale_bwd, hist_bwd, recipe_id,
+                group):
         needs = ((_NEED_DGRAD if ctx.needs_input_grad[0] else 0)
                  | (_NEED_WGRAD if ctx.needs_input_grad[1] else 0))
-        scaling, align, is_delayed, override, _, x_kept, w_kept = info(recipe_id, needs)
+        scaling, align, is_delayed, override, _, x_kept, w_kept, _ = info(recipe_id, needs)
         c_needs = needs
         if override is not None:
             c_needs = _KEEP_X_ROWWISE if override == "dequantized" else 0
@@ -242,7 +257,7 @@ class _CompiledLinear(torch.autograd.Function):
         x_members, w_members = outs[1:1 + n_x], outs[1 + n_x:1 + n_x + n_w]
         if is_delayed:
             _accumulate(hist_fwd, torch.cat(outs[1 + n_x + n_w:]))
-        ctx.recipe_id, ctx.needs, ctx.override = recipe_id, needs, override
+        ctx.recipe_id, ctx.needs, ctx.override, ctx.group = recipe_id, needs, override, group
         ctx.n_x, ctx.shape, ctx.is_delayed = n_x, tuple(inp.shape), is_delayed
         ctx.x_kept, ctx.w_kept, ctx.align = x_kept, w_kept, align
         ctx.x_dtype, ctx.w_dtype = inp.dtype, weight.dtype
@@ -261,11 +276,11 @@ class _CompiledLinear(torch.autograd.Function):
             inp, weight = saved[-2:]
             dx, dw, db = _high_precision(dy, inp.reshape(-1, inp.shape[-1]), weight, needs,
                                          bias_dtype, ctx)
-            return dx, dw, db, None, None, None, None, None
+            return dx, dw, db, None, None, None, None, None, None
         if ctx.override == "dequantized":  # the dequantized forward operands, as in eager
             x2d, weight = _dequantized_operands(ctx, saved, dy.dtype)
             dx, dw, db = _high_precision(dy, x2d, weight, needs, bias_dtype, ctx)
-            return dx, dw, db, None, None, None, None, None
+            return dx, dw, db, None, None, None, None, None, None
         if ctx.is_delayed:
             scale_bwd, hist_bwd = saved[-2:]
             saved = saved[:-2]
@@ -282,8 +297,8 @@ class _CompiledLinear(torch.autograd.Function):
         if ctx.is_delayed:
             # One write per buffer: AOT's partitioner refuses a buffer written twice in backward.
             _apply_update(hist_bwd, scale_bwd, ctx.recipe_id, delayed.BACKWARD,
-                          _accumulated(hist_bwd, next(it)))
-        return dx, dw, db, None, None, None, None, None
+                          _accumulated(hist_bwd, next(it)), ctx.group)
+        return dx, dw, db, None, None, None, None, None, None
 
 
 def _dequantized_operands(ctx, saved, dtype):
@@ -336,7 +351,7 @@ def forward(module, inp, is_first_microbatch):
     if state.recipe.custom():
         from .linear import _CustomLinear
         return _CustomLinear.apply(inp, module.weight, bias, module._custom_quantizers(state.recipe))
-    scaling, align, is_delayed, _, history_len, _, _ = info(recipe_id, 0)
+    scaling, align, is_delayed, _, history_len, _, _, _ = info(recipe_id, 0)
     for name, dim in (("in_features", module.in_features), ("out_features", module.out_features)):
         if dim % align:
             raise ValueError(f"{name}={dim} must be a multiple of {align} for {scaling} scaling "
@@ -349,7 +364,7 @@ def forward(module, inp, is_first_microbatch):
         if torch.is_grad_enabled():
             _register_delayed(module, state, hist_fwd, scale_fwd, recipe_id)
     return _CompiledLinear.apply(inp, module.weight, bias, scale_fwd, hist_fwd, scale_bwd,
-                                 hist_bwd, recipe_id)
+                                 hist_bwd, recipe_id, state.group if is_delayed else None)
 
 
 _MODULES = weakref.WeakValueDictionary()  # uid -> te.Linear, for _ensure_buffers
@@ -379,9 +394,6 @@ def _ensure_buffers(uid, length):
 
 
 def _register_delayed(module, state, hist_fwd, scale_fwd, recipe_id):
-    if state.group is not None:
-        raise NotImplementedError("DelayedScaling with an amax_reduction_group under "
-                                  "torch.compile is not supported yet; run that step eagerly")
     root = state.root
     if root is None:  # Dynamo replays this store after the graph, on every call
         _C._live.delayed = _C._live.delayed + (hist_fwd, scale_fwd, recipe_id)
@@ -391,4 +403,4 @@ def _register_delayed(module, state, hist_fwd, scale_fwd, recipe_id):
             raise NotImplementedError(
                 "under torch.compile a DelayedScaling te.Linear can run once per te.autocast "
                 "(eager updates a repeated module once, after all its uses)")
-    root.delayed.append((module, hist_fwd, scale_fwd, recipe_id))
+    root.delayed.append((module, hist_fwd, scale_fwd, recipe_id, state.group))
