@@ -187,6 +187,7 @@ struct CastParams {
     const float *amax, *amax_t;    /* the global amaxes written by pass 1 */
     int vec16; /* every row of x starts 16-byte aligned */
     uint64_t seed, offset;
+    const uint64_t *rng_state; /* when set, (seed, offset) read at run time (CUDA graphs) */
 };
 
 /* The per-tensor factors of one direction from its global amax (device memory, no host sync). */
@@ -315,6 +316,7 @@ __device__ __forceinline__ void store_scales(uint8_t *dst, const uint8_t *s_b, i
  * and each thread writes 16 contiguous bytes of data_t per column. */
 template <typename E, bool kRht, bool k2D, bool kSr>
 __global__ void __launch_bounds__(kThreads, kSr ? 2 : kCastBlocksPerSm) cast_kernel(CastParams p) {
+    if (kSr && p.rng_state != nullptr) p.seed = p.rng_state[0], p.offset = p.rng_state[1];
     using T = typename E::storage;
     constexpr int kTileCols = kTileBytes / (int)sizeof(T);
     constexpr int kChunkElems = 16 / (int)sizeof(T);
@@ -510,7 +512,8 @@ extern "C" tq_status tq_quantize_nvfp4_cuda(const tq_tensor *x, const tq_quant_c
 
     const AmaxParams ap = {x->data, x->rows, x->cols, x->ld, amax, amax_t};
     CastParams cp = {x->data, x->rows, x->cols, x->ld, nullptr, nullptr, nullptr, nullptr,
-                     amax, amax_t, 0, args->rng_seed, args->rng_offset};
+                     amax, amax_t, 0, args->rng_seed, args->rng_offset,
+                     static_cast<const uint64_t *>(args->rng_state.data)};
     const bool sr = (config->flags & TQ_QUANT_STOCHASTIC_ROUNDING) != 0;
     if (row) cp.data = static_cast<uint8_t *>(q->data.data), cp.scale_inv = static_cast<uint8_t *>(q->scale_inv.data);
     if (col) cp.data_t = static_cast<uint8_t *>(q->data_t.data), cp.scale_inv_t = static_cast<uint8_t *>(q->scale_inv_t.data);

@@ -184,6 +184,39 @@ def test_sr_reproducible_with_rng_and_differs_across_offsets():
     assert torch.equal(a.scale_inv, c.scale_inv)  # SR touches elements only
 
 
+def _signed(v):
+    return v - 2**64 if v >= 2**63 else v
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+@pytest.mark.parametrize("name", ["sr", "rht_sr", "2d_sr"])
+def test_sr_rng_tensor_gives_the_bits_of_the_same_ints(device, name):
+    """rng as an int64 device tensor (read by the kernel when it runs, for CUDA graphs) rounds
+    exactly as the same (seed, offset) passed as ints, including values past 2**63."""
+    x = values("randn", (48, 80), torch.bfloat16, seed=3).to(device)
+    for seed, offset in [(10, 20), (2**64 - 5, 2**63 + 9), (0, 2**40 + 1)]:
+        held = torch.tensor([_signed(seed), _signed(offset)], dtype=torch.int64, device=device)
+        a = quantize(x, rng=(seed, offset), **mode(name))
+        b = quantize(x, rng=held, **mode(name))
+        for m in MEMBERS:
+            assert torch.equal(getattr(a, m), getattr(b, m)), (seed, offset, m)
+
+
+def test_sr_rng_tensor_errors():
+    x = torch.randn(32, 32)
+    recipe = NVFP4BlockScaling(disable_rht=True)
+    for bad in (torch.zeros(2, dtype=torch.int32), torch.zeros(3, dtype=torch.int64),
+                torch.zeros(2, dtype=torch.int64, device="meta")):
+        with pytest.raises(ValueError, match="two int64 .seed, offset. on x's device"):
+            te.ops.quantize(x, recipe, "grad_output", rng=bad)
+    # The core refuses a run-time rng for a quantizer that does not round stochastically.
+    config = te._C.quantizer_config(recipe, "input")
+    assert not config.stochastic_rounding
+    with pytest.raises(ValueError, match="rng_state is set but the config does not round"):
+        te._C._quantize(x, config, 1, None, None, torch.zeros(2, dtype=torch.int64))
+
+
 def _sr_generator_draws(device):
     x = values("randn", (64, 64), torch.float32).to(device)
     recipe = NVFP4BlockScaling(disable_rht=True)  # grad_output: SR on, RHT off

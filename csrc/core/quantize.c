@@ -158,6 +158,20 @@ tq_status tq_quantize(const tq_tensor *x, const tq_quant_config *c, const tq_qua
                            tq_dtype_name(a->scale.dtype), (long long)a->scale.rows,
                            (long long)a->scale.cols, a->scale.device);
     }
+    if (a->rng_state.data != NULL) {
+        st = tq_tensor_check(&a->rng_state, "rng_state");
+        if (st != TQ_SUCCESS) return st;
+        if (!(c->flags & TQ_QUANT_STOCHASTIC_ROUNDING))
+            return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "quantize: rng_state is set but the "
+                           "config does not round stochastically");
+        if (a->rng_state.dtype != TQ_DTYPE_INT64 || a->rng_state.rows * a->rng_state.cols != 2
+            || a->rng_state.ld != a->rng_state.cols || a->rng_state.device != x->device)
+            return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "rng_state must be two contiguous int64 "
+                           "(seed, offset) on x's device (%d); got %s [%lld, %lld] (ld %lld) on "
+                           "device %d", x->device, tq_dtype_name(a->rng_state.dtype),
+                           (long long)a->rng_state.rows, (long long)a->rng_state.cols,
+                           (long long)a->rng_state.ld, a->rng_state.device);
+    }
     const int on_cpu = x->device == TQ_DEVICE_CPU;
     switch (c->scaling) {
         case TQ_SCALING_DELAYED:

@@ -51,10 +51,13 @@ static int plan_from_py(tqx_state *st, PyObject *obj, plan *p) {
     return PyErr_Occurred() ? -1 : 0;
 }
 
-/* The SR (seed, offset) from tequant.ops._rng_state (the device's generator), or zeros. */
-static int rng_for(tqx_state *st, const tq_quant_config *c, PyObject *x, tq_quantize_args *qa) {
-    qa->rng_seed = qa->rng_offset = 0;
-    if (!(c->flags & TQ_QUANT_STOCHASTIC_ROUNDING)) return 0;
+/* The SR rng from tequant.ops._rng_state (the device's generator: (seed, offset), or under CUDA
+ * graph capture a device tensor drawn inside the graph) into qa, or nothing; *owner keeps that
+ * tensor alive through the quantize call. */
+static int rng_for(tqx_state *st, const tq_quant_config *c, PyObject *x, tq_quantize_args *qa,
+                   PyObject **owner) {
+    *owner = NULL;
+    if (!(c->flags & TQ_QUANT_STOCHASTIC_ROUNDING)) return tqx_rng_from_py(st, Py_None, qa);
     if (st->rng_state == NULL) {
         PyObject *ops = PyImport_ImportModule("tequant.ops");
         if (ops == NULL) return -1;
@@ -63,12 +66,10 @@ static int rng_for(tqx_state *st, const tq_quant_config *c, PyObject *x, tq_quan
         if (st->rng_state == NULL) return -1;
     }
     PyObject *device = PyObject_GetAttrString(x, "device");
-    PyObject *pair = device ? PyObject_CallFunctionObjArgs(st->rng_state, device, Py_None, NULL) : NULL;
+    *owner = device ? PyObject_CallFunctionObjArgs(st->rng_state, device, Py_None, NULL) : NULL;
     Py_XDECREF(device);
-    if (pair == NULL) return -1;
-    int ok = PyArg_ParseTuple(pair, "KK", &qa->rng_seed, &qa->rng_offset);
-    Py_DECREF(pair);
-    return ok ? 0 : -1;
+    if (*owner == NULL) return -1;
+    return tqx_rng_from_py(st, *owner, qa);
 }
 
 /* x2d [rows, cols] zero-padded to a multiple of `align` rows (a new reference; x2d itself when
@@ -102,11 +103,17 @@ static PyObject *quantize(tqx_state *st, PyObject *x2d, const tq_quant_config *c
     if (tqx_tensor_from_py(st, x2d, "x", TQX_FLOAT_DTYPES, &x, &info) < 0) return NULL;
     tq_quantize_args qa = TQ_QUANTIZE_ARGS_INIT;
     qa.usage = usage;
-    if (rng_for(st, config, x2d, &qa) < 0) return NULL;
     PyObject *scale = Py_None, *amax = Py_None;
     if (state != Py_None && !PyArg_ParseTuple(state, "OO", &scale, &amax)) return NULL;
+    PyObject *rng_owner;
+    if (rng_for(st, config, x2d, &qa, &rng_owner) < 0) {
+        Py_XDECREF(rng_owner);
+        return NULL;
+    }
     tq_qtensor q;
-    return tqx_quantize_members(st, x2d, &x, info.stream, config, &qa, scale, amax, &q);
+    PyObject *members = tqx_quantize_members(st, x2d, &x, info.stream, config, &qa, scale, amax, &q);
+    Py_XDECREF(rng_owner);
+    return members;
 }
 
 /* Members without the direction(s) backward does not read; per-tensor FP8's one scale_inv serves

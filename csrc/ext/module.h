@@ -187,6 +187,9 @@ int tqx_config_from_py(tqx_state *st, PyObject *obj, tq_quant_config *out);
 PyObject *tqx_quantize_members(tqx_state *st, PyObject *x_obj, const tq_tensor *x, void *stream,
                                const tq_quant_config *config, tq_quantize_args *qargs,
                                PyObject *scale, PyObject *amax, tq_qtensor *q);
+/* Stochastic rounding's rng (None, (seed, offset), or an int64 [2] tensor read at run time)
+ * into qa; the tensor must outlive the quantize call (the caller holds rng). -1 with an exception. */
+int tqx_rng_from_py(tqx_state *st, PyObject *rng, tq_quantize_args *qa);
 /* members: the 6-tuple (data, scale_inv, data_t, scale_inv_t, amax, amax_t) of a QuantizedTensor
  * -> q's members that `usage` needs (laid out per tq_quantize_layout); -1 with an exception. */
 int tqx_qtensor_from_py(tqx_state *st, const tq_quant_config *config, int64_t rows, int64_t cols,

@@ -98,13 +98,28 @@ PyObject *tqx_quantize_members(tqx_state *st, PyObject *x_obj, const tq_tensor *
     return result;
 }
 
-/* _quantize(x, config, usage, scale, amax, rng_seed, rng_offset) -> 6-tuple of tensors/None.
+int tqx_rng_from_py(tqx_state *st, PyObject *rng, tq_quantize_args *qa) {
+    const tq_tensor none = {0};
+    qa->rng_seed = qa->rng_offset = 0;
+    qa->rng_state = none;
+    if (rng == Py_None) return 0;
+    if (PyTuple_Check(rng) && PyTuple_GET_SIZE(rng) == 2) {
+        qa->rng_seed = PyLong_AsUnsignedLongLongMask(PyTuple_GET_ITEM(rng, 0));
+        qa->rng_offset = PyLong_AsUnsignedLongLongMask(PyTuple_GET_ITEM(rng, 1));
+        return PyErr_Occurred() ? -1 : 0;
+    }
+    return tqx_tensor_from_py(st, rng, "rng", 1u << TQ_DTYPE_INT64, &qa->rng_state, NULL);
+}
+
+/* _quantize(x, config, usage, scale, amax, rng) -> 6-tuple of tensors/None.
  * usage: 1 rowwise, 2 columnwise, 3 both. scale (delayed only): float32 [1] or None (= 1).
- * amax (delayed only): a float32 [1] history slot to max-accumulate into, or None (fresh). */
+ * amax (delayed only): a float32 [1] history slot to max-accumulate into, or None (fresh).
+ * rng (stochastic rounding): None, (seed, offset) ints, or an int64 [2] tensor on x's device
+ * read when the kernel runs. */
 static PyObject *py_quantize(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 7) {
-        PyErr_Format(PyExc_TypeError, "_quantize(x, config, usage, scale, amax, rng_seed, "
-                     "rng_offset) takes 7 arguments (%zd given)", nargs);
+    if (nargs != 6) {
+        PyErr_Format(PyExc_TypeError, "_quantize(x, config, usage, scale, amax, rng) takes 6 "
+                     "arguments (%zd given)", nargs);
         return NULL;
     }
     tqx_state *st = tqx_module_state(module);
@@ -118,9 +133,7 @@ static PyObject *py_quantize(PyObject *module, PyObject *const *args, Py_ssize_t
     long usage = PyLong_AsLong(args[2]);
     if (usage == -1 && PyErr_Occurred()) return NULL;
     qargs.usage = (uint32_t)usage;
-    qargs.rng_seed = PyLong_AsUnsignedLongLongMask(args[5]);
-    qargs.rng_offset = PyLong_AsUnsignedLongLongMask(args[6]);
-    if (PyErr_Occurred()) return NULL;
+    if (tqx_rng_from_py(st, args[5], &qargs) < 0) return NULL;
     tq_qtensor q;
     return tqx_quantize_members(st, args[0], &x, info.stream, &config, &qargs, args[3], args[4], &q);
 }
@@ -226,7 +239,7 @@ PyMethodDef tqx_quantize_methods[] = {
      "_quantize_layout(config, rows, cols, usage) -> 6-tuple of (rows, cols, dtype) or None\n\n"
      "The members _quantize allocates, as torch shapes and dtypes."},
     {"_quantize", (PyCFunction)(void (*)(void))py_quantize, METH_FASTCALL,
-     "_quantize(x, config, usage, scale, amax, rng_seed, rng_offset) -> (data, scale_inv, "
+     "_quantize(x, config, usage, scale, amax, rng) -> (data, scale_inv, "
      "data_t, scale_inv_t, amax, amax_t)\n\nQuantizes x with a QuantizerConfig; see "
      "tequant.ops.quantize for the public API."},
     {"_dequantize", (PyCFunction)(void (*)(void))py_dequantize, METH_FASTCALL,

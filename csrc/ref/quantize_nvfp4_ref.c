@@ -106,6 +106,11 @@ tq_status tq_quantize_nvfp4_ref(const tq_tensor *x, const tq_quant_config *confi
     const int two_d = (config->flags & TQ_QUANT_2D) != 0;
     const int rht = (config->flags & TQ_QUANT_RHT) != 0;
     const int sr = (config->flags & TQ_QUANT_STOCHASTIC_ROUNDING) != 0;
+    uint64_t seed = args->rng_seed, offset = args->rng_offset;
+    if (sr && args->rng_state.data != NULL) { /* (seed, offset) held in x's (host) memory */
+        const uint64_t *state = (const uint64_t *)args->rng_state.data;
+        seed = state[0], offset = state[1];
+    }
     direction dirs[2];
     direction_init(&dirs[0], x, 0, rht);
     direction_init(&dirs[1], x, 1, rht);
@@ -115,13 +120,13 @@ tq_status tq_quantize_nvfp4_ref(const tq_tensor *x, const tq_quant_config *confi
     if (need_amax_x) amax_x = direction_amax(&dirs[0]);
     if (args->usage & TQ_USAGE_ROWWISE) {
         *(float *)q->amax.data = amax_x;
-        quantize_direction(&dirs[0], amax_x, two_d, sr, args->rng_seed, args->rng_offset,
+        quantize_direction(&dirs[0], amax_x, two_d, sr, seed, offset,
                            (uint8_t *)q->data.data, (uint8_t *)q->scale_inv.data);
     }
     if (args->usage & TQ_USAGE_COLUMNWISE) {
         const float amax_t = rht ? direction_amax(&dirs[1]) : amax_x;
         *(float *)q->amax_t.data = amax_t;
-        quantize_direction(&dirs[1], amax_t, two_d, sr, args->rng_seed, args->rng_offset,
+        quantize_direction(&dirs[1], amax_t, two_d, sr, seed, offset,
                            (uint8_t *)q->data_t.data, (uint8_t *)q->scale_inv_t.data);
     }
     return TQ_SUCCESS;

@@ -12,8 +12,8 @@ Rules the ops keep for functionalization: quantize, dequantize and gemm return f
 (never an input, never each other); gemm_out mutates `out` and returns nothing. DelayedScaling:
 quantize takes `scale` read-only and returns the amax of x in a fresh tensor (the traced code
 max-accumulates it into the history slot). Stochastic rounding without rng: quantize draws
-(seed, offset) from the default generator of x's device when it runs, as each eager call does;
-a CUDA graph captured around it replays the (seed, offset) drawn at capture.
+(seed, offset) from the default generator of x's device when it runs, as each eager call does
+(inside a CUDA graph capture, as a device tensor that each replay draws anew: ops._rng_state).
 Tests: tests/test_compile_ops.py.
 """
 import contextlib
@@ -84,24 +84,27 @@ def _rows_cols(shape):
 @op("tequant::quantize", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
 def quantize_op(x: torch.Tensor, recipe_id: str, role: str, usage: int,
                 scale: Optional[torch.Tensor], rng: Optional[list[int]],
-                draw_site: int) -> list[torch.Tensor]:
-    """The members _C._quantize makes (the present ones, in order). rng: (seed, offset), or
-    None to draw them from the default generator of x's device now (stochastic rounding);
-    draw_site only keeps such calls apart in the graph (_compile_trace._draw_site)."""
+                rng_state: Optional[torch.Tensor], draw_site: int) -> list[torch.Tensor]:
+    """The members _C._quantize makes (the present ones, in order). Stochastic rounding's rng:
+    (seed, offset), or an int64 [2] tensor read when the kernel runs, or neither to draw from
+    the default generator of x's device now; draw_site only keeps such calls apart in the graph
+    (_compile_trace._draw_site)."""
     config = config_of(recipe_id, role)
-    if rng is not None:
-        seed, offset = rng
+    if rng_state is not None:
+        chosen = rng_state
+    elif rng is not None:
+        chosen = tuple(rng)
     elif config.stochastic_rounding:
         from .ops import _rng_state
-        seed, offset = _rng_state(x.device, None)
+        chosen = _rng_state(x.device, None)
     else:
-        seed = offset = 0
-    members = _C._quantize(x, config, usage, scale, None, seed, offset)
+        chosen = None
+    members = _C._quantize(x, config, usage, scale, None, chosen)
     return [m for m in members if m is not None]
 
 
 @fake("tequant::quantize")
-def _quantize_fake(x, recipe_id, role, usage, scale, rng, draw_site):
+def _quantize_fake(x, recipe_id, role, usage, scale, rng, rng_state, draw_site):
     rows, cols = _rows_cols(x.shape)
     layout = _C._quantize_layout(config_of(recipe_id, role), rows, cols, usage)
     return [x.new_empty((r, c), dtype=dtype) for r, c, dtype in filter(None, layout)]

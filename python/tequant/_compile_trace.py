@@ -118,14 +118,16 @@ def _signed64(v):
 def quantize(x, recipe, recipe_id, role, usage, scale, amax_history, rng, stochastic, present):
     """te.ops.quantize's C call and QuantizedTensor, through tequant::quantize. The op returns
     a fresh amax; a DelayedScaling history slot takes max(slot, amax), as the kernel does."""
-    draw_site = 0
-    if rng is not None:
+    draw_site, rng_state = 0, None
+    if isinstance(rng, torch.Tensor):
+        rng, rng_state = None, rng
+    elif rng is not None:
         rng = [_signed64(rng[0]), _signed64(rng[1])]
     elif stochastic:
         draw_site = _draw_site()
     # detach: eager's members never require grad (the C call reads x's data)
     found = iter(_compile_ops.quantize_op(x.detach(), recipe_id, role, usage, scale, rng,
-                                          draw_site))
+                                          rng_state, draw_site))
     members = tuple(next(found) if p else None for p in present)
     if amax_history is not None:
         amax = members[4]

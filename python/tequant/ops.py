@@ -20,15 +20,16 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _rng_state(device, generator):
-    """(seed, offset) for stochastic rounding from `generator` or the device's default one,
-    advancing it so successive calls draw different bits (NUMERICS.md 3.2)."""
+    """Stochastic rounding's rng from `generator` or the device's default one, advancing it so
+    successive calls draw different bits (NUMERICS.md 3.2): (seed, offset), or, while a CUDA
+    graph is being captured, an int64 [2] device tensor of fresh (seed, offset) that the kernel
+    reads when it runs."""
     if device.type == "cuda":
         if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "stochastic rounding draws its (seed, offset) from the generator on the host, "
-                "which a CUDA graph (torch.cuda.graph, torch.compile mode='reduce-overhead') "
-                "cannot capture: the replays would reuse one draw. Under CUDA graphs use "
-                "NVFP4BlockScaling(disable_stochastic_rounding=True), or te.ops.quantize(rng=...)")
+            # A host draw would be frozen into the graph and every replay would round with the
+            # same bits. torch's Philox is graph-safe: each replay of this fill draws anew, and
+            # torch.manual_seed before the replays reproduces them.
+            return torch.empty(2, dtype=torch.int64, device=device).random_(generator=generator)
         gen = generator or torch.cuda.default_generators[
             device.index if device.index is not None else torch.cuda.current_device()]
         offset = gen.get_offset()
@@ -41,7 +42,12 @@ def _rng_state(device, generator):
     return gen.initial_seed(), offset
 
 
-def _checked_rng(rng):
+def _checked_rng(rng, device):
+    if isinstance(rng, torch.Tensor):
+        if rng.dtype != torch.int64 or rng.numel() != 2 or rng.device != device:
+            raise ValueError("rng as a tensor must hold two int64 (seed, offset) on x's device "
+                             f"({device}); got {rng.dtype} {tuple(rng.shape)} on {rng.device}")
+        return rng.reshape(2).contiguous()
     try:
         seed, offset = (int(v) for v in rng)
     except (TypeError, ValueError):
@@ -67,7 +73,11 @@ def quantize(x, recipe=None, role="input", rowwise=True, columnwise=False, *, sc
             amax of x is max-accumulated into; default a fresh tensor returned as q.amax.
         generator: the torch.Generator that seeds stochastic rounding (default: the device's;
             torch.compile cannot trace one: pass rng there).
-        rng: (seed, offset) to use instead of a generator, to reproduce exact bits.
+        rng: (seed, offset) to use instead of a generator, to reproduce exact bits; or an int64
+            tensor of two elements (seed, offset as their 64 bits) on x's device, which the
+            kernel reads when it runs: a CUDA graph then rounds with whatever it holds at each
+            replay. Without either, a CUDA graph capture draws the pair inside the graph, so
+            each replay rounds with new bits (reproducible under torch.manual_seed).
 
     Returns a QuantizedTensor. MXFP8 needs M and K multiples of 32, NVFP4 of 16 (ValueError
     otherwise); per-tensor and block FP8 take any shape.
@@ -106,20 +116,19 @@ def quantize(x, recipe=None, role="input", rowwise=True, columnwise=False, *, sc
     if generator is not None and generator.device.type != x.device.type:
         raise ValueError(f"generator is on {generator.device}, x on {x.device}: stochastic "
                          "rounding draws from a generator of x's device")
-    seed = offset = 0
+    chosen = None  # the rng C reads: (seed, offset) or a device tensor
     if stochastic:
         if rng is not None:
-            seed, offset = _checked_rng(rng)
+            chosen = _checked_rng(rng, x.device)
         elif not compiling:
-            seed, offset = _rng_state(x.device, generator)
+            chosen = _rng_state(x.device, generator)
         elif generator is not None:
             raise ValueError("generator= cannot be traced by torch.compile: pass rng=(seed, "
                              "offset), or neither to draw from the device's default generator")
     if compiling:
-        return traced.quantize(x, recipe, recipe_id, role, usage, scale, amax_history,
-                               (seed, offset) if stochastic and rng is not None else None,
+        return traced.quantize(x, recipe, recipe_id, role, usage, scale, amax_history, chosen,
                                stochastic, present)
-    members = _C._quantize(x, config, usage, scale, amax_history, seed, offset)
+    members = _C._quantize(x, config, usage, scale, amax_history, chosen)
     return QuantizedTensor(config, x.shape, x.dtype, members, recipe, role)
 
 

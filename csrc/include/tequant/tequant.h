@@ -227,9 +227,14 @@ typedef struct tq_quantize_args {
     tq_tensor scale;      /* DELAYED only: the FP32 scale [1, 1] to cast with, on x's device */
     uint64_t rng_seed;    /* STOCHASTIC_ROUNDING: Philox key and counter offset (NUMERICS 3.2) */
     uint64_t rng_offset;
+    /* STOCHASTIC_ROUNDING, optional (data NULL: unused): INT64 [1, 2] on x's device holding
+     * (seed, offset) as the bits of the two uint64s. The kernel reads it when it runs, in place of
+     * rng_seed / rng_offset, so a captured CUDA graph draws fresh bits whenever the graph refills
+     * it (tequant draws it with torch's graph-safe generator inside the capture). */
+    tq_tensor rng_state;
 } tq_quantize_args;
 
-#define TQ_QUANTIZE_ARGS_INIT {sizeof(tq_quantize_args), TQ_USAGE_ROWWISE, {0}, 0, 0}
+#define TQ_QUANTIZE_ARGS_INIT {sizeof(tq_quantize_args), TQ_USAGE_ROWWISE, {0}, 0, 0, {0}}
 
 /* Fills q's shapes and dtypes (data pointers NULL, device TQ_DEVICE_CPU) for quantizing an
  * [rows, cols] matrix with `config` in the directions `usage`; the caller allocates each member
