@@ -144,6 +144,9 @@ static int cpu_gemm(tqx_state *st, tqx_operand *a, tqx_operand *b, const tq_gemm
     if (tqx_autocast_off(st, "cpu", &amp_was_on) < 0) goto done;
     prod = PyObject_CallFunctionObjArgs(st->torch_mm, ta, tbt, NULL);
     if (tqx_autocast_restore(st, "cpu", amp_was_on) < 0 || prod == NULL) goto done;
+    /* out may have any leading dims whose product is M (te.Linear passes [..., N]) */
+    Py_SETREF(prod, PyObject_CallMethod(prod, "view_as", "O", out_obj));
+    if (prod == NULL) goto done;
     if (alpha != 1.0f) {
         PyObject *f = PyFloat_FromDouble(alpha); /* exact: a float32 widened */
         const int failed = f == NULL || call_in_place(prod, "mul_", f) < 0;
@@ -197,11 +200,17 @@ PyObject *tqx_gemm_run(tqx_state *st, tqx_operand *a, tqx_operand *b, PyObject *
     }
     tq_gemm_args gargs = TQ_GEMM_ARGS_INIT;
     gargs.flags = flags;
-    if (bias_obj != Py_None) { /* the epilogue's dtype, converted once here */
-        PyObject *dtype = tqx_torch_dtype_of(st, info.bias_dtype);
-        if ((bias = PyObject_CallMethod(bias_obj, "to", "O", dtype)) == NULL
-            || tqx_tensor_from_py(st, bias, "bias", 1u << info.bias_dtype, &gargs.bias, NULL) < 0)
+    if (bias_obj != Py_None) { /* the epilogue's dtype, converted once here when it differs */
+        if (tqx_tensor_from_py(st, bias_obj, "bias", TQX_FLOAT_DTYPES, &gargs.bias, NULL) < 0)
             goto done;
+        if (gargs.bias.dtype == info.bias_dtype) {
+            bias = Py_NewRef(bias_obj);
+        } else if ((bias = PyObject_CallMethod(bias_obj, "to", "O",
+                                               tqx_torch_dtype_of(st, info.bias_dtype))) == NULL
+                   || tqx_tensor_from_py(st, bias, "bias", 1u << info.bias_dtype, &gargs.bias,
+                                         NULL) < 0) {
+            goto done;
+        }
         if (gargs.bias.rows * gargs.bias.cols != info.n || gargs.bias.device != info.device) {
             char got[32], want[32];
             PyErr_Format(PyExc_ValueError, "bias has %lld elements on %s; the product has N=%lld "

@@ -72,19 +72,19 @@ static int rng_for(tqx_state *st, const tq_quant_config *c, PyObject *x, tq_quan
     return tqx_rng_from_py(st, *owner, qa);
 }
 
-/* x2d [rows, cols] zero-padded to a multiple of `align` rows (a new reference; x2d itself when
- * aligned). */
-static PyObject *pad_rows(tqx_state *st, PyObject *x2d, const tq_tensor *x, int64_t align,
-                          int64_t *padded) {
+/* t (contiguous, viewed as x [rows, cols]) as [padded, cols] with `padded` the next multiple of
+ * `align` rows, zero-filled past x (a new reference; t itself when aligned). */
+static PyObject *pad_rows(tqx_state *st, PyObject *t, const tq_tensor *x, int64_t align,
+                          PyObject *device, int64_t *padded) {
     *padded = (x->rows + align - 1) / align * align;
-    if (*padded == x->rows) return Py_NewRef(x2d);
-    PyObject *device = PyObject_GetAttrString(x2d, "device");
-    if (device == NULL) return NULL;
+    if (*padded == x->rows) return Py_NewRef(t);
     void *data;
     PyObject *xp = tqx_torch_new(st, *padded, x->cols, x->dtype, device, 1, &data);
-    Py_DECREF(device);
     PyObject *head = xp ? PyObject_CallMethod(xp, "narrow", "iLL", 0, 0LL, (long long)x->rows) : NULL;
-    PyObject *done = head ? PyObject_CallMethod(head, "copy_", "O", x2d) : NULL;
+    PyObject *x2d = head ? PyObject_CallMethod(t, "reshape", "(LL)", (long long)x->rows,
+                                               (long long)x->cols) : NULL;
+    PyObject *done = x2d ? PyObject_CallMethod(head, "copy_", "O", x2d) : NULL;
+    Py_XDECREF(x2d);
     Py_XDECREF(head);
     if (done == NULL) {
         Py_XDECREF(xp);
@@ -129,14 +129,33 @@ static PyObject *keep_columnwise(PyObject *m, const tq_quant_config *c) {
     return t;
 }
 
-/* out = A . B^T through the core, float16 results of emulated pairs through float32. */
+/* The GEMM's result: rows [0, rows) of A . B^T (A has `padded` rows) in out_dtype, shaped
+ * `shape`, through the core; float16 results of emulated pairs go through float32. Unpadded
+ * results are written straight into a tensor of the final shape. */
 static PyObject *gemm(tqx_state *st, const plan *p, tqx_operand *a, tqx_operand *b,
-                      tq_dtype out_dtype, PyObject *bias, uint32_t flags) {
-    if (!(p->emulated && out_dtype == TQ_DTYPE_FLOAT16))
-        return tqx_gemm_run(st, a, b, Py_None, out_dtype, bias, flags);
-    PyObject *f32 = tqx_gemm_run(st, a, b, Py_None, TQ_DTYPE_FLOAT32, bias, flags);
-    PyObject *out = f32 ? PyObject_CallMethod(f32, "to", "O", tqx_torch_dtype_of(st, TQ_DTYPE_FLOAT16)) : NULL;
-    Py_XDECREF(f32);
+                      tq_dtype out_dtype, PyObject *bias, uint32_t flags, int64_t rows,
+                      int64_t padded, PyObject *shape, PyObject *device) {
+    PyObject *full;
+    if (p->emulated && out_dtype == TQ_DTYPE_FLOAT16) {
+        PyObject *f32 = tqx_gemm_run(st, a, b, Py_None, TQ_DTYPE_FLOAT32, bias, flags);
+        full = f32 ? PyObject_CallMethod(f32, "to", "O", tqx_torch_dtype_of(st, TQ_DTYPE_FLOAT16))
+                   : NULL;
+        Py_XDECREF(f32);
+    } else if (rows == padded) {
+        void *data;
+        PyObject *out = tqx_torch_new_shaped(st, shape, out_dtype, device, &data);
+        full = out ? tqx_gemm_run(st, a, b, out, out_dtype, bias, flags) : NULL;
+        Py_XDECREF(out);
+        return full; /* already [..., N] */
+    } else {
+        full = tqx_gemm_run(st, a, b, Py_None, out_dtype, bias, flags);
+    }
+    PyObject *head = full == NULL ? NULL
+                     : rows == padded ? Py_NewRef(full)
+                                      : PyObject_CallMethod(full, "narrow", "iLL", 0, 0LL, (long long)rows);
+    PyObject *out = head ? PyObject_CallMethod(head, "view", "O", shape) : NULL;
+    Py_XDECREF(head);
+    Py_XDECREF(full);
     return out;
 }
 
@@ -188,26 +207,35 @@ static PyObject *shape_with_last(PyObject *t, int64_t n) {
     return tuple;
 }
 
-/* rows [0, rows) of a padded [padded, n] result, viewed as `shape`. */
-static PyObject *unpad(PyObject *full, int64_t rows, int64_t padded, PyObject *shape) {
-    PyObject *head = rows == padded ? Py_NewRef(full)
-                                    : PyObject_CallMethod(full, "narrow", "iLL", 0, 0LL, (long long)rows);
-    PyObject *out = head && shape ? PyObject_CallMethod(head, "view", "O", shape) : NULL;
-    Py_XDECREF(head);
-    return out;
-}
-
-/* dy2d summed over rows in FP32, then in the bias's dtype. */
-static PyObject *bias_grad(tqx_state *st, PyObject *dy2d, PyObject *bias_dtype) {
-    PyObject *sum_fn = PyObject_GetAttrString(dy2d, "sum");
-    PyObject *args = Py_BuildValue("(i)", 0);
-    PyObject *kwargs = Py_BuildValue("{sO}", "dtype", tqx_torch_dtype_of(st, TQ_DTYPE_FLOAT32));
-    PyObject *sum = sum_fn && args && kwargs ? PyObject_Call(sum_fn, args, kwargs) : NULL;
-    PyObject *db = sum ? PyObject_CallMethod(sum, "to", "O", bias_dtype) : NULL;
-    Py_XDECREF(sum_fn);
-    Py_XDECREF(args);
-    Py_XDECREF(kwargs);
-    Py_XDECREF(sum);
+/* dy [..., N] summed over its leading dims in FP32, rounded once to the bias's dtype. torch's
+ * sum of bf16 / fp16 accumulates in fp32 and rounds once, so when dy has the bias's dtype one
+ * call does it (the bits of the fp32 sum and cast, one launch and one allocation fewer). */
+static PyObject *bias_grad(tqx_state *st, PyObject *dy, int ndim, tq_dtype dy_dtype,
+                           PyObject *bias_dtype) {
+    if (ndim < 2) /* one row: the sum is dy itself */
+        return PyObject_CallMethod(dy, "to", "OOO", bias_dtype, Py_False, Py_True);
+    PyObject *dims = PyTuple_New(ndim - 1);
+    for (int i = 0; dims != NULL && i < ndim - 1; i++) {
+        PyObject *d = PyLong_FromLong(i);
+        if (d == NULL) Py_CLEAR(dims);
+        else PyTuple_SET_ITEM(dims, i, d);
+    }
+    if (dims == NULL) return NULL;
+    PyObject *db;
+    if (tqx_torch_dtype_of(st, dy_dtype) == bias_dtype) {
+        db = PyObject_CallMethod(dy, "sum", "(O)", dims);
+    } else {
+        PyObject *sum_fn = PyObject_GetAttrString(dy, "sum");
+        PyObject *args = PyTuple_Pack(1, dims);
+        PyObject *kwargs = Py_BuildValue("{sO}", "dtype", tqx_torch_dtype_of(st, TQ_DTYPE_FLOAT32));
+        PyObject *sum = sum_fn && args && kwargs ? PyObject_Call(sum_fn, args, kwargs) : NULL;
+        db = sum ? PyObject_CallMethod(sum, "to", "O", bias_dtype) : NULL;
+        Py_XDECREF(sum_fn);
+        Py_XDECREF(args);
+        Py_XDECREF(kwargs);
+        Py_XDECREF(sum);
+    }
+    Py_DECREF(dims);
     return db;
 }
 
@@ -225,13 +253,19 @@ static PyObject *py_linear_forward(PyObject *module, PyObject *const *args, Py_s
     tq_tensor w;
     if (tqx_tensor_from_py(st, weight, "weight", TQX_FLOAT_DTYPES, &w, NULL) < 0) return NULL;
     const int64_t n = w.rows, k = w.cols;
-    PyObject *x2d = PyObject_CallMethod(inp, "reshape", "(iL)", -1, (long long)k);
-    PyObject *xp = NULL, *qx = NULL, *qw = NULL, *full = NULL, *shape = NULL, *out = NULL;
+    PyObject *device = PyObject_GetAttrString(inp, "device");
+    PyObject *xp = NULL, *qx = NULL, *qw = NULL, *shape = NULL, *out = NULL;
     PyObject *result = NULL;
     tq_tensor x;
     int64_t padded = 0;
-    if (x2d == NULL || tqx_tensor_from_py(st, x2d, "input", TQX_FLOAT_DTYPES, &x, NULL) < 0) goto done;
-    if ((xp = pad_rows(st, x2d, &x, p.align, &padded)) == NULL) goto done;
+    if (device == NULL || tqx_tensor_from_py(st, inp, "input", TQX_FLOAT_DTYPES, &x, NULL) < 0)
+        goto done;
+    if (x.cols != k) {
+        PyErr_Format(PyExc_ValueError, "input has %lld features in its last dim; the weight "
+                     "takes %lld", (long long)x.cols, (long long)k);
+        goto done;
+    }
+    if ((xp = pad_rows(st, inp, &x, p.align, device, &padded)) == NULL) goto done;
     const uint32_t x_usage = TQ_USAGE_ROWWISE | ((needs & NEED_WGRAD) ? TQ_USAGE_COLUMNWISE : 0);
     if ((qx = quantize(st, xp, &p.x, x_usage, args[7])) == NULL) goto done;
     if ((qw = weight_members(st, &p, weight, args[5], args[6], args[8])) == NULL) goto done;
@@ -239,8 +273,9 @@ static PyObject *py_linear_forward(PyObject *module, PyObject *const *args, Py_s
     if (tqx_operand_set(st, &p.x, padded, k, qx, TQ_USAGE_ROWWISE, &a) < 0
         || tqx_operand_set(st, &p.w, n, k, qw, TQ_USAGE_ROWWISE, &b) < 0)
         goto done;
-    if ((full = gemm(st, &p, &a, &b, x.dtype, bias, p.flags[0])) == NULL) goto done;
-    if ((shape = shape_with_last(inp, n)) == NULL || (out = unpad(full, x.rows, padded, shape)) == NULL)
+    if ((shape = shape_with_last(inp, n)) == NULL
+        || (out = gemm(st, &p, &a, &b, x.dtype, bias, p.flags[0], x.rows, padded, shape,
+                       device)) == NULL)
         goto done;
     /* saved: (x members (columnwise only, unless kept whole) or None, W members, rows, padded
      * rows, N, K, dtype of x, dtype of W) */
@@ -254,11 +289,10 @@ static PyObject *py_linear_forward(PyObject *module, PyObject *const *args, Py_s
     if (saved != NULL) result = PyTuple_Pack(2, out, saved);
     Py_XDECREF(saved);
 done:
-    Py_XDECREF(x2d);
+    Py_XDECREF(device);
     Py_XDECREF(xp);
     Py_XDECREF(qx);
     Py_XDECREF(qw);
-    Py_XDECREF(full);
     Py_XDECREF(shape);
     Py_XDECREF(out);
     return result;
@@ -281,14 +315,21 @@ static PyObject *py_linear_backward(PyObject *module, PyObject *const *args, Py_
                              &w_dtype))
         return NULL;
     PyObject *dy = args[2], *inp_shape = args[5], *bias_dtype = args[6], *pending = args[7];
-    PyObject *dy2d = PyObject_CallMethod(dy, "reshape", "(iL)", -1, (long long)n);
-    PyObject *dyp = NULL, *qdy = NULL, *dx_full = NULL, *dx = NULL, *dw = NULL, *db = NULL;
+    PyObject *device = PyObject_GetAttrString(dy, "device");
+    PyObject *dyp = NULL, *qdy = NULL, *dx = NULL, *dw = NULL, *db = NULL, *dw_shape = NULL;
     PyObject *result = NULL;
     tq_tensor d;
+    tqx_tensor_info dy_info;
     int64_t dy_padded;
-    if (dy2d == NULL || tqx_tensor_from_py(st, dy2d, "grad_output", TQX_FLOAT_DTYPES, &d, NULL) < 0)
+    if (device == NULL
+        || tqx_tensor_from_py(st, dy, "grad_output", TQX_FLOAT_DTYPES, &d, &dy_info) < 0)
         goto done;
-    if ((dyp = pad_rows(st, dy2d, &d, p.align, &dy_padded)) == NULL) goto done;
+    if (d.rows != rows || d.cols != n) {
+        PyErr_Format(PyExc_ValueError, "grad_output is [%lld, %lld] as rows; the forward made "
+                     "[%lld, %lld]", (long long)d.rows, (long long)d.cols, rows, n);
+        goto done;
+    }
+    if ((dyp = pad_rows(st, dy, &d, p.align, device, &dy_padded)) == NULL) goto done;
     const uint32_t usage = ((needs & NEED_DGRAD) ? TQ_USAGE_ROWWISE : 0)
                            | ((needs & NEED_WGRAD) ? TQ_USAGE_COLUMNWISE : 0);
     if (usage && (qdy = quantize(st, dyp, &p.dy, usage, args[4])) == NULL) goto done;
@@ -296,18 +337,22 @@ static PyObject *py_linear_backward(PyObject *module, PyObject *const *args, Py_
         tqx_operand a, b;
         if (tqx_operand_set(st, &p.dy, padded, n, qdy, TQ_USAGE_ROWWISE, &a) < 0
             || tqx_operand_set(st, &p.w, n, k, qw, TQ_USAGE_COLUMNWISE, &b) < 0
-            || (dx_full = gemm(st, &p, &a, &b, (tq_dtype)x_dtype, Py_None, p.flags[1])) == NULL
-            || (dx = unpad(dx_full, rows, padded, inp_shape)) == NULL)
+            || (dx = gemm(st, &p, &a, &b, (tq_dtype)x_dtype, Py_None, p.flags[1], rows, padded,
+                          inp_shape, device)) == NULL)
             goto done;
     }
     if (needs & NEED_WGRAD) { /* dW = dy^T . x: dy columnwise [N, M], x columnwise [K, M] */
         tqx_operand a, b;
         if (tqx_operand_set(st, &p.dy, padded, n, qdy, TQ_USAGE_COLUMNWISE, &a) < 0
             || tqx_operand_set(st, &p.x, padded, k, qx, TQ_USAGE_COLUMNWISE, &b) < 0
-            || (dw = gemm(st, &p, &a, &b, (tq_dtype)w_dtype, Py_None, p.flags[2])) == NULL)
+            || (dw_shape = Py_BuildValue("(LL)", n, k)) == NULL
+            || (dw = gemm(st, &p, &a, &b, (tq_dtype)w_dtype, Py_None, p.flags[2], n, n,
+                          dw_shape, device)) == NULL)
             goto done;
     }
-    if (bias_dtype != Py_None && (db = bias_grad(st, dy2d, bias_dtype)) == NULL) goto done;
+    if (bias_dtype != Py_None
+        && (db = bias_grad(st, dy, dy_info.ndim, d.dtype, bias_dtype)) == NULL)
+        goto done;
     if (pending != Py_None) { /* last in backward: the DelayedScaling backward update */
         PyObject *r = st->delayed_backward_update
                           ? PyObject_CallOneArg(st->delayed_backward_update, pending) : NULL;
@@ -320,11 +365,11 @@ static PyObject *py_linear_backward(PyObject *module, PyObject *const *args, Py_
     }
     result = PyTuple_Pack(3, dx ? dx : Py_None, dw ? dw : Py_None, db ? db : Py_None);
 done:
+    Py_XDECREF(device);
     Py_XDECREF(db);
-    Py_XDECREF(dy2d);
+    Py_XDECREF(dw_shape);
     Py_XDECREF(dyp);
     Py_XDECREF(qdy);
-    Py_XDECREF(dx_full);
     Py_XDECREF(dx);
     Py_XDECREF(dw);
     return result;

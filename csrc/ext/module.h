@@ -105,6 +105,7 @@ typedef struct tqx_state {
     const DLPackExchangeAPI *dlpack_api;
     /* torch functions and dtypes (torch_calls.c), imported on first use */
     PyObject *torch_empty, *torch_zeros, *torch_mm;
+    PyObject *kw_dtype_device; /* ("dtype", "device"): the keyword names of torch.empty calls */
     PyObject *torch_is_autocast_enabled, *torch_set_autocast_enabled;
     PyObject *torch_dtypes[TQX_TORCH_DTYPE_COUNT];
     /* state.c: called with the root frame's DelayedScaling modules at the outermost exit, and
@@ -169,6 +170,9 @@ tq_dtype tqx_dtype_of_torch(tqx_state *st, PyObject *dtype); /* TQ_DTYPE_COUNT_ 
  * (a torch.device), torch.zeros when zeroed; its data pointer goes to *data. */
 PyObject *tqx_torch_new(tqx_state *st, int64_t rows, int64_t cols, tq_dtype dtype,
                         PyObject *device, int zeroed, void **data);
+/* The same with any shape (a tuple or torch.Size), uninitialized. */
+PyObject *tqx_torch_new_shaped(tqx_state *st, PyObject *shape, tq_dtype dtype, PyObject *device,
+                               void **data);
 /* Turns torch.autocast off for `device_type` ("cpu"); *was_on says whether to restore it with
  * tqx_autocast_restore. The CPU GEMM's float32 torch.mm must not be recast to bf16 by AMP. */
 int tqx_autocast_off(tqx_state *st, const char *device_type, int *was_on);

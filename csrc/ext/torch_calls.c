@@ -23,6 +23,7 @@ int tqx_torch_import(tqx_state *st) {
     if (ok) ok = (st->torch_empty = PyObject_GetAttrString(torch, "empty")) != NULL;
     if (ok) ok = (st->torch_is_autocast_enabled = PyObject_GetAttrString(torch, "is_autocast_enabled")) != NULL;
     if (ok) ok = (st->torch_set_autocast_enabled = PyObject_GetAttrString(torch, "set_autocast_enabled")) != NULL;
+    if (ok) ok = (st->kw_dtype_device = Py_BuildValue("(ss)", "dtype", "device")) != NULL;
     if (ok) ok = (st->torch_mm = PyObject_GetAttrString(torch, "mm")) != NULL;
     Py_DECREF(torch);
     if (!ok) tqx_torch_clear(st); /* all or nothing: torch_mm marks a complete import */
@@ -48,18 +49,11 @@ tq_dtype tqx_dtype_of_torch(tqx_state *st, PyObject *dtype) {
     return TQ_DTYPE_COUNT_;
 }
 
-PyObject *tqx_torch_new(tqx_state *st, int64_t rows, int64_t cols, tq_dtype dtype,
-                        PyObject *device, int zeroed, void **data) {
-    if (dtype == TQ_DTYPE_FLOAT4_E2M1X2) cols /= 2;
-    PyObject *shape = Py_BuildValue("(LL)", (long long)rows, (long long)cols);
-    if (shape == NULL) return NULL;
+static PyObject *new_tensor(tqx_state *st, PyObject *shape, tq_dtype dtype, PyObject *device,
+                            int zeroed, void **data) {
     PyObject *args[3] = {shape, tqx_torch_dtype_of(st, dtype), device};
-    PyObject *kwnames = Py_BuildValue("(ss)", "dtype", "device");
-    PyObject *tensor = NULL;
-    if (kwnames != NULL)
-        tensor = PyObject_Vectorcall(zeroed ? st->torch_zeros : st->torch_empty, args, 1, kwnames);
-    Py_DECREF(shape);
-    Py_XDECREF(kwnames);
+    PyObject *tensor = PyObject_Vectorcall(zeroed ? st->torch_zeros : st->torch_empty, args, 1,
+                                           st->kw_dtype_device);
     if (tensor == NULL) return NULL;
     tq_tensor view;
     if (tqx_tensor_from_py(st, tensor, "a new tensor", ~0u, &view, NULL) < 0) {
@@ -68,6 +62,21 @@ PyObject *tqx_torch_new(tqx_state *st, int64_t rows, int64_t cols, tq_dtype dtyp
     }
     *data = view.data;
     return tensor;
+}
+
+PyObject *tqx_torch_new(tqx_state *st, int64_t rows, int64_t cols, tq_dtype dtype,
+                        PyObject *device, int zeroed, void **data) {
+    if (dtype == TQ_DTYPE_FLOAT4_E2M1X2) cols /= 2;
+    PyObject *shape = Py_BuildValue("(LL)", (long long)rows, (long long)cols);
+    if (shape == NULL) return NULL;
+    PyObject *tensor = new_tensor(st, shape, dtype, device, zeroed, data);
+    Py_DECREF(shape);
+    return tensor;
+}
+
+PyObject *tqx_torch_new_shaped(tqx_state *st, PyObject *shape, tq_dtype dtype, PyObject *device,
+                               void **data) {
+    return new_tensor(st, shape, dtype, device, 0, data);
 }
 
 int tqx_autocast_off(tqx_state *st, const char *device_type, int *was_on) {
@@ -90,6 +99,7 @@ int tqx_autocast_restore(tqx_state *st, const char *device_type, int was_on) {
 
 void tqx_torch_clear(tqx_state *st) {
     Py_CLEAR(st->torch_empty);
+    Py_CLEAR(st->kw_dtype_device);
     Py_CLEAR(st->torch_zeros);
     Py_CLEAR(st->torch_mm);
     Py_CLEAR(st->torch_is_autocast_enabled);
@@ -100,6 +110,7 @@ void tqx_torch_clear(tqx_state *st) {
 
 int tqx_torch_traverse(tqx_state *st, visitproc visit, void *arg) {
     Py_VISIT(st->torch_empty);
+    Py_VISIT(st->kw_dtype_device);
     Py_VISIT(st->torch_zeros);
     Py_VISIT(st->torch_mm);
     Py_VISIT(st->torch_is_autocast_enabled);
