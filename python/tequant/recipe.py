@@ -19,6 +19,7 @@ import numbers
 from typing import Any, Callable, Optional, Union
 
 from . import _env
+from ._fields import _check_bool, _check_instance, _check_int, _got, _where
 
 __all__ = [
     "Format", "MMParams", "QParams", "QuantizerRole", "Recipe", "DelayedScaling",
@@ -32,39 +33,8 @@ BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
 
 
 # ---------------------------------------------------------------------------------------------
-# Validation helpers. Each raises with "<Owner>.<field> must be <expected>, got <value>".
-
-def _where(owner: Any, name: str) -> str:
-    return f"{type(owner).__name__}.{name}"
-
-
-def _got(value: Any) -> str:
-    return f"got {value!r} ({type(value).__name__})"
-
-
-def _check_bool(owner: Any, name: str) -> None:
-    value = getattr(owner, name)
-    # Strings like "yes" or ints are truthy too; only a real bool says what the user meant.
-    if not isinstance(value, bool):
-        raise TypeError(f"{_where(owner, name)} must be a bool, {_got(value)}")
-
-
-def _check_int(owner: Any, name: str, minimum: int) -> None:
-    value = getattr(owner, name)
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{_where(owner, name)} must be an int >= {minimum}, {_got(value)}")
-    if value < minimum:
-        raise ValueError(f"{_where(owner, name)} must be an int >= {minimum}, got {value!r}")
-    # numpy integers are accepted; store a plain int so equal recipes hash and repr alike.
-    object.__setattr__(owner, name, int(value))
-
-
-def _check_instance(owner: Any, name: str, cls: type) -> Any:
-    value = getattr(owner, name)
-    if not isinstance(value, cls):
-        raise TypeError(f"{_where(owner, name)} must be a {cls.__name__}, {_got(value)}")
-    return value
-
+# Validation helpers (the generic ones are in _fields.py). Each raises with
+# "<Owner>.<field> must be <expected>, got <value>".
 
 def _check_fp8_format(owner: Any, name: str = "fp8_format") -> None:
     value = _check_instance(owner, name, Format)
