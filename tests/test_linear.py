@@ -370,6 +370,30 @@ def test_three_dim_input(name, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_one_dim_input_matches_one_row(name, dtype, device):
+    """x [K] (one token, no leading dims) gives exactly the results of x [1, K]: out, dx, dW and
+    the bias grad (which then sums nothing and is dy itself in the bias's dtype)."""
+    k, n = 64, 32
+    results = []
+    for shape in [(k,), (1, k)]:
+        lin = make_linear(k, n, dtype=dtype, device=device, seed=3)
+        x = randn(*shape, seed=4, dtype=dtype, device=device).requires_grad_()
+        dy = randn(*shape[:-1], n, seed=5, dtype=dtype, device=device)
+        torch.manual_seed(6)  # the same stochastic-rounding draws for both shapes
+        if device == "cuda":
+            torch.cuda.manual_seed(6)
+        with te.autocast(recipe=RECIPES[name]):
+            y = lin(x)
+        y.backward(dy)
+        assert y.shape == shape[:-1] + (n,) and lin.bias.grad.dtype == dtype
+        results.append([y.reshape(-1), x.grad.reshape(-1), lin.weight.grad, lin.bias.grad])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", ["current", "mxfp8", "nvfp4"])
 def test_without_bias(name, device):
     lin = make_linear(64, 32, device=device, bias=False, seed=10)

@@ -52,12 +52,13 @@ static int plan_from_py(tqx_state *st, PyObject *obj, plan *p) {
 }
 
 /* The SR rng from tequant.ops._rng_state (the device's generator: (seed, offset), or under CUDA
- * graph capture a device tensor drawn inside the graph) into qa, or nothing; *owner keeps that
- * tensor alive through the quantize call. */
+ * graph capture a device tensor drawn inside the graph) into qa (fresh from
+ * TQ_QUANTIZE_ARGS_INIT: no rng), or nothing; *owner keeps that tensor alive through the
+ * quantize call. */
 static int rng_for(tqx_state *st, const tq_quant_config *c, PyObject *x, tq_quantize_args *qa,
                    PyObject **owner) {
     *owner = NULL;
-    if (!(c->flags & TQ_QUANT_STOCHASTIC_ROUNDING)) return tqx_rng_from_py(st, Py_None, qa);
+    if (!(c->flags & TQ_QUANT_STOCHASTIC_ROUNDING)) return 0;
     if (st->rng_state == NULL) {
         PyObject *ops = PyImport_ImportModule("tequant.ops");
         if (ops == NULL) return -1;
