@@ -16,6 +16,7 @@
 
 #include "internal_kernels.h"
 #include "launch.cuh"
+#include "tile_transpose.cuh"
 #include "tequant/formats.h"
 
 namespace {
@@ -27,7 +28,7 @@ using tq_cuda::launch_failed;
 constexpr int kTile = 128;   /* block length and CTA tile edge */
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kSmemChunks = 16; /* 16-byte chunks per shared-memory row: 256 bytes */
+using tq_tile::kSmemChunks;
 
 /* max of two pairs of 16-bit floats, per half: exact, and a NaN half yields the other operand's
  * half (PTX max without .NaN), so NaN never wins: tq_amax_step's rule, two elements at a time. */
@@ -127,10 +128,6 @@ __device__ __forceinline__ float block_scale(const Params &p, float amax) {
     return tq_scale_from_amax(amax, p.fmax, p.eps, p.pow2, p.value_for_inf);
 }
 
-/* The shared-memory chunk holding logical chunk lc of tile row r. XOR with bits 4..6 of the row
- * makes the column pass conflict-free: its 8 lane groups read rows 16 apart, whose chunks land
- * in 8 different 4-bank groups; row writes (8 lanes per 16-byte phase) stay conflict-free too. */
-__device__ __forceinline__ int swizzle(int r, int lc) { return lc ^ ((r >> 4) & 7); }
 
 template <typename In, bool kRow, bool kCol, bool k2D, bool kE5M2>
 __global__ void __launch_bounds__(kThreads) quantize_kernel(const Params p) {
@@ -265,24 +262,17 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const Params p) {
      * 16c .. 16c + 15, i.e. kPerWord columns x 16 rows; 8 lanes cover a column's 128 rows,
      * and each writes its 16 codes per column as one 16-byte store into a row of data_t. */
     if (kCol) {
-        const uint32_t *smem_words = reinterpret_cast<const uint32_t *>(&smem[0][0]);
         const int g = lane >> 3, c = lane & 7;
 #pragma unroll
         for (int round = 0; round < kRounds; round++) {
             if (round > 0) __syncthreads(); /* the previous round's reads are done */
-#pragma unroll
-            for (int i = 0; i < kLoads; i++) {
-                const int r = i * kRowsPerPass + row_in_pass;
-                if (chunk / kSmemChunks == round) smem[r][swizzle(r, chunk % kSmemChunks)] = in[i];
-            }
+            tq_tile::stage_round<kLoads, kRowsPerPass>(smem, in, round, chunk, row_in_pass);
             __syncthreads();
 #pragma unroll
             for (int pass = 0; pass < kSmemChunks / kWarps; pass++) {
                 const int lc = pass * kWarps + warp; /* logical chunk of this warp */
                 uint32_t words[16];
-#pragma unroll
-                for (int j = 0; j < 16; j++) /* row 16c + j: swizzle(row, lc) == lc ^ c */
-                    words[j] = smem_words[(16 * c + j) * (kSmemChunks * 4) + (lc ^ c) * 4 + g];
+                tq_tile::column_words(smem, lc, g, c, words);
                 /* tile column of element e of word (lc * 4 + g) in this round: k_first + e */
                 const int64_t k_first = k0 + (int64_t)round * kSmemChunks * kVec + (int64_t)(lc * 4 + g) * kPerWord;
                 float scale[kPerWord];

@@ -3,17 +3,17 @@
  * Rule: per block (1x32 along K rowwise, 32x1 along M columnwise, or one 32x32 tile for both
  * directions with TQ_QUANT_2D) amax A = max |x| with NaN ignored, e = tq_mxfp8_exponent(A) (E8M0
  * rounded up), q = cvt8(x * 2^(127-e)), scale byte = e. data_t [K, M] is quant(x^T).
- * One fused, persistent kernel: each CTA walks tiles of 128 rows x 128 bytes of x, copying the
- * next tile into shared memory (cp.async, 16-byte coalesced, chunks XOR-swizzled) while it
- * quantizes the current one: each thread takes one rowwise block (written as whole 32-byte
- * sectors) and one columnwise block (staged in a second shared buffer, then written as 128-byte
- * segments of data_t rows). Elements go through the
- * hardware cvt.rn.satfinite.{e4m3,e5m2}x2.f32 (what TE uses), which equals formats.h's
- * tq_f32_to_fp8 on all 2^32 non-NaN fp32 inputs (checked on an H200); NaN elements are
- * re-encoded with tq_f32_to_fp8 itself, as the GPU's multiply and cvt drop a NaN's sign.
+ * One CTA per 128x128 tile of x, read once with 16-byte streaming loads into registers: the
+ * rowwise codes leave straight from registers (a 1x32 block is 4 or 8 adjacent lanes: its amax
+ * is a shuffle reduction), the columnwise ones through a swizzled shared-memory copy of the tile
+ * in which each lane holds 16 rows of one or two columns (a 32x1 block is a lane pair) and
+ * writes them as one 16-byte store into a data_t row. 2D tiles reduce their amax through shared
+ * memory first. Elements go through the hardware cvt.rn.satfinite.{e4m3,e5m2}x2.f32 (what TE
+ * uses), which equals formats.h's tq_f32_to_fp8 on all 2^32 non-NaN fp32 inputs (checked on an
+ * H200); NaN elements are re-encoded with tq_f32_to_fp8 itself, as the GPU's multiply and cvt
+ * drop a NaN's sign.
  * Reference: csrc/ref/quantize_mxfp8_ref.c. Tests: tests/test_quantize_mxfp8.py (GPU cases).
  */
-#include <atomic>
 #include <type_traits>
 
 #include <cuda_fp16.h>
@@ -21,6 +21,7 @@
 
 #include "internal_kernels.h"
 #include "launch.cuh"
+#include "tile_transpose.cuh"
 #include "tequant/formats.h"
 
 namespace {
@@ -29,12 +30,11 @@ using tq_cuda::DeviceGuard;
 using tq_cuda::cuda_failed;
 using tq_cuda::launch_failed;
 
-constexpr int kBlock = 32;            /* MXFP8 block length */
-constexpr int kTileM = 128;           /* rows of x per tile: 4 columnwise blocks */
-constexpr int kTileBytes = 128;       /* bytes of each tile row: 64 bf16/fp16 or 32 fp32 columns */
-constexpr int kOutPitch = kTileM + 16; /* bytes per staged data_t row: 16-byte aligned, and the
-                                          16-byte stores of 8 consecutive columns hit distinct
-                                          bank groups */
+constexpr int kBlock = 32;       /* MXFP8 block length */
+constexpr int kTile = 128;       /* CTA tile edge (elements): 4x4 blocks of 32 */
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+using tq_tile::kSmemChunks;
 
 /* Input element types: raw storage bits -> fp32. `widen` is exact; `widen_nan_exact` also keeps
  * a NaN's bits (the NaN path re-encodes from it). */
@@ -57,36 +57,6 @@ struct F16 {
     }
     static __device__ __forceinline__ float widen_nan_exact(uint32_t bits) { return tq_f16_to_f32((uint16_t)bits); }
 };
-
-template <typename In>
-struct TileShape {
-    using T = typename In::storage;
-    static constexpr int kCols = kTileBytes / (int)sizeof(T);  /* columns of x per tile */
-    static constexpr int kElems = 16 / (int)sizeof(T);          /* elements per 16-byte chunk */
-    static constexpr int kBlocksPerRow = kCols / kBlock;        /* rowwise blocks per tile row */
-    static constexpr int kThreads = kTileM * kBlocksPerRow;     /* = kCols * (kTileM / kBlock):
-                                                                   one rowwise and one columnwise
-                                                                   block per thread */
-    static_assert(kThreads == kCols * (kTileM / kBlock), "one block of each direction per thread");
-    /* resident CTAs per SM the register budget must allow (16-bit: 4 x 256 threads, <= 64 regs) */
-    static constexpr int kMinBlocks = sizeof(T) == 2 ? 4 : 5;
-};
-
-/* Shared-memory index of element (r, c) of a tile: the 16-byte chunks of row r are permuted by
- * XOR with r % 8, so that 8 lanes reading the same chunk of 8 consecutive rows (rowwise pass),
- * and lanes reading consecutive columns of one row (columnwise pass), hit distinct banks. */
-template <typename In>
-__device__ __forceinline__ int swizzled(int r, int c) {
-    using S = TileShape<In>;
-    return r * S::kCols + (((c / S::kElems) ^ (r & 7)) * S::kElems) + c % S::kElems;
-}
-
-/* Element i of a 16-byte chunk held as 4 words. */
-template <typename In>
-__device__ __forceinline__ uint32_t element_bits(const uint32_t (&w)[4], int i) {
-    if (sizeof(typename In::storage) == 4) return w[i];
-    return (w[i >> 1] >> (16 * (i & 1))) & 0xFFFFu;
-}
 
 /* Two fp32 values -> two FP8 codes (lo in the low byte), RNE, saturating. */
 template <bool kE5M2>
@@ -126,27 +96,6 @@ __device__ __forceinline__ void quantize_run(Value value, uint8_t e, Raw raw, ui
     }
 }
 
-/* max |x| over n raw words of one block, NaN ignored (exact: a max picks one of its inputs).
- * 16-bit inputs stay packed: abs and max (maxNum: a NaN loses) on both halves at once. */
-template <typename In, int NWords>
-__device__ __forceinline__ float words_amax(const uint32_t (&w)[NWords]) {
-    if (sizeof(typename In::storage) == 4) {
-        float amax = 0.0f;
-#pragma unroll
-        for (int i = 0; i < NWords; i++) amax = fmaxf(amax, fabsf(__uint_as_float(w[i])));
-        return amax;
-    }
-    uint32_t m = 0u;
-#pragma unroll
-    for (int i = 0; i < NWords; i++) {
-        if (std::is_same<In, F16>::value)
-            asm("{ .reg .b32 t; abs.f16x2 t, %1; max.f16x2 %0, %0, t; }" : "+r"(m) : "r"(w[i]));
-        else
-            asm("{ .reg .b32 t; abs.bf16x2 t, %1; max.bf16x2 %0, %0, t; }" : "+r"(m) : "r"(w[i]));
-    }
-    return fmaxf(In::widen(m & 0xFFFFu), In::widen(m >> 16));
-}
-
 template <int NWords, bool kVec>
 __device__ __forceinline__ void store_codes(uint8_t *p, const uint32_t *codes) {
     if (kVec && NWords == 1) {
@@ -161,225 +110,217 @@ __device__ __forceinline__ void store_codes(uint8_t *p, const uint32_t *codes) {
     }
 }
 
-__device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+/* Running max |x| per element position of a 32-bit word of In, NaN ignored (exact: a max picks
+ * one of its inputs). 16-bit inputs stay packed: abs and max (maxNum: a NaN loses) on both
+ * halves at once. */
+template <typename In>
+__device__ __forceinline__ uint32_t acc_word(uint32_t acc, uint32_t w) {
+    if (sizeof(typename In::storage) == 4) return __float_as_uint(fmaxf(__uint_as_float(acc), fabsf(__uint_as_float(w))));
+    if (std::is_same<In, F16>::value)
+        asm("{ .reg .b32 t; abs.f16x2 t, %1; max.f16x2 %0, %0, t; }" : "+r"(acc) : "r"(w));
+    else
+        asm("{ .reg .b32 t; abs.bf16x2 t, %1; max.bf16x2 %0, %0, t; }" : "+r"(acc) : "r"(w));
+    return acc;
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all_but_one() {
-    asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+
+/* Layout of a 128x128 tile of In: each 16-byte chunk holds kVec elements; a tile row is
+ * kChunksPerRow lanes, a 1x32 block kLanesPerBlock of them. */
+template <typename In>
+struct Tile {
+    static constexpr int kElemBytes = (int)sizeof(typename In::storage);
+    static constexpr int kPerWord = 4 / kElemBytes;                 /* elements per 32-bit word */
+    static constexpr int kVec = 16 / kElemBytes;                    /* elements per chunk: 8 or 4 */
+    static constexpr int kChunksPerRow = kTile / kVec;              /* 16 or 32 */
+    static constexpr int kRowsPerPass = kThreads / kChunksPerRow;   /* 16 or 8 */
+    static constexpr int kLoads = kTile / kRowsPerPass;             /* chunks per thread: 8 or 16 */
+    static constexpr int kLanesPerBlock = kBlock / kVec;            /* 4 or 8 */
+    static constexpr int kRounds = kChunksPerRow / kSmemChunks;     /* shared-memory rounds: 1 or 2 */
+};
+
+/* Raw bits of element e of a word (16-bit elements: e-th half). */
+template <typename In>
+__device__ __forceinline__ uint32_t elem_bits(uint32_t w, int e) {
+    return sizeof(typename In::storage) == 4 ? w : (w >> (16 * e)) & 0xFFFFu;
+}
+
+__device__ __forceinline__ uint32_t word_of(const uint4 &v, int w) {
+    return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;
+}
+
+template <int kWidth>
+__device__ __forceinline__ float lane_group_max(float m) {
+#pragma unroll
+    for (int offset = kWidth / 2; offset > 0; offset >>= 1) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, offset));
+    return m;
+}
+
+
+/* The 4 exponents of a tile's 4 blocks along one row (rowwise) or column (columnwise), held
+ * by lanes first, first + stride, first + 2 stride, first + 3 stride, as one little-endian word
+ * (every lane calls it: shuffles). */
+__device__ __forceinline__ uint32_t gather4(uint8_t e, int first, int stride) {
+    uint32_t word = 0u;
+#pragma unroll
+    for (int j = 0; j < 4; j++) word |= (uint32_t)__shfl_sync(0xFFFFFFFFu, (uint32_t)e, first + j * stride) << (8 * j);
+    return word;
+}
+
+/* Stores the tile's 4 scale bytes of one row of a scale matrix at dst: one 4-byte store when
+ * all 4 blocks are inside (n_valid == 4) and dst is aligned, else byte by byte. Whole words
+ * keep each L2 sector's writes few: MXFP8 has a scale byte per 32 elements. */
+__device__ __forceinline__ void store_scale4(uint8_t *dst, uint32_t word, int64_t n_valid) {
+    if (n_valid >= 4 && ((uintptr_t)dst & 3u) == 0) {
+        *reinterpret_cast<uint32_t *>(dst) = word;
+    } else {
+        for (int j = 0; j < 4 && j < n_valid; j++) dst[j] = (uint8_t)(word >> (8 * j));
+    }
 }
 
 struct Args {
     const void *x;
-    int64_t ld, M, K;
-    int64_t tiles_k, n_tiles;
+    int64_t ld, M, K;  /* x [M, K], row stride ld elements; M and K are multiples of 32 */
+    int64_t tiles_k;
     uint8_t *data, *scale_inv, *data_t, *scale_inv_t; /* NULL for a direction not produced */
 };
 
-/* The raw 16-byte chunks of tile `tile` into buf (swizzled): cp.async (returns at once), or
- * element loads when x is not 16-byte aligned. Chunks outside x are skipped: nothing valid
- * reads them. */
-template <typename In, bool kVec>
-__device__ __forceinline__ void fetch_tile(const Args &a, int64_t tile, typename In::storage *buf) {
-    using S = TileShape<In>;
-    using T = typename In::storage;
-    constexpr int kChunksPerRow = kTileBytes / 16;
-    const int64_t m0 = tile / a.tiles_k * kTileM, k0 = tile % a.tiles_k * S::kCols;
-    const T *x = static_cast<const T *>(a.x);
+template <typename In, bool kVec, bool kRow, bool kCol, bool k2D, bool kE5M2>
+__global__ void __launch_bounds__(kThreads) quantize_kernel(const Args a) {
+    using S = Tile<In>;
+    __shared__ uint4 smem[kCol ? kTile : 1][kSmemChunks];
+    __shared__ uint32_t tile_amax[k2D ? 4 : 1][k2D ? 4 : 1]; /* fp32 bits, >= 0: ordered as ints */
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int chunk = tid % S::kChunksPerRow, row_in_pass = tid / S::kChunksPerRow;
+    const int64_t m0 = blockIdx.x / a.tiles_k * kTile, k0 = blockIdx.x % a.tiles_k * kTile;
+    const int64_t col = k0 + (int64_t)chunk * S::kVec;
+    const bool col_ok = col < a.K; /* K % 32 == 0: a chunk is all inside or all outside */
+
+    /* The tile, once; rows and columns outside x read as 0 (no amax can be below it). */
+    uint4 in[S::kLoads];
 #pragma unroll
-    for (int it = 0; it < kTileM * kChunksPerRow / S::kThreads; it++) {
-        const int q = it * S::kThreads + threadIdx.x, r = q / kChunksPerRow;
-        const int c = q % kChunksPerRow * S::kElems;
-        if (m0 + r >= a.M || k0 + c >= a.K) continue;
-        const T *src = x + (m0 + r) * a.ld + k0 + c;
-        T *dst = buf + swizzled<In>(r, c);
+    for (int i = 0; i < S::kLoads; i++) {
+        const int64_t m = m0 + i * S::kRowsPerPass + row_in_pass;
+        in[i] = make_uint4(0u, 0u, 0u, 0u);
+        if (m >= a.M || !col_ok) continue;
+        const char *src = static_cast<const char *>(a.x) + (m * a.ld + col) * S::kElemBytes;
         if (kVec) {
-            cp_async16(dst, src);
+            in[i] = __ldcs(reinterpret_cast<const uint4 *>(src));
         } else {
+            uint32_t w[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
-            for (int i = 0; i < S::kElems; i++) dst[i] = src[i];
+            for (int e = 0; e < S::kVec; e++) {
+                const uint32_t bits = S::kElemBytes == 4 ? reinterpret_cast<const uint32_t *>(src)[e]
+                                                         : reinterpret_cast<const uint16_t *>(src)[e];
+                w[e / S::kPerWord] |= bits << (16 * (e % S::kPerWord));
+            }
+            in[i] = make_uint4(w[0], w[1], w[2], w[3]);
         }
     }
-}
 
-__device__ __forceinline__ uint32_t smem_bits(const float &v) { return __float_as_uint(v); }
-__device__ __forceinline__ uint32_t smem_bits(const uint16_t &v) { return v; }
-
-/* The address and validity of rowwise block `t` (a thread index) of the tile at (m0, k0). */
-template <typename In>
-__device__ __forceinline__ uint8_t *row_block(const Args &a, int64_t m0, int64_t k0, int t, bool &valid) {
-    using S = TileShape<In>;
-    const int64_t row = m0 + t / S::kBlocksPerRow, col = k0 + t % S::kBlocksPerRow * kBlock;
-    valid = row < a.M && col < a.K;
-    return a.data + row * a.K + col;
-}
-
-/* One rowwise block per thread (row r, block b of the tile), read from shared memory; 1D
- * blocks take their own amax, 2D blocks the tile's exponent. The 32 codes leave as two 16-byte
- * stores per lane pair so that each store instruction writes whole 32-byte sectors: the pair
- * swaps halves, then writes the even lane's block, then the odd lane's. All lanes of the warp
- * run this (shuffles). */
-template <typename In, bool kVec, bool k2D, bool kE5M2>
-__device__ __forceinline__ void rowwise_block(const Args &a, int64_t m0, int64_t k0,
-                                              const typename In::storage *cur,
-                                              const uint8_t (*tile_e)[2]) {
-    using S = TileShape<In>;
-    const int r = threadIdx.x / S::kBlocksPerRow, b = threadIdx.x % S::kBlocksPerRow;
-    bool valid;
-    uint8_t *dst = row_block<In>(a, m0, k0, threadIdx.x, valid);
-    constexpr int kWords = kBlock * (int)sizeof(typename In::storage) / 4;
-    uint32_t w[kWords]; /* the block's raw elements, packed as stored */
-#pragma unroll
-    for (int j = 0; j < kWords / 4; j++) {
-        const uint4 u = *reinterpret_cast<const uint4 *>(cur + swizzled<In>(r, b * kBlock + j * S::kElems));
-        w[4 * j] = u.x, w[4 * j + 1] = u.y, w[4 * j + 2] = u.z, w[4 * j + 3] = u.w;
-    }
-    const uint8_t e = k2D ? tile_e[r / kBlock][b] : tq_mxfp8_exponent(words_amax<In>(w), kE5M2);
-    uint32_t codes[kBlock / 4] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
-    if (valid) {
-        auto raw = [&](int i) {
-            return sizeof(typename In::storage) == 4 ? w[i] : (w[i >> 1] >> (16 * (i & 1))) & 0xFFFFu;
-        };
-        quantize_run<In, kE5M2, kBlock>([&](int i) { return In::widen(raw(i)); }, e, raw, codes);
-    }
-    if (kVec) {
-        bool partner_valid;
-        uint8_t *partner_dst = row_block<In>(a, m0, k0, threadIdx.x ^ 1, partner_valid);
-        const int odd = threadIdx.x & 1;
-        uint32_t half[4];
-#pragma unroll
-        for (int i = 0; i < 4; i++) half[i] = __shfl_xor_sync(0xFFFFFFFFu, odd ? codes[i] : codes[4 + i], 1);
-        /* store 1: the even lane's block (even: its first half, odd: the even lane's second) */
-        uint8_t *even_dst = odd ? partner_dst : dst;
-        if (odd ? partner_valid : valid)
-            *reinterpret_cast<uint4 *>(even_dst + 16 * odd) =
-                odd ? make_uint4(half[0], half[1], half[2], half[3]) : make_uint4(codes[0], codes[1], codes[2], codes[3]);
-        /* store 2: the odd lane's block (even: the odd lane's first half, odd: its second) */
-        uint8_t *odd_dst = odd ? dst : partner_dst;
-        if (odd ? valid : partner_valid)
-            *reinterpret_cast<uint4 *>(odd_dst + 16 * odd) =
-                odd ? make_uint4(codes[4], codes[5], codes[6], codes[7]) : make_uint4(half[0], half[1], half[2], half[3]);
-    } else if (valid) {
-        store_codes<kBlock / 4, false>(dst, codes);
-    }
-    if (valid) {
-        const int64_t row = m0 + r, col = k0 + b * kBlock;
-        a.scale_inv[row * (a.K / kBlock) + col / kBlock] = e;
-    }
-}
-
-template <typename In, bool kVec, bool k2D, bool kE5M2>
-__global__ void __launch_bounds__(TileShape<In>::kThreads, TileShape<In>::kMinBlocks)
-quantize_kernel(const Args a) {
-    using S = TileShape<In>;
-    using T = typename In::storage;
-    __shared__ __align__(16) T buf[2][kTileM * S::kCols];
-    __shared__ __align__(16) uint8_t out_t[S::kCols][kOutPitch];
-    __shared__ uint8_t tile_e[kTileM / kBlock][2];
-    __shared__ __align__(4) uint8_t col_e[S::kCols][kTileM / kBlock]; /* scale_inv_t of the tile */
-    const bool rowwise = a.data != nullptr, columnwise = a.data_t != nullptr;
-    const int lane = threadIdx.x & 31;
-    /* this thread's column block: lanes take consecutive columns of the same rows */
-    const int col = threadIdx.x % S::kCols, rb = threadIdx.x / S::kCols;
-
-    int64_t tile = blockIdx.x;
-    if (tile < a.n_tiles) fetch_tile<In, kVec>(a, tile, buf[0]);
-    cp_async_commit();
-    for (int stage = 0; tile < a.n_tiles; tile += gridDim.x, stage ^= 1) {
-        /* the next tile streams in while this one is quantized */
-        if (tile + gridDim.x < a.n_tiles) fetch_tile<In, kVec>(a, tile + gridDim.x, buf[stage ^ 1]);
-        cp_async_commit();
-        cp_async_wait_all_but_one();
+    /* 2D: each 32x32 tile's amax: lane groups of one row block, then one shared atomicMax per
+     * group and 32-row block. */
+    if (k2D) {
+        if (tid < 16) tile_amax[tid / 4][tid % 4] = 0u;
         __syncthreads();
-        const T *cur = buf[stage];
-        const int64_t m0 = tile / a.tiles_k * kTileM, k0 = tile % a.tiles_k * S::kCols;
+        constexpr int kLoadsPerBlock = kBlock / S::kRowsPerPass;
+#pragma unroll
+        for (int rb = 0; rb < 4; rb++) {
+            uint32_t acc = 0u;
+#pragma unroll
+            for (int i = rb * kLoadsPerBlock; i < (rb + 1) * kLoadsPerBlock; i++)
+#pragma unroll
+                for (int w = 0; w < 4; w++) acc = acc_word<In>(acc, word_of(in[i], w));
+            float m = In::widen(elem_bits<In>(acc, 0));
+            if (S::kPerWord == 2) m = fmaxf(m, In::widen(elem_bits<In>(acc, 1)));
+            m = lane_group_max<S::kLanesPerBlock>(m);
+            if (chunk % S::kLanesPerBlock == 0 && m > 0.0f)
+                atomicMax(&tile_amax[rb][chunk / S::kLanesPerBlock], __float_as_uint(m));
+        }
+        __syncthreads();
+    }
 
-        if (rowwise && !k2D) rowwise_block<In, kVec, false, kE5M2>(a, m0, k0, cur, tile_e);
-        if (columnwise || k2D) {
-            /* one 32x1 block per thread; in 2D a warp's 32 columns x 32 rows are one tile */
-            const bool valid = m0 + rb * kBlock < a.M && k0 + col < a.K; /* uniform per warp */
-            float v[kBlock];
-            float amax = 0.0f;
+    /* Rowwise: one chunk of one row per load; kVec codes out per lane. */
+    if (kRow) {
 #pragma unroll
-            for (int i = 0; i < kBlock; i++) {
-                v[i] = In::widen(valid ? smem_bits(cur[swizzled<In>(rb * kBlock + i, col)]) : 0u);
-                amax = fmaxf(amax, fabsf(v[i]));
-            }
+        for (int i = 0; i < S::kLoads; i++) {
+            const int r = i * S::kRowsPerPass + row_in_pass;
+            const int64_t m = m0 + r;
+            uint8_t e;
             if (k2D) {
+                e = tq_mxfp8_exponent(__uint_as_float(tile_amax[r / kBlock][chunk / S::kLanesPerBlock]), kE5M2);
+            } else {
+                uint32_t acc = 0u;
 #pragma unroll
-                for (int o = 1; o < 32; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+                for (int w = 0; w < 4; w++) acc = acc_word<In>(acc, word_of(in[i], w));
+                float amax = In::widen(elem_bits<In>(acc, 0));
+                if (S::kPerWord == 2) amax = fmaxf(amax, In::widen(elem_bits<In>(acc, 1)));
+                e = tq_mxfp8_exponent(lane_group_max<S::kLanesPerBlock>(amax), kE5M2);
             }
-            const uint8_t e = tq_mxfp8_exponent(amax, kE5M2);
-            if (k2D && lane == 0) tile_e[rb][col / kBlock] = e;
-            if (columnwise && valid) {
-                uint32_t codes[kBlock / 4];
-                quantize_run<In, kE5M2, kBlock>([&](int i) { return v[i]; }, e,
-                                                 [&](int i) { return smem_bits(cur[swizzled<In>(rb * kBlock + i, col)]); }, codes);
-                uint4 *dst = reinterpret_cast<uint4 *>(&out_t[col][rb * kBlock]);
-                dst[0] = make_uint4(codes[0], codes[1], codes[2], codes[3]);
-                dst[1] = make_uint4(codes[4], codes[5], codes[6], codes[7]);
-                col_e[col][rb] = e;
-            }
+            const uint32_t scales = gather4(e, lane & ~(S::kChunksPerRow - 1) & 31, S::kLanesPerBlock);
+            if (m >= a.M || !col_ok) continue;
+            auto raw = [&](int j) { return elem_bits<In>(word_of(in[i], j / S::kPerWord), j % S::kPerWord); };
+            uint32_t codes[S::kVec / 4];
+            quantize_run<In, kE5M2, S::kVec>([&](int j) { return In::widen(raw(j)); }, e, raw, codes);
+            store_codes<S::kVec / 4, kVec>(a.data + m * a.K + col, codes);
+            if (chunk == 0) store_scale4(a.scale_inv + m * (a.K / kBlock) + k0 / kBlock, scales, (a.K - k0) / kBlock);
+        }
+    }
+
+    /* Columnwise through shared memory, 256 bytes of each tile row per round. In a pass, lane
+     * (g = lane / 8, c = lane % 8) reads word g of its warp's chunk in rows 16c .. 16c + 15:
+     * kPerWord columns x 16 rows. Lanes c and c ^ 1 hold one 32x1 block; each lane writes its
+     * 16 codes of a column as one 16-byte store into a row of data_t. */
+    if (kCol) {
+        const int g = lane >> 3, c = lane & 7;
+        const int64_t m = m0 + 16 * c;
+#pragma unroll
+        for (int round = 0; round < S::kRounds; round++) {
+            if (round > 0) __syncthreads(); /* the previous round's reads are done */
+            tq_tile::stage_round<S::kLoads, S::kRowsPerPass>(smem, in, round, chunk, row_in_pass);
             __syncthreads();
-            if (rowwise && k2D) rowwise_block<In, kVec, true, kE5M2>(a, m0, k0, cur, tile_e);
-            if (columnwise && threadIdx.x < S::kCols && k0 + threadIdx.x < a.K) {
-                /* the tile's 4 exponents of column k0 + c are consecutive in scale_inv_t */
-                uint8_t *dst = a.scale_inv_t + (k0 + threadIdx.x) * (a.M / kBlock) + m0 / kBlock;
-                const int n = (int)min((int64_t)kTileM, a.M - m0) / kBlock;
-                if (n == kTileM / kBlock && ((uintptr_t)dst & 3u) == 0)
-                    *reinterpret_cast<uint32_t *>(dst) = *reinterpret_cast<const uint32_t *>(col_e[threadIdx.x]);
-                else
-                    for (int i = 0; i < n; i++) dst[i] = col_e[threadIdx.x][i];
-            }
-            if (columnwise) {
-                /* data_t rows (columns of x) in 16-byte pieces, 8 lanes per 128-byte segment */
 #pragma unroll
-                for (int it = 0; it < S::kCols * (kTileM / 16) / S::kThreads; it++) {
-                    const int q = it * S::kThreads + threadIdx.x, c = q / (kTileM / 16), j = q % (kTileM / 16) * 16;
-                    if (k0 + c >= a.K || m0 + j >= a.M) continue;
-                    const uint4 u = *reinterpret_cast<const uint4 *>(&out_t[c][j]);
-                    const uint32_t words[4] = {u.x, u.y, u.z, u.w};
-                    store_codes<4, kVec>(a.data_t + (k0 + c) * a.M + m0 + j, words);
+            for (int pass = 0; pass < kSmemChunks / kWarps; pass++) {
+                const int lc = pass * kWarps + warp; /* logical chunk of this warp */
+                uint32_t words[16];
+                tq_tile::column_words(smem, lc, g, c, words);
+                /* tile column of element e of word (lc * 4 + g) in this round: k_first + e */
+                const int k_tile = round * kSmemChunks * S::kVec + (lc * 4 + g) * S::kPerWord;
+                uint32_t acc = 0u;
+                if (!k2D) {
+#pragma unroll
+                    for (int j = 0; j < 16; j++) acc = acc_word<In>(acc, words[j]);
+                }
+#pragma unroll
+                for (int e = 0; e < S::kPerWord; e++) {
+                    const int64_t k = k0 + k_tile + e;
+                    const uint8_t x_e = k2D ? tq_mxfp8_exponent(__uint_as_float(tile_amax[c / 2][(k_tile + e) / kBlock]), kE5M2)
+                                            : tq_mxfp8_exponent(lane_group_max<2>(In::widen(elem_bits<In>(acc, e))), kE5M2);
+                    const uint32_t scales = gather4(x_e, lane & ~7, 2);
+                    if (k >= a.K || m >= a.M) continue; /* M % 32 == 0: a lane pair is all in or out */
+                    auto raw = [&](int j) { return elem_bits<In>(words[j], e); };
+                    uint32_t codes[4];
+                    quantize_run<In, kE5M2, 16>([&](int j) { return In::widen(raw(j)); }, x_e, raw, codes);
+                    store_codes<4, kVec>(a.data_t + k * a.M + m, codes);
+                    if (c == 0) store_scale4(a.scale_inv_t + k * (a.M / kBlock) + m0 / kBlock, scales, (a.M - m0) / kBlock);
                 }
             }
         }
-        __syncthreads(); /* buf[stage], out_t, tile_e and col_e are rewritten next round */
     }
 }
-
 
 bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
-constexpr int kMaxDevices = 64;
-
-/* A persistent grid that fills the GPU once (resident CTAs per SM computed once per kernel
- * and device). */
 template <typename In, bool kVec, bool k2D, bool kE5M2>
-void launch_quantize(const Args &a, int device, cudaStream_t st) {
-    static std::atomic<int> resident[kMaxDevices];
-    auto kernel = quantize_kernel<In, kVec, k2D, kE5M2>;
-    const int threads = TileShape<In>::kThreads;
-    const bool cached = device >= 0 && device < kMaxDevices;
-    int per_sm = cached ? resident[device].load(std::memory_order_relaxed) : 0;
-    if (per_sm <= 0) {
-        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0) != cudaSuccess
-            || per_sm < 1) {
-            cudaGetLastError(); /* not fatal: one CTA per SM still covers every tile */
-            per_sm = 1;
-        }
-        if (cached) resident[device].store(per_sm, std::memory_order_relaxed);
-    }
-    int sms = 132;
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    const int64_t grid = a.n_tiles < (int64_t)sms * per_sm ? a.n_tiles : (int64_t)sms * per_sm;
-    kernel<<<(unsigned)grid, threads, 0, st>>>(a);
+void launch_directions(const Args &a, unsigned grid, cudaStream_t st) {
+    const bool row = a.data != nullptr, col = a.data_t != nullptr;
+    if (row && col) quantize_kernel<In, kVec, true, true, k2D, kE5M2><<<grid, kThreads, 0, st>>>(a);
+    else if (row) quantize_kernel<In, kVec, true, false, k2D, kE5M2><<<grid, kThreads, 0, st>>>(a);
+    else quantize_kernel<In, kVec, false, true, k2D, kE5M2><<<grid, kThreads, 0, st>>>(a);
 }
 
 template <typename In>
-void dispatch_quantize(const Args &a, bool vec, bool two_d, bool e5m2, int device, cudaStream_t st) {
+void dispatch_quantize(const Args &a, bool vec, bool two_d, bool e5m2, unsigned grid, cudaStream_t st) {
 #define TQ_MXFP8_LAUNCH(V, D, E) \
-    if (vec == V && two_d == D && e5m2 == E) return launch_quantize<In, V, D, E>(a, device, st)
+    if (vec == V && two_d == D && e5m2 == E) return launch_directions<In, V, D, E>(a, grid, st)
     TQ_MXFP8_LAUNCH(true, false, false);
     TQ_MXFP8_LAUNCH(true, false, true);
     TQ_MXFP8_LAUNCH(true, true, false);
@@ -402,24 +343,26 @@ tq_status quantize_mxfp8(const tq_tensor *x, const tq_quant_config *config, cons
     Args a;
     a.x = x->data;
     a.ld = x->ld, a.M = M, a.K = K;
-    const int esize = x->dtype == TQ_DTYPE_FLOAT32 ? 4 : 2;
-    const int64_t tile_cols = kTileBytes / esize;
-    a.tiles_k = (K + tile_cols - 1) / tile_cols;
-    a.n_tiles = (M + kTileM - 1) / kTileM * a.tiles_k;
+    a.tiles_k = (K + kTile - 1) / kTile;
+    const int64_t tiles = (M + kTile - 1) / kTile * a.tiles_k;
+    if (tiles > INT32_MAX)
+        return tq_fail(TQ_ERROR_NOT_SUPPORTED, "mxfp8 quantize: x [%lld, %lld] needs more tiles "
+                       "than one launch takes", (long long)M, (long long)K);
     a.data = rowwise ? static_cast<uint8_t *>(q->data.data) : nullptr;
     a.scale_inv = rowwise ? static_cast<uint8_t *>(q->scale_inv.data) : nullptr;
     a.data_t = columnwise ? static_cast<uint8_t *>(q->data_t.data) : nullptr;
     a.scale_inv_t = columnwise ? static_cast<uint8_t *>(q->scale_inv_t.data) : nullptr;
-    /* 16-byte copies and stores need 16-byte aligned rows; output rows are multiples of 32
+    /* 16-byte loads and stores need 16-byte aligned rows; output rows are multiples of 32
      * bytes, so aligned when their base is. Anything else takes the element-wise path. */
+    const int esize = x->dtype == TQ_DTYPE_FLOAT32 ? 4 : 2;
     const bool vec = aligned16(x->data) && (x->ld * esize) % 16 == 0
                      && (!rowwise || aligned16(a.data)) && (!columnwise || aligned16(a.data_t));
     const bool e5m2 = config->elem_dtype == TQ_DTYPE_FLOAT8_E5M2;
     const bool two_d = (config->flags & TQ_QUANT_2D) != 0;
     switch (x->dtype) {
-        case TQ_DTYPE_FLOAT32: dispatch_quantize<F32>(a, vec, two_d, e5m2, x->device, st); break;
-        case TQ_DTYPE_BFLOAT16: dispatch_quantize<Bf16>(a, vec, two_d, e5m2, x->device, st); break;
-        default: dispatch_quantize<F16>(a, vec, two_d, e5m2, x->device, st); break;
+        case TQ_DTYPE_FLOAT32: dispatch_quantize<F32>(a, vec, two_d, e5m2, (unsigned)tiles, st); break;
+        case TQ_DTYPE_BFLOAT16: dispatch_quantize<Bf16>(a, vec, two_d, e5m2, (unsigned)tiles, st); break;
+        default: dispatch_quantize<F16>(a, vec, two_d, e5m2, (unsigned)tiles, st); break;
     }
     if (cudaPeekAtLastError() != cudaSuccess) return launch_failed("mxfp8 quantize kernel launch");
     return TQ_SUCCESS;

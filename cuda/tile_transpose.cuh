@@ -1,0 +1,44 @@
+/* tile_transpose.cuh: the columnwise half of the 128x128-tile quantizers (FP8 block scaling,
+ * MXFP8), internal to cuda/: a tile held in registers as 16-byte chunks goes through a swizzled
+ * shared-memory copy, 256 bytes of each tile row per round, and comes back as columns.
+ * In a pass, lane (g = lane / 8, c = lane % 8) of a warp reads word g of the warp's logical chunk
+ * lc in rows 16c .. 16c + 15 (kPerWord columns x 16 rows), so 8 lanes cover a column's 128 rows.
+ * The slot of chunk lc in row r is lc ^ ((r >> 4) & 7): the 8 lane groups of a pass read rows
+ * 16 apart, whose chunks land in 8 different 4-bank groups, and the row writes (8 lanes per
+ * 16-byte phase) stay conflict-free too.
+ * Tests: tests/test_quantize_fp8_block.py, tests/test_quantize_mxfp8.py (GPU cases, bit for bit).
+ */
+#ifndef TEQUANT_CUDA_TILE_TRANSPOSE_CUH_
+#define TEQUANT_CUDA_TILE_TRANSPOSE_CUH_
+
+#include <cuda_runtime.h>
+
+namespace tq_tile {
+
+constexpr int kEdge = 128;      /* tile rows */
+constexpr int kSmemChunks = 16; /* 16-byte chunks per shared-memory row: 256 bytes */
+
+/* Round `round` of the tile into smem: the thread's kLoads chunks (chunk `chunk` of rows
+ * i * kRowsPerPass + row_in_pass) that fall in this round's 256 bytes of each row. */
+template <int kLoads, int kRowsPerPass>
+__device__ __forceinline__ void stage_round(uint4 (*smem)[kSmemChunks], const uint4 (&in)[kLoads],
+                                            int round, int chunk, int row_in_pass) {
+#pragma unroll
+    for (int i = 0; i < kLoads; i++) {
+        const int r = i * kRowsPerPass + row_in_pass;
+        if (chunk / kSmemChunks == round) smem[r][(chunk % kSmemChunks) ^ ((r >> 4) & 7)] = in[i];
+    }
+}
+
+/* The 16 words of lane (g, c) for logical chunk lc: word g of lc in rows 16c + j. */
+__device__ __forceinline__ void column_words(const uint4 (*smem)[kSmemChunks], int lc, int g, int c,
+                                             uint32_t (&words)[16]) {
+    const uint32_t *smem_words = reinterpret_cast<const uint32_t *>(&smem[0][0]);
+#pragma unroll
+    for (int j = 0; j < 16; j++) /* row 16c + j: its slot of lc is lc ^ c */
+        words[j] = smem_words[(16 * c + j) * (kSmemChunks * 4) + (lc ^ c) * 4 + g];
+}
+
+}  // namespace tq_tile
+
+#endif  // TEQUANT_CUDA_TILE_TRANSPOSE_CUH_
