@@ -274,46 +274,44 @@ __device__ __forceinline__ uint8_t quantize_block(const float *v, float block_am
     return s_b;
 }
 
-/* Stores n_blocks packed blocks (8 bytes each) contiguously at dst: 16-byte stores when dst is
- * 16-byte aligned and every block is valid, else one 8-byte store per valid block. */
-template <int kBlocks>
-__device__ __forceinline__ void store_blocks(uint8_t *dst, const uint2 *packed, int n_valid) {
-    if (kBlocks % 2 == 0 && n_valid == kBlocks && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
-#pragma unroll
-        for (int b = 0; b < kBlocks; b += 2)
-            reinterpret_cast<uint4 *>(dst)[b / 2] =
-                make_uint4(packed[b].x, packed[b].y, packed[b + 1].x, packed[b + 1].y);
-    } else {
-#pragma unroll
-        for (int b = 0; b < kBlocks; b++)
-            if (b < n_valid) reinterpret_cast<uint2 *>(dst)[b] = packed[b];
+/* The staged output of one direction (shared memory) -> global memory, coalesced: `lines` lines
+ * of `pieces` 8-byte pieces each (line l, piece j at stage[l * pitch + 8 j]) go to
+ * dst + l * dst_ld + 8 j, consecutive lanes taking consecutive pieces of a line, so each store
+ * instruction writes whole 32-byte sectors. Only lines < n_lines and pieces < n_pieces exist. */
+template <int kPieces>
+__device__ __forceinline__ void copy_out(const uint8_t *stage, int pitch, int lines, int n_lines,
+                                         int n_pieces, uint8_t *dst, int64_t dst_ld) {
+    for (int idx = threadIdx.x; idx < lines * kPieces; idx += kThreads) {
+        const int l = idx / kPieces, j = idx % kPieces;
+        if (l < n_lines && j < n_pieces)
+            *reinterpret_cast<uint2 *>(dst + l * dst_ld + 8 * j) = *reinterpret_cast<const uint2 *>(stage + l * pitch + 8 * j);
     }
 }
 
-/* Stores kN scale bytes contiguously at dst: one 2- or 4-byte store when all are valid and dst
- * is aligned to it (fewer, fuller L2 writes), else byte by byte. */
-template <int kN>
-__device__ __forceinline__ void store_scales(uint8_t *dst, const uint8_t *s_b, int n_valid) {
-    using W = typename std::conditional<kN == 4, uint32_t, uint16_t>::type;
-    if ((kN == 2 || kN == 4) && n_valid == kN && (reinterpret_cast<uintptr_t>(dst) & (kN - 1)) == 0) {
-        W word = 0;
-#pragma unroll
-        for (int i = 0; i < kN; i++) word |= (W)((W)s_b[i] << (8 * i));
-        *reinterpret_cast<W *>(dst) = word;
-    } else {
-#pragma unroll
-        for (int i = 0; i < kN; i++)
-            if (i < n_valid) dst[i] = s_b[i];
+/* The staged scale bytes of `lines` lines (8 per line at scales[8 l]; n_valid of them exist)
+ * -> dst + l * dst_ld: one 8-byte store per line when all 8 exist and dst is aligned, else
+ * byte by byte. */
+__device__ __forceinline__ void copy_scales(const uint8_t *scales, int lines, int n_lines, int n_valid,
+                                            uint8_t *dst, int64_t dst_ld) {
+    for (int l = threadIdx.x; l < n_lines && l < lines; l += kThreads) {
+        uint8_t *d = dst + l * dst_ld;
+        if (n_valid == 8 && (reinterpret_cast<uintptr_t>(d) & 7) == 0) {
+            *reinterpret_cast<uint2 *>(d) = *reinterpret_cast<const uint2 *>(scales + 8 * l);
+        } else {
+            for (int i = 0; i < n_valid; i++) d[i] = scales[8 * l + i];
+        }
     }
 }
 
 /* Pass 2: one CTA per 128-row x 256-byte tile of x, read once into shared memory.
  * Rowwise: thread t takes row t % 128 and half t / 128 of the tile's columns (2 or 4 blocks),
- * so a warp reads 32 rows at the same offset (conflict-free with the padded stride) and writes
- * 32 rows of 16-32 contiguous bytes. With 2D, the 16 lanes of a tile's 16 rows reduce its amax.
+ * so a warp reads 32 rows at the same offset (conflict-free with the padded stride). With 2D,
+ * the 16 lanes of a tile's 16 rows reduce its amax.
  * Columnwise: thread t takes the 4-byte word column t % 64 (2 16-bit columns or 1 fp32 column)
- * and rows 32*(t / 64) .. +31 (two groups of 16), so a warp reads 32 consecutive words of a row
- * and each thread writes 16 contiguous bytes of data_t per column. */
+ * and rows 32*(t / 64) .. +31 (two groups of 16), so a warp reads 32 consecutive words of a row.
+ * Each direction's codes and scales are staged in shared memory and leave as coalesced
+ * stores (copy_out): written straight from the threads above, every store instruction touched
+ * 32 half-filled sectors, and L2 traffic (6x the bytes written) bounded the kernel. */
 template <typename E, bool kRht, bool k2D, bool kSr>
 __global__ void __launch_bounds__(kThreads, kSr ? 2 : kCastBlocksPerSm) cast_kernel(CastParams p) {
     if (kSr && p.rng_state != nullptr) p.seed = p.rng_state[0], p.offset = p.rng_state[1];
@@ -322,6 +320,12 @@ __global__ void __launch_bounds__(kThreads, kSr ? 2 : kCastBlocksPerSm) cast_ker
     constexpr int kChunkElems = 16 / (int)sizeof(T);
     constexpr int kChunksPerRow = kTileBytes / 16;
     __shared__ __align__(16) uint8_t tile[kTileRows * kSmemStride];
+    /* Output staging, one direction at a time: codes (kTileCols/2 bytes per row, or 64 per
+     * column, padded pitches against bank conflicts), then 8 scale bytes per line. */
+    constexpr int kRowPitch = kTileCols / 2 + 16, kColPitch = kTileRows / 2 + 8;
+    constexpr int kRowStage = kTileRows * kRowPitch + 8 * kTileRows;
+    constexpr int kColStage = kTileCols * kColPitch + 8 * kTileCols;
+    __shared__ __align__(16) uint8_t stage[kRowStage > kColStage ? kRowStage : kColStage];
 
     const int64_t tiles_k = (p.cols + kTileCols - 1) / kTileCols;
     const int64_t m0 = (int64_t)blockIdx.x / tiles_k * kTileRows;
@@ -366,11 +370,8 @@ __global__ void __launch_bounds__(kThreads, kSr ? 2 : kCastBlocksPerSm) cast_ker
         const TensorScale ts(p.amax);
         const int r = threadIdx.x % kTileRows, half = threadIdx.x / kTileRows;
         const int c_first = half * (kTileCols / 2);
-        const bool row_ok = r < tile_rows;
         const int64_t m = m0 + r;
-        uint2 packed[kBlocks];
-        uint8_t s_bs[kBlocks];
-        int n_valid = 0;
+        uint8_t *row_scales = stage + kTileRows * kRowPitch;
 #pragma unroll
         for (int b = 0; b < kBlocks; b++) {
             const int c = c_first + b * 16;
@@ -386,13 +387,16 @@ __global__ void __launch_bounds__(kThreads, kSr ? 2 : kCastBlocksPerSm) cast_ker
             if (k2D) amax_b = warp_amax(amax_b, 16); /* lanes 16a..16a+15 = the tile's rows */
             const int64_t k = k0 + c;
             const uint64_t group = (uint64_t)(m * p.cols + k) / 16u;
-            s_bs[b] = quantize_block<kSr>(v, amax_b, ts, p, group, &packed[b]);
-            if (c < tile_cols) n_valid = b + 1;
+            uint2 packed;
+            row_scales[8 * r + c / 16] = quantize_block<kSr>(v, amax_b, ts, p, group, &packed);
+            *reinterpret_cast<uint2 *>(&stage[r * kRowPitch + c / 2]) = packed;
         }
-        if (row_ok) {
-            store_scales<kBlocks>(p.scale_inv + m * (p.cols / 16) + (k0 + c_first) / 16, s_bs, n_valid);
-            store_blocks<kBlocks>(p.data + (m * p.cols + k0 + c_first) / 2, packed, n_valid);
-        }
+        __syncthreads();
+        copy_out<kTileCols / 16>(stage, kRowPitch, kTileRows, tile_rows, tile_cols / 16,
+                                 p.data + (m0 * p.cols + k0) / 2, p.cols / 2);
+        copy_scales(row_scales, kTileRows, tile_rows, tile_cols / 16, p.scale_inv + m0 * (p.cols / 16) + k0 / 16,
+                    p.cols / 16);
+        __syncthreads(); /* the columnwise direction reuses the stage */
     }
 
     if (p.data_t != nullptr) {
@@ -400,6 +404,7 @@ __global__ void __launch_bounds__(kThreads, kSr ? 2 : kCastBlocksPerSm) cast_ker
         constexpr int kWordCols = kTileBytes / 4;
         const TensorScale ts(p.amax_t);
         const int wc = threadIdx.x % kWordCols, quarter = threadIdx.x / kWordCols;
+        uint8_t *col_scales = stage + kTileCols * kColPitch;
         const int r_first = quarter * 32;
         /* The thread's word column, rows r_first + i: one 4-byte shared load per row (a warp
          * reads 32 consecutive words of one row: no bank conflict), kept packed; columns are
@@ -429,9 +434,6 @@ __global__ void __launch_bounds__(kThreads, kSr ? 2 : kCastBlocksPerSm) cast_ker
             for (int i = 0; i < 32; i++) v[i] = value(i, c);
             const int col = wc * kColsPerWord + c;
             const int64_t k = k0 + col, m = m0 + r_first;
-            uint2 packed[2];
-            uint8_t s_bs[2];
-            int n_valid = 0;
 #pragma unroll
             for (int g = 0; g < 2; g++) {
                 float *group_v = &v[16 * g];
@@ -442,14 +444,16 @@ __global__ void __launch_bounds__(kThreads, kSr ? 2 : kCastBlocksPerSm) cast_ker
                     for (int i = 0; i < 16; i++) amax_g = tq_amax_step(amax_g, group_v[i]);
                 }
                 const uint64_t group = (uint64_t)(k * p.rows + m) / 16u + (uint64_t)g;
-                s_bs[g] = quantize_block<kSr>(group_v, amax_g, ts, p, group, &packed[g]);
-                if (r_first + 16 * g < tile_rows) n_valid = g + 1;
-            }
-            if (col < tile_cols && n_valid > 0) {
-                store_scales<2>(p.scale_inv_t + k * (p.rows / 16) + m / 16, s_bs, n_valid);
-                store_blocks<2>(p.data_t + (k * p.rows + m) / 2, packed, n_valid);
+                uint2 packed;
+                col_scales[8 * col + r_first / 16 + g] = quantize_block<kSr>(group_v, amax_g, ts, p, group, &packed);
+                *reinterpret_cast<uint2 *>(&stage[col * kColPitch + r_first / 2 + 8 * g]) = packed;
             }
         }
+        __syncthreads();
+        copy_out<kTileRows / 16>(stage, kColPitch, kTileCols, tile_cols, tile_rows / 16,
+                                 p.data_t + (k0 * p.rows + m0) / 2, p.rows / 2);
+        copy_scales(col_scales, kTileCols, tile_cols, tile_rows / 16, p.scale_inv_t + k0 * (p.rows / 16) + m0 / 16,
+                    p.rows / 16);
     }
 }
 
