@@ -236,6 +236,28 @@ PyObject *tqx_gemm_run(tqx_state *st, tqx_operand *a, tqx_operand *b, PyObject *
                        tq_dtype out_dtype, PyObject *bias_obj, uint32_t flags);
 extern PyMethodDef tqx_gemm_methods[];
 
+/* packed.c: te.Linear's quantized operands in one uint8 buffer per part (members at offsets). */
+typedef enum tqx_part { /* the same bits as tq_usage: a quantization's usage is all its parts */
+    TQX_PART_ROWWISE = TQ_USAGE_ROWWISE,      /* data, scale_inv, amax */
+    TQX_PART_COLUMNWISE = TQ_USAGE_COLUMNWISE /* data_t, scale_inv_t, amax_t; per-tensor FP8's
+                                                 shared scale_inv and amax when quantized so */
+} tqx_part;
+/* Quantizes x (its current stream) with config in qargs->usage into n_parts new uint8 tensors on
+ * `device` (a torch.device): bufs[i] holds the members of the tqx_part mask parts[i] (together
+ * they cover the usage); q's members point into them. DelayedScaling: scale and amax (its
+ * history slot, max-accumulated in place and in no buffer) must be tensors. -1 with an
+ * exception, bufs all NULL. */
+int tqx_quantize_packed(tqx_state *st, const tq_tensor *x, void *stream, PyObject *device,
+                        const tq_quant_config *config, tq_quantize_args *qargs, PyObject *scale,
+                        PyObject *amax, int n_parts, const uint32_t *parts, PyObject **bufs,
+                        tq_qtensor *q);
+/* One direction (usage) of a kept quantization of [rows, cols] as a GEMM operand: kept is a
+ * (buffer, amax) pair holding `parts` of a rowwise + columnwise quantization (amax: the
+ * DelayedScaling slot, else None), or a member 6-tuple (tqx_operand_set). -1 with an exception. */
+int tqx_operand_from_kept(tqx_state *st, const tq_quant_config *config, int64_t rows,
+                          int64_t cols, PyObject *kept, uint32_t parts, uint32_t usage,
+                          tqx_operand *o);
+
 /* linear.c: te.Linear's forward and backward calls */
 extern PyMethodDef tqx_linear_methods[];
 
