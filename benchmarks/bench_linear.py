@@ -638,7 +638,8 @@ def main():
               "after - before the forward + x - y, activations from a forward reusing a cached "
               "W (is_first_microbatch=False), weight side = the default forward's count - that; "
               "graph: distinct storages reachable from y's autograd graph, less parameters, "
-              "buffers and (te) the quantized W te.Linear caches (both directions, one buffer).", ""]
+              "buffers and (te) the quantized W te.Linear caches (both directions, one "
+              "buffer).", ""]
     lines += mem_table(results, set_rows)
     return benchutil.finish("\n".join(lines), args.out, failures)
 

@@ -139,7 +139,8 @@ static int quantize(tqx_state *st, PyObject *x2d, const tq_quant_config *config,
     }
     int rc;
     if (n_parts == 0) {
-        z->members = tqx_quantize_members(st, x2d, &x, info.stream, config, &qa, scale, amax, &z->q);
+        z->members = tqx_quantize_members(st, x2d, &x, info.stream, config, &qa, scale, amax,
+                                          &z->q);
         rc = z->members ? 0 : -1;
     } else {
         PyObject *dev = x.device == device_index ? Py_NewRef(device)
