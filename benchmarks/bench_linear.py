@@ -251,10 +251,17 @@ def drop_weight_cache(lin, recipe, x):
         lin(x[:16].detach())
 
 
-def qweight_bytes(weight, recipe):
-    """Bytes of W quantized as te.Linear quantizes it (both directions; scales and amaxes)."""
-    q = quantize_like_linear(weight, recipe, "weight")
-    return sum(t.untyped_storage().nbytes() for t in q._members() if t is not None)
+def cached_weight_bytes(module):
+    """Bytes of the quantized W a te.Linear holds in its weight cache (after a forward with
+    is_first_microbatch=True): the storage it quantized W into, both directions, as a step's
+    backward also keeps it (one packed buffer, csrc/ext/packed.c); parameters and buffers (the
+    DelayedScaling amax slot) left out, as graph_bytes() leaves them out."""
+    exclude = {t.untyped_storage().data_ptr()
+               for t in list(module.parameters()) + list(module.buffers())}
+    found = []
+    tensors_in(list(module._weight_cache[1:]), found)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in found}
+    return sum(n for ptr, n in storages.items() if ptr not in exclude)
 
 
 # --- One shape -----------------------------------------------------------------------------------
@@ -329,11 +336,11 @@ def run_shape(shape, recipes, args, device, notes, failures):
             full = held_bytes(lin, x0, dy0, counter, row.recipe)
             with torch.no_grad(), te.autocast(recipe=row.recipe):  # caches the quantized W
                 lin(x0[:16].detach(), is_first_microbatch=True)
+            qw = cached_weight_bytes(lin)
             act = held_bytes(lin, x0, dy0, counter, row.recipe, is_first_microbatch=False)
             drop_weight_cache(lin, row.recipe, x0)
-            qw = qweight_bytes(lin.weight, row.recipe)
             # allocator: the cached-W run holds activations only; the default run adds W's side.
-            # graph: the default run's graph minus W quantized the same way.
+            # graph: the default run's graph minus W quantized the same way (the cached one).
             row.act = (act[0], full[1] - qw)
             row.wside = (None if counter is None else full[0] - act[0], qw)
         except Exception as e:  # noqa: BLE001
@@ -631,7 +638,8 @@ def main():
               "after - before the forward + x - y, activations from a forward reusing a cached "
               "W (is_first_microbatch=False), weight side = the default forward's count - that; "
               "graph: distinct storages reachable from y's autograd graph, less parameters, "
-              "buffers and (te) W quantized by te.ops.quantize in both directions.", ""]
+              "buffers and (te) the quantized W te.Linear caches (both directions, one "
+              "buffer).", ""]
     lines += mem_table(results, set_rows)
     return benchutil.finish("\n".join(lines), args.out, failures)
 

@@ -13,14 +13,22 @@
  */
 #include "module.h"
 
-int tqx_operand_set(tqx_state *st, const tq_quant_config *config, int64_t rows, int64_t cols,
-                    PyObject *members, uint32_t usage, tqx_operand *o) {
+void tqx_operand_of(const tq_quant_config *config, const tq_qtensor *q, uint32_t usage,
+                    PyObject *any_member, tqx_operand *o) {
     o->config = *config;
-    if (tqx_qtensor_from_py(st, &o->config, rows, cols, members, usage, &o->q) < 0) return -1;
+    o->q = *q;
     o->op.config = &o->config;
     o->op.q = &o->q;
     o->op.usage = usage;
-    o->any_member = PyTuple_GET_ITEM(members, usage == TQ_USAGE_ROWWISE ? 0 : 2);
+    o->any_member = any_member;
+}
+
+int tqx_operand_set(tqx_state *st, const tq_quant_config *config, int64_t rows, int64_t cols,
+                    PyObject *members, uint32_t usage, tqx_operand *o) {
+    tq_qtensor q;
+    if (tqx_qtensor_from_py(st, config, rows, cols, members, usage, &q) < 0) return -1;
+    tqx_operand_of(config, &q, usage, PyTuple_GET_ITEM(members, usage == TQ_USAGE_ROWWISE ? 0 : 2),
+                   o);
     return 0;
 }
 

@@ -11,21 +11,27 @@
  * needs (rows are zero-padded to it; zero rows add nothing to any product or amax), each GEMM's
  * tq_gemm_flags, and whether the pair is emulated (MXFP8 / NVFP4: no float16 output, so float16
  * goes through float32). needs: bit 1 dgrad (dx), bit 2 wgrad (dW), bit 4 keep x's rowwise
- * direction in saved (backward_override="dequantized"). cache: the module's list
- * [key, weight members] for is_first_microbatch (True: quantize and keep, False: reuse, None:
- * quantize, keep nothing). *_state: DelayedScaling's (scale, amax slot) views, or None.
+ * direction in saved (backward_override="dequantized"), bit 8 packed (below). cache: the
+ * module's list [key, kept W] for is_first_microbatch (True: quantize and keep, False: reuse,
+ * None: quantize, keep nothing). *_state: DelayedScaling's (scale, amax slot) views, or None.
  * Forward quantizes x rowwise (+ columnwise for wgrad) and W in both directions, runs fprop with
  * the bias in the epilogue, and saves the columnwise x and W for backward (TE_REFERENCE 7.3-7.5).
  * Backward quantizes dy, runs dgrad and wgrad, sums dy into the bias grad (FP32, then the bias's
  * dtype; bias_dtype None: no bias grad) and, given the DelayedScaling modules of an autocast
  * (pending, passed to the module that ran first), runs their backward update last.
- * Tests: tests/test_linear.py, tests/test_linear_delayed.py.
+ * A kept quantization (saved, cached) is, with bit 8 (eager te.Linear), a packed pair (buffer,
+ * amax) of packed.c: one allocation per operand instead of one per member (x: two, as its
+ * rowwise part is dropped after fprop); without it (torch.compile's ops, which return each
+ * member as a tensor, and the "dequantized" override, which reads them in Python) the 6-tuple
+ * of member tensors. Backward takes either form; dy, kept by nobody, is always packed.
+ * Tests: tests/test_linear.py, tests/test_linear_delayed.py, tests/test_linear_alloc.py.
  */
 #include "module.h"
 
 #define NEED_DGRAD 1
 #define NEED_WGRAD 2
 #define KEEP_X_ROWWISE 4 /* backward_override="dequantized" reads the rowwise x */
+#define PACKED 8         /* saved and the cache hold packed (buffer, amax) pairs */
 
 typedef struct plan {
     PyObject *key;
@@ -95,26 +101,71 @@ static PyObject *pad_rows(tqx_state *st, PyObject *t, const tq_tensor *x, int64_
     return xp;
 }
 
-/* Quantizes a 2-D tensor with config into members (new reference). state: None or the
- * delayed (scale, amax slot) pair. */
-static PyObject *quantize(tqx_state *st, PyObject *x2d, const tq_quant_config *config,
-                          uint32_t usage, PyObject *state) {
+/* One quantization, as member tensors (members) or packed (bufs, amax, q). */
+typedef struct quantized {
+    PyObject *members; /* the 6-tuple, or NULL when packed */
+    PyObject *bufs[2]; /* packed: bufs[i] holds the i-th part asked for */
+    PyObject *amax;    /* packed, borrowed: DelayedScaling's history slot, else Py_None */
+    tq_qtensor q;      /* packed: the members, in bufs */
+} quantized;
+
+static void quantized_clear(quantized *z) {
+    Py_CLEAR(z->members);
+    Py_CLEAR(z->bufs[0]);
+    Py_CLEAR(z->bufs[1]);
+}
+
+/* Quantizes a 2-D tensor with config into *z: packed into n_parts buffers holding parts[i]
+ * (n_parts 0: members). state: None or the delayed (scale, amax slot) pair; a delayed quantization
+ * without one needs a zeroed amax and a scale of 1 made for it, which the members path does.
+ * device (index device_index): where x2d normally is; a tensor elsewhere is asked for its own. */
+static int quantize(tqx_state *st, PyObject *x2d, const tq_quant_config *config, uint32_t usage,
+                    PyObject *state, PyObject *device, int device_index, int n_parts,
+                    const uint32_t *parts, quantized *z) {
+    z->members = z->bufs[0] = z->bufs[1] = NULL;
+    z->amax = Py_None;
     tq_tensor x;
     tqx_tensor_info info;
-    if (tqx_tensor_from_py(st, x2d, "x", TQX_FLOAT_DTYPES, &x, &info) < 0) return NULL;
+    if (tqx_tensor_from_py(st, x2d, "x", TQX_FLOAT_DTYPES, &x, &info) < 0) return -1;
     tq_quantize_args qa = TQ_QUANTIZE_ARGS_INIT;
     qa.usage = usage;
     PyObject *scale = Py_None, *amax = Py_None;
-    if (state != Py_None && !PyArg_ParseTuple(state, "OO", &scale, &amax)) return NULL;
+    if (state != Py_None && !PyArg_ParseTuple(state, "OO", &scale, &amax)) return -1;
+    if (config->scaling == TQ_SCALING_DELAYED && (scale == Py_None || amax == Py_None)) n_parts = 0;
     PyObject *rng_owner;
     if (rng_for(st, config, x2d, &qa, &rng_owner) < 0) {
         Py_XDECREF(rng_owner);
-        return NULL;
+        return -1;
     }
-    tq_qtensor q;
-    PyObject *members = tqx_quantize_members(st, x2d, &x, info.stream, config, &qa, scale, amax, &q);
+    int rc;
+    if (n_parts == 0) {
+        z->members = tqx_quantize_members(st, x2d, &x, info.stream, config, &qa, scale, amax,
+                                          &z->q);
+        rc = z->members ? 0 : -1;
+    } else {
+        PyObject *dev = x.device == device_index ? Py_NewRef(device)
+                                                 : PyObject_GetAttrString(x2d, "device");
+        rc = dev ? tqx_quantize_packed(st, &x, info.stream, dev, config, &qa, scale, amax, n_parts,
+                                       parts, z->bufs, &z->q)
+                 : -1;
+        Py_XDECREF(dev);
+        z->amax = amax;
+    }
     Py_XDECREF(rng_owner);
-    return members;
+    return rc;
+}
+
+/* One direction of a fresh quantization as a GEMM operand. */
+static int operand(tqx_state *st, quantized *z, const tq_quant_config *config, int64_t rows,
+                   int64_t cols, uint32_t usage, tqx_operand *o) {
+    if (z->members) return tqx_operand_set(st, config, rows, cols, z->members, usage, o);
+    tqx_operand_of(config, &z->q, usage, z->bufs[0], o);
+    return 0;
+}
+
+/* The kept pair of a packed quantization's first part (new reference). */
+static PyObject *packed_kept(const quantized *z) {
+    return PyTuple_Pack(2, z->bufs[0], z->amax);
 }
 
 /* Members without the direction(s) backward does not read; per-tensor FP8's one scale_inv serves
@@ -160,36 +211,57 @@ static PyObject *gemm(tqx_state *st, const plan *p, tqx_operand *a, tqx_operand 
     return out;
 }
 
-/* The weight's members: the cached ones when first_microbatch is False and the cache holds this
- * plan's on the weight's device, else freshly quantized (and cached unless None). */
-static PyObject *weight_members(tqx_state *st, const plan *p, PyObject *weight, PyObject *cache,
-                                PyObject *first, PyObject *state) {
+/* The weight quantized in both directions, as kept: the cached one when first_microbatch is
+ * False and the cache holds this plan's on the weight's device (in the member form unless
+ * packed: Python reads those), else freshly quantized (and cached unless None). */
+static PyObject *weight_kept(tqx_state *st, const plan *p, PyObject *weight, PyObject *cache,
+                             PyObject *first, PyObject *state, long needs, PyObject *device,
+                             int device_index) {
+    const int packed = (needs & PACKED) != 0;
     if (!PyList_Check(cache)) {
         PyErr_SetString(PyExc_TypeError, "linear weight cache must be a list");
         return NULL;
     }
     if (first == Py_False && PyList_GET_SIZE(cache) == 2) {
-        PyObject *members = PyList_GET_ITEM(cache, 1);
+        PyObject *kept = PyList_GET_ITEM(cache, 1);
         int same_key = PyObject_RichCompareBool(PyList_GET_ITEM(cache, 0), p->key, Py_EQ);
         if (same_key < 0) return NULL;
-        tq_tensor w, cached;
-        if (same_key && tqx_tensor_from_py(st, weight, "weight", TQX_FLOAT_DTYPES, &w, NULL) == 0
-            && tqx_tensor_from_py(st, PyTuple_GET_ITEM(members, 0), "cached weight", ~0u, &cached,
+        const int usable = PyTuple_Check(kept) && (packed || PyTuple_GET_SIZE(kept) == 6);
+        tq_tensor w, cached; /* item 0: the buffer or the rowwise data */
+        if (same_key && usable
+            && tqx_tensor_from_py(st, weight, "weight", TQX_FLOAT_DTYPES, &w, NULL) == 0
+            && tqx_tensor_from_py(st, PyTuple_GET_ITEM(kept, 0), "cached weight", ~0u, &cached,
                                   NULL) == 0
             && w.device == cached.device)
-            return Py_NewRef(members);
+            return Py_NewRef(kept);
         if (PyErr_Occurred()) return NULL;
     }
-    PyObject *members = quantize(st, weight, &p->w, TQ_USAGE_ROWWISE | TQ_USAGE_COLUMNWISE, state);
-    if (members == NULL) return NULL;
-    PyObject *kept = first == Py_None ? PyList_New(0) : Py_BuildValue("[OO]", p->key, members);
-    int rc = kept ? PyList_SetSlice(cache, 0, PyList_GET_SIZE(cache), kept) : -1;
-    Py_XDECREF(kept);
+    static const uint32_t both = TQX_PART_ROWWISE | TQX_PART_COLUMNWISE;
+    quantized z;
+    if (quantize(st, weight, &p->w, TQ_USAGE_ROWWISE | TQ_USAGE_COLUMNWISE, state, device,
+                 device_index, packed ? 1 : 0, &both, &z) < 0)
+        return NULL;
+    PyObject *kept = z.members ? Py_NewRef(z.members) : packed_kept(&z);
+    quantized_clear(&z);
+    if (kept == NULL) return NULL;
+    PyObject *entry = first == Py_None ? PyList_New(0) : Py_BuildValue("[OO]", p->key, kept);
+    int rc = entry ? PyList_SetSlice(cache, 0, PyList_GET_SIZE(cache), entry) : -1;
+    Py_XDECREF(entry);
     if (rc < 0) {
-        Py_DECREF(members);
+        Py_DECREF(kept);
         return NULL;
     }
-    return members;
+    return kept;
+}
+
+/* What backward keeps of x: its columnwise part for wgrad (all of it with KEEP_X_ROWWISE), else
+ * None (new reference). */
+static PyObject *x_kept(const quantized *z, const tq_quant_config *c, long needs) {
+    if (z->members == NULL) /* packed: bufs[0] is the columnwise part */
+        return (needs & NEED_WGRAD) ? packed_kept(z) : Py_NewRef(Py_None);
+    return (needs & KEEP_X_ROWWISE) ? Py_NewRef(z->members)
+           : (needs & NEED_WGRAD)   ? keep_columnwise(z->members, c)
+                                    : Py_NewRef(Py_None);
 }
 
 /* The leading shape of t with its last dim replaced by n. */
@@ -249,14 +321,21 @@ static PyObject *py_linear_forward(PyObject *module, PyObject *const *args, Py_s
     plan p;
     const long needs = PyLong_AsLong(args[4]);
     if (needs == -1 && PyErr_Occurred()) return NULL;
+    const int packed = (needs & PACKED) != 0;
+    if (packed && (needs & KEEP_X_ROWWISE)) { /* that saved x is read as members in Python */
+        PyErr_SetString(PyExc_ValueError, "linear_forward: needs bits 4 (keep x rowwise) and 8 "
+                        "(packed) exclude each other");
+        return NULL;
+    }
     if (tqx_torch_import(st) < 0 || plan_from_py(st, args[0], &p) < 0) return NULL;
     PyObject *inp = args[1], *weight = args[2], *bias = args[3];
     tq_tensor w;
     if (tqx_tensor_from_py(st, weight, "weight", TQX_FLOAT_DTYPES, &w, NULL) < 0) return NULL;
     const int64_t n = w.rows, k = w.cols;
     PyObject *device = PyObject_GetAttrString(inp, "device");
-    PyObject *xp = NULL, *qx = NULL, *qw = NULL, *shape = NULL, *out = NULL;
+    PyObject *xp = NULL, *qw = NULL, *shape = NULL, *out = NULL;
     PyObject *result = NULL;
+    quantized qx = {NULL, {NULL, NULL}, Py_None, TQ_QTENSOR_INIT};
     tq_tensor x;
     int64_t padded = 0;
     if (device == NULL || tqx_tensor_from_py(st, inp, "input", TQX_FLOAT_DTYPES, &x, NULL) < 0)
@@ -268,21 +347,27 @@ static PyObject *py_linear_forward(PyObject *module, PyObject *const *args, Py_s
     }
     if ((xp = pad_rows(st, inp, &x, p.align, device, &padded)) == NULL) goto done;
     const uint32_t x_usage = TQ_USAGE_ROWWISE | ((needs & NEED_WGRAD) ? TQ_USAGE_COLUMNWISE : 0);
-    if ((qx = quantize(st, xp, &p.x, x_usage, args[7])) == NULL) goto done;
-    if ((qw = weight_members(st, &p, weight, args[5], args[6], args[8])) == NULL) goto done;
+    /* packed x: with wgrad, the columnwise part (kept) apart from the rowwise one (fprop only) */
+    static const uint32_t x_parts[2] = {TQX_PART_COLUMNWISE, TQX_PART_ROWWISE};
+    const int x_n_parts = !packed ? 0 : (needs & NEED_WGRAD) ? 2 : 1;
+    if (quantize(st, xp, &p.x, x_usage, args[7], device, x.device, x_n_parts,
+                 x_n_parts == 2 ? x_parts : x_parts + 1, &qx) < 0)
+        goto done;
+    if ((qw = weight_kept(st, &p, weight, args[5], args[6], args[8], needs, device,
+                          x.device)) == NULL)
+        goto done;
     tqx_operand a, b;
-    if (tqx_operand_set(st, &p.x, padded, k, qx, TQ_USAGE_ROWWISE, &a) < 0
-        || tqx_operand_set(st, &p.w, n, k, qw, TQ_USAGE_ROWWISE, &b) < 0)
+    if (operand(st, &qx, &p.x, padded, k, TQ_USAGE_ROWWISE, &a) < 0
+        || tqx_operand_from_kept(st, &p.w, n, k, qw, TQX_PART_ROWWISE | TQX_PART_COLUMNWISE,
+                                 TQ_USAGE_ROWWISE, &b) < 0)
         goto done;
     if ((shape = shape_with_last(inp, n)) == NULL
         || (out = gemm(st, &p, &a, &b, x.dtype, bias, p.flags[0], x.rows, padded, shape,
                        device)) == NULL)
         goto done;
-    /* saved: (x members (columnwise only, unless kept whole) or None, W members, rows, padded
-     * rows, N, K, dtype of x, dtype of W) */
-    PyObject *x_saved = (needs & KEEP_X_ROWWISE) ? Py_NewRef(qx)
-                        : (needs & NEED_WGRAD)   ? keep_columnwise(qx, &p.x)
-                                                 : Py_NewRef(Py_None);
+    /* saved: (x kept (its columnwise part, or all of it) or None, W kept, rows, padded rows, N,
+     * K, dtype of x, dtype of W) */
+    PyObject *x_saved = x_kept(&qx, &p.x, needs);
     if (x_saved == NULL) goto done;
     PyObject *saved = Py_BuildValue("(NOLLLLii)", x_saved, qw, (long long)x.rows,
                                     (long long)padded, (long long)n, (long long)k, (int)x.dtype,
@@ -292,7 +377,7 @@ static PyObject *py_linear_forward(PyObject *module, PyObject *const *args, Py_s
 done:
     Py_XDECREF(device);
     Py_XDECREF(xp);
-    Py_XDECREF(qx);
+    quantized_clear(&qx);
     Py_XDECREF(qw);
     Py_XDECREF(shape);
     Py_XDECREF(out);
@@ -317,8 +402,9 @@ static PyObject *py_linear_backward(PyObject *module, PyObject *const *args, Py_
         return NULL;
     PyObject *dy = args[2], *inp_shape = args[5], *bias_dtype = args[6], *pending = args[7];
     PyObject *device = PyObject_GetAttrString(dy, "device");
-    PyObject *dyp = NULL, *qdy = NULL, *dx = NULL, *dw = NULL, *db = NULL, *dw_shape = NULL;
+    PyObject *dyp = NULL, *dx = NULL, *dw = NULL, *db = NULL, *dw_shape = NULL;
     PyObject *result = NULL;
+    quantized qdy = {NULL, {NULL, NULL}, Py_None, TQ_QTENSOR_INIT};
     tq_tensor d;
     tqx_tensor_info dy_info;
     int64_t dy_padded;
@@ -333,19 +419,22 @@ static PyObject *py_linear_backward(PyObject *module, PyObject *const *args, Py_
     if ((dyp = pad_rows(st, dy, &d, p.align, device, &dy_padded)) == NULL) goto done;
     const uint32_t usage = ((needs & NEED_DGRAD) ? TQ_USAGE_ROWWISE : 0)
                            | ((needs & NEED_WGRAD) ? TQ_USAGE_COLUMNWISE : 0);
-    if (usage && (qdy = quantize(st, dyp, &p.dy, usage, args[4])) == NULL) goto done;
+    if (usage && quantize(st, dyp, &p.dy, usage, args[4], device, d.device, 1, &usage, &qdy) < 0)
+        goto done;
     if (needs & NEED_DGRAD) { /* dx = dy . W: dy rowwise [M, N], W columnwise [K, N] */
         tqx_operand a, b;
-        if (tqx_operand_set(st, &p.dy, padded, n, qdy, TQ_USAGE_ROWWISE, &a) < 0
-            || tqx_operand_set(st, &p.w, n, k, qw, TQ_USAGE_COLUMNWISE, &b) < 0
+        if (operand(st, &qdy, &p.dy, padded, n, TQ_USAGE_ROWWISE, &a) < 0
+            || tqx_operand_from_kept(st, &p.w, n, k, qw, TQX_PART_ROWWISE | TQX_PART_COLUMNWISE,
+                                     TQ_USAGE_COLUMNWISE, &b) < 0
             || (dx = gemm(st, &p, &a, &b, (tq_dtype)x_dtype, Py_None, p.flags[1], rows, padded,
                           inp_shape, device)) == NULL)
             goto done;
     }
     if (needs & NEED_WGRAD) { /* dW = dy^T . x: dy columnwise [N, M], x columnwise [K, M] */
         tqx_operand a, b;
-        if (tqx_operand_set(st, &p.dy, padded, n, qdy, TQ_USAGE_COLUMNWISE, &a) < 0
-            || tqx_operand_set(st, &p.x, padded, k, qx, TQ_USAGE_COLUMNWISE, &b) < 0
+        if (operand(st, &qdy, &p.dy, padded, n, TQ_USAGE_COLUMNWISE, &a) < 0
+            || tqx_operand_from_kept(st, &p.x, padded, k, qx, TQX_PART_COLUMNWISE,
+                                     TQ_USAGE_COLUMNWISE, &b) < 0
             || (dw_shape = Py_BuildValue("(LL)", n, k)) == NULL
             || (dw = gemm(st, &p, &a, &b, (tq_dtype)w_dtype, Py_None, p.flags[2], n, n,
                           dw_shape, device)) == NULL)
@@ -370,7 +459,7 @@ done:
     Py_XDECREF(db);
     Py_XDECREF(dw_shape);
     Py_XDECREF(dyp);
-    Py_XDECREF(qdy);
+    quantized_clear(&qdy);
     Py_XDECREF(dx);
     Py_XDECREF(dw);
     return result;

@@ -180,6 +180,19 @@ int tqx_autocast_restore(tqx_state *st, const char *device_type, int was_on);
 void tqx_torch_clear(tqx_state *st);
 int tqx_torch_traverse(tqx_state *st, visitproc visit, void *arg);
 
+/* The members of a quantized tensor by index, in the order of the 6-tuples the extension
+ * exchanges: data, scale_inv, data_t, scale_inv_t, amax, amax_t. */
+#define TQX_N_MEMBERS 6
+static inline tq_tensor *tqx_member(tq_qtensor *q, int i) {
+    tq_tensor *m[TQX_N_MEMBERS] = {&q->data, &q->scale_inv, &q->data_t, &q->scale_inv_t,
+                                   &q->amax, &q->amax_t};
+    return m[i];
+}
+/* Whether tq_quantize_layout uses the member (an unused one has zero dims and ld). */
+static inline int tqx_member_used(const tq_tensor *t) {
+    return t->rows != 0 || t->cols != 0 || t->ld != 0;
+}
+
 /* quantize.c */
 extern PyMethodDef tqx_quantize_methods[];
 /* A QuantizerConfig object that quantizes in the core -> its config; -1 with an exception. */
@@ -191,6 +204,11 @@ int tqx_config_from_py(tqx_state *st, PyObject *obj, tq_quant_config *out);
 PyObject *tqx_quantize_members(tqx_state *st, PyObject *x_obj, const tq_tensor *x, void *stream,
                                const tq_quant_config *config, tq_quantize_args *qargs,
                                PyObject *scale, PyObject *amax, tq_qtensor *q);
+/* Runs tq_quantize of x into q (laid out and allocated) on `stream` with the GIL released.
+ * DelayedScaling: scale is the state's float32 scale, or None for 1 (a tensor made on `device`,
+ * a torch.device). -1 with an exception. */
+int tqx_quantize_run(tqx_state *st, const tq_tensor *x, void *stream, const tq_quant_config *config,
+                     tq_quantize_args *qargs, PyObject *scale, PyObject *device, tq_qtensor *q);
 /* Stochastic rounding's rng (None, (seed, offset), or an int64 [2] tensor read at run time)
  * into qa; the tensor must outlive the quantize call (the caller holds rng). -1 with an exception. */
 int tqx_rng_from_py(tqx_state *st, PyObject *rng, tq_quantize_args *qa);
@@ -208,11 +226,37 @@ typedef struct tqx_operand {
 } tqx_operand;
 int tqx_operand_set(tqx_state *st, const tq_quant_config *config, int64_t rows, int64_t cols,
                     PyObject *members, uint32_t usage, tqx_operand *o); /* -1 with an exception */
+/* The same from a quantized tensor already laid out (a packed one, packed.c); any_member
+ * (borrowed) is a tensor on its device that outlives the operand. */
+void tqx_operand_of(const tq_quant_config *config, const tq_qtensor *q, uint32_t usage,
+                    PyObject *any_member, tqx_operand *o);
 /* out = alpha * A . B^T (+ bias) (+ out): out_obj a tensor or Py_None (then a new [M, N] of
  * out_dtype), bias_obj a tensor or Py_None; flags tq_gemm_flags. New reference, or NULL. */
 PyObject *tqx_gemm_run(tqx_state *st, tqx_operand *a, tqx_operand *b, PyObject *out_obj,
                        tq_dtype out_dtype, PyObject *bias_obj, uint32_t flags);
 extern PyMethodDef tqx_gemm_methods[];
+
+/* packed.c: te.Linear's quantized operands in one uint8 buffer per part (members at offsets). */
+typedef enum tqx_part { /* the same bits as tq_usage: a quantization's usage is all its parts */
+    TQX_PART_ROWWISE = TQ_USAGE_ROWWISE,      /* data, scale_inv, amax */
+    TQX_PART_COLUMNWISE = TQ_USAGE_COLUMNWISE /* data_t, scale_inv_t, amax_t; per-tensor FP8's
+                                                 shared scale_inv and amax when quantized so */
+} tqx_part;
+/* Quantizes x (its current stream) with config in qargs->usage into n_parts new uint8 tensors on
+ * `device` (a torch.device): bufs[i] holds the members of the tqx_part mask parts[i] (together
+ * they cover the usage); q's members point into them. DelayedScaling: scale and amax (its
+ * history slot, max-accumulated in place and in no buffer) must be tensors. -1 with an
+ * exception, bufs all NULL. */
+int tqx_quantize_packed(tqx_state *st, const tq_tensor *x, void *stream, PyObject *device,
+                        const tq_quant_config *config, tq_quantize_args *qargs, PyObject *scale,
+                        PyObject *amax, int n_parts, const uint32_t *parts, PyObject **bufs,
+                        tq_qtensor *q);
+/* One direction (usage) of a kept quantization of [rows, cols] as a GEMM operand: kept is a
+ * (buffer, amax) pair holding `parts` of a rowwise + columnwise quantization (amax: the
+ * DelayedScaling slot, else None), or a member 6-tuple (tqx_operand_set). -1 with an exception. */
+int tqx_operand_from_kept(tqx_state *st, const tq_quant_config *config, int64_t rows,
+                          int64_t cols, PyObject *kept, uint32_t parts, uint32_t usage,
+                          tqx_operand *o);
 
 /* linear.c: te.Linear's forward and backward calls */
 extern PyMethodDef tqx_linear_methods[];

@@ -1,25 +1,16 @@
-/* quantize.c: the extension's quantize / dequantize calls (te.ops and, later, Linear).
+/* quantize.c: the extension's quantize / dequantize calls (te.ops, and te.Linear's member form).
  *
  * _quantize lays the result out with the core's tq_quantize_layout (the one definition of the
  * layouts), allocates every member with torch.empty (torch's caching allocator, never
- * cudaMalloc), runs tq_quantize on x's current stream with the GIL released, and returns the
- * members as a tuple for python/tequant/quantized.py to wrap. _dequantize is the reverse, into
- * an output tensor the caller allocated. Tests: tests/test_quantize_*.py, tests/test_ops.py.
+ * cudaMalloc), runs tq_quantize on x's current stream with the GIL released (tqx_quantize_run,
+ * which packed.c's one-buffer layout shares), and returns the members as a tuple for
+ * python/tequant/quantized.py to wrap. _dequantize is the reverse, into an output tensor the
+ * caller allocated. Tests: tests/test_quantize_*.py, tests/test_ops.py.
  */
 #include "module.h"
 
-#define N_MEMBERS 6
-
-static const char *const member_names[N_MEMBERS] = {"data", "scale_inv", "data_t", "scale_inv_t",
-                                                    "amax", "amax_t"};
-
-static tq_tensor *member(tq_qtensor *q, int i) {
-    tq_tensor *m[N_MEMBERS] = {&q->data, &q->scale_inv, &q->data_t, &q->scale_inv_t, &q->amax,
-                               &q->amax_t};
-    return m[i];
-}
-
-static int used(const tq_tensor *t) { return t->rows != 0 || t->cols != 0 || t->ld != 0; }
+static const char *const member_names[TQX_N_MEMBERS] = {"data", "scale_inv", "data_t",
+                                                        "scale_inv_t", "amax", "amax_t"};
 
 /* A new torch tensor for member t (on `device`, a torch.device), its pointer stored in t. */
 static PyObject *alloc_member(tqx_state *st, tq_tensor *t, PyObject *device, int device_index,
@@ -49,13 +40,12 @@ PyObject *tqx_quantize_members(tqx_state *st, PyObject *x_obj, const tq_tensor *
     if (s != TQ_SUCCESS) return tqx_raise_status(st, s);
     PyObject *device = PyObject_GetAttrString(x_obj, "device");
     if (device == NULL) return NULL;
-    PyObject *out[N_MEMBERS] = {NULL};
-    PyObject *scale_owner = NULL;
+    PyObject *out[TQX_N_MEMBERS] = {NULL};
     int ok = 1;
     const int delayed = config->scaling == TQ_SCALING_DELAYED;
-    for (int i = 0; i < N_MEMBERS && ok; i++) {
-        tq_tensor *t = member(q, i);
-        if (!used(t)) continue;
+    for (int i = 0; i < TQX_N_MEMBERS && ok; i++) {
+        tq_tensor *t = tqx_member(q, i);
+        if (!tqx_member_used(t)) continue;
         if (delayed && i == 4 && amax != Py_None) { /* the caller's history slot */
             ok = tqx_tensor_from_py(st, amax, "amax", 1u << TQ_DTYPE_FLOAT32, t, NULL) == 0;
             if (ok) out[i] = Py_NewRef(amax);
@@ -64,38 +54,43 @@ PyObject *tqx_quantize_members(tqx_state *st, PyObject *x_obj, const tq_tensor *
         /* A fresh delayed amax starts at 0 (the kernel max-accumulates into it). */
         ok = (out[i] = alloc_member(st, t, device, x->device, delayed && i == 4)) != NULL;
     }
-    if (ok && delayed) {
-        if (scale != Py_None) {
-            ok = tqx_tensor_from_py(st, scale, "scale", 1u << TQ_DTYPE_FLOAT32, &qargs->scale,
-                                    NULL) == 0;
-        } else { /* no scale yet: 1, as a fresh DelayedScaling state starts */
-            qargs->scale.rows = qargs->scale.cols = qargs->scale.ld = 1;
-            qargs->scale.dtype = TQ_DTYPE_FLOAT32;
-            ok = (scale_owner = alloc_member(st, &qargs->scale, device, x->device, 0)) != NULL;
-            if (ok) {
-                PyObject *r = PyObject_CallMethod(scale_owner, "fill_", "d", 1.0);
-                ok = r != NULL;
-                Py_XDECREF(r);
-            }
-        }
-    }
+    if (ok) ok = tqx_quantize_run(st, x, stream, config, qargs, scale, device, q) == 0;
     Py_DECREF(device);
-    if (ok) {
-        Py_BEGIN_ALLOW_THREADS
-        s = tq_quantize(x, config, qargs, q, (struct CUstream_st *)stream);
-        Py_END_ALLOW_THREADS
-        if (s != TQ_SUCCESS) {
-            tqx_raise_status(st, s);
-            ok = 0;
-        }
-    }
-    Py_XDECREF(scale_owner); /* the kernel ran on the stream; the allocator keeps it ordered */
-    PyObject *result = ok ? PyTuple_New(N_MEMBERS) : NULL;
-    for (int i = 0; i < N_MEMBERS; i++) {
+    PyObject *result = ok ? PyTuple_New(TQX_N_MEMBERS) : NULL;
+    for (int i = 0; i < TQX_N_MEMBERS; i++) {
         if (result != NULL) PyTuple_SET_ITEM(result, i, out[i] ? out[i] : Py_NewRef(Py_None));
         else Py_XDECREF(out[i]);
     }
     return result;
+}
+
+int tqx_quantize_run(tqx_state *st, const tq_tensor *x, void *stream, const tq_quant_config *config,
+                     tq_quantize_args *qargs, PyObject *scale, PyObject *device, tq_qtensor *q) {
+    PyObject *scale_owner = NULL;
+    if (config->scaling == TQ_SCALING_DELAYED) {
+        if (scale != Py_None) {
+            if (tqx_tensor_from_py(st, scale, "scale", 1u << TQ_DTYPE_FLOAT32, &qargs->scale,
+                                   NULL) < 0)
+                return -1;
+        } else { /* no scale yet: 1, as a fresh DelayedScaling state starts */
+            qargs->scale.rows = qargs->scale.cols = qargs->scale.ld = 1;
+            qargs->scale.dtype = TQ_DTYPE_FLOAT32;
+            scale_owner = alloc_member(st, &qargs->scale, device, x->device, 0);
+            PyObject *r = scale_owner ? PyObject_CallMethod(scale_owner, "fill_", "d", 1.0) : NULL;
+            if (r == NULL) {
+                Py_XDECREF(scale_owner);
+                return -1;
+            }
+            Py_DECREF(r);
+        }
+    }
+    tq_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = tq_quantize(x, config, qargs, q, (struct CUstream_st *)stream);
+    Py_END_ALLOW_THREADS
+    Py_XDECREF(scale_owner); /* the kernel ran on the stream; the allocator keeps it ordered */
+    if (s != TQ_SUCCESS) return tqx_raise_status(st, s), -1;
+    return 0;
 }
 
 int tqx_rng_from_py(tqx_state *st, PyObject *rng, tq_quantize_args *qa) {
@@ -140,7 +135,7 @@ static PyObject *py_quantize(PyObject *module, PyObject *const *args, Py_ssize_t
 
 int tqx_qtensor_from_py(tqx_state *st, const tq_quant_config *config, int64_t rows, int64_t cols,
                         PyObject *members, uint32_t usage, tq_qtensor *q) {
-    if (!PyTuple_Check(members) || PyTuple_GET_SIZE(members) != N_MEMBERS) {
+    if (!PyTuple_Check(members) || PyTuple_GET_SIZE(members) != TQX_N_MEMBERS) {
         PyErr_SetString(PyExc_TypeError, "members must be a 6-tuple (data, scale_inv, data_t, "
                         "scale_inv_t, amax, amax_t)");
         return -1;
@@ -153,9 +148,9 @@ int tqx_qtensor_from_py(tqx_state *st, const tq_quant_config *config, int64_t ro
     tq_qtensor want = TQ_QTENSOR_INIT;
     tq_status s = tq_quantize_layout(config, rows, cols, usage, &want);
     if (s != TQ_SUCCESS) return tqx_raise_status(st, s), -1;
-    for (int i = 0; i < N_MEMBERS; i++) {
-        tq_tensor *w = member(&want, i), *t = member(q, i);
-        if (!used(w)) continue;
+    for (int i = 0; i < TQX_N_MEMBERS; i++) {
+        tq_tensor *w = tqx_member(&want, i), *t = tqx_member(q, i);
+        if (!tqx_member_used(w)) continue;
         PyObject *obj = PyTuple_GET_ITEM(members, i);
         if (obj == Py_None) {
             PyErr_Format(PyExc_ValueError, "this quantized tensor has no %s, which the %s "
@@ -219,11 +214,11 @@ static PyObject *py_quantize_layout(PyObject *module, PyObject *const *args, Py_
     tq_qtensor q = TQ_QTENSOR_INIT;
     tq_status s = tq_quantize_layout(&config, rows, cols, (uint32_t)usage, &q);
     if (s != TQ_SUCCESS) return tqx_raise_status(st, s);
-    PyObject *result = PyTuple_New(N_MEMBERS);
-    for (int i = 0; result != NULL && i < N_MEMBERS; i++) {
-        const tq_tensor *t = member(&q, i);
+    PyObject *result = PyTuple_New(TQX_N_MEMBERS);
+    for (int i = 0; result != NULL && i < TQX_N_MEMBERS; i++) {
+        const tq_tensor *t = tqx_member(&q, i);
         PyObject *entry = Py_NewRef(Py_None);
-        if (used(t)) {
+        if (tqx_member_used(t)) {
             const int64_t c = t->dtype == TQ_DTYPE_FLOAT4_E2M1X2 ? t->cols / 2 : t->cols;
             Py_SETREF(entry, Py_BuildValue("(LLO)", (long long)t->rows, (long long)c,
                                            tqx_torch_dtype_of(st, t->dtype)));

@@ -50,7 +50,7 @@ class _Plan:
         self.c_args = (self.key, self.x, self.w, self.dy, self.align) + self.flags + (emulated,)
 
 
-_NEED_DGRAD, _NEED_WGRAD, _KEEP_X_ROWWISE = 1, 2, 4  # csrc/ext/linear.c
+_NEED_DGRAD, _NEED_WGRAD, _KEEP_X_ROWWISE, _PACKED = 1, 2, 4, 8  # csrc/ext/linear.c
 
 
 class _QuantizedLinear(torch.autograd.Function):
@@ -62,8 +62,10 @@ class _QuantizedLinear(torch.autograd.Function):
         needs = ((_NEED_DGRAD if ctx.needs_input_grad[0] else 0)
                  | (_NEED_WGRAD if ctx.needs_input_grad[1] else 0))
         override = plan.backward_override
-        c_needs = needs if override is None else (_KEEP_X_ROWWISE if override == "dequantized"
-                                                  else 0)
+        # packed: ctx.saved and the weight cache hold one buffer per quantized operand (few
+        # allocations); "dequantized" reads the member tensors of x and W in Python instead
+        c_needs = (needs | _PACKED if override is None
+                   else _KEEP_X_ROWWISE if override == "dequantized" else _PACKED)
         if plan.delayed:
             x_state = delayed.slot(module, delayed.FORWARD, 0)
             w_state = delayed.slot(module, delayed.FORWARD, 1)
@@ -197,7 +199,7 @@ class Linear(torch.nn.Module):
             torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
         _compile_linear.register_module(self)
         self._plans = {}           # recipe key -> _Plan
-        self._weight_cache = []    # [recipe key, weight members] for is_first_microbatch=False
+        self._weight_cache = []    # [recipe key, quantized W] for is_first_microbatch=False
 
     def __setstate__(self, state):
         super().__setstate__(state)
