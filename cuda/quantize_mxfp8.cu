@@ -188,6 +188,7 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const Args a) {
     using S = Tile<In>;
     __shared__ uint4 smem[kCol ? kTile : 1][kSmemChunks];
     __shared__ uint32_t tile_amax[k2D ? 4 : 1][k2D ? 4 : 1]; /* fp32 bits, >= 0: ordered as ints */
+    __shared__ uint8_t tile_e[k2D ? 4 : 1][k2D ? 4 : 1];      /* their exponents */
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int chunk = tid % S::kChunksPerRow, row_in_pass = tid / S::kChunksPerRow;
     const int64_t m0 = blockIdx.x / a.tiles_k * kTile, k0 = blockIdx.x % a.tiles_k * kTile;
@@ -236,6 +237,8 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const Args a) {
                 atomicMax(&tile_amax[rb][chunk / S::kLanesPerBlock], __float_as_uint(m));
         }
         __syncthreads();
+        if (tid < 16) tile_e[tid / 4][tid % 4] = tq_mxfp8_exponent(__uint_as_float(tile_amax[tid / 4][tid % 4]), kE5M2);
+        __syncthreads();
     }
 
     /* Rowwise: one chunk of one row per load; kVec codes out per lane. */
@@ -246,7 +249,7 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const Args a) {
             const int64_t m = m0 + r;
             uint8_t e;
             if (k2D) {
-                e = tq_mxfp8_exponent(__uint_as_float(tile_amax[r / kBlock][chunk / S::kLanesPerBlock]), kE5M2);
+                e = tile_e[r / kBlock][chunk / S::kLanesPerBlock];
             } else {
                 uint32_t acc = 0u;
 #pragma unroll
@@ -292,7 +295,7 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const Args a) {
 #pragma unroll
                 for (int e = 0; e < S::kPerWord; e++) {
                     const int64_t k = k0 + k_tile + e;
-                    const uint8_t x_e = k2D ? tq_mxfp8_exponent(__uint_as_float(tile_amax[c / 2][(k_tile + e) / kBlock]), kE5M2)
+                    const uint8_t x_e = k2D ? tile_e[c / 2][(k_tile + e) / kBlock]
                                             : tq_mxfp8_exponent(lane_group_max<2>(In::widen(elem_bits<In>(acc, e))), kE5M2);
                     const uint32_t scales = gather4(x_e, lane & ~7, 2);
                     if (k >= a.K || m >= a.M) continue; /* M % 32 == 0: a lane pair is all in or out */
