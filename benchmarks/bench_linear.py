@@ -15,6 +15,10 @@ M=2048 1024->1024) and recipe, in one run:
   (on Hopper emulated) MXFP8 and NVFP4 recipes, target <= 1.2x. Both over the GEMM-set totals.
 - P7: activation bytes a Linear's forward leaves held for its backward, vs nn.Linear bf16 (which
   keeps its input x), target <= 0.55x for the FP8 recipes; see held_bytes() for what is counted.
+- Quantization floor (CUDA): the time te.Linear's three quantizations (x, W, dy, both directions
+  each) would take moving only their minimal bytes (QUANT_BYTES) at the device-copy bandwidth
+  measured in the same run. "bound" in the summary is P5 (P6) with te.Linear = pre-quantized
+  GEMMs + that floor: what an unfused Linear can reach at best.
 Checked first (one step on the first buffer after one warm-up step): te.Linear's y, dx, dW vs
 nn.Linear's, and the pre-quantized GEMMs vs the bf16 ones, relative Frobenius error in (0, bound)
 with bound ERR_BOUND of the coarser operand format (y also > QUANTIZED_MIN: it was quantized).
@@ -46,6 +50,10 @@ ERR_BOUND = {"E4M3": 0.06, "E5M2": 0.1, "E2M1": 0.25}
 QUANTIZED_MIN = 0.01
 P5_TARGET, P6_TARGET, P7_TARGET = 0.95, 1.2, 0.55
 EMULATED = ("mxfp8", "nvfp4")
+# Minimal bytes per element of a quantized operand, both directions: the bf16 reads (one per pass
+# over it: current scaling and NVFP4 need an amax pass first) + the codes and scales written.
+QUANT_BYTES = {"delayed": 2 + 2, "current": 2 * 2 + 2, "block": 2 + 2 + 2 * 4 / 128,
+               "mxfp8": 2 + 2 + 2 / 32, "nvfp4": 2 * 2 + 1 + 2 / 16}
 # Shapes under SMALL_FLOPS (fwd+bwd) on CUDA get SMALL_SCALE x the timed steps and wall calls.
 SMALL_FLOPS, SMALL_SCALE = 1e11, 3  # 60 steps x ~0.5 ms host fit the sleep kernel
 
@@ -276,6 +284,7 @@ class Row:
         self.wall_us = None    # wall time per call in the interleaved loops
         self.act = None        # (allocator, graph) activation bytes held for backward
         self.wside = None      # (allocator, graph) weight-side bytes held (quantized W)
+        self.floor_us = None   # te.Linear's quantizations at copy bandwidth (minimal bytes)
 
 
 def run_shape(shape, recipes, args, device, notes, failures):
@@ -293,6 +302,9 @@ def run_shape(shape, recipes, args, device, notes, failures):
     counter = alloc_counter(device)
     base = Row("bf16", None)
     rows = [base] + [Row(name, r) for name, r in recipes]
+    if args.copy_bytes_per_us:
+        for row in rows[1:]:
+            row.floor_us = (m * k + n * k + m * n) * QUANT_BYTES[row.name] / args.copy_bytes_per_us
 
     # References: nn.Linear's step and the three bf16 GEMMs on the first buffer.
     x0, dy0 = buffers[0]
@@ -415,10 +427,33 @@ def speedup(num, den):
     return num / den if num and den else None
 
 
-def p5_of(base, row):
-    s_lin = speedup(base.us, row.us)
+def p5_of(base, row, lin_us=None):
+    s_lin = speedup(base.us, row.us if lin_us is None else lin_us)
     s_gemm = speedup(base.gemm_us, row.gemm_us)
     return s_lin / s_gemm if s_lin and s_gemm else None
+
+
+def floor_total(row):
+    """Pre-quantized GEMMs + quantization floor: the best an unfused te.Linear step can take."""
+    return row.gemm_us + row.floor_us if row.gemm_us and row.floor_us else None
+
+
+def p5_bound(base, row):
+    best = floor_total(row)
+    return p5_of(base, row, best) if best else None
+
+
+def copy_bytes_per_us(device, args):
+    """Device-copy bandwidth (bytes read + written per us) of y.copy_(x), 256 MiB bf16, rotated."""
+    if device != "cuda":
+        return None
+    bufs = [torch.randn(2 ** 27, device=device).to(BF16) for _ in range(2)]
+    out = torch.empty_like(bufs[0])
+    us = benchutil.time_cuda(lambda b: out.copy_(b), bufs, args.warmup, args.iters)
+    nbytes = 2 * bufs[0].numel() * bufs[0].element_size()
+    del bufs, out
+    torch.cuda.empty_cache()
+    return nbytes / us
 
 
 def fmt(v, spec=".2f", suffix=""):
@@ -432,7 +467,7 @@ def totals(results, keys):
     for i, row in enumerate(chosen[0]):
         t = Row(row.name, row.recipe)
         group = [rows[i] for rows in chosen]
-        for attr in ("us", "gemm_us", "wall_us"):
+        for attr in ("us", "gemm_us", "wall_us", "floor_us"):
             vals = [getattr(r, attr) for r in group]
             setattr(t, attr, sum(vals) if all(v is not None for v in vals) else None)
         for attr in ("act", "wside"):
@@ -449,7 +484,8 @@ def time_table(results, set_rows, flops_set):
     lines = benchutil.table_head(
         ["shape", "recipe", "fwd+bwd us", "TFLOP/s", "speedup vs nn.Linear bf16",
          "3 GEMMs us (pre-quantized / bf16 mm)", "GEMM speedup vs bf16", "P5 (ratio of speedups)",
-         "te.Linear - GEMMs us", "wall us/call (loop)", "rel err y / dx / dW"], 2)
+         "te.Linear - GEMMs us", "quantization floor us", "P5 bound",
+         "wall us/call (loop)", "rel err y / dx / dW"], 2)
     entries = [(label, flops, rows) for _, label, (m, k, n), rows in results
                for flops in (6.0 * m * k * n,)]
     if set_rows:
@@ -461,7 +497,7 @@ def time_table(results, set_rows, flops_set):
             err = "-" if r.errs is None else " / ".join(f"{e:.2g}" for e in r.errs)
             if r.us is None:
                 lines.append(f"| {label} | {name} | {r.status or 'not measured'} | | | | | | | "
-                             f"| {err} |")
+                             f"| | | {err} |")
                 continue
             lines.append(
                 f"| {label} | {name} | {r.us:.1f} | {benchutil.num_text(flops / r.us / 1e6)} | "
@@ -469,6 +505,8 @@ def time_table(results, set_rows, flops_set):
                 f"{benchutil.ratio_text(base.gemm_us, r.gemm_us)} | "
                 f"{'-' if r.recipe is None else fmt(p5_of(base, r), '.3f')} | "
                 f"{fmt(r.us - r.gemm_us if r.gemm_us else None, '.1f')} | "
+                f"{fmt(r.floor_us, '.1f')} | "
+                f"{'-' if r.recipe is None else fmt(p5_bound(base, r), '.3f')} | "
                 f"{fmt(r.wall_us, '.1f')} | {err if r.recipe else '(mm vs nn) ' + err} |")
     return lines
 
@@ -522,10 +560,12 @@ def summaries(results, set_rows, device):
                 p5 = p5_of(base, r)
                 if p5 is not None:
                     verdict = timed_verdict(p5 >= P5_TARGET, f">= {P5_TARGET}")
+                    bound = p5_bound(base, r)
+                    bound_text = f"; bound {bound:.3f}" if bound else ""
                     lines.append(f"- P5 {r.name}, {where}: te.Linear "
                                  f"{speedup(base.us, r.us):.2f}x nn.Linear, pre-quantized GEMMs "
                                  f"{speedup(base.gemm_us, r.gemm_us):.2f}x bf16 mm: {p5:.3f} "
-                                 f"({verdict})")
+                                 f"({verdict}){bound_text}")
                 else:
                     lines.append(f"- P5 {r.name}, {where}: not measured "
                                  f"({r.status or 'see notes'})")
@@ -533,8 +573,10 @@ def summaries(results, set_rows, device):
                 if r.us and base.us:
                     t = r.us / base.us
                     verdict = timed_verdict(t <= P6_TARGET, f"<= {P6_TARGET}x")
+                    best = floor_total(r)
+                    bound_text = f"; bound {best / base.us:.2f}x" if best else ""
                     lines.append(f"- P6 {r.name}, {where}: te.Linear time {t:.2f}x nn.Linear bf16 "
-                                 f"({verdict})")
+                                 f"({verdict}){bound_text}")
                 else:
                     lines.append(f"- P6 {r.name}, {where}: not measured "
                                  f"({r.status or 'see notes'})")
@@ -580,6 +622,7 @@ def main():
     shapes = benchutil.parse_shapes(args.shapes or (QUICK_SHAPES if quick else
                                                     DEFAULT_SHAPES)[device])
     recipes = benchutil.make_recipes(args.recipes)
+    args.copy_bytes_per_us = copy_bytes_per_us(device, args)
 
     notes, failures, results = [], [], []
     for shape in shapes:
@@ -620,7 +663,10 @@ def main():
              "GEMM speedup (target >= 0.95, FP8 recipes); P6 = te.Linear / nn.Linear time "
              f"(target <= 1.2x, MXFP8/NVFP4); wall: median of {args.wall_repeats} interleaved "
              f"loops of {args.wall_calls} steps{small_calls}, synchronized at the loop ends. "
-             "Checked first: "
+             + (f"Quantization floor: minimal bytes (x, W, dy, both directions) at the device "
+                f"copy's {args.copy_bytes_per_us / 1e3:.0f} GB/s (this run); bound = P5 / P6 "
+                "with te.Linear = pre-quantized GEMMs + floor. " if args.copy_bytes_per_us else "")
+             + "Checked first: "
              "y / dx / dW vs nn.Linear within "
              + ", ".join(f"{k} {v}" for k, v in ERR_BOUND.items()) + " (coarser operand).", ""]
     if override:
