@@ -155,27 +155,6 @@ __device__ __forceinline__ float lane_group_max(float m) {
 }
 
 
-/* The 4 exponents of a tile's 4 blocks along one row (rowwise) or column (columnwise), held
- * by lanes first, first + stride, first + 2 stride, first + 3 stride, as one little-endian word
- * (every lane calls it: shuffles). */
-__device__ __forceinline__ uint32_t gather4(uint8_t e, int first, int stride) {
-    uint32_t word = 0u;
-#pragma unroll
-    for (int j = 0; j < 4; j++) word |= (uint32_t)__shfl_sync(0xFFFFFFFFu, (uint32_t)e, first + j * stride) << (8 * j);
-    return word;
-}
-
-/* Stores the tile's 4 scale bytes of one row of a scale matrix at dst: one 4-byte store when
- * all 4 blocks are inside (n_valid == 4) and dst is aligned, else byte by byte. Whole words
- * keep each L2 sector's writes few: MXFP8 has a scale byte per 32 elements. */
-__device__ __forceinline__ void store_scale4(uint8_t *dst, uint32_t word, int64_t n_valid) {
-    if (n_valid >= 4 && ((uintptr_t)dst & 3u) == 0) {
-        *reinterpret_cast<uint32_t *>(dst) = word;
-    } else {
-        for (int j = 0; j < 4 && j < n_valid; j++) dst[j] = (uint8_t)(word >> (8 * j));
-    }
-}
-
 struct Args {
     const void *x;
     int64_t ld, M, K;  /* x [M, K], row stride ld elements; M and K are multiples of 32 */
@@ -241,30 +220,44 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const Args a) {
         __syncthreads();
     }
 
-    /* Rowwise: one chunk of one row per load; kVec codes out per lane. */
+    /* Rowwise: one chunk of one row per load; kVec codes out per lane. The kLanesPerBlock lanes
+     * of a block share the exponent work: lane q (= lane % kLanesPerBlock) computes the
+     * exponents of the loads i with i % kLanesPerBlock == q, the others read them by shuffle. */
     if (kRow) {
+        constexpr int kL = S::kLanesPerBlock, kOwn = S::kLoads / kL;
+        uint8_t own_e[kOwn];
+        if (!k2D) {
+            const int q = lane % kL;
+            float block_amax[S::kLoads];
 #pragma unroll
-        for (int i = 0; i < S::kLoads; i++) {
-            const int r = i * S::kRowsPerPass + row_in_pass;
-            const int64_t m = m0 + r;
-            uint8_t e;
-            if (k2D) {
-                e = tile_e[r / kBlock][chunk / S::kLanesPerBlock];
-            } else {
+            for (int i = 0; i < S::kLoads; i++) {
                 uint32_t acc = 0u;
 #pragma unroll
                 for (int w = 0; w < 4; w++) acc = acc_word<In>(acc, word_of(in[i], w));
                 float amax = In::widen(elem_bits<In>(acc, 0));
                 if (S::kPerWord == 2) amax = fmaxf(amax, In::widen(elem_bits<In>(acc, 1)));
-                e = tq_mxfp8_exponent(lane_group_max<S::kLanesPerBlock>(amax), kE5M2);
+                block_amax[i] = lane_group_max<kL>(amax);
             }
-            const uint32_t scales = gather4(e, lane & ~(S::kChunksPerRow - 1) & 31, S::kLanesPerBlock);
+#pragma unroll
+            for (int j = 0; j < kOwn; j++) {
+                float mine = block_amax[j * kL];
+#pragma unroll
+                for (int t = 1; t < kL; t++) mine = q == t ? block_amax[j * kL + t] : mine;
+                own_e[j] = tq_mxfp8_exponent(mine, kE5M2);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < S::kLoads; i++) {
+            const int r = i * S::kRowsPerPass + row_in_pass;
+            const int64_t m = m0 + r;
+            const uint8_t e = k2D ? tile_e[r / kBlock][chunk / kL]
+                                  : (uint8_t)__shfl_sync(0xFFFFFFFFu, (uint32_t)own_e[i / kL], (lane & ~(kL - 1)) + i % kL);
             if (m >= a.M || !col_ok) continue;
             auto raw = [&](int j) { return elem_bits<In>(word_of(in[i], j / S::kPerWord), j % S::kPerWord); };
             uint32_t codes[S::kVec / 4];
             quantize_run<In, kE5M2, S::kVec>([&](int j) { return In::widen(raw(j)); }, e, raw, codes);
             store_codes<S::kVec / 4, kVec>(a.data + m * a.K + col, codes);
-            if (chunk == 0) store_scale4(a.scale_inv + m * (a.K / kBlock) + k0 / kBlock, scales, (a.K - k0) / kBlock);
+            if (chunk % kL == 0) a.scale_inv[m * (a.K / kBlock) + col / kBlock] = e;
         }
     }
 
@@ -287,23 +280,31 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const Args a) {
                 tq_tile::column_words(smem, lc, g, c, words);
                 /* tile column of element e of word (lc * 4 + g) in this round: k_first + e */
                 const int k_tile = round * kSmemChunks * S::kVec + (lc * 4 + g) * S::kPerWord;
-                uint32_t acc = 0u;
+                /* 1D: the lane pair shares its kPerWord exponents: lane c takes column c % kPerWord */
+                uint8_t pair_e = 0;
                 if (!k2D) {
+                    uint32_t acc = 0u;
 #pragma unroll
                     for (int j = 0; j < 16; j++) acc = acc_word<In>(acc, words[j]);
+                    float mine = lane_group_max<2>(In::widen(elem_bits<In>(acc, 0)));
+                    if (S::kPerWord == 2) {
+                        const float other = lane_group_max<2>(In::widen(elem_bits<In>(acc, 1)));
+                        mine = (c & 1) ? other : mine;
+                    }
+                    pair_e = tq_mxfp8_exponent(mine, kE5M2);
                 }
 #pragma unroll
                 for (int e = 0; e < S::kPerWord; e++) {
                     const int64_t k = k0 + k_tile + e;
                     const uint8_t x_e = k2D ? tile_e[c / 2][(k_tile + e) / kBlock]
-                                            : tq_mxfp8_exponent(lane_group_max<2>(In::widen(elem_bits<In>(acc, e))), kE5M2);
-                    const uint32_t scales = gather4(x_e, lane & ~7, 2);
+                                        : S::kPerWord == 1 ? pair_e
+                                        : (uint8_t)__shfl_sync(0xFFFFFFFFu, (uint32_t)pair_e, (lane & ~1) | e);
                     if (k >= a.K || m >= a.M) continue; /* M % 32 == 0: a lane pair is all in or out */
                     auto raw = [&](int j) { return elem_bits<In>(words[j], e); };
                     uint32_t codes[4];
                     quantize_run<In, kE5M2, 16>([&](int j) { return In::widen(raw(j)); }, x_e, raw, codes);
                     store_codes<4, kVec>(a.data_t + k * a.M + m, codes);
-                    if (c == 0) store_scale4(a.scale_inv_t + k * (a.M / kBlock) + m0 / kBlock, scales, (a.M - m0) / kBlock);
+                    if ((c & 1) == 0) a.scale_inv_t[k * (a.M / kBlock) + m / kBlock] = x_e;
                 }
             }
         }
