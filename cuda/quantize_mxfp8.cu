@@ -17,9 +17,11 @@
 #include <type_traits>
 
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include "internal_kernels.h"
+#include "dequant_out.cuh"
 #include "launch.cuh"
 #include "tile_transpose.cuh"
 #include "tequant/formats.h"
@@ -382,23 +384,19 @@ extern "C" tq_status tq_quantize_mxfp8_cuda(const tq_tensor *x, const tq_quant_c
 
 namespace {
 
-/* Output element types of dequantization: fp32 -> storage bits (bf16 / fp16 RNE, formats.h). */
-struct OutF32 {
-    using storage = float;
-    static __device__ __forceinline__ float narrow(float v) { return v; }
-};
-struct OutBf16 {
-    using storage = uint16_t;
-    static __device__ __forceinline__ uint16_t narrow(float v) { return tq_f32_to_bf16(v); }
-};
-struct OutF16 {
-    using storage = uint16_t;
-    static __device__ __forceinline__ uint16_t narrow(float v) { return tq_f32_to_f16(v); }
-};
+/* Two FP8 codes (low byte first) as fp32, through Hopper's exact FP8 -> fp16 pair convert:
+ * every E4M3 / E5M2 value is an fp16 value (a NaN stays a NaN, whose product is canonical). */
+__device__ __forceinline__ float2 fp8x2_to_f32x2(uint16_t codes, int e5m2) {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(codes, e5m2 ? __NV_E5M2 : __NV_E4M3);
+    return __half22float2(__half2(h));
+}
 
-/* Dequantization: 16 codes of one row per thread (rows have cols % 32 == 0, so a group never
- * crosses a row or a block). value = RN(fp8 * 2^(e-127)), narrowed RNE to out's dtype. */
+/* Dequantization: 8 codes of one row per thread (a quarter of a block: rows have cols % 32 == 0,
+ * so the scale of unit g is exps[g / 4], the exponents being compact [rows, cols / 32]); a warp
+ * reads 256 consecutive code bytes and, bf16 / fp16 out, writes 512 consecutive output bytes.
+ * value = RN(fp8 * 2^(e-127)), narrowed RNE to out's dtype. */
 constexpr int kDequantThreads = 256;
+using tq_cuda::kDequantUnit;
 
 template <typename Out, bool kVec>
 __global__ void __launch_bounds__(kDequantThreads)
@@ -406,42 +404,35 @@ dequantize_kernel(const uint8_t *__restrict__ codes, const uint8_t *__restrict__
                   int64_t rows, int64_t cols, int e5m2, typename Out::storage *__restrict__ out,
                   int64_t ld) {
     using T = typename Out::storage;
-    const int64_t groups_per_row = cols / 16, n = rows * groups_per_row;
+    const int64_t units_per_row = cols / kDequantUnit, n = rows * units_per_row;
     for (int64_t g = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; g < n;
          g += (int64_t)gridDim.x * blockDim.x) {
-        const int64_t r = g / groups_per_row, c = (g - r * groups_per_row) * 16;
-        uint32_t words[4];
+        uint32_t words[2];
         if (kVec) {
-            const uint4 u = *reinterpret_cast<const uint4 *>(codes + r * cols + c);
-            words[0] = u.x, words[1] = u.y, words[2] = u.z, words[3] = u.w;
+            const uint2 u = *reinterpret_cast<const uint2 *>(codes + g * kDequantUnit);
+            words[0] = u.x, words[1] = u.y;
         } else {
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const uint8_t *b = codes + r * cols + c + 4 * i;
+            for (int i = 0; i < 2; i++) {
+                const uint8_t *b = codes + g * kDequantUnit + 4 * i;
                 words[i] = b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 | (uint32_t)b[3] << 24;
             }
         }
-        const float scale = tq_e8m0_to_f32(exps[r * (cols / kBlock) + c / kBlock]);
-        __align__(16) T vals[16];
+        const float scale = tq_e8m0_to_f32(exps[g >> 2]);
+        __align__(16) T vals[kDequantUnit];
 #pragma unroll
-        for (int i = 0; i < 16; i++)
-            vals[i] = Out::narrow(tq_fp8_to_f32((uint8_t)(words[i >> 2] >> (8 * (i & 3))), e5m2) * scale);
-        T *dst = out + r * ld + c;
-        if (kVec) {
-#pragma unroll
-            for (int i = 0; i < (int)sizeof(vals) / 16; i++)
-                reinterpret_cast<uint4 *>(dst)[i] = reinterpret_cast<const uint4 *>(vals)[i];
-        } else {
-#pragma unroll
-            for (int i = 0; i < 16; i++) dst[i] = vals[i];
+        for (int i = 0; i < kDequantUnit; i += 2) {
+            const float2 v = fp8x2_to_f32x2((uint16_t)(words[i >> 2] >> (8 * (i & 3))), e5m2);
+            Out::narrow2(v.x * scale, v.y * scale, &vals[i]);
         }
+        tq_cuda::store_unit<T, kVec>(out, g, units_per_row, cols, ld, vals);
     }
 }
 
 template <typename Out>
 void launch_dequantize(bool vec, const uint8_t *codes, const uint8_t *exps, int64_t rows,
                        int64_t cols, int e5m2, tq_tensor *out, int device, cudaStream_t st) {
-    const int64_t n = rows * (cols / 16);
+    const int64_t n = rows * (cols / kDequantUnit);
     int sms = 132;
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     int64_t blocks = (n + kDequantThreads - 1) / kDequantThreads;
@@ -465,7 +456,7 @@ extern "C" tq_status tq_dequantize_mxfp8_cuda(const tq_quant_config *config, con
     DeviceGuard guard(out->device);
     if (guard.status != cudaSuccess) return launch_failed("mxfp8 dequantize: making out's device current");
     const int esize = out->dtype == TQ_DTYPE_FLOAT32 ? 4 : 2;
-    /* Code rows are multiples of 32 bytes, so aligned when their base is (torch's always is). */
+    /* Code rows are multiples of 32 bytes, so 8-byte loads are aligned when their base is. */
     const bool vec = aligned16(data->data) && aligned16(out->data) && (out->ld * esize) % 16 == 0;
     const int e5m2 = config->elem_dtype == TQ_DTYPE_FLOAT8_E5M2;
     const auto *codes = static_cast<const uint8_t *>(data->data);
@@ -473,13 +464,13 @@ extern "C" tq_status tq_dequantize_mxfp8_cuda(const tq_quant_config *config, con
     cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
     switch (out->dtype) {
         case TQ_DTYPE_FLOAT32:
-            launch_dequantize<OutF32>(vec, codes, exps, data->rows, data->cols, e5m2, out, out->device, st);
+            launch_dequantize<tq_cuda::DequantF32>(vec, codes, exps, data->rows, data->cols, e5m2, out, out->device, st);
             break;
         case TQ_DTYPE_BFLOAT16:
-            launch_dequantize<OutBf16>(vec, codes, exps, data->rows, data->cols, e5m2, out, out->device, st);
+            launch_dequantize<tq_cuda::DequantBf16>(vec, codes, exps, data->rows, data->cols, e5m2, out, out->device, st);
             break;
         default:
-            launch_dequantize<OutF16>(vec, codes, exps, data->rows, data->cols, e5m2, out, out->device, st);
+            launch_dequantize<tq_cuda::DequantF16>(vec, codes, exps, data->rows, data->cols, e5m2, out, out->device, st);
             break;
     }
     if (cudaPeekAtLastError() != cudaSuccess) return launch_failed("mxfp8 dequantize kernel launch");

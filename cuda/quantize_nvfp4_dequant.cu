@@ -2,13 +2,16 @@
  * TE_REFERENCE 6.5): value = e2m1(code) * tq_nvfp4_block_dec(s_b, A), with A the amax of that
  * direction (q->amax rowwise, q->amax_t columnwise), written as fp32, or RNE to bf16 / fp16.
  * With that amax's data NULL it writes e2m1(code) * s_b: the values the GEMM multiplies (gemm.c).
- * Reference: csrc/ref/quantize_nvfp4_ref.c (bit for bit). Tests: tests/test_quantize_nvfp4*.py.
+ * Reference: csrc/ref/quantize_nvfp4_ref.c (bit for bit). Tests: tests/test_quantize_nvfp4*.py
+ * (dequantize), tests/test_gemm.py (the GEMM values).
  */
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "internal_kernels.h"
+#include "dequant_out.cuh"
 #include "launch.cuh"
 #include "tequant/formats.h"
 
@@ -16,53 +19,78 @@ namespace {
 
 using tq_cuda::DeviceGuard;
 using tq_cuda::cuda_failed;
-using tq_cuda::launch_failed;
 
 constexpr int kThreads = 256;
+constexpr int kUnit = tq_cuda::kDequantUnit; /* codes per thread: half a 16-code block */
 
+/* e2m1(code) for the low 4 bits of code, as tq_e2m1_to_f32 but in four instructions: the three
+ * magnitude bits placed at fp32's exponent LSBs and first mantissa bit give 2^(e-127)(1 + m/2)
+ * (e > 0) or m 2^-127 (a subnormal), so times 2^126 (exact) it is {0, .5, 1, 1.5, 2, 3, 4, 6}. */
+__device__ __forceinline__ float e2m1_value(uint32_t code) {
+    return __uint_as_float(((code & 7u) << 22) | ((code & 8u) << 28)) * 0x1p126f;
+}
 
-template <typename Out>
-__device__ __forceinline__ void store_out(Out *out, float v);
-template <>
-__device__ __forceinline__ void store_out<float>(float *out, float v) { *out = v; }
-struct OutBF16 { uint16_t bits; };
-struct OutF16 { uint16_t bits; };
-template <>
-__device__ __forceinline__ void store_out<OutBF16>(OutBF16 *out, float v) { out->bits = tq_f32_to_bf16(v); }
-template <>
-__device__ __forceinline__ void store_out<OutF16>(OutF16 *out, float v) { out->bits = tq_f32_to_f16(v); }
-
-/* One thread per packed byte (two neighbouring codes of a row): a warp reads 32 consecutive
- * bytes and writes 64 consecutive outputs. */
-template <typename Out>
+/* One thread per 8 codes (4 bytes, half of a block: its scale byte is at g / 2, the scales being
+ * compact [rows, cols / 16]); a warp reads 128 consecutive code bytes and, bf16 / fp16 out,
+ * writes 512 consecutive output bytes. kValues: the GEMM values e2m1 * s_b, exact in bf16 (at
+ * most 6 significant bits), so bf16 is a truncation. */
+template <typename Out, bool kValues, bool kVec>
 __global__ void __launch_bounds__(kThreads) dequantize_kernel(const uint8_t *__restrict__ data,
                                                               const uint8_t *__restrict__ scale_inv,
                                                               const float *__restrict__ amax,
                                                               int64_t rows, int64_t cols,
-                                                              Out *__restrict__ out, int64_t ld) {
-    /* amax == nullptr: the GEMM values q * s_b (the global factor is the GEMM's alpha). */
-    const bool with_global = amax != nullptr;
-    const float global_amax = with_global ? *amax : 0.0f;
-    const int64_t bytes_per_row = cols / 2, n = rows * bytes_per_row;
-    for (int64_t i = (int64_t)blockIdx.x * kThreads + threadIdx.x; i < n;
-         i += (int64_t)gridDim.x * kThreads) {
-        const int64_t r = i / bytes_per_row, c = (i - r * bytes_per_row) * 2;
-        const uint8_t byte = data[i];
-        const uint8_t s_b = scale_inv[r * (cols / 16) + c / 16];
-        const float dec = with_global ? tq_nvfp4_block_dec(s_b, global_amax) : tq_e4m3_to_f32(s_b);
-        store_out(&out[r * ld + c], tq_mul(tq_e2m1_to_f32((uint8_t)(byte & 0xFu)), dec));
-        store_out(&out[r * ld + c + 1], tq_mul(tq_e2m1_to_f32((uint8_t)(byte >> 4)), dec));
+                                                              typename Out::storage *__restrict__ out,
+                                                              int64_t ld) {
+    using T = typename Out::storage;
+    const float global_amax = kValues ? 0.0f : *amax;
+    const int64_t units_per_row = cols / kUnit, n = rows * units_per_row;
+    for (int64_t g = (int64_t)blockIdx.x * kThreads + threadIdx.x; g < n;
+         g += (int64_t)gridDim.x * kThreads) {
+        uint32_t codes; /* code i in bits 4i..4i+3 */
+        if (kVec) {
+            codes = *reinterpret_cast<const uint32_t *>(data + g * 4);
+        } else {
+            const uint8_t *p = data + g * 4;
+            codes = p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+        }
+        const uint8_t s_b = scale_inv[g >> 1];
+        const float dec = kValues ? tq_e4m3_to_f32(s_b) : tq_nvfp4_block_dec(s_b, global_amax);
+        __align__(16) T vals[kUnit];
+#pragma unroll
+        for (int i = 0; i < kUnit; i += 2) {
+            const float a = e2m1_value(codes >> (4 * i)) * dec;
+            const float b = e2m1_value(codes >> (4 * i + 4)) * dec;
+            if constexpr (kValues && std::is_same<Out, tq_cuda::DequantBf16>::value)
+                vals[i] = (T)(__float_as_uint(a) >> 16), vals[i + 1] = (T)(__float_as_uint(b) >> 16);
+            else
+                Out::narrow2(a, b, &vals[i]);
+        }
+        tq_cuda::store_unit<T, kVec>(out, g, units_per_row, cols, ld, vals);
     }
 }
 
-template <typename Out>
-void launch_dequantize(const uint8_t *data, const uint8_t *scale_inv, const float *amax,
-                       tq_tensor *out, int sms, cudaStream_t s) {
-    const int64_t n = out->rows * (out->cols / 2);
+template <typename Out, bool kValues>
+void launch_with(bool vec, const uint8_t *data, const uint8_t *scale_inv, const float *amax,
+                 tq_tensor *out, int sms, cudaStream_t s) {
+    const int64_t n = out->rows * (out->cols / kUnit);
     const int64_t blocks = std::min<int64_t>((n + kThreads - 1) / kThreads, 16LL * sms);
-    dequantize_kernel<Out><<<(unsigned)blocks, kThreads, 0, s>>>(
-        data, scale_inv, amax, out->rows, out->cols, static_cast<Out *>(out->data), out->ld);
+    auto *o = static_cast<typename Out::storage *>(out->data);
+    if (vec)
+        dequantize_kernel<Out, kValues, true><<<(unsigned)blocks, kThreads, 0, s>>>(
+            data, scale_inv, amax, out->rows, out->cols, o, out->ld);
+    else
+        dequantize_kernel<Out, kValues, false><<<(unsigned)blocks, kThreads, 0, s>>>(
+            data, scale_inv, amax, out->rows, out->cols, o, out->ld);
 }
+
+template <typename Out>
+void launch_dequantize(bool vec, const uint8_t *data, const uint8_t *scale_inv, const float *amax,
+                       tq_tensor *out, int sms, cudaStream_t s) {
+    if (amax == nullptr) launch_with<Out, true>(vec, data, scale_inv, amax, out, sms, s);
+    else launch_with<Out, false>(vec, data, scale_inv, amax, out, sms, s);
+}
+
+bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
 }  // namespace
 
@@ -80,10 +108,14 @@ extern "C" tq_status tq_dequantize_nvfp4_cuda(const tq_quant_config *config, con
     const float *amax = static_cast<const float *>(row ? q->amax.data : q->amax_t.data);
     int sms = 132;
     if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, out->device) != cudaSuccess) sms = 132;
+    /* 4-byte code loads need a 4-aligned base (rows are multiples of 8 bytes); 16-byte output
+     * stores a 16-aligned base and row pitch */
+    const int esize = out->dtype == TQ_DTYPE_FLOAT32 ? 4 : 2;
+    const bool vec = ((uintptr_t)data & 3u) == 0 && aligned16(out->data) && (out->ld * esize) % 16 == 0;
     switch (out->dtype) {
-        case TQ_DTYPE_FLOAT32: launch_dequantize<float>(data, scale_inv, amax, out, sms, s); break;
-        case TQ_DTYPE_BFLOAT16: launch_dequantize<OutBF16>(data, scale_inv, amax, out, sms, s); break;
-        default: launch_dequantize<OutF16>(data, scale_inv, amax, out, sms, s); break;
+        case TQ_DTYPE_FLOAT32: launch_dequantize<tq_cuda::DequantF32>(vec, data, scale_inv, amax, out, sms, s); break;
+        case TQ_DTYPE_BFLOAT16: launch_dequantize<tq_cuda::DequantBf16>(vec, data, scale_inv, amax, out, sms, s); break;
+        default: launch_dequantize<tq_cuda::DequantF16>(vec, data, scale_inv, amax, out, sms, s); break;
     }
     const cudaError_t err = cudaPeekAtLastError();
     if (err != cudaSuccess) return cuda_failed("NVFP4 dequantize kernel launch", err);
