@@ -129,6 +129,33 @@ def test_backward_keeps_x_columnwise_in_one_buffer(name, dtype, shape, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", list(RECIPES))
+def test_padding_rows_are_zero_in_reused_memory(name, device):
+    """The rows te.Linear pads x and dy with (csrc/core/pad.c) are zeroed, not left as whatever
+    the allocator hands back: blocks of the padded size are filled with NaN and freed first, so
+    the padded copies most likely land on them. The kept x then equals te.ops.quantize of the
+    zero-padded x byte for byte, and every gradient is finite."""
+    lin = make_linear(name, dtype=torch.bfloat16, device=device, seed=5)
+    x = randn(7, K, seed=6, dtype=torch.bfloat16, device=device).requires_grad_()
+    rows = -(-7 // ROW_MULTIPLE[name]) * ROW_MULTIPLE[name]
+    for cols in (K, N):
+        poison = [torch.full((rows, cols), float("nan"), dtype=torch.bfloat16, device=device)
+                  for _ in range(4)]
+        del poison
+    y = forward(lin, name, x)
+    ref = te.ops.quantize(padded_2d(x, name), RECIPES[name], "input", rowwise=True,
+                          columnwise=True)
+    check_packed(y.grad_fn.saved[0][0], kept_members(name, "input", ref._members(), COL))
+    for cols in (K, N):
+        poison = [torch.full((rows, cols), float("nan"), dtype=torch.bfloat16, device=device)
+                  for _ in range(4)]
+        del poison
+    y.backward(randn(7, N, seed=7, dtype=torch.bfloat16, device=device))
+    for grad in (x.grad, lin.weight.grad, lin.bias.grad):
+        assert torch.isfinite(grad).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(RECIPES))
 def test_without_wgrad_nothing_of_x_is_kept(name, device):
     lin = make_linear(name, dtype=torch.float32, device=device, seed=3)
     lin.weight.requires_grad_(False)

@@ -79,25 +79,21 @@ static int rng_for(tqx_state *st, const tq_quant_config *c, PyObject *x, tq_quan
     return tqx_rng_from_py(st, *owner, qa);
 }
 
-/* t (contiguous, viewed as x [rows, cols]) as [padded, cols] with `padded` the next multiple of
- * `align` rows, zero-filled past x (a new reference; t itself when aligned). */
-static PyObject *pad_rows(tqx_state *st, PyObject *t, const tq_tensor *x, int64_t align,
-                          PyObject *device, int64_t *padded) {
+/* t (viewed as x [rows, cols]) as [padded, cols] with `padded` the next multiple of `align`
+ * rows, zero-filled past x by the core (one allocation, a copy and a memset queued on x's
+ * stream): a new reference, t itself when aligned. */
+static PyObject *pad_rows(tqx_state *st, PyObject *t, const tq_tensor *x, void *stream,
+                          int64_t align, PyObject *device, int64_t *padded) {
     *padded = (x->rows + align - 1) / align * align;
     if (*padded == x->rows) return Py_NewRef(t);
-    void *data;
-    PyObject *xp = tqx_torch_new(st, *padded, x->cols, x->dtype, device, 1, &data);
-    PyObject *head = xp ? PyObject_CallMethod(xp, "narrow", "iLL", 0, 0LL, (long long)x->rows) : NULL;
-    PyObject *x2d = head ? PyObject_CallMethod(t, "reshape", "(LL)", (long long)x->rows,
-                                               (long long)x->cols) : NULL;
-    PyObject *done = x2d ? PyObject_CallMethod(head, "copy_", "O", x2d) : NULL;
-    Py_XDECREF(x2d);
-    Py_XDECREF(head);
-    if (done == NULL) {
-        Py_XDECREF(xp);
-        return NULL;
+    tq_tensor out = {NULL, *padded, x->cols, x->cols, x->dtype, x->device};
+    PyObject *xp = tqx_torch_new(st, *padded, x->cols, x->dtype, device, 0, &out.data);
+    if (xp == NULL) return NULL;
+    const tq_status s = tq_pad_rows(x, &out, (struct CUstream_st *)stream);
+    if (s != TQ_SUCCESS) {
+        Py_DECREF(xp);
+        return tqx_raise_status(st, s);
     }
-    Py_DECREF(done);
     return xp;
 }
 
@@ -337,15 +333,16 @@ static PyObject *py_linear_forward(PyObject *module, PyObject *const *args, Py_s
     PyObject *result = NULL;
     quantized qx = {NULL, {NULL, NULL}, Py_None, TQ_QTENSOR_INIT};
     tq_tensor x;
+    tqx_tensor_info x_info;
     int64_t padded = 0;
-    if (device == NULL || tqx_tensor_from_py(st, inp, "input", TQX_FLOAT_DTYPES, &x, NULL) < 0)
+    if (device == NULL || tqx_tensor_from_py(st, inp, "input", TQX_FLOAT_DTYPES, &x, &x_info) < 0)
         goto done;
     if (x.cols != k) {
         PyErr_Format(PyExc_ValueError, "input has %lld features in its last dim; the weight "
                      "takes %lld", (long long)x.cols, (long long)k);
         goto done;
     }
-    if ((xp = pad_rows(st, inp, &x, p.align, device, &padded)) == NULL) goto done;
+    if ((xp = pad_rows(st, inp, &x, x_info.stream, p.align, device, &padded)) == NULL) goto done;
     const uint32_t x_usage = TQ_USAGE_ROWWISE | ((needs & NEED_WGRAD) ? TQ_USAGE_COLUMNWISE : 0);
     /* packed x: with wgrad, the columnwise part (kept) apart from the rowwise one (fprop only) */
     static const uint32_t x_parts[2] = {TQX_PART_COLUMNWISE, TQX_PART_ROWWISE};
@@ -416,7 +413,7 @@ static PyObject *py_linear_backward(PyObject *module, PyObject *const *args, Py_
                      "[%lld, %lld]", (long long)d.rows, (long long)d.cols, rows, n);
         goto done;
     }
-    if ((dyp = pad_rows(st, dy, &d, p.align, device, &dy_padded)) == NULL) goto done;
+    if ((dyp = pad_rows(st, dy, &d, dy_info.stream, p.align, device, &dy_padded)) == NULL) goto done;
     const uint32_t usage = ((needs & NEED_DGRAD) ? TQ_USAGE_ROWWISE : 0)
                            | ((needs & NEED_WGRAD) ? TQ_USAGE_COLUMNWISE : 0);
     if (usage && quantize(st, dyp, &p.dy, usage, args[4], device, d.device, 1, &usage, &qdy) < 0)

@@ -91,6 +91,11 @@ typedef struct tq_tensor {
  * when it has elements, a known dtype). name is used in the error message. */
 TQ_API tq_status tq_tensor_check(const tq_tensor *t, const char *name);
 
+/* out[:x.rows] = x and out[x.rows:] = 0: x padded with zero rows to out's row count (a format's
+ * row multiple, NUMERICS 3.4), for any number of tokens. Same dtype, cols and device; on CUDA
+ * queued on `stream` (an async 2-D copy and memset), on the CPU done on return. */
+TQ_API tq_status tq_pad_rows(const tq_tensor *x, tq_tensor *out, struct CUstream_st *stream);
+
 /* ---------------------------------------------------------------------------------------------
  * Quantizer configuration
  *
