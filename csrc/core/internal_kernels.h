@@ -14,6 +14,9 @@ extern "C" {
 tq_status tq_amax_ref(const tq_tensor *x, tq_tensor *amax, struct CUstream_st *stream);
 tq_status tq_amax_cuda(const tq_tensor *x, tq_tensor *amax, struct CUstream_st *stream);
 
+tq_status tq_pad_rows_ref(const tq_tensor *x, tq_tensor *out, struct CUstream_st *stream);
+tq_status tq_pad_rows_cuda(const tq_tensor *x, tq_tensor *out, struct CUstream_st *stream);
+
 tq_status tq_codec_ref(tq_codec codec, const tq_tensor *in, tq_tensor *out, struct CUstream_st *stream);
 tq_status tq_codec_cuda(tq_codec codec, const tq_tensor *in, tq_tensor *out, struct CUstream_st *stream);
 

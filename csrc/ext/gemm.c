@@ -4,8 +4,8 @@
  * the bias to the dtype the epilogue takes, then:
  *   CUDA: tq_gemm on the output's current stream with the GIL released; the cuBLASLt workspace
  *         is one torch uint8 tensor per (device, stream), kept in the module state (concurrent
- *         streams must not share one), and per-call scratch (emulated operands, padding) comes
- *         from torch.empty, i.e. the caching allocator;
+ *         streams must not share one), and per-call scratch (emulated operands, padding) is a
+ *         tqx_scratch block of torch's caching allocator, handed back when the call returns;
  *   CPU:  both operands' GEMM values from the C reference (tq_gemm_operand_values, FP32), one
  *         torch.mm in FP32, then alpha, the accumulated output and the bias in FP32, and a single
  *         rounding into out, in the order cuBLASLt's epilogue applies them.
@@ -95,15 +95,15 @@ static int workspace_for(tqx_state *st, PyObject *device, int device_index, void
 
 static int cuda_gemm(tqx_state *st, tqx_operand *a, tqx_operand *b, const tq_gemm_info *info,
                      tq_gemm_args *args, tq_tensor *out, void *stream, PyObject *device) {
-    PyObject *ws_owner, *scratch = NULL;
+    PyObject *ws_owner;
     if (workspace_for(st, device, info->device, stream, &args->workspace, &ws_owner) < 0) return -1;
+    tqx_scratch scratch = TQX_SCRATCH_INIT; /* the emulated pairs' dequantized values */
+    if (tqx_scratch_alloc(st, info->scratch_bytes, info->device, device, stream, &scratch) < 0) {
+        Py_XDECREF(ws_owner);
+        return -1;
+    }
     if (info->scratch_bytes > 0) {
-        scratch = tqx_torch_new(st, 1, (int64_t)info->scratch_bytes, TQ_DTYPE_UINT8, device, 0,
-                                &args->scratch.data);
-        if (scratch == NULL) {
-            Py_XDECREF(ws_owner);
-            return -1;
-        }
+        args->scratch.data = scratch.data;
         args->scratch.rows = 1;
         args->scratch.cols = args->scratch.ld = (int64_t)info->scratch_bytes;
         args->scratch.dtype = TQ_DTYPE_UINT8;
@@ -113,7 +113,7 @@ static int cuda_gemm(tqx_state *st, tqx_operand *a, tqx_operand *b, const tq_gem
     Py_BEGIN_ALLOW_THREADS
     s = tq_gemm(&a->op, &b->op, args, out, (struct CUstream_st *)stream);
     Py_END_ALLOW_THREADS
-    Py_XDECREF(scratch); /* the kernels are queued on the stream; the allocator orders reuse */
+    tqx_scratch_release(st, &scratch); /* the kernels are queued; the allocator orders reuse */
     Py_XDECREF(ws_owner); /* NULL unless made for this call alone (during a capture) */
     if (s != TQ_SUCCESS) return tqx_raise_status(st, s), -1;
     return 0;

@@ -20,10 +20,11 @@
  * dtype; bias_dtype None: no bias grad) and, given the DelayedScaling modules of an autocast
  * (pending, passed to the module that ran first), runs their backward update last.
  * A kept quantization (saved, cached) is, with bit 8 (eager te.Linear), a packed pair (buffer,
- * amax) of packed.c: one allocation per operand instead of one per member (x: two, as its
- * rowwise part is dropped after fprop); without it (torch.compile's ops, which return each
- * member as a tensor, and the "dequantized" override, which reads them in Python) the 6-tuple
- * of member tensors. Backward takes either form; dy, kept by nobody, is always packed.
+ * amax) of packed.c: one allocation per kept operand instead of one per member; without it
+ * (torch.compile's ops, which return each member as a tensor, and the "dequantized" override,
+ * which reads them in Python) the 6-tuple of member tensors. Backward takes either form. What
+ * one call consumes (x's rowwise part, used by fprop only; dy, kept by nobody; the padded copies
+ * of x and dy) lives in tqx_scratch blocks (torch_calls.c), handed back before the call returns.
  * Tests: tests/test_linear.py, tests/test_linear_delayed.py, tests/test_linear_alloc.py.
  */
 #include "module.h"
@@ -79,70 +80,78 @@ static int rng_for(tqx_state *st, const tq_quant_config *c, PyObject *x, tq_quan
     return tqx_rng_from_py(st, *owner, qa);
 }
 
-/* t (viewed as x [rows, cols]) as [padded, cols] with `padded` the next multiple of `align`
- * rows, zero-filled past x by the core (one allocation, a copy and a memset queued on x's
- * stream): a new reference, t itself when aligned. */
-static PyObject *pad_rows(tqx_state *st, PyObject *t, const tq_tensor *x, void *stream,
-                          int64_t align, PyObject *device, int64_t *padded) {
-    *padded = (x->rows + align - 1) / align * align;
-    if (*padded == x->rows) return Py_NewRef(t);
-    tq_tensor out = {NULL, *padded, x->cols, x->cols, x->dtype, x->device};
-    PyObject *xp = tqx_torch_new(st, *padded, x->cols, x->dtype, device, 0, &out.data);
-    if (xp == NULL) return NULL;
-    const tq_status s = tq_pad_rows(x, &out, (struct CUstream_st *)stream);
-    if (s != TQ_SUCCESS) {
-        Py_DECREF(xp);
-        return tqx_raise_status(st, s);
-    }
-    return xp;
+/* x [rows, cols] as *xp [padded, cols], `padded` the next multiple of `align` rows: x itself
+ * when aligned, else a copy in scratch *s (released by the caller), zero-filled past x by the
+ * core (one launch on x's stream). -1 with an exception. */
+static int pad_rows(tqx_state *st, const tq_tensor *x, void *stream, int64_t align,
+                    PyObject *device, tq_tensor *xp, tqx_scratch *s) {
+    const int64_t padded = (x->rows + align - 1) / align * align;
+    *xp = *x;
+    if (padded == x->rows) return 0;
+    const size_t bytes = (size_t)padded * (size_t)x->cols * (size_t)(tq_dtype_bits(x->dtype) / 8);
+    if (tqx_scratch_alloc(st, bytes, x->device, device, stream, s) < 0) return -1;
+    xp->data = s->data;
+    xp->rows = padded;
+    xp->ld = x->cols;
+    const tq_status status = tq_pad_rows(x, xp, (struct CUstream_st *)stream);
+    if (status == TQ_SUCCESS) return 0;
+    tqx_scratch_release(st, s);
+    tqx_raise_status(st, status);
+    return -1;
 }
 
-/* One quantization, as member tensors (members) or packed (bufs, amax, q). */
+/* One quantization, as member tensors (members) or packed (bufs or scratch, amax, q). */
 typedef struct quantized {
-    PyObject *members; /* the 6-tuple, or NULL when packed */
-    PyObject *bufs[2]; /* packed: bufs[i] holds the i-th part asked for */
-    PyObject *amax;    /* packed, borrowed: DelayedScaling's history slot, else Py_None */
-    tq_qtensor q;      /* packed: the members, in bufs */
+    PyObject *members;      /* the 6-tuple, or NULL when packed */
+    PyObject *bufs[2];      /* packed: bufs[i] holds the i-th part asked for ... */
+    tqx_scratch scratch[2]; /* ... or scratch[i] does, when the call consumes that part */
+    PyObject *amax;         /* packed, borrowed: DelayedScaling's history slot, else Py_None */
+    PyObject *source;       /* borrowed: the tensor quantized (or padded from), for its device */
+    tq_qtensor q;           /* packed: the members, in bufs / scratch */
 } quantized;
+#define QUANTIZED_INIT {NULL, {NULL, NULL}, {TQX_SCRATCH_INIT, TQX_SCRATCH_INIT}, Py_None, NULL, \
+                        TQ_QTENSOR_INIT}
 
-static void quantized_clear(quantized *z) {
+static void quantized_clear(tqx_state *st, quantized *z) {
     Py_CLEAR(z->members);
-    Py_CLEAR(z->bufs[0]);
-    Py_CLEAR(z->bufs[1]);
+    for (int i = 0; i < 2; i++) {
+        Py_CLEAR(z->bufs[i]);
+        tqx_scratch_release(st, &z->scratch[i]);
+    }
 }
 
-/* Quantizes a 2-D tensor with config into *z: packed into n_parts buffers holding parts[i]
- * (n_parts 0: members). state: None or the delayed (scale, amax slot) pair; a delayed quantization
- * without one needs a zeroed amax and a scale of 1 made for it, which the members path does.
- * device (index device_index): where x2d normally is; a tensor elsewhere is asked for its own. */
-static int quantize(tqx_state *st, PyObject *x2d, const tq_quant_config *config, uint32_t usage,
-                    PyObject *state, PyObject *device, int device_index, int n_parts,
-                    const uint32_t *parts, quantized *z) {
-    z->members = z->bufs[0] = z->bufs[1] = NULL;
-    z->amax = Py_None;
-    tq_tensor x;
-    tqx_tensor_info info;
-    if (tqx_tensor_from_py(st, x2d, "x", TQX_FLOAT_DTYPES, &x, &info) < 0) return -1;
+/* Quantizes x (the 2-D view of x_obj, or its padded copy; on `stream`) with config into *z
+ * (fresh from QUANTIZED_INIT): packed into n_parts buffers holding parts[i], in scratch for the
+ * parts whose bit i is set in `transient` (n_parts 0: members). state: None or the delayed
+ * (scale, amax slot) pair; a delayed quantization without one needs a zeroed amax and a scale of
+ * 1 made for it, which the members path does. device (index device_index): where x_obj normally
+ * is; a tensor elsewhere is asked for its own. */
+static int quantize(tqx_state *st, PyObject *x_obj, const tq_tensor *x_in, void *stream,
+                    const tq_quant_config *config, uint32_t usage, PyObject *state,
+                    PyObject *device, int device_index, int n_parts, const uint32_t *parts,
+                    uint32_t transient, quantized *z) {
+    const tq_tensor x = *x_in;
+    z->source = x_obj;
     tq_quantize_args qa = TQ_QUANTIZE_ARGS_INIT;
     qa.usage = usage;
     PyObject *scale = Py_None, *amax = Py_None;
     if (state != Py_None && !PyArg_ParseTuple(state, "OO", &scale, &amax)) return -1;
     if (config->scaling == TQ_SCALING_DELAYED && (scale == Py_None || amax == Py_None)) n_parts = 0;
     PyObject *rng_owner;
-    if (rng_for(st, config, x2d, &qa, &rng_owner) < 0) {
+    if (rng_for(st, config, x_obj, &qa, &rng_owner) < 0) {
         Py_XDECREF(rng_owner);
         return -1;
     }
     int rc;
     if (n_parts == 0) {
-        z->members = tqx_quantize_members(st, x2d, &x, info.stream, config, &qa, scale, amax,
+        z->members = tqx_quantize_members(st, x_obj, &x, stream, config, &qa, scale, amax,
                                           &z->q);
         rc = z->members ? 0 : -1;
     } else {
         PyObject *dev = x.device == device_index ? Py_NewRef(device)
-                                                 : PyObject_GetAttrString(x2d, "device");
-        rc = dev ? tqx_quantize_packed(st, &x, info.stream, dev, config, &qa, scale, amax, n_parts,
-                                       parts, z->bufs, &z->q)
+                                                 : PyObject_GetAttrString(x_obj, "device");
+        rc = dev ? tqx_quantize_packed(st, &x, stream, dev, config, &qa, scale, amax, n_parts,
+                                       parts, transient, z->bufs, z->scratch, &z->q)
                  : -1;
         Py_XDECREF(dev);
         z->amax = amax;
@@ -155,7 +164,7 @@ static int quantize(tqx_state *st, PyObject *x2d, const tq_quant_config *config,
 static int operand(tqx_state *st, quantized *z, const tq_quant_config *config, int64_t rows,
                    int64_t cols, uint32_t usage, tqx_operand *o) {
     if (z->members) return tqx_operand_set(st, config, rows, cols, z->members, usage, o);
-    tqx_operand_of(config, &z->q, usage, z->bufs[0], o);
+    tqx_operand_of(config, &z->q, usage, z->source, o);
     return 0;
 }
 
@@ -198,21 +207,39 @@ static PyObject *gemm(tqx_state *st, const plan *p, tqx_operand *a, tqx_operand 
     } else {
         full = tqx_gemm_run(st, a, b, Py_None, out_dtype, bias, flags);
     }
-    PyObject *head = full == NULL ? NULL
-                     : rows == padded ? Py_NewRef(full)
-                                      : PyObject_CallMethod(full, "narrow", "iLL", 0, 0LL, (long long)rows);
-    PyObject *out = head ? PyObject_CallMethod(head, "view", "O", shape) : NULL;
-    Py_XDECREF(head);
+    /* full[:rows] (tensor indexing: cheaper than a narrow call), viewed as `shape` unless that
+     * is already [rows, N] */
+    PyObject *head = NULL;
+    if (full != NULL && rows == padded) {
+        head = Py_NewRef(full);
+    } else if (full != NULL) {
+        PyObject *stop = PyLong_FromLongLong((long long)rows);
+        PyObject *slice = stop ? PySlice_New(NULL, stop, NULL) : NULL;
+        head = slice ? PyObject_GetItem(full, slice) : NULL;
+        Py_XDECREF(slice);
+        Py_XDECREF(stop);
+    }
     Py_XDECREF(full);
+    if (head == NULL) return NULL;
+    const int is_2d = PyTuple_Check(shape) && PyTuple_GET_SIZE(shape) == 2
+                      && PyLong_AsLongLong(PyTuple_GET_ITEM(shape, 0)) == (long long)rows;
+    if (PyErr_Occurred()) {
+        Py_DECREF(head);
+        return NULL;
+    }
+    if (is_2d) return head; /* the GEMM's N is shape[1] */
+    PyObject *out = PyObject_CallMethod(head, "view", "O", shape);
+    Py_DECREF(head);
     return out;
 }
 
-/* The weight quantized in both directions, as kept: the cached one when first_microbatch is
- * False and the cache holds this plan's on the weight's device (in the member form unless
- * packed: Python reads those), else freshly quantized (and cached unless None). */
-static PyObject *weight_kept(tqx_state *st, const plan *p, PyObject *weight, PyObject *cache,
-                             PyObject *first, PyObject *state, long needs, PyObject *device,
-                             int device_index) {
+/* The weight (viewed as w, its current stream w_stream) quantized in both directions, as kept:
+ * the cached one when first_microbatch is False and the cache holds this plan's on the weight's
+ * device (in the member form unless packed: Python reads those), else freshly quantized (and
+ * cached unless None). */
+static PyObject *weight_kept(tqx_state *st, const plan *p, PyObject *weight, const tq_tensor *w,
+                             void *w_stream, PyObject *cache, PyObject *first, PyObject *state,
+                             long needs, PyObject *device, int device_index) {
     const int packed = (needs & PACKED) != 0;
     if (!PyList_Check(cache)) {
         PyErr_SetString(PyExc_TypeError, "linear weight cache must be a list");
@@ -223,22 +250,23 @@ static PyObject *weight_kept(tqx_state *st, const plan *p, PyObject *weight, PyO
         int same_key = PyObject_RichCompareBool(PyList_GET_ITEM(cache, 0), p->key, Py_EQ);
         if (same_key < 0) return NULL;
         const int usable = PyTuple_Check(kept) && (packed || PyTuple_GET_SIZE(kept) == 6);
-        tq_tensor w, cached; /* item 0: the buffer or the rowwise data */
+        tq_tensor cached; /* item 0: the buffer or the rowwise data */
         if (same_key && usable
-            && tqx_tensor_from_py(st, weight, "weight", TQX_FLOAT_DTYPES, &w, NULL) == 0
             && tqx_tensor_from_py(st, PyTuple_GET_ITEM(kept, 0), "cached weight", ~0u, &cached,
                                   NULL) == 0
-            && w.device == cached.device)
+            && w->device == cached.device)
             return Py_NewRef(kept);
         if (PyErr_Occurred()) return NULL;
     }
     static const uint32_t both = TQX_PART_ROWWISE | TQX_PART_COLUMNWISE;
-    quantized z;
-    if (quantize(st, weight, &p->w, TQ_USAGE_ROWWISE | TQ_USAGE_COLUMNWISE, state, device,
-                 device_index, packed ? 1 : 0, &both, &z) < 0)
+    quantized z = QUANTIZED_INIT;
+    if (quantize(st, weight, w, w_stream, &p->w, TQ_USAGE_ROWWISE | TQ_USAGE_COLUMNWISE, state,
+                 device, device_index, packed ? 1 : 0, &both, 0, &z) < 0) {
+        quantized_clear(st, &z);
         return NULL;
+    }
     PyObject *kept = z.members ? Py_NewRef(z.members) : packed_kept(&z);
-    quantized_clear(&z);
+    quantized_clear(st, &z);
     if (kept == NULL) return NULL;
     PyObject *entry = first == Py_None ? PyList_New(0) : Py_BuildValue("[OO]", p->key, kept);
     int rc = entry ? PyList_SetSlice(cache, 0, PyList_GET_SIZE(cache), entry) : -1;
@@ -326,15 +354,16 @@ static PyObject *py_linear_forward(PyObject *module, PyObject *const *args, Py_s
     if (tqx_torch_import(st) < 0 || plan_from_py(st, args[0], &p) < 0) return NULL;
     PyObject *inp = args[1], *weight = args[2], *bias = args[3];
     tq_tensor w;
-    if (tqx_tensor_from_py(st, weight, "weight", TQX_FLOAT_DTYPES, &w, NULL) < 0) return NULL;
+    tqx_tensor_info w_info;
+    if (tqx_tensor_from_py(st, weight, "weight", TQX_FLOAT_DTYPES, &w, &w_info) < 0) return NULL;
     const int64_t n = w.rows, k = w.cols;
     PyObject *device = PyObject_GetAttrString(inp, "device");
-    PyObject *xp = NULL, *qw = NULL, *shape = NULL, *out = NULL;
+    PyObject *qw = NULL, *shape = NULL, *out = NULL;
     PyObject *result = NULL;
-    quantized qx = {NULL, {NULL, NULL}, Py_None, TQ_QTENSOR_INIT};
-    tq_tensor x;
+    quantized qx = QUANTIZED_INIT;
+    tqx_scratch pad = TQX_SCRATCH_INIT;
+    tq_tensor x, xp;
     tqx_tensor_info x_info;
-    int64_t padded = 0;
     if (device == NULL || tqx_tensor_from_py(st, inp, "input", TQX_FLOAT_DTYPES, &x, &x_info) < 0)
         goto done;
     if (x.cols != k) {
@@ -342,16 +371,18 @@ static PyObject *py_linear_forward(PyObject *module, PyObject *const *args, Py_s
                      "takes %lld", (long long)x.cols, (long long)k);
         goto done;
     }
-    if ((xp = pad_rows(st, inp, &x, x_info.stream, p.align, device, &padded)) == NULL) goto done;
+    if (pad_rows(st, &x, x_info.stream, p.align, device, &xp, &pad) < 0) goto done;
+    const int64_t padded = xp.rows;
     const uint32_t x_usage = TQ_USAGE_ROWWISE | ((needs & NEED_WGRAD) ? TQ_USAGE_COLUMNWISE : 0);
-    /* packed x: with wgrad, the columnwise part (kept) apart from the rowwise one (fprop only) */
+    /* packed x: with wgrad, the columnwise part (kept) apart from the rowwise one, which fprop
+     * consumes in this call (scratch) */
     static const uint32_t x_parts[2] = {TQX_PART_COLUMNWISE, TQX_PART_ROWWISE};
     const int x_n_parts = !packed ? 0 : (needs & NEED_WGRAD) ? 2 : 1;
-    if (quantize(st, xp, &p.x, x_usage, args[7], device, x.device, x_n_parts,
-                 x_n_parts == 2 ? x_parts : x_parts + 1, &qx) < 0)
+    if (quantize(st, inp, &xp, x_info.stream, &p.x, x_usage, args[7], device, x.device, x_n_parts,
+                 x_n_parts == 2 ? x_parts : x_parts + 1, x_n_parts == 2 ? 2u : 1u, &qx) < 0)
         goto done;
-    if ((qw = weight_kept(st, &p, weight, args[5], args[6], args[8], needs, device,
-                          x.device)) == NULL)
+    if ((qw = weight_kept(st, &p, weight, &w, w_info.stream, args[5], args[6], args[8], needs,
+                          device, x.device)) == NULL)
         goto done;
     tqx_operand a, b;
     if (operand(st, &qx, &p.x, padded, k, TQ_USAGE_ROWWISE, &a) < 0
@@ -373,8 +404,8 @@ static PyObject *py_linear_forward(PyObject *module, PyObject *const *args, Py_s
     Py_XDECREF(saved);
 done:
     Py_XDECREF(device);
-    Py_XDECREF(xp);
-    quantized_clear(&qx);
+    tqx_scratch_release(st, &pad);
+    quantized_clear(st, &qx);
     Py_XDECREF(qw);
     Py_XDECREF(shape);
     Py_XDECREF(out);
@@ -399,12 +430,12 @@ static PyObject *py_linear_backward(PyObject *module, PyObject *const *args, Py_
         return NULL;
     PyObject *dy = args[2], *inp_shape = args[5], *bias_dtype = args[6], *pending = args[7];
     PyObject *device = PyObject_GetAttrString(dy, "device");
-    PyObject *dyp = NULL, *dx = NULL, *dw = NULL, *db = NULL, *dw_shape = NULL;
+    PyObject *dx = NULL, *dw = NULL, *db = NULL, *dw_shape = NULL;
     PyObject *result = NULL;
-    quantized qdy = {NULL, {NULL, NULL}, Py_None, TQ_QTENSOR_INIT};
-    tq_tensor d;
+    quantized qdy = QUANTIZED_INIT;
+    tqx_scratch pad = TQX_SCRATCH_INIT;
+    tq_tensor d, dyp;
     tqx_tensor_info dy_info;
-    int64_t dy_padded;
     if (device == NULL
         || tqx_tensor_from_py(st, dy, "grad_output", TQX_FLOAT_DTYPES, &d, &dy_info) < 0)
         goto done;
@@ -413,10 +444,12 @@ static PyObject *py_linear_backward(PyObject *module, PyObject *const *args, Py_
                      "[%lld, %lld]", (long long)d.rows, (long long)d.cols, rows, n);
         goto done;
     }
-    if ((dyp = pad_rows(st, dy, &d, dy_info.stream, p.align, device, &dy_padded)) == NULL) goto done;
+    if (pad_rows(st, &d, dy_info.stream, p.align, device, &dyp, &pad) < 0) goto done;
     const uint32_t usage = ((needs & NEED_DGRAD) ? TQ_USAGE_ROWWISE : 0)
                            | ((needs & NEED_WGRAD) ? TQ_USAGE_COLUMNWISE : 0);
-    if (usage && quantize(st, dyp, &p.dy, usage, args[4], device, d.device, 1, &usage, &qdy) < 0)
+    /* dy is consumed by this call's GEMMs: its one part is scratch */
+    if (usage && quantize(st, dy, &dyp, dy_info.stream, &p.dy, usage, args[4], device, d.device, 1,
+                          &usage, 1u, &qdy) < 0)
         goto done;
     if (needs & NEED_DGRAD) { /* dx = dy . W: dy rowwise [M, N], W columnwise [K, N] */
         tqx_operand a, b;
@@ -455,8 +488,8 @@ done:
     Py_XDECREF(device);
     Py_XDECREF(db);
     Py_XDECREF(dw_shape);
-    Py_XDECREF(dyp);
-    quantized_clear(&qdy);
+    tqx_scratch_release(st, &pad);
+    quantized_clear(st, &qdy);
     Py_XDECREF(dx);
     Py_XDECREF(dw);
     return result;

@@ -108,6 +108,9 @@ typedef struct tqx_state {
     PyObject *kw_dtype_device; /* ("dtype", "device"): the keyword names of torch.empty calls */
     PyObject *torch_is_autocast_enabled, *torch_set_autocast_enabled;
     PyObject *torch_dtypes[TQX_TORCH_DTYPE_COUNT];
+    /* torch's CUDA caching allocator, raw (torch._C._cuda_cudaCachingAllocator_raw_alloc /
+     * _raw_delete), for memory that lives within one call; NULL without CUDA torch */
+    PyObject *raw_alloc, *raw_delete;
     /* state.c: called with the root frame's DelayedScaling modules at the outermost exit, and
      * (backward) at the end of the backward of the module that ran first */
     PyObject *delayed_update, *delayed_backward_update;
@@ -173,6 +176,24 @@ PyObject *tqx_torch_new(tqx_state *st, int64_t rows, int64_t cols, tq_dtype dtyp
 /* The same with any shape (a tuple or torch.Size), uninitialized. */
 PyObject *tqx_torch_new_shaped(tqx_state *st, PyObject *shape, tq_dtype dtype, PyObject *device,
                                void **data);
+/* Device memory that lives within one C call (a padded copy, a quantized operand the call
+ * consumes, an emulated GEMM's scratch). On CUDA, when the memory's device is the current one,
+ * a raw block of torch's caching allocator (~1 us of host time against ~6 us for a torch.empty
+ * from C, docs/results/NOTES.md); else a uint8 torch tensor. Either way the block goes back to
+ * the allocator's pool for `stream`, so its reuse is ordered after the kernels queued on that
+ * stream, and during a CUDA-graph capture it comes from the graph's pool, as a tensor would. */
+typedef struct tqx_scratch {
+    void *data;
+    void *raw;        /* the raw block to hand back, or NULL */
+    PyObject *tensor; /* or the tensor that holds data, or NULL */
+} tqx_scratch;
+#define TQX_SCRATCH_INIT {NULL, NULL, NULL}
+/* bytes of scratch on `device` (its index device_index; a torch.device) for use on `stream`
+ * (the current stream of that device). -1 with an exception, s untouched then. */
+int tqx_scratch_alloc(tqx_state *st, size_t bytes, int device_index, PyObject *device,
+                      void *stream, tqx_scratch *s);
+/* Hands s back (a no-op for an empty one) and empties it; keeps a pending exception. */
+void tqx_scratch_release(tqx_state *st, tqx_scratch *s);
 /* Turns torch.autocast off for `device_type` ("cpu"); *was_on says whether to restore it with
  * tqx_autocast_restore. The CPU GEMM's float32 torch.mm must not be recast to bf16 by AMP. */
 int tqx_autocast_off(tqx_state *st, const char *device_type, int *was_on);
@@ -244,13 +265,14 @@ typedef enum tqx_part { /* the same bits as tq_usage: a quantization's usage is 
 } tqx_part;
 /* Quantizes x (its current stream) with config in qargs->usage into n_parts new uint8 tensors on
  * `device` (a torch.device): bufs[i] holds the members of the tqx_part mask parts[i] (together
- * they cover the usage); q's members point into them. DelayedScaling: scale and amax (its
- * history slot, max-accumulated in place and in no buffer) must be tensors. -1 with an
- * exception, bufs all NULL. */
+ * they cover the usage); q's members point into them. A part whose bit i is set in `transient`
+ * goes to scratch[i] instead (bufs[i] NULL; the caller uses it within the call and releases
+ * it). DelayedScaling: scale and amax (its history slot, max-accumulated in place and in no
+ * buffer) must be tensors. -1 with an exception, bufs all NULL and scratch all empty. */
 int tqx_quantize_packed(tqx_state *st, const tq_tensor *x, void *stream, PyObject *device,
                         const tq_quant_config *config, tq_quantize_args *qargs, PyObject *scale,
-                        PyObject *amax, int n_parts, const uint32_t *parts, PyObject **bufs,
-                        tq_qtensor *q);
+                        PyObject *amax, int n_parts, const uint32_t *parts, uint32_t transient,
+                        PyObject **bufs, tqx_scratch *scratch, tq_qtensor *q);
 /* One direction (usage) of a kept quantization of [rows, cols] as a GEMM operand: kept is a
  * (buffer, amax) pair holding `parts` of a rowwise + columnwise quantization (amax: the
  * DelayedScaling slot, else None), or a member 6-tuple (tqx_operand_set). -1 with an exception. */

@@ -4,7 +4,8 @@
  * quantizing member by member took up to six of them per operand (docs/results/NOTES.md, "Fourth
  * step"). Here a quantization takes one uint8 buffer per part that lives on its own (x: the
  * rowwise part, dropped after fprop, and the columnwise part, kept for wgrad), and its members
- * are pointers at offsets inside it, each aligned to 256 bytes. The offsets follow from (config,
+ * are pointers at offsets inside it, each aligned to 256 bytes. A part the caller consumes
+ * within its call (x's rowwise part, dy) is a tqx_scratch block instead of a tensor. The offsets follow from (config,
  * rows, cols, parts) alone, so backward rebuilds the tq_qtensor from the buffer. DelayedScaling's
  * amax is the caller's history slot and stays outside: a kept part is the pair (buffer, amax
  * slot or None). Not here: te.ops.quantize and torch.compile's ops, which exchange member tensors
@@ -51,28 +52,37 @@ static int64_t place(const tq_quant_config *c, tq_qtensor *q, uint32_t usage, ui
 
 int tqx_quantize_packed(tqx_state *st, const tq_tensor *x, void *stream, PyObject *device,
                         const tq_quant_config *config, tq_quantize_args *qargs, PyObject *scale,
-                        PyObject *amax, int n_parts, const uint32_t *parts, PyObject **bufs,
-                        tq_qtensor *q) {
+                        PyObject *amax, int n_parts, const uint32_t *parts, uint32_t transient,
+                        PyObject **bufs, tqx_scratch *scratch, tq_qtensor *q) {
     const tq_qtensor empty = TQ_QTENSOR_INIT;
+    const tqx_scratch none = TQX_SCRATCH_INIT;
     *q = empty;
-    for (int p = 0; p < n_parts; p++) bufs[p] = NULL;
+    for (int p = 0; p < n_parts; p++) bufs[p] = NULL, scratch[p] = none;
     tq_status s = tq_quantize_layout(config, x->rows, x->cols, qargs->usage, q);
     if (s != TQ_SUCCESS) return tqx_raise_status(st, s), -1;
     int ok = 1;
     for (int p = 0; p < n_parts && ok; p++) {
         /* sized first (no pointers yet), then allocated and pointed into */
-        PyObject *shape = Py_BuildValue("(L)", (long long)place(config, q, qargs->usage, parts[p],
-                                                                NULL, x->device));
+        const int64_t bytes = place(config, q, qargs->usage, parts[p], NULL, x->device);
         void *base = NULL;
-        bufs[p] = shape ? tqx_torch_new_shaped(st, shape, TQ_DTYPE_UINT8, device, &base) : NULL;
-        Py_XDECREF(shape);
-        ok = bufs[p] != NULL;
+        if (transient & (1u << p)) {
+            ok = tqx_scratch_alloc(st, (size_t)bytes, x->device, device, stream, &scratch[p]) == 0;
+            base = scratch[p].data;
+        } else {
+            PyObject *shape = Py_BuildValue("(L)", (long long)bytes);
+            bufs[p] = shape ? tqx_torch_new_shaped(st, shape, TQ_DTYPE_UINT8, device, &base) : NULL;
+            Py_XDECREF(shape);
+            ok = bufs[p] != NULL;
+        }
         if (ok) place(config, q, qargs->usage, parts[p], base, x->device);
     }
     if (ok && config->scaling == TQ_SCALING_DELAYED) /* max-accumulated in place: not zeroed */
         ok = tqx_tensor_from_py(st, amax, "amax", 1u << TQ_DTYPE_FLOAT32, &q->amax, NULL) == 0;
     if (ok) ok = tqx_quantize_run(st, x, stream, config, qargs, scale, device, q) == 0;
-    for (int p = 0; p < n_parts && !ok; p++) Py_CLEAR(bufs[p]);
+    for (int p = 0; p < n_parts && !ok; p++) {
+        Py_CLEAR(bufs[p]);
+        tqx_scratch_release(st, &scratch[p]);
+    }
     return ok ? 0 : -1;
 }
 

@@ -1,8 +1,11 @@
 /* torch_calls.c: the torch functions the extension calls from C (torch.empty, torch.zeros,
- * torch.mm) and the torch dtypes it allocates with, looked up once into the module state.
- * Allocation always goes through torch (its caching allocator on CUDA, never cudaMalloc), and
- * the new tensor's pointer is read back through DLPack (tensor_view.c).
- * Tests: tests/test_quantize_*.py and tests/test_gemm.py allocate through here.
+ * torch.mm, the caching allocator's raw interface) and the torch dtypes it allocates with,
+ * looked up once into the module state. Allocation always goes through torch (its caching
+ * allocator on CUDA, never cudaMalloc); a new tensor's pointer is read back through DLPack
+ * (tensor_view.c), and memory used only within one call is a raw block of the same allocator
+ * (tqx_scratch_alloc).
+ * Tests: tests/test_quantize_*.py and tests/test_gemm.py allocate through here; scratch:
+ * tests/test_linear_alloc.py (reused, poisoned blocks; misaligned inputs), tests/test_gemm.py.
  */
 #include "module.h"
 
@@ -97,7 +100,87 @@ int tqx_autocast_restore(tqx_state *st, const char *device_type, int was_on) {
     return r ? 0 : -1;
 }
 
+/* The raw interface, looked up once: a torch built without CUDA has none (then every scratch is
+ * a tensor). 0, or -1 with an exception. */
+static int raw_import(tqx_state *st) {
+    static const char *const names[2] = {"_cuda_cudaCachingAllocator_raw_alloc",
+                                         "_cuda_cudaCachingAllocator_raw_delete"};
+    if (st->raw_alloc != NULL) return 0;
+    PyObject *c = PyImport_ImportModule("torch._C");
+    if (c == NULL) return -1;
+    PyObject *fns[2] = {NULL, NULL};
+    int rc = 0;
+    for (int i = 0; i < 2 && rc == 0; i++) {
+        fns[i] = PyObject_GetAttrString(c, names[i]);
+        if (fns[i] == NULL && PyErr_ExceptionMatches(PyExc_AttributeError)) PyErr_Clear();
+        else if (fns[i] == NULL) rc = -1;
+    }
+    Py_DECREF(c);
+    if (rc == 0 && fns[0] != NULL && fns[1] != NULL) {
+        st->raw_alloc = fns[0];
+        st->raw_delete = fns[1];
+        return 0;
+    }
+    Py_XDECREF(fns[0]);
+    Py_XDECREF(fns[1]);
+    if (rc == 0) { /* no CUDA in this torch: remember that with None */
+        st->raw_alloc = Py_NewRef(Py_None);
+        st->raw_delete = Py_NewRef(Py_None);
+    }
+    return rc;
+}
+
+int tqx_scratch_alloc(tqx_state *st, size_t bytes, int device_index, PyObject *device,
+                      void *stream, tqx_scratch *s) {
+    tqx_scratch made = TQX_SCRATCH_INIT;
+    if (bytes == 0) return *s = made, 0;
+    /* torch's raw_alloc serves the current CUDA device: CPU memory and another device's take
+     * the tensor path */
+    int current = -1;
+    if (device_index != TQ_DEVICE_CPU && tq_current_device(&current) != TQ_SUCCESS) current = -1;
+    if (device_index != TQ_DEVICE_CPU && current == device_index) {
+        if (raw_import(st) < 0) return -1;
+        if (st->raw_alloc != Py_None) {
+            PyObject *args[2] = {PyLong_FromSize_t(bytes), PyLong_FromVoidPtr(stream)};
+            PyObject *ptr = args[0] && args[1] ? PyObject_Vectorcall(st->raw_alloc, args, 2, NULL)
+                                               : NULL;
+            Py_XDECREF(args[0]);
+            Py_XDECREF(args[1]);
+            if (ptr == NULL) return -1;
+            made.raw = made.data = PyLong_AsVoidPtr(ptr);
+            Py_DECREF(ptr);
+            if (made.raw == NULL) {
+                if (!PyErr_Occurred())
+                    PyErr_Format(PyExc_RuntimeError, "torch's caching allocator returned no "
+                                 "block for %zu bytes", bytes);
+                return -1;
+            }
+            return *s = made, 0;
+        }
+    }
+    made.tensor = tqx_torch_new(st, 1, (int64_t)bytes, TQ_DTYPE_UINT8, device, 0, &made.data);
+    if (made.tensor == NULL) return -1;
+    return *s = made, 0;
+}
+
+void tqx_scratch_release(tqx_state *st, tqx_scratch *s) {
+    if (s->raw != NULL) {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyObject *ptr = PyLong_FromVoidPtr(s->raw);
+        PyObject *r = ptr ? PyObject_CallOneArg(st->raw_delete, ptr) : NULL;
+        Py_XDECREF(ptr);
+        if (r == NULL) PyErr_WriteUnraisable(st->raw_delete);
+        Py_XDECREF(r);
+        PyErr_Restore(type, value, tb);
+    }
+    Py_CLEAR(s->tensor);
+    s->raw = s->data = NULL;
+}
+
 void tqx_torch_clear(tqx_state *st) {
+    Py_CLEAR(st->raw_alloc);
+    Py_CLEAR(st->raw_delete);
     Py_CLEAR(st->torch_empty);
     Py_CLEAR(st->kw_dtype_device);
     Py_CLEAR(st->torch_zeros);
@@ -109,6 +192,8 @@ void tqx_torch_clear(tqx_state *st) {
 }
 
 int tqx_torch_traverse(tqx_state *st, visitproc visit, void *arg) {
+    Py_VISIT(st->raw_alloc);
+    Py_VISIT(st->raw_delete);
     Py_VISIT(st->torch_empty);
     Py_VISIT(st->kw_dtype_device);
     Py_VISIT(st->torch_zeros);
