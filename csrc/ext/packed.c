@@ -5,10 +5,10 @@
  * step"). Here a quantization takes one uint8 buffer per part that lives on its own (x: the
  * rowwise part, dropped after fprop, and the columnwise part, kept for wgrad), and its members
  * are pointers at offsets inside it, each aligned to 256 bytes. A part the caller consumes
- * within its call (x's rowwise part, dy) is a tqx_scratch block instead of a tensor. The offsets follow from (config,
- * rows, cols, parts) alone, so backward rebuilds the tq_qtensor from the buffer. DelayedScaling's
- * amax is the caller's history slot and stays outside: a kept part is the pair (buffer, amax
- * slot or None). Not here: te.ops.quantize and torch.compile's ops, which exchange member tensors
+ * within its call (x's rowwise part, dy) is a tqx_scratch block instead of a tensor. The
+ * offsets follow from (config, rows, cols, parts) alone, so backward rebuilds the tq_qtensor
+ * from the buffer. DelayedScaling's amax is the caller's history slot and stays outside: a kept
+ * part is the pair (buffer, amax slot or None). Not here: te.ops.quantize and torch.compile's ops, which exchange member tensors
  * (quantize.c). Tests: tests/test_linear_alloc.py (layout, bytes kept), tests/test_linear*.py.
  */
 #include "module.h"

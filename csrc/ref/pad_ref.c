@@ -14,8 +14,9 @@ tq_status tq_pad_rows_ref(const tq_tensor *x, tq_tensor *out, struct CUstream_st
     const size_t x_pitch = (size_t)x->ld * elem, out_pitch = (size_t)out->ld * elem;
     char *dst = (char *)out->data;
     for (int64_t r = 0; r < out->rows; r++) {
-        if (r < x->rows) memcpy(dst + (size_t)r * out_pitch, (const char *)x->data + (size_t)r * x_pitch, row_bytes);
-        else memset(dst + (size_t)r * out_pitch, 0, row_bytes);
+        char *row = dst + (size_t)r * out_pitch;
+        if (r < x->rows) memcpy(row, (const char *)x->data + (size_t)r * x_pitch, row_bytes);
+        else memset(row, 0, row_bytes);
     }
     return TQ_SUCCESS;
 }
