@@ -42,18 +42,9 @@ struct DequantF16 {
 
 constexpr int kDequantUnit = 8; /* values per thread and step */
 
-/* Stores the 8 values of unit g (row g / units_per_row) into out, whose rows are ld elements
- * apart: 16-byte stores when kVec (out and its row pitch 16-byte aligned). A division only
- * when the rows are padded (ld != cols). */
+/* One unit's 8 values to dst: 16-byte stores when kVec (dst 16-byte aligned). */
 template <typename T, bool kVec>
-__device__ __forceinline__ void store_unit(T *__restrict__ out, int64_t g, int64_t units_per_row,
-                                           int64_t cols, int64_t ld, const T *vals) {
-    int64_t at = g * kDequantUnit;
-    if (ld != cols) {
-        const int64_t r = g / units_per_row;
-        at = r * ld + (g - r * units_per_row) * kDequantUnit;
-    }
-    T *dst = out + at;
+__device__ __forceinline__ void store_vals(T *__restrict__ dst, const T *vals) {
     if (kVec) {
 #pragma unroll
         for (int i = 0; i < kDequantUnit * (int)sizeof(T) / 16; i++)
@@ -62,6 +53,20 @@ __device__ __forceinline__ void store_unit(T *__restrict__ out, int64_t g, int64
 #pragma unroll
         for (int i = 0; i < kDequantUnit; i++) dst[i] = vals[i];
     }
+}
+
+/* Stores the 8 values of unit g (row g / units_per_row) into out, whose rows are ld elements
+ * apart (kVec: out and its row pitch 16-byte aligned). A division only when the rows are
+ * padded (ld != cols). */
+template <typename T, bool kVec>
+__device__ __forceinline__ void store_unit(T *__restrict__ out, int64_t g, int64_t units_per_row,
+                                           int64_t cols, int64_t ld, const T *vals) {
+    int64_t at = g * kDequantUnit;
+    if (ld != cols) {
+        const int64_t r = g / units_per_row;
+        at = r * ld + (g - r * units_per_row) * kDequantUnit;
+    }
+    store_vals<T, kVec>(out + at, vals);
 }
 
 }  // namespace tq_cuda

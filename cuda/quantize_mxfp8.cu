@@ -8,7 +8,10 @@
  * is a shuffle reduction), the columnwise ones through a swizzled shared-memory copy of the tile
  * in which each lane holds 16 rows of one or two columns (a 32x1 block is a lane pair) and
  * writes them as one 16-byte store into a data_t row. 2D tiles reduce their amax through shared
- * memory first. Elements go through the hardware cvt.rn.satfinite.{e4m3,e5m2}x2.f32 (what TE
+ * memory first. The exponents are block-major ([K/32, M] rowwise, [M/32, K] columnwise): a
+ * tile's are staged in shared memory and leave as 16-byte pieces of four 128-byte runs (stored
+ * [M, K/32] they were 4 bytes in each of 128 rows per direction: 15% of the kernel's time).
+ * Elements go through the hardware cvt.rn.satfinite.{e4m3,e5m2}x2.f32 (what TE
  * uses), which equals formats.h's tq_f32_to_fp8 on all 2^32 non-NaN fp32 inputs (checked on an
  * H200); NaN elements are re-encoded with tq_f32_to_fp8 itself, as the GPU's multiply and cvt
  * drop a NaN's sign.
@@ -160,41 +163,53 @@ __device__ __forceinline__ float lane_group_max(float m) {
 struct Args {
     const void *x;
     int64_t ld, M, K;  /* x [M, K], row stride ld elements; M and K are multiples of 32 */
-    int64_t tiles_k;
+    uint32_t tiles_k;  /* tiles along K; tiles in all fit in 31 bits (checked at launch) */
     uint8_t *data, *scale_inv, *data_t, *scale_inv_t; /* NULL for a direction not produced */
 };
 
+/* Addresses: 64-bit bases are made once per CTA and per thread, offsets inside the tile are
+ * 32-bit, and the in-tile guards compare against the tile's valid rows and columns (m_left,
+ * k_left), which costs one compare per load or store (the per-element form of this kernel
+ * spent a third of its instructions on 64-bit index math). Four CTAs per SM (64 registers)
+ * keep enough loads in flight; left alone the compiler takes 72 and fits three. */
 template <typename In, bool kVec, bool kRow, bool kCol, bool k2D, bool kE5M2>
-__global__ void __launch_bounds__(kThreads) quantize_kernel(const Args a) {
+__global__ void __launch_bounds__(kThreads, 4) quantize_kernel(const Args a) {
     using S = Tile<In>;
     __shared__ uint4 smem[kCol ? kTile : 1][kSmemChunks];
     __shared__ uint32_t tile_amax[k2D ? 4 : 1][k2D ? 4 : 1]; /* fp32 bits, >= 0: ordered as ints */
     __shared__ uint8_t tile_e[k2D ? 4 : 1][k2D ? 4 : 1];      /* their exponents */
+    /* The tile's exponents, block-major as stored ([block][row] / [block][column]): written to
+     * memory as 16-byte pieces of four 128-byte runs once the tile is done. */
+    __shared__ __align__(16) uint8_t row_e[kRow ? 4 : 1][kTile], col_e[kCol ? 4 : 1][kTile];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int chunk = tid % S::kChunksPerRow, row_in_pass = tid / S::kChunksPerRow;
-    const int64_t m0 = blockIdx.x / a.tiles_k * kTile, k0 = blockIdx.x % a.tiles_k * kTile;
-    const int64_t col = k0 + (int64_t)chunk * S::kVec;
-    const bool col_ok = col < a.K; /* K % 32 == 0: a chunk is all inside or all outside */
+    const uint32_t mt = blockIdx.x / a.tiles_k, kt = blockIdx.x - mt * a.tiles_k;
+    const int64_t m0 = (int64_t)mt * kTile, k0 = (int64_t)kt * kTile;
+    const int m_left = (int)min(a.M - m0, (int64_t)kTile), k_left = (int)min(a.K - k0, (int64_t)kTile);
+    const int c0 = chunk * S::kVec; /* this thread's first column in the tile */
+    const bool col_ok = c0 < k_left; /* K % 32 == 0: a chunk is all inside or all outside */
 
     /* The tile, once; rows and columns outside x read as 0 (no amax can be below it). */
     uint4 in[S::kLoads];
+    {
+        const char *src = static_cast<const char *>(a.x) + ((m0 + row_in_pass) * a.ld + k0 + c0) * S::kElemBytes;
+        const int64_t step = (int64_t)S::kRowsPerPass * a.ld * S::kElemBytes;
 #pragma unroll
-    for (int i = 0; i < S::kLoads; i++) {
-        const int64_t m = m0 + i * S::kRowsPerPass + row_in_pass;
-        in[i] = make_uint4(0u, 0u, 0u, 0u);
-        if (m >= a.M || !col_ok) continue;
-        const char *src = static_cast<const char *>(a.x) + (m * a.ld + col) * S::kElemBytes;
-        if (kVec) {
-            in[i] = __ldcs(reinterpret_cast<const uint4 *>(src));
-        } else {
-            uint32_t w[4] = {0u, 0u, 0u, 0u};
+        for (int i = 0; i < S::kLoads; i++, src += step) {
+            in[i] = make_uint4(0u, 0u, 0u, 0u);
+            if (!col_ok || i * S::kRowsPerPass + row_in_pass >= m_left) continue;
+            if (kVec) {
+                in[i] = __ldcs(reinterpret_cast<const uint4 *>(src));
+            } else {
+                uint32_t w[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
-            for (int e = 0; e < S::kVec; e++) {
-                const uint32_t bits = S::kElemBytes == 4 ? reinterpret_cast<const uint32_t *>(src)[e]
-                                                         : reinterpret_cast<const uint16_t *>(src)[e];
-                w[e / S::kPerWord] |= bits << (16 * (e % S::kPerWord));
+                for (int e = 0; e < S::kVec; e++) {
+                    const uint32_t bits = S::kElemBytes == 4 ? reinterpret_cast<const uint32_t *>(src)[e]
+                                                             : reinterpret_cast<const uint16_t *>(src)[e];
+                    w[e / S::kPerWord] |= bits << (16 * (e % S::kPerWord));
+                }
+                in[i] = make_uint4(w[0], w[1], w[2], w[3]);
             }
-            in[i] = make_uint4(w[0], w[1], w[2], w[3]);
         }
     }
 
@@ -248,18 +263,19 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const Args a) {
                 own_e[j] = tq_mxfp8_exponent(mine, kE5M2);
             }
         }
+        uint8_t *dst = a.data + (m0 + row_in_pass) * a.K + k0 + c0;
+        const int64_t dst_step = S::kRowsPerPass * a.K;
 #pragma unroll
-        for (int i = 0; i < S::kLoads; i++) {
+        for (int i = 0; i < S::kLoads; i++, dst += dst_step) {
             const int r = i * S::kRowsPerPass + row_in_pass;
-            const int64_t m = m0 + r;
             const uint8_t e = k2D ? tile_e[r / kBlock][chunk / kL]
                                   : (uint8_t)__shfl_sync(0xFFFFFFFFu, (uint32_t)own_e[i / kL], (lane & ~(kL - 1)) + i % kL);
-            if (m >= a.M || !col_ok) continue;
+            if (chunk % kL == 0) row_e[chunk / kL][r] = e;
+            if (!col_ok || r >= m_left) continue;
             auto raw = [&](int j) { return elem_bits<In>(word_of(in[i], j / S::kPerWord), j % S::kPerWord); };
             uint32_t codes[S::kVec / 4];
             quantize_run<In, kE5M2, S::kVec>([&](int j) { return In::widen(raw(j)); }, e, raw, codes);
-            store_codes<S::kVec / 4, kVec>(a.data + m * a.K + col, codes);
-            if (chunk % kL == 0) a.scale_inv[m * (a.K / kBlock) + col / kBlock] = e;
+            store_codes<S::kVec / 4, kVec>(dst, codes);
         }
     }
 
@@ -269,7 +285,10 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const Args a) {
      * 16 codes of a column as one 16-byte store into a row of data_t. */
     if (kCol) {
         const int g = lane >> 3, c = lane & 7;
-        const int64_t m = m0 + 16 * c;
+        /* The lane's first tile column (round 0, pass 0, element 0); the others add kc below. */
+        const int k_lane = (warp * 4 + g) * S::kPerWord;
+        uint8_t *const dst = a.data_t + (k0 + k_lane) * a.M + m0 + 16 * c;
+        const bool m_ok = 16 * c < m_left; /* M % 32 == 0: a lane pair is all in or out */
 #pragma unroll
         for (int round = 0; round < S::kRounds; round++) {
             if (round > 0) __syncthreads(); /* the previous round's reads are done */
@@ -280,8 +299,7 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const Args a) {
                 const int lc = pass * kWarps + warp; /* logical chunk of this warp */
                 uint32_t words[16];
                 tq_tile::column_words(smem, lc, g, c, words);
-                /* tile column of element e of word (lc * 4 + g) in this round: k_first + e */
-                const int k_tile = round * kSmemChunks * S::kVec + (lc * 4 + g) * S::kPerWord;
+                const int k_pass = round * kSmemChunks * S::kVec + pass * kWarps * 4 * S::kPerWord;
                 /* 1D: the lane pair shares its kPerWord exponents: lane c takes column c % kPerWord */
                 uint8_t pair_e = 0;
                 if (!k2D) {
@@ -297,20 +315,32 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const Args a) {
                 }
 #pragma unroll
                 for (int e = 0; e < S::kPerWord; e++) {
-                    const int64_t k = k0 + k_tile + e;
-                    const uint8_t x_e = k2D ? tile_e[c / 2][(k_tile + e) / kBlock]
+                    const int kc = k_pass + e; /* tile column k_lane + kc */
+                    const uint8_t x_e = k2D ? tile_e[c / 2][(k_lane + kc) / kBlock]
                                         : S::kPerWord == 1 ? pair_e
                                         : (uint8_t)__shfl_sync(0xFFFFFFFFu, (uint32_t)pair_e, (lane & ~1) | e);
-                    if (k >= a.K || m >= a.M) continue; /* M % 32 == 0: a lane pair is all in or out */
+                    if ((c & 1) == 0) col_e[c / 2][k_lane + kc] = x_e;
+                    if (!m_ok || k_lane + kc >= k_left) continue;
                     auto raw = [&](int j) { return elem_bits<In>(words[j], e); };
                     uint32_t codes[4];
                     quantize_run<In, kE5M2, 16>([&](int j) { return In::widen(raw(j)); }, x_e, raw, codes);
-                    store_codes<4, kVec>(a.data_t + k * a.M + m, codes);
-                    if ((c & 1) == 0) a.scale_inv_t[k * (a.M / kBlock) + m / kBlock] = x_e;
+                    store_codes<4, kVec>(dst + kc * a.M, codes);
                 }
             }
         }
     }
+
+    /* The exponents: thread t < 32 writes piece t % 8 of rowwise run t / 8 (block column
+     * k0/32 + t/8, rows m0 + 16(t%8) ..), threads 32..63 the same of the columnwise runs. Runs
+     * and pieces outside x are skipped (M and K are multiples of 32: a piece is all in or out). */
+    __syncthreads();
+    const int run = (tid & 31) >> 3, piece = tid & 7;
+    if (kRow && tid < 32 && run * kBlock < k_left && piece * 16 < m_left)
+        store_codes<4, kVec>(a.scale_inv + (k0 / kBlock + run) * a.M + m0 + piece * 16,
+                             reinterpret_cast<const uint32_t *>(&row_e[run][piece * 16]));
+    if (kCol && tid >= 32 && tid < 64 && run * kBlock < m_left && piece * 16 < k_left)
+        store_codes<4, kVec>(a.scale_inv_t + (m0 / kBlock + run) * a.K + k0 + piece * 16,
+                             reinterpret_cast<const uint32_t *>(&col_e[run][piece * 16]));
 }
 
 bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
@@ -349,8 +379,8 @@ tq_status quantize_mxfp8(const tq_tensor *x, const tq_quant_config *config, cons
     Args a;
     a.x = x->data;
     a.ld = x->ld, a.M = M, a.K = K;
-    a.tiles_k = (K + kTile - 1) / kTile;
-    const int64_t tiles = (M + kTile - 1) / kTile * a.tiles_k;
+    const int64_t tiles_k = (K + kTile - 1) / kTile, tiles = (M + kTile - 1) / kTile * tiles_k;
+    a.tiles_k = (uint32_t)tiles_k;
     if (tiles > INT32_MAX)
         return tq_fail(TQ_ERROR_NOT_SUPPORTED, "mxfp8 quantize: x [%lld, %lld] needs more tiles "
                        "than one launch takes", (long long)M, (long long)K);
@@ -362,7 +392,8 @@ tq_status quantize_mxfp8(const tq_tensor *x, const tq_quant_config *config, cons
      * bytes, so aligned when their base is. Anything else takes the element-wise path. */
     const int esize = x->dtype == TQ_DTYPE_FLOAT32 ? 4 : 2;
     const bool vec = aligned16(x->data) && (x->ld * esize) % 16 == 0
-                     && (!rowwise || aligned16(a.data)) && (!columnwise || aligned16(a.data_t));
+                     && (!rowwise || (aligned16(a.data) && aligned16(a.scale_inv)))
+                     && (!columnwise || (aligned16(a.data_t) && aligned16(a.scale_inv_t)));
     const bool e5m2 = config->elem_dtype == TQ_DTYPE_FLOAT8_E5M2;
     const bool two_d = (config->flags & TQ_QUANT_2D) != 0;
     switch (x->dtype) {
@@ -391,11 +422,13 @@ __device__ __forceinline__ float2 fp8x2_to_f32x2(uint16_t codes, int e5m2) {
     return __half22float2(__half2(h));
 }
 
-/* Dequantization: 8 codes of one row per thread (a quarter of a block: rows have cols % 32 == 0,
- * so the scale of unit g is exps[g / 4], the exponents being compact [rows, cols / 32]); a warp
- * reads 256 consecutive code bytes and, bf16 / fp16 out, writes 512 consecutive output bytes.
+/* Dequantization: a thread takes unit u (8 codes, a quarter of a block: cols % 32 == 0) of 32
+ * consecutive rows, so a warp reads 256 consecutive code bytes of a row and, bf16 / fp16 out,
+ * writes 512 consecutive bytes, and the thread's exponents (block-major [cols / 32, rows]:
+ * exps[(u / 4) * rows + r]) are 32 consecutive bytes, one sector.
  * value = RN(fp8 * 2^(e-127)), narrowed RNE to out's dtype. */
 constexpr int kDequantThreads = 256;
+constexpr int kDequantRows = 32;
 using tq_cuda::kDequantUnit;
 
 template <typename Out, bool kVec>
@@ -404,44 +437,48 @@ dequantize_kernel(const uint8_t *__restrict__ codes, const uint8_t *__restrict__
                   int64_t rows, int64_t cols, int e5m2, typename Out::storage *__restrict__ out,
                   int64_t ld) {
     using T = typename Out::storage;
-    const int64_t units_per_row = cols / kDequantUnit, n = rows * units_per_row;
-    for (int64_t g = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; g < n;
-         g += (int64_t)gridDim.x * blockDim.x) {
-        uint32_t words[2];
-        if (kVec) {
-            const uint2 u = *reinterpret_cast<const uint2 *>(codes + g * kDequantUnit);
-            words[0] = u.x, words[1] = u.y;
-        } else {
+    const int64_t u = (int64_t)blockIdx.x * kDequantThreads + threadIdx.x;
+    if (u >= cols / kDequantUnit) return;
+    const uint8_t *unit_exps = exps + (u >> 2) * rows;
+    for (int64_t r0 = (int64_t)blockIdx.y * kDequantRows; r0 < rows; r0 += (int64_t)gridDim.y * kDequantRows) {
+        const int n = (int)min(rows - r0, (int64_t)kDequantRows);
+#pragma unroll 4
+        for (int i = 0; i < n; i++) {
+            const int64_t r = r0 + i;
+            const uint8_t *src = codes + r * cols + u * kDequantUnit;
+            uint32_t words[2];
+            if (kVec) {
+                const uint2 w = *reinterpret_cast<const uint2 *>(src);
+                words[0] = w.x, words[1] = w.y;
+            } else {
 #pragma unroll
-            for (int i = 0; i < 2; i++) {
-                const uint8_t *b = codes + g * kDequantUnit + 4 * i;
-                words[i] = b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 | (uint32_t)b[3] << 24;
+                for (int k = 0; k < 2; k++)
+                    words[k] = src[4 * k] | (uint32_t)src[4 * k + 1] << 8 | (uint32_t)src[4 * k + 2] << 16
+                               | (uint32_t)src[4 * k + 3] << 24;
             }
-        }
-        const float scale = tq_e8m0_to_f32(exps[g >> 2]);
-        __align__(16) T vals[kDequantUnit];
+            const float scale = tq_e8m0_to_f32(unit_exps[r]);
+            __align__(16) T vals[kDequantUnit];
 #pragma unroll
-        for (int i = 0; i < kDequantUnit; i += 2) {
-            const float2 v = fp8x2_to_f32x2((uint16_t)(words[i >> 2] >> (8 * (i & 3))), e5m2);
-            Out::narrow2(v.x * scale, v.y * scale, &vals[i]);
+            for (int k = 0; k < kDequantUnit; k += 2) {
+                const float2 v = fp8x2_to_f32x2((uint16_t)(words[k >> 2] >> (8 * (k & 3))), e5m2);
+                Out::narrow2(v.x * scale, v.y * scale, &vals[k]);
+            }
+            tq_cuda::store_vals<T, kVec>(out + r * ld + u * kDequantUnit, vals);
         }
-        tq_cuda::store_unit<T, kVec>(out, g, units_per_row, cols, ld, vals);
     }
 }
 
 template <typename Out>
 void launch_dequantize(bool vec, const uint8_t *codes, const uint8_t *exps, int64_t rows,
-                       int64_t cols, int e5m2, tq_tensor *out, int device, cudaStream_t st) {
-    const int64_t n = rows * (cols / kDequantUnit);
-    int sms = 132;
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    int64_t blocks = (n + kDequantThreads - 1) / kDequantThreads;
-    if (blocks > 16LL * sms) blocks = 16LL * sms;
+                       int64_t cols, int e5m2, tq_tensor *out, cudaStream_t st) {
+    const int64_t units = cols / kDequantUnit, row_groups = (rows + kDequantRows - 1) / kDequantRows;
+    const dim3 grid((unsigned)((units + kDequantThreads - 1) / kDequantThreads),
+                    (unsigned)(row_groups < 65535 ? row_groups : 65535));
     auto *o = static_cast<typename Out::storage *>(out->data);
     if (vec)
-        dequantize_kernel<Out, true><<<(unsigned)blocks, kDequantThreads, 0, st>>>(codes, exps, rows, cols, e5m2, o, out->ld);
+        dequantize_kernel<Out, true><<<grid, kDequantThreads, 0, st>>>(codes, exps, rows, cols, e5m2, o, out->ld);
     else
-        dequantize_kernel<Out, false><<<(unsigned)blocks, kDequantThreads, 0, st>>>(codes, exps, rows, cols, e5m2, o, out->ld);
+        dequantize_kernel<Out, false><<<grid, kDequantThreads, 0, st>>>(codes, exps, rows, cols, e5m2, o, out->ld);
 }
 
 }  // namespace
@@ -464,13 +501,13 @@ extern "C" tq_status tq_dequantize_mxfp8_cuda(const tq_quant_config *config, con
     cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
     switch (out->dtype) {
         case TQ_DTYPE_FLOAT32:
-            launch_dequantize<tq_cuda::DequantF32>(vec, codes, exps, data->rows, data->cols, e5m2, out, out->device, st);
+            launch_dequantize<tq_cuda::DequantF32>(vec, codes, exps, data->rows, data->cols, e5m2, out, st);
             break;
         case TQ_DTYPE_BFLOAT16:
-            launch_dequantize<tq_cuda::DequantBf16>(vec, codes, exps, data->rows, data->cols, e5m2, out, out->device, st);
+            launch_dequantize<tq_cuda::DequantBf16>(vec, codes, exps, data->rows, data->cols, e5m2, out, st);
             break;
         default:
-            launch_dequantize<tq_cuda::DequantF16>(vec, codes, exps, data->rows, data->cols, e5m2, out, out->device, st);
+            launch_dequantize<tq_cuda::DequantF16>(vec, codes, exps, data->rows, data->cols, e5m2, out, st);
             break;
     }
     if (cudaPeekAtLastError() != cudaSuccess) return launch_failed("mxfp8 dequantize kernel launch");

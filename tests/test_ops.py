@@ -58,8 +58,8 @@ def expected_members(config, m, k, rowwise, columnwise):
         want["scale_inv"] = (row, f32) if rowwise else None
         want["scale_inv_t"] = (col, f32) if columnwise else None
     elif config.scaling == "mxfp8":
-        want["scale_inv"] = ((m, k // 32), torch.float8_e8m0fnu) if rowwise else None
-        want["scale_inv_t"] = ((k, m // 32), torch.float8_e8m0fnu) if columnwise else None
+        want["scale_inv"] = ((k // 32, m), torch.float8_e8m0fnu) if rowwise else None  # block-major
+        want["scale_inv_t"] = ((m // 32, k), torch.float8_e8m0fnu) if columnwise else None
     elif config.scaling == "nvfp4":
         want["scale_inv"] = ((m, k // 16), torch.float8_e4m3fn) if rowwise else None
         want["scale_inv_t"] = ((k, m // 16), torch.float8_e4m3fn) if columnwise else None

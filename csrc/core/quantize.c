@@ -76,9 +76,9 @@ tq_status tq_quantize_layout(const tq_quant_config *c, int64_t rows, int64_t col
                 if (col) set(&q->scale_inv_t, ceil_div(rows, 128), pad4(cols), TQ_DTYPE_FLOAT32);
             }
             break;
-        case TQ_SCALING_MXFP8:
-            if (row) set(&q->scale_inv, rows, cols / 32, TQ_DTYPE_FLOAT8_E8M0);
-            if (col) set(&q->scale_inv_t, cols, rows / 32, TQ_DTYPE_FLOAT8_E8M0);
+        case TQ_SCALING_MXFP8: /* block-major: a 128x128 tile's exponents are 4 runs of 128 bytes */
+            if (row) set(&q->scale_inv, cols / 32, rows, TQ_DTYPE_FLOAT8_E8M0);
+            if (col) set(&q->scale_inv_t, rows / 32, cols, TQ_DTYPE_FLOAT8_E8M0);
             break;
         case TQ_SCALING_NVFP4:
             if (row) set(&q->scale_inv, rows, cols / 16, TQ_DTYPE_FLOAT8_E4M3);

@@ -4,6 +4,7 @@
  *   block amax A (NaN ignored) over 32 elements along K (rowwise), 32 rows of a column
  *   (columnwise), or a 32x32 tile shared by both directions (TQ_QUANT_2D);
  *   e = tq_mxfp8_exponent(A) (E8M0 rounded up); q = cvt8(x * 2^(127-e)); scale byte = e.
+ * Scales are block-major: a direction with codes [R, C] keeps its exponents as [C/32, R].
  * Dequantization: RN(fp8_value * 2^(e-127)), narrowed RNE to out's dtype.
  * Tests: tests/test_quantize_mxfp8.py (against torch references, and CUDA against this).
  */
@@ -39,7 +40,7 @@ tq_status tq_quantize_mxfp8_ref(const tq_tensor *x, const tq_quant_config *confi
                     region_amax(x, r0, tile_rows, kb * MX_BLOCK, MX_BLOCK), e5m2);
                 const float factor = tq_e8m0_rcp(e);
                 for (int64_t r = r0; r < r0 + tile_rows; r++) {
-                    scale[r * (K / MX_BLOCK) + kb] = e;
+                    scale[kb * M + r] = e;
                     for (int64_t c = kb * MX_BLOCK; c < (kb + 1) * MX_BLOCK; c++)
                         data[r * K + c] = tq_f32_to_fp8(tq_ref_load(x, r, c) * factor, e5m2);
                 }
@@ -55,7 +56,7 @@ tq_status tq_quantize_mxfp8_ref(const tq_tensor *x, const tq_quant_config *confi
                     region_amax(x, mb * MX_BLOCK, MX_BLOCK, c0, tile_cols), e5m2);
                 const float factor = tq_e8m0_rcp(e);
                 for (int64_t c = c0; c < c0 + tile_cols; c++) {
-                    scale_t[c * (M / MX_BLOCK) + mb] = e;
+                    scale_t[mb * K + c] = e;
                     for (int64_t r = mb * MX_BLOCK; r < (mb + 1) * MX_BLOCK; r++)
                         data_t[c * M + r] = tq_f32_to_fp8(tq_ref_load(x, r, c) * factor, e5m2);
                 }
@@ -75,7 +76,7 @@ tq_status tq_dequantize_mxfp8_ref(const tq_quant_config *config, const tq_qtenso
     const uint8_t *codes = (const uint8_t *)data->data, *exps = (const uint8_t *)scale->data;
     for (int64_t r = 0; r < data->rows; r++) {
         for (int64_t c = 0; c < data->cols; c++) {
-            const uint8_t e = exps[r * scale->cols + c / MX_BLOCK];
+            const uint8_t e = exps[(c / MX_BLOCK) * data->rows + r];
             const float v = tq_mul(tq_fp8_to_f32(codes[r * data->cols + c], e5m2), tq_e8m0_to_f32(e));
             tq_ref_store(out, r, c, v);
         }

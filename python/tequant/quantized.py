@@ -142,13 +142,16 @@ class QuantizedTensor:
         """The scales of one direction in a compact [rows, blocks] form of that direction, in
         their storage dtype (float32, float8_e8m0fnu, float8_e4m3fn): [1, 1] per tensor;
         FP8 1x128: [M, ceil(K/128)] rowwise, [K, ceil(M/128)] columnwise; FP8 128x128:
-        [ceil(M/128), ceil(K/128)] rowwise and its transpose columnwise; MXFP8 / NVFP4: the
-        stored [M, K/block] / [K, M/block] (2D tiles repeat their scale on each row)."""
+        [ceil(M/128), ceil(K/128)] rowwise and its transpose columnwise; MXFP8: [M, K/32] /
+        [K, M/32], a view of the stored block-major [K/32, M] / [M/32, K]; NVFP4: the stored
+        [M, K/16] / [K, M/16] (2D tiles repeat their scale on each row)."""
         usage = _direction(direction)
         if not self.has(direction):
             raise ValueError(f"this QuantizedTensor has no {direction} data")
         _, scaling, block, two_d = self._fields()
         scale = self.scale_inv if usage == ROWWISE or block is None else self.scale_inv_t
+        if scaling == "mxfp8":
+            return scale.t()
         if scaling != "block":
             return scale
         m, k = (self.rows, self.cols) if usage == ROWWISE else (self.cols, self.rows)

@@ -193,12 +193,14 @@ TQ_HD uint8_t tq_f32_to_e2m1_sr(float v, uint32_t u) {
 /* The biased exponent of the smallest power of two >= v (v >= 0), saturating at 254; NaN -> 255,
  * +Inf -> 254, 0 -> 0; subnormals up to 2^-127 give 0 (TE_REFERENCE 1.2). */
 TQ_HD uint8_t tq_f32_to_e8m0_up(float v) {
-    uint32_t b = tq_f32_bits(v);
-    if ((b & 0x7FFFFFFFu) > 0x7F800000u) return 0xFFu;
-    if ((b & 0x7FFFFFFFu) == 0x7F800000u) return 0xFEu;
-    uint32_t e = (b >> 23) & 0xFFu, m = b & 0x7FFFFFu;
-    if (m > 0 && e != 0xFEu && !(e == 0 && m <= 0x400000u)) e++;
-    return (uint8_t)e;
+    /* Branch-free (the MXFP8 kernels run it once per block): adding 2^23 - 1 to a normal's
+     * bits carries into the exponent exactly when the mantissa is non-zero; a subnormal
+     * (exponent field 0) rounds up to 2^-127 (field 0) up to 0x400000 and to 2^-126 (field
+     * 1) above it, which adding 2^22 - 1 gives. +Inf and overflow land on 255 and saturate. */
+    const uint32_t a = tq_f32_bits(v) & 0x7FFFFFFFu;
+    uint32_t e = (a + (a < 0x800000u ? 0x3FFFFFu : 0x7FFFFFu)) >> 23;
+    e = e > 0xFEu ? 0xFEu : e;
+    return (uint8_t)(a > 0x7F800000u ? 0xFFu : e);
 }
 
 /* 2^(e-127): the scale an E8M0 code stands for (e = 0 is 2^-127, a subnormal; 255 NaN). */
@@ -210,9 +212,10 @@ TQ_HD float tq_e8m0_to_f32(uint8_t e) {
 
 /* 2^(127-e): what the MXFP8 quantizer multiplies by (e = 254 gives 2^-127; 255 NaN). */
 TQ_HD float tq_e8m0_rcp(uint8_t e) {
-    if (e == 0xFFu) return tq_f32_from_bits(0x7FC00000u);
-    if (e == 0xFEu) return tq_f32_from_bits(0x00400000u);
-    return tq_f32_from_bits((uint32_t)(254u - e) << 23);
+    uint32_t bits = (uint32_t)(254u - e) << 23; /* selects, not branches: once per block */
+    bits = e == 0xFEu ? 0x00400000u : bits;
+    bits = e == 0xFFu ? 0x7FC00000u : bits;
+    return tq_f32_from_bits(bits);
 }
 
 /* ---- scale rules ---- */

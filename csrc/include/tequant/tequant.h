@@ -199,8 +199,10 @@ TQ_API tq_status tq_amax(const tq_tensor *x, tq_tensor *amax, struct CUstream_st
  *                     cuBLASLt's VEC128_32F mode reads); scale_inv_t [ceil(M/128), pad4(K)], [mb][k].
  *   BLOCK 128x128     scale_inv [ceil(M/128), pad4(ceil(K/128))], [mb][kb];
  *                     scale_inv_t [ceil(K/128), pad4(ceil(M/128))], [kb][mb] (BLK128x128_32F).
- *   MXFP8             E8M0 scale_inv [M, K/32], scale_inv_t [K, M/32] (compact row-major; with
- *                     TQ_QUANT_2D every row of a 32x32 tile repeats the tile's exponent).
+ *   MXFP8             E8M0 scale_inv [K/32, M], entry [kb][m]; scale_inv_t [M/32, K], [mb][k]
+ *                     (block-major: a 128x128 tile's exponents are four 128-byte runs, which
+ *                     the quantizer writes whole; with TQ_QUANT_2D every row of a 32x32 tile
+ *                     repeats the tile's exponent).
  *   NVFP4             E4M3 scale_inv [M, K/16], scale_inv_t [K, M/16] (2D: repeated per 16x16 tile);
  *                     data holds two E2M1 codes per byte, even column in the low nibble.
  * amax (FP32 [1, 1]): CURRENT writes max|x|; DELAYED max-accumulates max|x| into the caller's
