@@ -169,11 +169,15 @@ struct Args {
 
 /* Addresses: 64-bit bases are made once per CTA and per thread, offsets inside the tile are
  * 32-bit, and the in-tile guards compare against the tile's valid rows and columns (m_left,
- * k_left), which costs one compare per load or store (the per-element form of this kernel
- * spent a third of its instructions on 64-bit index math). Four CTAs per SM (64 registers)
- * keep enough loads in flight; left alone the compiler takes 72 and fits three. */
+ * k_left), which costs one compare per load or store (64-bit index math per element was a
+ * third of the previous version's instructions). CTAs per SM: four for 16-bit inputs (64
+ * registers; left alone the compiler takes 72 and fits three), two for fp32, whose tile takes
+ * twice the registers (at 64 it spills; left alone it takes up to 135 and fits one). */
+template <typename In>
+constexpr int min_ctas_per_sm() { return sizeof(typename In::storage) == 2 ? 4 : 2; }
+
 template <typename In, bool kVec, bool kRow, bool kCol, bool k2D, bool kE5M2>
-__global__ void __launch_bounds__(kThreads, 4) quantize_kernel(const Args a) {
+__global__ void __launch_bounds__(kThreads, min_ctas_per_sm<In>()) quantize_kernel(const Args a) {
     using S = Tile<In>;
     __shared__ uint4 smem[kCol ? kTile : 1][kSmemChunks];
     __shared__ uint32_t tile_amax[k2D ? 4 : 1][k2D ? 4 : 1]; /* fp32 bits, >= 0: ordered as ints */
