@@ -135,6 +135,39 @@ def test_state_dict_round_trip_mid_training_gives_identical_next_steps(device):
     assert state_of(a) == state_of(b)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("swap", ["data", "assign"])
+def test_state_follows_buffers_replaced_between_steps(device, swap):
+    """The module keeps views of its buffers between calls (delayed.slots): a buffer given new
+    storage (`.data =`) or replaced (load_state_dict(assign=True)) must be the one the next
+    step reads its scales from and records its amaxes into."""
+    recipe = DelayedScaling(amax_history_len=4)
+    torch.manual_seed(3)
+    lin = te.Linear(32, 16, bias=False, device=device)
+    x = torch.randn(8, 32, device=device)
+    with te.autocast(recipe=recipe):
+        lin(x).sum().backward()
+    scale = torch.tensor([0.5, 0.25], device=device)
+    hist = torch.zeros_like(lin.delayed_amax_history_fwd)
+    if swap == "data":
+        lin.delayed_scale_fwd.data = scale
+        lin.delayed_amax_history_fwd.data = hist
+    else:
+        sd = dict(lin.state_dict(), delayed_scale_fwd=scale, delayed_amax_history_fwd=hist)
+        lin.load_state_dict(sd, assign=True)
+    x = torch.randn(8, 32, device=device) * 3
+    with te.autocast(recipe=recipe):
+        y = lin(x)
+        # the cast used the new scales (read before the exit updates them)
+        qx = te.ops.quantize(x, recipe, "input", scale=scale[0:1].clone())
+        qw = te.ops.quantize(lin.weight.detach(), recipe, "weight", scale=scale[1:2].clone())
+        want = te.ops.gemm(qx, qw, transpose_b=True, out_dtype=torch.float32)
+        assert torch.equal(y.detach(), want)
+        # ... and recorded this step's amaxes into the new history's row 0
+        assert lin.delayed_amax_history_fwd[0].tolist() == [
+            float(x.abs().max()), float(lin.weight.detach().abs().max())]
+
+
 def test_calibration_records_amaxes_without_quantizing():
     recipe = DelayedScaling(amax_history_len=4)
     lin = te.Linear(32, 16)

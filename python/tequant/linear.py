@@ -67,8 +67,7 @@ class _QuantizedLinear(torch.autograd.Function):
         c_needs = (needs | _PACKED if override is None
                    else _KEEP_X_ROWWISE if override == "dequantized" else _PACKED)
         if plan.delayed:
-            x_state = delayed.slot(module, delayed.FORWARD, 0)
-            w_state = delayed.slot(module, delayed.FORWARD, 1)
+            x_state, w_state = delayed.slots(module, delayed.FORWARD)
         else:
             x_state = w_state = None
         inp = inp.contiguous()
@@ -92,10 +91,29 @@ class _QuantizedLinear(torch.autograd.Function):
             dx, dw, db = _high_precision_backward(ctx, dy.reshape(-1, dy.shape[-1]), needs,
                                                   bias_dtype)
         else:  # ctx.pending: first in forward, so last in backward: it updates them all
-            state = delayed.slot(ctx.module, delayed.BACKWARD, 0) if plan.delayed else None
+            state = delayed.slots(ctx.module, delayed.BACKWARD)[0] if plan.delayed else None
             dx, dw, db = _C.linear_backward(plan.c_args, ctx.saved, dy, needs, state, ctx.shape,
                                             bias_dtype, ctx.pending)
         return dx, dw, db, None, None, None, None
+
+
+def _fast_apply(function):
+    """function.apply less torch's Python wrapper (~4 us of a ~75 us forward on the H200 host).
+    With no functorch transform active and no setup_context, that wrapper unwraps dead functorch
+    wrappers and calls _FunctionBase.apply; this does the same for the three tensor arguments
+    (inp, weight, bias). Under a transform it is torch's own apply (which raises: these
+    Functions define no setup_context)."""
+    raw = torch._C._FunctionBase.__dict__["apply"].__get__(None, function)
+    unwrap, active = torch._C._functorch.unwrap_if_dead, torch._C._are_functorch_transforms_active
+
+    def apply(inp, weight, bias, *rest):
+        if active():
+            return function.apply(inp, weight, bias, *rest)
+        return raw(unwrap(inp), unwrap(weight), None if bias is None else unwrap(bias), *rest)
+    return apply
+
+
+_quantized_linear = _fast_apply(_QuantizedLinear)
 
 
 def _high_precision_backward(ctx, dy2d, needs, bias_dtype):
@@ -270,12 +288,13 @@ class Linear(torch.nn.Module):
             pending = None
             if plan.delayed:
                 delayed.ensure(self, plan.x.amax_history_len)
-                self._delayed_plan, self._delayed_group = plan, _C.get_fp8_group()
+                attrs = self.__dict__  # plain attributes: nn.Module.__setattr__ costs ~2 us each
+                attrs["_delayed_plan"], attrs["_delayed_group"] = plan, _C.get_fp8_group()
                 if torch.is_grad_enabled():
                     modules, first = _C._delayed_register(self)
                     pending = modules if first else None
-            out = _QuantizedLinear.apply(inp, self.weight, bias, self, plan, is_first_microbatch,
-                                         pending)
+            out = _quantized_linear(inp, self.weight, bias, self, plan, is_first_microbatch,
+                                    pending)
         return (out, self.bias) if self.return_bias else out
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
