@@ -164,8 +164,12 @@ def test_state_follows_buffers_replaced_between_steps(device, swap):
         want = te.ops.gemm(qx, qw, transpose_b=True, out_dtype=torch.float32)
         assert torch.equal(y.detach(), want)
         # ... and recorded this step's amaxes into the new history's row 0
-        assert lin.delayed_amax_history_fwd[0].tolist() == [
-            float(x.abs().max()), float(lin.weight.detach().abs().max())]
+        amaxes = [float(x.abs().max()), float(lin.weight.detach().abs().max())]
+        assert lin.delayed_amax_history_fwd[0].tolist() == amaxes
+    # the exit's update rolled the new history (row 0 to the end) and wrote the new scales
+    assert lin.delayed_amax_history_fwd[-1].tolist() == amaxes
+    assert lin.delayed_scale_fwd.tolist() == [float(np.float32(448.0) / np.float32(a))
+                                              for a in amaxes]
 
 
 def test_calibration_records_amaxes_without_quantizing():
