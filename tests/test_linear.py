@@ -422,6 +422,37 @@ def test_return_bias(name, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(RECIPES))
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "nothing_requires_grad"])
+def test_forward_without_a_graph_has_the_training_forwards_bits(mode, name, device):
+    """With no graph to record, forward skips the autograd.Function (and x's columnwise copy):
+    its output must still be the training forward's, bit for bit, and DelayedScaling must
+    record the same amaxes."""
+    k, n = 64, 32
+    lin = make_linear(k, n, device=device, seed=21)
+    x = randn(3, 17, k, seed=22, device=device)  # 51 tokens: padded rows for MXFP8 / NVFP4
+    recipe = RECIPES[name]
+    with te.autocast(recipe=recipe):
+        want = lin(x.clone().requires_grad_())
+    if name == "delayed":  # back to the first step's state: scales 1, an empty history
+        recorded = lin.delayed_amax_history_fwd[-1].clone()  # the exit rolled row 0 to the end
+        lin.delayed_scale_fwd.fill_(1.0)
+        lin.delayed_amax_history_fwd.zero_()
+    context = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode,
+               "nothing_requires_grad": contextlib.nullcontext}[mode]
+    if mode == "nothing_requires_grad":
+        for p in lin.parameters():
+            p.requires_grad_(False)
+    with context(), te.autocast(recipe=recipe):
+        got = lin(x)
+    assert not got.requires_grad and got.shape == want.shape
+    assert torch.equal(got, want.detach())
+    if name == "delayed":  # recorded the same amaxes; grad mode on: updated at the exit
+        row = -1 if mode == "nothing_requires_grad" else 0
+        assert torch.equal(lin.delayed_amax_history_fwd[row], recorded)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", ["current", "mxfp8", "nvfp4"])
 def test_frozen_weight_and_inference(name, device):
     """A frozen weight still gets dx (and no dW); under torch.no_grad the output is the same."""

@@ -9,7 +9,8 @@ high-precision copies. Any number of tokens works: rows are zero-padded to the f
 (zero rows add nothing to any product) and the result is exactly the unpadded one.
 DelayedScaling keeps its amax histories and scales in module buffers (delayed.py). The forward
 and the backward are one C call each (csrc/ext/linear.c); this file is the autograd Function,
-the module and the recipe plans around them.
+the module and the recipe plans around them. With no graph to record (torch.no_grad,
+inference_mode, nothing requiring grad) forward is the C call alone, without the Function.
 Tests: tests/test_linear.py.
 """
 import math
@@ -66,14 +67,8 @@ class _QuantizedLinear(torch.autograd.Function):
         # allocations); "dequantized" reads the member tensors of x and W in Python instead
         c_needs = (needs | _PACKED if override is None
                    else _KEEP_X_ROWWISE if override == "dequantized" else _PACKED)
-        if plan.delayed:
-            x_state, w_state = delayed.slots(module, delayed.FORWARD)
-        else:
-            x_state = w_state = None
         inp = inp.contiguous()
-        out, saved = _C.linear_forward(plan.c_args, inp, weight, bias, c_needs,
-                                        module._weight_cache, is_first_microbatch, x_state,
-                                        w_state)
+        out, saved = _forward(inp, weight, bias, module, plan, is_first_microbatch, c_needs)
         ctx.plan, ctx.saved, ctx.needs, ctx.shape = plan, saved, needs, inp.shape
         ctx.module, ctx.pending = module, pending
         ctx.bias_dtype = bias.dtype if bias is not None else None
@@ -95,6 +90,16 @@ class _QuantizedLinear(torch.autograd.Function):
             dx, dw, db = _C.linear_backward(plan.c_args, ctx.saved, dy, needs, state, ctx.shape,
                                             bias_dtype, ctx.pending)
         return dx, dw, db, None, None, None, None
+
+
+def _forward(inp, weight, bias, module, plan, is_first_microbatch, c_needs):
+    """linear_forward's (out, saved) for a contiguous inp, with DelayedScaling's slots."""
+    if plan.delayed:
+        x_state, w_state = delayed.slots(module, delayed.FORWARD)
+    else:
+        x_state = w_state = None
+    return _C.linear_forward(plan.c_args, inp, weight, bias, c_needs, module._weight_cache,
+                             is_first_microbatch, x_state, w_state)
 
 
 def _fast_apply(function):
@@ -293,8 +298,14 @@ class Linear(torch.nn.Module):
                 if torch.is_grad_enabled():
                     modules, first = _C._delayed_register(self)
                     pending = modules if first else None
-            out = _quantized_linear(inp, self.weight, bias, self, plan, is_first_microbatch,
-                                    pending)
+            weight = self.weight
+            if torch.is_grad_enabled() and (inp.requires_grad or weight.requires_grad or (
+                    bias is not None and bias.requires_grad)):
+                out = _quantized_linear(inp, weight, bias, self, plan, is_first_microbatch,
+                                        pending)
+            else:  # no graph to record (eval, inference): the C forward alone, x rowwise only
+                out = _forward(inp.contiguous(), weight, bias, self, plan, is_first_microbatch,
+                               _PACKED)[0]
         return (out, self.bias) if self.return_bias else out
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
