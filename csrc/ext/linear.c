@@ -25,7 +25,8 @@
  * which reads them in Python) the 6-tuple of member tensors. Backward takes either form. What
  * one call consumes (x's rowwise part, used by fprop only; dy, kept by nobody; the padded copies
  * of x and dy) lives in tqx_scratch blocks (torch_calls.c), handed back before the call returns.
- * Tests: tests/test_linear.py, tests/test_linear_delayed.py, tests/test_linear_alloc.py.
+ * Tests: tests/test_linear.py, tests/test_linear_module.py, tests/test_linear_delayed.py,
+ * tests/test_linear_alloc.py.
  */
 #include "module.h"
 

@@ -11,7 +11,7 @@ DelayedScaling keeps its amax histories and scales in module buffers (delayed.py
 and the backward are one C call each (csrc/ext/linear.c); this file is the autograd Function,
 the module and the recipe plans around them. With no graph to record (torch.no_grad,
 inference_mode, nothing requiring grad) forward is the C call alone, without the Function.
-Tests: tests/test_linear.py.
+Tests: tests/test_linear.py, tests/test_linear_module.py, tests/test_linear_delayed.py.
 """
 import math
 
