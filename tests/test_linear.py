@@ -13,6 +13,7 @@ import contextlib
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 
 import tequant as te
@@ -450,6 +451,18 @@ def test_forward_without_a_graph_has_the_training_forwards_bits(mode, name, devi
     if name == "delayed":  # recorded the same amaxes; grad mode on: updated at the exit
         row = -1 if mode == "nothing_requires_grad" else 0
         assert torch.equal(lin.delayed_amax_history_fwd[row], recorded)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("grad_mode", [True, False])
+def test_forward_mode_ad_is_refused_not_dropped(grad_mode):
+    """te.Linear has no jvp: a dual input must raise in every grad mode (the no-graph forward
+    would return the primal alone, silently losing the tangent)."""
+    lin = make_linear(32, 16, seed=23)
+    x, t = randn(4, 32, seed=24), randn(4, 32, seed=25)
+    with fwAD.dual_level(), te.autocast(recipe=RECIPES["current"]), \
+            torch.set_grad_enabled(grad_mode), pytest.raises(NotImplementedError, match="jvp"):
+        lin(fwAD.make_dual(x, t))
 
 
 @pytest.mark.parametrize("device", DEVICES)

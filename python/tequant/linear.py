@@ -16,6 +16,7 @@ Tests: tests/test_linear.py, tests/test_linear_module.py, tests/test_linear_dela
 import math
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 import torch.nn.functional as F
 
 from . import _C, _compile_linear, delayed
@@ -100,6 +101,12 @@ def _forward(inp, weight, bias, module, plan, is_first_microbatch, c_needs):
         x_state = w_state = None
     return _C.linear_forward(plan.c_args, inp, weight, bias, c_needs, module._weight_cache,
                              is_first_microbatch, x_state, w_state)
+
+
+def _forward_ad_level():
+    """The active forward-AD dual level (-1 outside fwAD.dual_level()): dual inputs must reach
+    the Function, which raises (no jvp), not pass through the Function-free no-graph path."""
+    return getattr(_forward_ad, "_current_level", 0)
 
 
 def _fast_apply(function):
@@ -299,8 +306,8 @@ class Linear(torch.nn.Module):
                     modules, first = _C._delayed_register(self)
                     pending = modules if first else None
             weight = self.weight
-            if torch.is_grad_enabled() and (inp.requires_grad or weight.requires_grad or (
-                    bias is not None and bias.requires_grad)):
+            if (torch.is_grad_enabled() and (inp.requires_grad or weight.requires_grad or (
+                    bias is not None and bias.requires_grad))) or _forward_ad_level() >= 0:
                 out = _quantized_linear(inp, weight, bias, self, plan, is_first_microbatch,
                                         pending)
             else:  # no graph to record (eval, inference): the C forward alone, x rowwise only
