@@ -455,14 +455,18 @@ def test_forward_without_a_graph_has_the_training_forwards_bits(mode, name, devi
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("grad_mode", [True, False])
-def test_forward_mode_ad_is_refused_not_dropped(grad_mode):
-    """te.Linear has no jvp: a dual input must raise in every grad mode (the no-graph forward
-    would return the primal alone, silently losing the tangent)."""
+def test_forward_mode_ad_and_vmap_are_refused(grad_mode):
+    """te.Linear has no jvp and no vmap rule: a dual or batched input must raise in every grad
+    mode (the no-graph forward would return the primal alone, silently losing the tangent)."""
     lin = make_linear(32, 16, seed=23)
     x, t = randn(4, 32, seed=24), randn(4, 32, seed=25)
     with fwAD.dual_level(), te.autocast(recipe=RECIPES["current"]), \
             torch.set_grad_enabled(grad_mode), pytest.raises(NotImplementedError, match="jvp"):
         lin(fwAD.make_dual(x, t))
+    # vmap likewise gets torch's "setup_context" refusal, not an error from the C call
+    with te.autocast(recipe=RECIPES["current"]), torch.set_grad_enabled(grad_mode), \
+            pytest.raises(RuntimeError, match="setup_context"):
+        torch.vmap(lin)(x.reshape(2, 2, 32))
 
 
 @pytest.mark.parametrize("device", DEVICES)

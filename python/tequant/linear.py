@@ -103,10 +103,12 @@ def _forward(inp, weight, bias, module, plan, is_first_microbatch, c_needs):
                              is_first_microbatch, x_state, w_state)
 
 
-def _forward_ad_level():
-    """The active forward-AD dual level (-1 outside fwAD.dual_level()): dual inputs must reach
-    the Function, which raises (no jvp), not pass through the Function-free no-graph path."""
-    return getattr(_forward_ad, "_current_level", 0)
+def _transformed():
+    """Inside a forward-AD dual level or a functorch transform (vmap, grad, ...): such inputs
+    must reach the Function, which refuses them clearly (no jvp, no setup_context), not the
+    Function-free no-graph path, which would drop a tangent or get a wrapped tensor."""
+    return (getattr(_forward_ad, "_current_level", 0) >= 0
+            or torch._C._are_functorch_transforms_active())
 
 
 def _fast_apply(function):
@@ -307,7 +309,7 @@ class Linear(torch.nn.Module):
                     pending = modules if first else None
             weight = self.weight
             if (torch.is_grad_enabled() and (inp.requires_grad or weight.requires_grad or (
-                    bias is not None and bias.requires_grad))) or _forward_ad_level() >= 0:
+                    bias is not None and bias.requires_grad))) or _transformed():
                 out = _quantized_linear(inp, weight, bias, self, plan, is_first_microbatch,
                                         pending)
             else:  # no graph to record (eval, inference): the C forward alone, x rowwise only
