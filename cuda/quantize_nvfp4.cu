@@ -5,7 +5,8 @@
  * Philox bytes of the element's output index. Columnwise quantizes x^T, or RN_bf16(RHT) of
  * each 16-row group with TQ_QUANT_RHT. Two launches, no host sync: pass 1 reads x for the
  * global amaxes (q->amax, post-RHT q->amax_t); pass 2 reads each 128-row tile once into shared
- * memory and writes both directions. Pass 2 is issue-bound on Hopper (no E2M1 convert before
+ * memory and writes both directions. A tensor of at most 64K elements takes one launch of one
+ * CTA running both passes (small_kernel). Pass 2 is issue-bound on Hopper (no E2M1 convert before
  * sm_100), so the per-element work is cut to the bone: the RHT is formats.h's butterfly, E2M1
  * codes come from one FPU-rounded add (e2m1_grid_code), block scales use the hardware E4M3
  * convert and an IEEE reciprocal. Dequantize: quantize_nvfp4_dequant.cu. Reference: csrc/ref/quantize_nvfp4_ref.c
@@ -112,19 +113,24 @@ __device__ __forceinline__ float warp_amax(float m, int lanes) {
     return m;
 }
 
-/* Per-thread max-reduction of two amaxes to one atomicMax each per block (values >= 0 and never
- * NaN, so comparing the float bits as unsigned integers orders them). */
-__device__ __forceinline__ void block_amax_to(float m, float *out, float *scratch) {
+/* The block's max of the threads' m, in thread 0 (scratch: kThreads / 32 floats). */
+__device__ __forceinline__ float block_amax(float m, float *scratch) {
     m = warp_amax(m, 32);
     if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = m;
     __syncthreads();
     if (threadIdx.x < 32) {
         m = threadIdx.x < kThreads / 32 ? scratch[threadIdx.x] : 0.0f;
         m = warp_amax(m, 32);
-        if (threadIdx.x == 0 && m > 0.0f)
-            atomicMax(reinterpret_cast<unsigned int *>(out), __float_as_uint(m));
     }
     __syncthreads();
+    return m;
+}
+
+/* Per-thread max-reduction to one atomicMax per block (values >= 0 and never NaN, so comparing
+ * the float bits as unsigned integers orders them). */
+__device__ __forceinline__ void block_amax_to(float m, float *out, float *scratch) {
+    m = block_amax(m, scratch);
+    if (threadIdx.x == 0 && m > 0.0f) atomicMax(reinterpret_cast<unsigned int *>(out), __float_as_uint(m));
 }
 
 struct AmaxParams {
@@ -138,15 +144,14 @@ struct AmaxParams {
  * outputs per column would not fit in registers for 8 columns); consecutive threads take
  * consecutive chunks of the same rows (coalesced). The RHT groups are the item's 16 rows. */
 template <typename E, bool kVec, bool kRht>
-__global__ void __launch_bounds__(kThreads) amax_kernel(AmaxParams p) {
+__device__ __forceinline__ void amax_items(const AmaxParams &p, int64_t first, int64_t stride,
+                                           float &amax, float &amax_rht) {
     using T = typename E::storage;
     using V = typename std::conditional<kRht, uint32_t, uint4>::type;
     constexpr int n = sizeof(V) / sizeof(T);
     const T *x = static_cast<const T *>(p.x);
     const int64_t chunks_per_row = p.cols / n, items = (p.rows / 16) * chunks_per_row;
-    float amax = 0.0f, amax_rht = 0.0f;
-    for (int64_t item = (int64_t)blockIdx.x * kThreads + threadIdx.x; item < items;
-         item += (int64_t)gridDim.x * kThreads) {
+    for (int64_t item = first; item < items; item += stride) {
         const int64_t r0 = item / chunks_per_row * 16, c = item % chunks_per_row * n;
         T elems[16][n];
 #pragma unroll
@@ -174,6 +179,13 @@ __global__ void __launch_bounds__(kThreads) amax_kernel(AmaxParams p) {
             }
         }
     }
+}
+
+template <typename E, bool kVec, bool kRht>
+__global__ void __launch_bounds__(kThreads) amax_kernel(AmaxParams p) {
+    float amax = 0.0f, amax_rht = 0.0f;
+    amax_items<E, kVec, kRht>(p, (int64_t)blockIdx.x * kThreads + threadIdx.x,
+                              (int64_t)gridDim.x * kThreads, amax, amax_rht);
     __shared__ float scratch[kThreads / 32];
     if (p.amax != nullptr) block_amax_to(amax, p.amax, scratch);
     if (p.amax_t != nullptr) block_amax_to(kRht ? amax_rht : amax, p.amax_t, scratch);
@@ -313,8 +325,7 @@ __device__ __forceinline__ void copy_scales(const uint8_t *scales, int lines, in
  * stores (copy_out): written straight from the threads above, every store instruction touched
  * 32 half-filled sectors, and L2 traffic (6x the bytes written) bounded the kernel. */
 template <typename E, bool kRht, bool k2D, bool kSr>
-__global__ void __launch_bounds__(kThreads, kSr ? 2 : kCastBlocksPerSm) cast_kernel(CastParams p) {
-    if (kSr && p.rng_state != nullptr) p.seed = p.rng_state[0], p.offset = p.rng_state[1];
+__device__ __forceinline__ void cast_tile(const CastParams &p, int64_t tile_index) {
     using T = typename E::storage;
     constexpr int kTileCols = kTileBytes / (int)sizeof(T);
     constexpr int kChunkElems = 16 / (int)sizeof(T);
@@ -328,8 +339,8 @@ __global__ void __launch_bounds__(kThreads, kSr ? 2 : kCastBlocksPerSm) cast_ker
     __shared__ __align__(16) uint8_t stage[kRowStage > kColStage ? kRowStage : kColStage];
 
     const int64_t tiles_k = (p.cols + kTileCols - 1) / kTileCols;
-    const int64_t m0 = (int64_t)blockIdx.x / tiles_k * kTileRows;
-    const int64_t k0 = (int64_t)blockIdx.x % tiles_k * kTileCols;
+    const int64_t m0 = tile_index / tiles_k * kTileRows;
+    const int64_t k0 = tile_index % tiles_k * kTileCols;
     const int tile_rows = (int)min((int64_t)kTileRows, p.rows - m0); /* multiples of 16 */
     const int tile_cols = (int)min((int64_t)kTileCols, p.cols - k0);
     const T *x = static_cast<const T *>(p.x);
@@ -457,6 +468,42 @@ __global__ void __launch_bounds__(kThreads, kSr ? 2 : kCastBlocksPerSm) cast_ker
     }
 }
 
+template <typename E, bool kRht, bool k2D, bool kSr>
+__global__ void __launch_bounds__(kThreads, kSr ? 2 : kCastBlocksPerSm) cast_kernel(CastParams p) {
+    if (kSr && p.rng_state != nullptr) p.seed = p.rng_state[0], p.offset = p.rng_state[1];
+    cast_tile<E, kRht, k2D, kSr>(p, blockIdx.x);
+}
+
+/* A small x (at most kSmallElems elements) in ONE launch and one CTA: the amaxes (stored, so no
+ * memset first), then every tile in turn. Both passes are the ones above, in the same order of
+ * operations per element, so the bits are the two-launch path's. Small tensors are bound by
+ * launch overhead (two launches and two memsets otherwise), not by bandwidth. */
+constexpr int64_t kSmallElems = 1 << 16;
+
+template <typename E, bool kRht, bool k2D, bool kSr>
+__global__ void __launch_bounds__(kThreads) small_kernel(AmaxParams ap, CastParams p) {
+    if (kSr && p.rng_state != nullptr) p.seed = p.rng_state[0], p.offset = p.rng_state[1];
+    float amax = 0.0f, amax_rht = 0.0f;
+    /* element loads (any alignment); the RHT amax only when the columnwise copy is made */
+    if (kRht && ap.amax_t != nullptr) amax_items<E, false, true>(ap, threadIdx.x, kThreads, amax, amax_rht);
+    else amax_items<E, false, false>(ap, threadIdx.x, kThreads, amax, amax_rht);
+    __shared__ float scratch[kThreads / 32];
+    amax = block_amax(amax, scratch);
+    const bool rht_t = kRht && ap.amax_t != nullptr;
+    amax_rht = rht_t ? block_amax(amax_rht, scratch) : amax;
+    if (threadIdx.x == 0) {
+        if (ap.amax != nullptr) *ap.amax = amax;
+        if (ap.amax_t != nullptr) *ap.amax_t = amax_rht;
+    }
+    __syncthreads(); /* the tiles read the amaxes back through p.amax / p.amax_t */
+    const int64_t tile_cols = kTileBytes / (int64_t)sizeof(typename E::storage);
+    const int64_t tiles = (p.rows + kTileRows - 1) / kTileRows * ((p.cols + tile_cols - 1) / tile_cols);
+    for (int64_t t = 0; t < tiles; t++) {
+        cast_tile<E, kRht, k2D, kSr>(p, t);
+        __syncthreads(); /* the next tile reuses the shared buffers */
+    }
+}
+
 
 template <typename E, bool kVec>
 void launch_amax(const AmaxParams &ap, bool rht, int sms, cudaStream_t s) {
@@ -479,9 +526,21 @@ void launch_cast(const CastParams &cp, bool rht, bool two_d, cudaStream_t s) {
 
 /* vec16 / vec4: every row start of x is 16- / 4-byte aligned. The amax pass uses the RHT
  * kernel only when the columnwise amax needs the transform. */
+template <typename E, bool kSr>
+void launch_small(const AmaxParams &ap, const CastParams &cp, bool rht, bool two_d, cudaStream_t s) {
+    if (two_d) small_kernel<E, false, true, kSr><<<1, kThreads, 0, s>>>(ap, cp);
+    else if (rht) small_kernel<E, true, false, kSr><<<1, kThreads, 0, s>>>(ap, cp);
+    else small_kernel<E, false, false, kSr><<<1, kThreads, 0, s>>>(ap, cp);
+}
+
 template <typename E>
 void launch(const AmaxParams &ap, const CastParams &cp, bool vec16, bool vec4, bool rht, bool two_d,
             bool sr, int sms, cudaStream_t s) {
+    if (ap.rows * ap.cols <= kSmallElems) {
+        if (sr) launch_small<E, true>(ap, cp, rht, two_d, s);
+        else launch_small<E, false>(ap, cp, rht, two_d, s);
+        return;
+    }
     const bool rht_amax = rht && ap.amax_t != nullptr;
     const bool amax_vec = rht_amax ? vec4 : vec16;
     if (amax_vec) launch_amax<E, true>(ap, rht_amax, sms, s);
@@ -503,9 +562,11 @@ extern "C" tq_status tq_quantize_nvfp4_cuda(const tq_tensor *x, const tq_quant_c
     const bool rht = (config->flags & TQ_QUANT_RHT) != 0, two_d = (config->flags & TQ_QUANT_2D) != 0;
     float *amax = row ? static_cast<float *>(q->amax.data) : nullptr;
     float *amax_t = col ? static_cast<float *>(q->amax_t.data) : nullptr;
+    /* the tiled pass 1 max-accumulates into zeroed amaxes; the one-CTA path stores them */
+    const bool small = x->rows * x->cols > 0 && x->rows * x->cols <= kSmallElems;
     cudaError_t err = cudaSuccess;
-    if (amax != nullptr && err == cudaSuccess) err = cudaMemsetAsync(amax, 0, sizeof(float), s);
-    if (amax_t != nullptr && err == cudaSuccess) err = cudaMemsetAsync(amax_t, 0, sizeof(float), s);
+    if (!small && amax != nullptr && err == cudaSuccess) err = cudaMemsetAsync(amax, 0, sizeof(float), s);
+    if (!small && amax_t != nullptr && err == cudaSuccess) err = cudaMemsetAsync(amax_t, 0, sizeof(float), s);
     if (err != cudaSuccess) return cuda_failed("NVFP4 quantize: zeroing the amaxes (cudaMemsetAsync)", err);
     if (x->rows == 0 || x->cols == 0) return TQ_SUCCESS;
     if ((x->rows / kTileRows + 1) * (x->cols / 64 + 1) > INT32_MAX)

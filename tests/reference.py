@@ -54,11 +54,6 @@ def e2m1_values(codes):
     return torch.where((codes & 8) != 0, -mag, mag)
 
 
-def unpack_e2m1(packed):
-    """uint8 [R, C/2] -> codes [R, C], even column in the low nibble."""
-    return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
-
-
 def e8m0_up(v):
     """Biased exponent of the smallest power of two >= v (v >= 0, float32), clamped to 254;
     NaN -> 255, Inf -> 254, 0 and anything <= 2^-127 -> 0."""

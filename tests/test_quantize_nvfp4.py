@@ -13,7 +13,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import tequant as te  # noqa: E402
 from reference import (FLT_MAX, e2m1_codes, e2m1_stochastic, e2m1_values, fp8_bits,  # noqa: E402
-                       fp8_values, rht_columnwise, sr_bytes, unpack_e2m1)
+                       fp8_values, rht_columnwise, sr_bytes)
 from tequant.recipe import NVFP4BlockScaling, QParams  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -173,6 +173,9 @@ def values(kind, shape, dtype, seed=0):
 KINDS = ["randn", "ramp", "zeros", "outlier", "nan_inf", "nan", "negative", "max", "tiny"]
 SHAPES = [(16, 16), (16, 32), (32, 16), (48, 80), (128, 128), (16, 1024), (1024, 16),
           (256, 272), (304, 304), (320, 256)]
+# The CUDA quantizer runs a tensor of at most 64K elements in one CTA (both passes in one
+# launch) and larger ones in two launches of tiles: the value and layout cases run on both.
+PATHS = {"one_cta": (48, 160), "tiled": (272, 272)}
 
 
 # ---- CPU reference vs torch reference ------------------------------------------------------
@@ -341,28 +344,32 @@ def test_cuda_matches_cpu_shapes(shape, dtype, two_d):
 @pytest.mark.parametrize("two_d", [False, True], ids=["1x16", "16x16"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", KINDS)
-def test_cuda_matches_cpu_values(kind, dtype, two_d):
-    check_cuda_matches_cpu(values(kind, (48, 160), dtype), two_d=two_d)
+@pytest.mark.parametrize("path", list(PATHS))
+def test_cuda_matches_cpu_values(path, kind, dtype, two_d):
+    check_cuda_matches_cpu(values(kind, PATHS[path], dtype), two_d=two_d)
 
 
 @gpu
 @pytest.mark.parametrize("usage", ["rowwise", "columnwise"])
-def test_cuda_single_direction(usage):
-    check_cuda_matches_cpu(values("randn", (96, 160), torch.bfloat16),
+@pytest.mark.parametrize("path", list(PATHS))
+def test_cuda_single_direction(path, usage):
+    check_cuda_matches_cpu(values("randn", PATHS[path], torch.bfloat16),
                            rowwise=usage == "rowwise", columnwise=usage == "columnwise")
 
 
 @gpu
-def test_cuda_strided_rows_and_stream():
-    wide = values("randn", (272, 400), torch.bfloat16)
+@pytest.mark.parametrize("rows", [48, 272], ids=["one_cta", "tiled"])
+def test_cuda_strided_rows_and_stream(rows):
+    wide = values("randn", (rows, 400), torch.bfloat16)
     x = wide.cuda()[:, :384]
     q = quantize(x)
     q_ref = quantize(wide[:, :384])
     for member in MEMBERS:
         assert torch.equal(getattr(q, member).cpu().view(torch.uint8),
                            getattr(q_ref, member).view(torch.uint8)), member
-    check_cuda_matches_cpu(values("randn", (256, 512), torch.float32), stream=torch.cuda.Stream())
-    check_cuda_matches_cpu(values("randn", (256, 512), torch.float32), two_d=True,
+    shape = (rows - 16, 512 if rows > 48 else 64)
+    check_cuda_matches_cpu(values("randn", shape, torch.float32), stream=torch.cuda.Stream())
+    check_cuda_matches_cpu(values("randn", shape, torch.float32), two_d=True,
                            stream=torch.cuda.Stream())
 
 

@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import tequant as te  # noqa: E402
 from reference import rht_columnwise, rht_matrix  # noqa: E402
 from tequant.recipe import NVFP4BlockScaling  # noqa: E402
-from test_quantize_nvfp4 import (DTYPES, MEMBERS, SHAPES, check_cuda_matches_cpu,  # noqa: E402
+from test_quantize_nvfp4 import (DTYPES, MEMBERS, PATHS, SHAPES, check_cuda_matches_cpu,  # noqa: E402
                                  check_reference, f32_bits, gpu, on_cuda, quantize, values)
 
 MODES = {  # name: (rht, sr, two_d)
@@ -313,17 +313,22 @@ def test_cuda_matches_cpu(shape, dtype, name):
 @pytest.mark.parametrize("kind", ["ramp", "zeros", "outlier", "nan_inf", "nan", "negative",
                                   "max", "tiny"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_cuda_matches_cpu_values(dtype, kind, name):
-    check_cuda_matches_cpu(values(kind, (48, 160), dtype), **mode(name))
+@pytest.mark.parametrize("path", list(PATHS))
+def test_cuda_matches_cpu_values(path, dtype, kind, name):
+    check_cuda_matches_cpu(values(kind, PATHS[path], dtype), **mode(name))
 
 
 @gpu
-def test_cuda_rht_strided_single_direction_stream():
+@pytest.mark.parametrize("tall", [1, 96], ids=["one_cta", "tiled"])
+def test_cuda_rht_strided_single_direction_stream(tall):
+    """Each case at its own rows (one CTA) and at 96 times as many (> 64K elements: tiled)."""
     def views(shape, dtype, cols=None, offset=None):
+        shape = (shape[0] * tall, shape[1])
+
         def make(device):
             base = values("randn", shape, dtype).to(device)
             if offset is not None:  # a flat slice whose first element is not 16-byte aligned
-                return base.reshape(-1)[offset:offset + 32 * 32].reshape(32, 32)
+                return base.reshape(-1)[offset:offset + 32 * tall * 32].reshape(32 * tall, 32)
             return base[:, :cols]
         return on_cuda(make)
 
