@@ -14,8 +14,10 @@
  * Elements go through the hardware cvt.rn.satfinite.{e4m3,e5m2}x2.f32 (what TE
  * uses), which equals formats.h's tq_f32_to_fp8 on all 2^32 non-NaN fp32 inputs (checked on an
  * H200); NaN elements are re-encoded with tq_f32_to_fp8 itself, as the GPU's multiply and cvt
- * drop a NaN's sign.
- * Reference: csrc/ref/quantize_mxfp8_ref.c. Tests: tests/test_quantize_mxfp8.py (GPU cases).
+ * drop a NaN's sign. Also here: dequantize, and tq_gemm_values_mxfp8_cuda, both GEMM operands'
+ * dequantization in one launch (gemm.c's emulated MXFP8 GEMM).
+ * Reference: csrc/ref/quantize_mxfp8_ref.c. Tests: tests/test_quantize_mxfp8.py (GPU cases),
+ * tests/test_gemm.py (the emulated GEMM).
  */
 #include <type_traits>
 
@@ -23,6 +25,7 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include "internal_gemm.h"
 #include "internal_kernels.h"
 #include "dequant_out.cuh"
 #include "launch.cuh"
@@ -435,16 +438,17 @@ constexpr int kDequantThreads = 256;
 constexpr int kDequantRows = 32;
 using tq_cuda::kDequantUnit;
 
+/* Unit u of the row groups y, y + ny, ...: the body of dequantize_kernel. */
 template <typename Out, bool kVec>
-__global__ void __launch_bounds__(kDequantThreads)
-dequantize_kernel(const uint8_t *__restrict__ codes, const uint8_t *__restrict__ exps,
-                  int64_t rows, int64_t cols, int e5m2, typename Out::storage *__restrict__ out,
-                  int64_t ld) {
+__device__ __forceinline__ void dequantize_unit(const uint8_t *__restrict__ codes,
+                                                const uint8_t *__restrict__ exps, int64_t rows,
+                                                int64_t cols, int e5m2,
+                                                typename Out::storage *__restrict__ out, int64_t ld,
+                                                int64_t u, int64_t y, int64_t ny) {
     using T = typename Out::storage;
-    const int64_t u = (int64_t)blockIdx.x * kDequantThreads + threadIdx.x;
     if (u >= cols / kDequantUnit) return;
     const uint8_t *unit_exps = exps + (u >> 2) * rows;
-    for (int64_t r0 = (int64_t)blockIdx.y * kDequantRows; r0 < rows; r0 += (int64_t)gridDim.y * kDequantRows) {
+    for (int64_t r0 = y * kDequantRows; r0 < rows; r0 += ny * kDequantRows) {
         const int n = (int)min(rows - r0, (int64_t)kDequantRows);
 #pragma unroll 4
         for (int i = 0; i < n; i++) {
@@ -472,12 +476,55 @@ dequantize_kernel(const uint8_t *__restrict__ codes, const uint8_t *__restrict__
     }
 }
 
+template <typename Out, bool kVec>
+__global__ void __launch_bounds__(kDequantThreads)
+dequantize_kernel(const uint8_t *__restrict__ codes, const uint8_t *__restrict__ exps,
+                  int64_t rows, int64_t cols, int e5m2, typename Out::storage *__restrict__ out,
+                  int64_t ld) {
+    dequantize_unit<Out, kVec>(codes, exps, rows, cols, e5m2, out, ld,
+                               (int64_t)blockIdx.x * kDequantThreads + threadIdx.x, blockIdx.y,
+                               gridDim.y);
+}
+
+/* An emulated MXFP8 GEMM's two operands in one launch: x blocks [0, blocks_a) dequantize A's
+ * direction, the rest B's, both to bf16 (the GEMM values; two launches were ~3.5 us more of
+ * host time per GEMM). */
+struct ValuesPair {
+    const uint8_t *codes[2], *exps[2];
+    int64_t rows[2], cols[2], ld[2];
+    int e5m2[2];
+    uint16_t *out[2];
+    unsigned blocks_a;
+};
+
+template <bool kVec>
+__global__ void __launch_bounds__(kDequantThreads) values_pair_kernel(const ValuesPair p) {
+    const int i = blockIdx.x < p.blocks_a ? 0 : 1;
+    const int64_t block = i ? blockIdx.x - p.blocks_a : blockIdx.x;
+    dequantize_unit<tq_cuda::DequantBf16, kVec>(p.codes[i], p.exps[i], p.rows[i], p.cols[i],
+                                                p.e5m2[i], p.out[i], p.ld[i],
+                                                block * kDequantThreads + threadIdx.x, blockIdx.y,
+                                                gridDim.y);
+}
+
+/* The dequantize grid of a [rows, cols] direction: unit groups in x, row groups in y. */
+dim3 dequantize_grid(int64_t rows, int64_t cols) {
+    const int64_t units = cols / kDequantUnit, row_groups = (rows + kDequantRows - 1) / kDequantRows;
+    return dim3((unsigned)((units + kDequantThreads - 1) / kDequantThreads),
+                (unsigned)(row_groups < 65535 ? row_groups : 65535));
+}
+
+/* 8-byte code loads and 16-byte stores: code rows are multiples of 32 bytes, so loads are
+ * aligned when their base is; stores need a 16-aligned base and row pitch. */
+bool dequantize_vec(const void *codes, const tq_tensor *out) {
+    const int esize = out->dtype == TQ_DTYPE_FLOAT32 ? 4 : 2;
+    return aligned16(codes) && aligned16(out->data) && (out->ld * esize) % 16 == 0;
+}
+
 template <typename Out>
 void launch_dequantize(bool vec, const uint8_t *codes, const uint8_t *exps, int64_t rows,
                        int64_t cols, int e5m2, tq_tensor *out, cudaStream_t st) {
-    const int64_t units = cols / kDequantUnit, row_groups = (rows + kDequantRows - 1) / kDequantRows;
-    const dim3 grid((unsigned)((units + kDequantThreads - 1) / kDequantThreads),
-                    (unsigned)(row_groups < 65535 ? row_groups : 65535));
+    const dim3 grid = dequantize_grid(rows, cols);
     auto *o = static_cast<typename Out::storage *>(out->data);
     if (vec)
         dequantize_kernel<Out, true><<<grid, kDequantThreads, 0, st>>>(codes, exps, rows, cols, e5m2, o, out->ld);
@@ -496,9 +543,7 @@ extern "C" tq_status tq_dequantize_mxfp8_cuda(const tq_quant_config *config, con
     if (data->rows == 0 || data->cols == 0) return TQ_SUCCESS;
     DeviceGuard guard(out->device);
     if (guard.status != cudaSuccess) return launch_failed("mxfp8 dequantize: making out's device current");
-    const int esize = out->dtype == TQ_DTYPE_FLOAT32 ? 4 : 2;
-    /* Code rows are multiples of 32 bytes, so 8-byte loads are aligned when their base is. */
-    const bool vec = aligned16(data->data) && aligned16(out->data) && (out->ld * esize) % 16 == 0;
+    const bool vec = dequantize_vec(data->data, out);
     const int e5m2 = config->elem_dtype == TQ_DTYPE_FLOAT8_E5M2;
     const auto *codes = static_cast<const uint8_t *>(data->data);
     const auto *exps = static_cast<const uint8_t *>(scale->data);
@@ -515,5 +560,37 @@ extern "C" tq_status tq_dequantize_mxfp8_cuda(const tq_quant_config *config, con
             break;
     }
     if (cudaPeekAtLastError() != cudaSuccess) return launch_failed("mxfp8 dequantize kernel launch");
+    return TQ_SUCCESS;
+}
+
+extern "C" tq_status tq_gemm_values_mxfp8_cuda(const tq_quant_config *config_a, const tq_tensor *data_a,
+                                               const tq_tensor *scale_a, tq_tensor *values_a,
+                                               const tq_quant_config *config_b, const tq_tensor *data_b,
+                                               const tq_tensor *scale_b, tq_tensor *values_b,
+                                               struct CUstream_st *stream) {
+    DeviceGuard guard(values_a->device);
+    if (guard.status != cudaSuccess) return launch_failed("MXFP8 GEMM values: making the device current");
+    const tq_quant_config *configs[2] = {config_a, config_b};
+    const tq_tensor *data[2] = {data_a, data_b}, *scales[2] = {scale_a, scale_b};
+    tq_tensor *values[2] = {values_a, values_b};
+    ValuesPair p;
+    dim3 grids[2];
+    bool vec = true;
+    for (int i = 0; i < 2; i++) {
+        p.codes[i] = static_cast<const uint8_t *>(data[i]->data);
+        p.exps[i] = static_cast<const uint8_t *>(scales[i]->data);
+        p.rows[i] = values[i]->rows, p.cols[i] = values[i]->cols, p.ld[i] = values[i]->ld;
+        p.e5m2[i] = configs[i]->elem_dtype == TQ_DTYPE_FLOAT8_E5M2;
+        p.out[i] = static_cast<uint16_t *>(values[i]->data);
+        grids[i] = dequantize_grid(values[i]->rows, values[i]->cols);
+        vec = vec && dequantize_vec(data[i]->data, values[i]);
+    }
+    p.blocks_a = grids[0].x;
+    const dim3 grid(grids[0].x + grids[1].x, grids[0].y > grids[1].y ? grids[0].y : grids[1].y);
+    if (grid.x == 0 || grid.y == 0) return TQ_SUCCESS; /* nothing to write */
+    cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+    if (vec) values_pair_kernel<true><<<grid, kDequantThreads, 0, st>>>(p);
+    else values_pair_kernel<false><<<grid, kDequantThreads, 0, st>>>(p);
+    if (cudaPeekAtLastError() != cudaSuccess) return launch_failed("MXFP8 GEMM values kernel launch");
     return TQ_SUCCESS;
 }

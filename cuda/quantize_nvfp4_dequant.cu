@@ -1,7 +1,8 @@
 /* quantize_nvfp4_dequant.cu: tq_dequantize on CUDA for NVFP4, one direction (NUMERICS.md 2,
  * TE_REFERENCE 6.5): value = e2m1(code) * tq_nvfp4_block_dec(s_b, A), with A the amax of that
  * direction (q->amax rowwise, q->amax_t columnwise), written as fp32, or RNE to bf16 / fp16.
- * With that amax's data NULL it writes e2m1(code) * s_b: the values the GEMM multiplies (gemm.c).
+ * With that amax's data NULL it writes e2m1(code) * s_b: the values the GEMM multiplies (gemm.c);
+ * tq_gemm_values_nvfp4_cuda writes both operands' values and the GEMM's device alpha in one launch.
  * Reference: csrc/ref/quantize_nvfp4_ref.c (bit for bit). Tests: tests/test_quantize_nvfp4*.py
  * (dequantize), tests/test_gemm.py (the GEMM values).
  */
@@ -10,6 +11,7 @@
 #include <algorithm>
 #include <type_traits>
 
+#include "internal_gemm.h"
 #include "internal_kernels.h"
 #include "dequant_out.cuh"
 #include "launch.cuh"
@@ -35,17 +37,14 @@ __device__ __forceinline__ float e2m1_value(uint32_t code) {
  * writes 512 consecutive output bytes. kValues: the GEMM values e2m1 * s_b, exact in bf16 (at
  * most 6 significant bits), so bf16 is a truncation. */
 template <typename Out, bool kValues, bool kVec>
-__global__ void __launch_bounds__(kThreads) dequantize_kernel(const uint8_t *__restrict__ data,
-                                                              const uint8_t *__restrict__ scale_inv,
-                                                              const float *__restrict__ amax,
-                                                              int64_t rows, int64_t cols,
-                                                              typename Out::storage *__restrict__ out,
-                                                              int64_t ld) {
+__device__ __forceinline__ void dequantize_units(const uint8_t *__restrict__ data,
+                                                 const uint8_t *__restrict__ scale_inv,
+                                                 float global_amax, int64_t rows, int64_t cols,
+                                                 typename Out::storage *__restrict__ out,
+                                                 int64_t ld, int64_t first, int64_t stride) {
     using T = typename Out::storage;
-    const float global_amax = kValues ? 0.0f : *amax;
     const int64_t units_per_row = cols / kUnit, n = rows * units_per_row;
-    for (int64_t g = (int64_t)blockIdx.x * kThreads + threadIdx.x; g < n;
-         g += (int64_t)gridDim.x * kThreads) {
+    for (int64_t g = first; g < n; g += stride) {
         uint32_t codes; /* code i in bits 4i..4i+3 */
         if (kVec) {
             codes = *reinterpret_cast<const uint32_t *>(data + g * 4);
@@ -69,11 +68,69 @@ __global__ void __launch_bounds__(kThreads) dequantize_kernel(const uint8_t *__r
     }
 }
 
+template <typename Out, bool kValues, bool kVec>
+__global__ void __launch_bounds__(kThreads) dequantize_kernel(const uint8_t *__restrict__ data,
+                                                              const uint8_t *__restrict__ scale_inv,
+                                                              const float *__restrict__ amax,
+                                                              int64_t rows, int64_t cols,
+                                                              typename Out::storage *__restrict__ out,
+                                                              int64_t ld) {
+    dequantize_units<Out, kValues, kVec>(data, scale_inv, kValues ? 0.0f : *amax, rows, cols, out,
+                                         ld, (int64_t)blockIdx.x * kThreads + threadIdx.x,
+                                         (int64_t)gridDim.x * kThreads);
+}
+
+/* An emulated NVFP4 GEMM's prologue in one launch: blocks [0, blocks_a) write A's GEMM values,
+ * the rest B's (bf16, as dequantize_kernel<DequantBf16, kValues>), and thread 0 the device
+ * alpha and beta (gemm_alpha.cu's rule). Three launches were ~7 us of host time per GEMM. */
+struct ValuesPair {
+    const uint8_t *data[2], *scale_inv[2];
+    int64_t rows[2], cols[2], ld[2];
+    uint16_t *out[2];
+    unsigned blocks_a;
+    const float *amax_a, *amax_b;
+    float beta;
+    float *alpha_beta;
+};
+
+template <bool kVec>
+__global__ void __launch_bounds__(kThreads) values_pair_kernel(const ValuesPair p) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        p.alpha_beta[0] = p.amax_a != nullptr ? tq_nvfp4_gemm_alpha(*p.amax_a, *p.amax_b) : 1.0f;
+        p.alpha_beta[1] = p.beta;
+    }
+    const int i = blockIdx.x < p.blocks_a ? 0 : 1;
+    const int64_t block = i ? blockIdx.x - p.blocks_a : blockIdx.x;
+    const int64_t blocks = i ? gridDim.x - p.blocks_a : p.blocks_a;
+    dequantize_units<tq_cuda::DequantBf16, true, kVec>(p.data[i], p.scale_inv[i], 0.0f, p.rows[i],
+                                                       p.cols[i], p.out[i], p.ld[i],
+                                                       block * kThreads + threadIdx.x, blocks * kThreads);
+}
+
+bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
+
+/* 4-byte code loads need a 4-aligned base (rows are multiples of 8 bytes); 16-byte output
+ * stores a 16-aligned base and row pitch. */
+bool vec_ok(const void *data, const tq_tensor *out) {
+    const int esize = out->dtype == TQ_DTYPE_FLOAT32 ? 4 : 2;
+    return ((uintptr_t)data & 3u) == 0 && aligned16(out->data) && (out->ld * esize) % 16 == 0;
+}
+
+int sm_count(int device) {
+    int sms = 132;
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) sms = 132;
+    return sms;
+}
+
+int64_t grid_for(const tq_tensor *out, int sms) {
+    const int64_t n = out->rows * (out->cols / kUnit);
+    return std::min<int64_t>((n + kThreads - 1) / kThreads, 16LL * sms);
+}
+
 template <typename Out, bool kValues>
 void launch_with(bool vec, const uint8_t *data, const uint8_t *scale_inv, const float *amax,
                  tq_tensor *out, int sms, cudaStream_t s) {
-    const int64_t n = out->rows * (out->cols / kUnit);
-    const int64_t blocks = std::min<int64_t>((n + kThreads - 1) / kThreads, 16LL * sms);
+    const int64_t blocks = grid_for(out, sms);
     auto *o = static_cast<typename Out::storage *>(out->data);
     if (vec)
         dequantize_kernel<Out, kValues, true><<<(unsigned)blocks, kThreads, 0, s>>>(
@@ -90,9 +147,40 @@ void launch_dequantize(bool vec, const uint8_t *data, const uint8_t *scale_inv, 
     else launch_with<Out, false>(vec, data, scale_inv, amax, out, sms, s);
 }
 
-bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
-
 }  // namespace
+
+extern "C" tq_status tq_gemm_values_nvfp4_cuda(const tq_tensor *data_a, const tq_tensor *scale_a,
+                                               tq_tensor *values_a, const tq_tensor *data_b,
+                                               const tq_tensor *scale_b, tq_tensor *values_b,
+                                               const float *amax_a, const float *amax_b,
+                                               float beta, float *alpha_beta,
+                                               struct CUstream_st *stream) {
+    DeviceGuard guard(values_a->device);
+    if (guard.status != cudaSuccess) return cuda_failed("NVFP4 GEMM values: making the device current", guard.status);
+    const int sms = sm_count(values_a->device);
+    ValuesPair p;
+    const tq_tensor *data[2] = {data_a, data_b}, *scales[2] = {scale_a, scale_b};
+    tq_tensor *values[2] = {values_a, values_b};
+    int64_t blocks[2];
+    bool vec = true;
+    for (int i = 0; i < 2; i++) {
+        p.data[i] = static_cast<const uint8_t *>(data[i]->data);
+        p.scale_inv[i] = static_cast<const uint8_t *>(scales[i]->data);
+        p.rows[i] = values[i]->rows, p.cols[i] = values[i]->cols, p.ld[i] = values[i]->ld;
+        p.out[i] = static_cast<uint16_t *>(values[i]->data);
+        blocks[i] = std::max<int64_t>(grid_for(values[i], sms), 1); /* block 0 writes alpha */
+        vec = vec && vec_ok(data[i]->data, values[i]);
+    }
+    p.blocks_a = (unsigned)blocks[0];
+    p.amax_a = amax_a, p.amax_b = amax_b, p.beta = beta, p.alpha_beta = alpha_beta;
+    cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+    const unsigned grid = (unsigned)(blocks[0] + blocks[1]);
+    if (vec) values_pair_kernel<true><<<grid, kThreads, 0, s>>>(p);
+    else values_pair_kernel<false><<<grid, kThreads, 0, s>>>(p);
+    const cudaError_t err = cudaPeekAtLastError();
+    if (err != cudaSuccess) return cuda_failed("NVFP4 GEMM values kernel launch", err);
+    return TQ_SUCCESS;
+}
 
 extern "C" tq_status tq_dequantize_nvfp4_cuda(const tq_quant_config *config, const tq_qtensor *q,
                                               uint32_t usage, tq_tensor *out,
@@ -106,12 +194,8 @@ extern "C" tq_status tq_dequantize_nvfp4_cuda(const tq_quant_config *config, con
     const uint8_t *data = static_cast<const uint8_t *>(row ? q->data.data : q->data_t.data);
     const uint8_t *scale_inv = static_cast<const uint8_t *>(row ? q->scale_inv.data : q->scale_inv_t.data);
     const float *amax = static_cast<const float *>(row ? q->amax.data : q->amax_t.data);
-    int sms = 132;
-    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, out->device) != cudaSuccess) sms = 132;
-    /* 4-byte code loads need a 4-aligned base (rows are multiples of 8 bytes); 16-byte output
-     * stores a 16-aligned base and row pitch */
-    const int esize = out->dtype == TQ_DTYPE_FLOAT32 ? 4 : 2;
-    const bool vec = ((uintptr_t)data & 3u) == 0 && aligned16(out->data) && (out->ld * esize) % 16 == 0;
+    const int sms = sm_count(out->device);
+    const bool vec = vec_ok(data, out);
     switch (out->dtype) {
         case TQ_DTYPE_FLOAT32: launch_dequantize<tq_cuda::DequantF32>(vec, data, scale_inv, amax, out, sms, s); break;
         case TQ_DTYPE_BFLOAT16: launch_dequantize<tq_cuda::DequantBf16>(vec, data, scale_inv, amax, out, sms, s); break;

@@ -5,7 +5,8 @@
  * refuse exactly the same inputs. On CUDA, per-tensor and block FP8 go to cuBLASLt natively
  * (gemm_cublaslt.c): out[M, N] = A[M, K] . B[N, K]^T is cuBLAS's TN product with cuBLAS A = our B.
  * MXFP8 and NVFP4 are emulated: both directions are dequantized exactly to BF16 into scratch
- * and a BF16 GEMM runs with NVFP4's global factor as a device alpha (cuda/gemm_alpha.cu).
+ * in one launch (tq_gemm_values_{mxfp8,nvfp4}_cuda, which for NVFP4 also writes its global
+ * factor as the device alpha) and a BF16 GEMM runs on them.
  * Block FP8 with M % 8 != 0 (cuBLASLt wants n % 8 == 0 with 1x128 scales) runs on a zero-padded
  * copy of A in scratch. Tests: tests/test_gemm.py.
  */
@@ -343,22 +344,25 @@ static tq_status gemm_cuda(const tq_gemm_operand *a, const tq_gemm_operand *b,
     if (info->emulated) {
         tq_tensor va = scratch_view(args, sp.a_values, info->m, info->k, TQ_DTYPE_BFLOAT16);
         tq_tensor vb = scratch_view(args, sp.b_values, info->n, info->k, TQ_DTYPE_BFLOAT16);
-        tq_status st = values_dispatch(a, &va, stream);
-        if (st == TQ_SUCCESS) st = values_dispatch(b, &vb, stream);
+        tq_status st;
+        if (f == FAMILY_NVFP4) { /* values and alpha from the amaxes, on the device: no host sync */
+            float *scalars = (float *)((char *)args->scratch.data + sp.scalars);
+            st = tq_gemm_values_nvfp4_cuda(da.data, da.scale_inv, &va, db.data, db.scale_inv, &vb,
+                                           (const float *)da.amax->data,
+                                           (const float *)db.amax->data,
+                                           accumulate ? 1.0f : 0.0f, scalars, stream);
+            call.device_scalars = 1;
+            call.alpha = scalars;
+            call.beta = scalars + 1;
+        } else {
+            st = tq_gemm_values_mxfp8_cuda(a->config, da.data, da.scale_inv, &va, b->config,
+                                           db.data, db.scale_inv, &vb, stream);
+        }
         if (st != TQ_SUCCESS) return st;
         call.a_type = call.b_type = CUDA_R_16BF;
         call.a_scale_mode = call.b_scale_mode = -1;
         call.a = vb.data, call.lda = info->k;
         call.b = va.data, call.ldb = info->k;
-        if (f == FAMILY_NVFP4) { /* alpha from the amaxes, on the device: no host sync */
-            float *scalars = (float *)((char *)args->scratch.data + sp.scalars);
-            st = tq_gemm_alpha_cuda((const float *)da.amax->data, (const float *)db.amax->data,
-                                    accumulate ? 1.0f : 0.0f, scalars, 2, stream);
-            if (st != TQ_SUCCESS) return st;
-            call.device_scalars = 1;
-            call.alpha = scalars;
-            call.beta = scalars + 1;
-        }
         return tq_lt_matmul(&call);
     }
     call.a_type = cuda_type(b->config->elem_dtype);
