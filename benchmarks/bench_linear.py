@@ -14,7 +14,7 @@ M=2048 1024->1024) and recipe, in one run:
   >= 0.95 for the FP8 recipes (delayed, current, block). P6: te.Linear / nn.Linear time for the
   (on Hopper emulated) MXFP8 and NVFP4 recipes, target <= 1.2x. Both over the GEMM-set totals.
 - P7: activation bytes a Linear's forward leaves held for its backward, vs nn.Linear bf16 (which
-  keeps its input x), target <= 0.55x for the FP8 recipes; see held_bytes() for what is counted.
+  keeps its input x), target <= 0.55x for the FP8 recipes; see linear_memory.held_bytes() for what is counted.
 - Quantization floor (CUDA): the time te.Linear's three quantizations (x, W, dy, both directions
   each) would take moving only their minimal bytes (QUANT_BYTES) at the device-copy bandwidth
   measured in the same run. "bound" in the summary is P5 (P6) with te.Linear = pre-quantized
@@ -39,6 +39,8 @@ import tequant as te
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when not run as a script
 import benchutil  # noqa: E402
+from linear_memory import (alloc_counter, cached_weight_bytes, drop_weight_cache,  # noqa: E402
+                           held_bytes)
 
 BF16 = torch.bfloat16
 MIB = 2.0 ** 20
@@ -71,16 +73,10 @@ def make_modules(k, n, bias, device, seed):
     return lin, ref
 
 
-def clear_grads(module, x):
-    x.grad = None
-    for p in module.parameters():
-        p.grad = None
-
-
 def ref_step(ref):
     def step(buf):
         x, dy = buf
-        clear_grads(ref, x)
+        benchutil.clear_grads(ref, x)
         ref(x).backward(dy)
     return step
 
@@ -90,7 +86,7 @@ def te_step(lin, recipe):
 
     def step(buf):
         x, dy = buf
-        clear_grads(lin, x)
+        benchutil.clear_grads(lin, x)
         with autocast(recipe=recipe):
             y = lin(x)
         y.backward(dy)
@@ -99,7 +95,7 @@ def te_step(lin, recipe):
 
 def run_step(step_module, x, dy, recipe=None):
     """(y, dx, dW) of one fwd+bwd step."""
-    clear_grads(step_module, x)
+    benchutil.clear_grads(step_module, x)
     if recipe is None:
         y = step_module(x)
     else:
@@ -168,110 +164,6 @@ def mm_call(weight):
     return call
 
 
-# --- P7: bytes held from forward to backward -----------------------------------------------------
-
-def alloc_counter(device):
-    """A function returning the bytes the torch allocator has handed out: on CUDA the requested
-    (unrounded) bytes when this torch counts them, else memory_allocated(); None on CPU."""
-    if device != "cuda":
-        return None
-    if "requested_bytes.all.current" in torch.cuda.memory_stats():
-        return lambda: torch.cuda.memory_stats()["requested_bytes.all.current"]
-    return torch.cuda.memory_allocated
-
-
-def tensors_in(obj, out, depth=0):
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, (tuple, list)) and depth < 4:
-        for v in obj:
-            tensors_in(v, out, depth + 1)
-
-
-def graph_bytes(y, stop, exclude):
-    """Bytes of the distinct storages the autograd graph of y holds from y back to the node stop:
-    tensors saved by built-in nodes (_saved_* attributes), saved_tensors and tensor attributes
-    (also in tuples) of custom Functions' ctx; storages in exclude (parameters, buffers) skipped."""
-    seen_nodes, storages, todo = set(), {}, [y.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is None or node is stop or id(node) in seen_nodes:
-            continue
-        seen_nodes.add(id(node))
-        if type(node).__name__ == "AccumulateGrad":
-            continue
-        found = []
-        for name in dir(node):
-            if name.startswith("_saved_") and not name.endswith(("_sizes", "_strides")):
-                try:
-                    tensors_in(getattr(node, name), found)
-                except RuntimeError:  # freed already
-                    pass
-        try:
-            tensors_in(tuple(node.saved_tensors), found)
-        except (AttributeError, RuntimeError):
-            pass
-        tensors_in(list(getattr(node, "__dict__", {}).values()), found)
-        for t in found:
-            s = t.untyped_storage()
-            if s.data_ptr() not in exclude:
-                storages[s.data_ptr()] = s.nbytes()
-        todo.extend(fn for fn, _ in node.next_functions)
-    return sum(storages.values())
-
-
-def held_bytes(module, x_src, dy, counter, recipe=None, is_first_microbatch=None):
-    """(allocator bytes or None, graph bytes) that one forward leaves allocated besides its output,
-    with the input x dropped by the caller right after the forward (as a layer's input is, when
-    nothing else keeps it). x is a non-leaf clone of x_src, so only the graph can keep it:
-    nn.Linear keeps x itself; te.Linear its quantized x (and the quantized W, unless
-    is_first_microbatch=False reuses the cached one). Allocator: allocated after - before + x's
-    bytes - y's storage bytes; graph: graph_bytes() without the module's parameters and buffers.
-    Runs the backward afterwards (DelayedScaling's state stays consistent)."""
-    exclude = {t.untyped_storage().data_ptr()
-               for t in list(module.parameters()) + list(module.buffers())}
-    x = x_src.clone()  # a non-leaf (x_src requires grad; the clone's node saves nothing)
-    x_bytes = x.untyped_storage().nbytes()
-    if counter is not None:
-        torch.cuda.synchronize()
-        before = counter()
-    kw = {} if is_first_microbatch is None else {"is_first_microbatch": is_first_microbatch}
-    if recipe is None:
-        y = module(x)
-    else:
-        with te.autocast(recipe=recipe):
-            y = module(x, **kw)
-    stop = x.grad_fn
-    del x
-    allocated = None
-    if counter is not None:
-        torch.cuda.synchronize()
-        allocated = counter() - before + x_bytes - y.untyped_storage().nbytes()
-    graph = graph_bytes(y, stop, exclude)
-    y.backward(dy)
-    clear_grads(module, x_src)
-    return allocated, graph
-
-
-def drop_weight_cache(lin, recipe, x):
-    """A forward with is_first_microbatch=None: te.Linear drops a cached quantized W."""
-    with torch.no_grad(), te.autocast(recipe=recipe):
-        lin(x[:16].detach())
-
-
-def cached_weight_bytes(module):
-    """Bytes of the quantized W a te.Linear holds in its weight cache (after a forward with
-    is_first_microbatch=True): the storage it quantized W into, both directions, as a step's
-    backward also keeps it (one packed buffer, csrc/ext/packed.c); parameters and buffers (the
-    DelayedScaling amax slot) left out, as graph_bytes() leaves them out."""
-    exclude = {t.untyped_storage().data_ptr()
-               for t in list(module.parameters()) + list(module.buffers())}
-    found = []
-    tensors_in(list(module._weight_cache[1:]), found)
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in found}
-    return sum(n for ptr, n in storages.items() if ptr not in exclude)
-
-
 # --- One shape -----------------------------------------------------------------------------------
 
 class Row:
@@ -334,8 +226,8 @@ def run_shape(shape, recipes, args, device, notes, failures):
             failures.append(f"{shape_label} {row.name}: {why}")
         else:
             steps[row.name] = te_step(lin, row.recipe)
-    clear_grads(lin, x0)
-    clear_grads(ref, x0)
+    benchutil.clear_grads(lin, x0)
+    benchutil.clear_grads(ref, x0)
 
     # P7: bytes held for backward (after the warm-up: one-time allocations are not counted).
     base.act = held_bytes(ref, x0, dy0, counter)

@@ -39,22 +39,16 @@ ERR_BOUND = {"E4M3": 0.06, "E5M2": 0.1, "E2M1": 0.25}
 P2_TARGET = 1.2
 
 
-def clear_grads(module, x):
-    x.grad = None
-    for p in module.parameters():
-        p.grad = None
-
-
 def variants(ref, lin, recipe, x, dy, calls):
     """[(label, fwd loop, fwd+bwd loop, one fwd+bwd)]: a loop runs calls calls."""
     autocast = te.autocast
 
     def ref_one():
-        clear_grads(ref, x)
+        benchutil.clear_grads(ref, x)
         ref(x).backward(dy)
 
     def te_one():
-        clear_grads(lin, x)
+        benchutil.clear_grads(lin, x)
         if recipe is None:
             y = lin(x)
         else:
@@ -68,7 +62,7 @@ def variants(ref, lin, recipe, x, dy, calls):
 
     def ref_fwd_bwd():
         for _ in range(calls):
-            clear_grads(ref, x)
+            benchutil.clear_grads(ref, x)
             ref(x).backward(dy)
 
     def te_fwd_plain():
@@ -77,7 +71,7 @@ def variants(ref, lin, recipe, x, dy, calls):
 
     def te_fwd_bwd_plain():
         for _ in range(calls):
-            clear_grads(lin, x)
+            benchutil.clear_grads(lin, x)
             lin(x).backward(dy)
 
     def te_fwd_outer():
@@ -88,7 +82,7 @@ def variants(ref, lin, recipe, x, dy, calls):
     def te_fwd_bwd_outer():
         with autocast(recipe=recipe):
             for _ in range(calls):
-                clear_grads(lin, x)
+                benchutil.clear_grads(lin, x)
                 lin(x).backward(dy)
 
     def te_fwd_each():
@@ -98,7 +92,7 @@ def variants(ref, lin, recipe, x, dy, calls):
 
     def te_fwd_bwd_each():
         for _ in range(calls):
-            clear_grads(lin, x)
+            benchutil.clear_grads(lin, x)
             with autocast(recipe=recipe):
                 y = lin(x)
             y.backward(dy)
@@ -114,7 +108,7 @@ def variants(ref, lin, recipe, x, dy, calls):
 
 
 def one_step(module, x, dy, recipe):
-    clear_grads(module, x)
+    benchutil.clear_grads(module, x)
     if recipe is None:
         y = module(x)
     else:
@@ -173,7 +167,7 @@ def run_shape(shape, recipes, args, device, failures):
         for i, (label, _, _, _) in enumerate(rows):
             fwd, fb = per_call[2 * i], per_call[2 * i + 1]
             out.append((group, label, fwd, fwd / base_fwd, fb, fb / base_fb, gpu[i], ""))
-        clear_grads(lin, x)
+        benchutil.clear_grads(lin, x)
     return out
 
 

@@ -4,8 +4,8 @@ bench_overhead.py): `import benchutil`.
 Timing (CUDA events behind a sleep kernel, or time.perf_counter on CPU) over rotated buffers sized
 against L2, host time per call in interleaved loops, the environment header (GPU, driver, CUDA,
 torch, Python, commit, date), PERFORMANCE.md's GEMM shapes, the recipes by short name, the
-relative error used by the checks, Markdown table text, and the --device / --out / exit-status
-plumbing.
+relative error used by the checks, Markdown table text, clearing a step's grads, and the
+--device / --out / exit-status plumbing.
 """
 import argparse
 import datetime
@@ -74,6 +74,13 @@ def rotated_count(device, minimum, set_bytes, *, l2_multiple=4, most=128):
         return minimum
     l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
     return min(max(minimum, ceil_div(l2_multiple * l2, set_bytes)), most)
+
+
+def clear_grads(module, x):
+    """Drops x's and the module's grads before a step (no accumulation kernels in the timing)."""
+    x.grad = None
+    for p in module.parameters():
+        p.grad = None
 
 
 def time_host(fns, device, calls, repeats):
