@@ -524,8 +524,6 @@ void launch_cast(const CastParams &cp, bool rht, bool two_d, cudaStream_t s) {
     else cast_kernel<E, false, false, kSr><<<(unsigned)tiles, kThreads, 0, s>>>(cp);
 }
 
-/* vec16 / vec4: every row start of x is 16- / 4-byte aligned. The amax pass uses the RHT
- * kernel only when the columnwise amax needs the transform. */
 template <typename E, bool kSr>
 void launch_small(const AmaxParams &ap, const CastParams &cp, bool rht, bool two_d, cudaStream_t s) {
     if (two_d) small_kernel<E, false, true, kSr><<<1, kThreads, 0, s>>>(ap, cp);
@@ -533,6 +531,8 @@ void launch_small(const AmaxParams &ap, const CastParams &cp, bool rht, bool two
     else small_kernel<E, false, false, kSr><<<1, kThreads, 0, s>>>(ap, cp);
 }
 
+/* vec16 / vec4: every row start of x is 16- / 4-byte aligned. The amax pass uses the RHT
+ * kernel only when the columnwise amax needs the transform. */
 template <typename E>
 void launch(const AmaxParams &ap, const CastParams &cp, bool vec16, bool vec4, bool rht, bool two_d,
             bool sr, int sms, cudaStream_t s) {

@@ -42,13 +42,12 @@ tq_status tq_gemm_alpha_ref(const float *amax_a, const float *amax_b, float beta
 tq_status tq_gemm_alpha_cuda(const float *amax_a, const float *amax_b, float beta,
                              float *alpha_beta, int n_out, struct CUstream_st *stream);
 
-/* An emulated NVFP4 GEMM's prologue in ONE launch (cuda/quantize_nvfp4_dequant.cu): each
- * operand direction's GEMM values e2m1 * s_b into bf16 values_a / values_b (what
- * tq_dequantize writes for a direction whose amax data is NULL; data / scale: that direction's
- * packed codes and E4M3 scales) and tq_gemm_alpha_cuda's alpha_beta[0..1] from amax_a, amax_b
- * and beta. CUDA only: the CPU GEMM multiplies dequantized values (csrc/ext/gemm.c). */
-/* The MXFP8 counterpart (cuda/quantize_mxfp8.cu): both operand directions dequantized exactly
- * into bf16 values_a / values_b in ONE launch (each as tq_dequantize writes it). CUDA only. */
+/* An emulated GEMM's prologue in ONE launch. MXFP8 (cuda/quantize_mxfp8.cu): both operand
+ * directions dequantized exactly into bf16 values_a / values_b (each as tq_dequantize writes
+ * it). NVFP4 (cuda/quantize_nvfp4_dequant.cu): each direction's GEMM values e2m1 * s_b (what
+ * tq_dequantize writes for a direction whose amax data is NULL; data / scale: its packed codes
+ * and E4M3 scales) and tq_gemm_alpha_cuda's alpha_beta[0..1] from amax_a, amax_b and beta.
+ * CUDA only: the CPU GEMM multiplies dequantized values (csrc/ext/gemm.c). */
 tq_status tq_gemm_values_mxfp8_cuda(const tq_quant_config *config_a, const tq_tensor *data_a,
                                     const tq_tensor *scale_a, tq_tensor *values_a,
                                     const tq_quant_config *config_b, const tq_tensor *data_b,
