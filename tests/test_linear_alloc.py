@@ -1,7 +1,8 @@
 """te.Linear's packed operands (csrc/ext/packed.c, csrc/ext/linear.c): one allocation per kept
 quantization.
 
-What eager te.Linear keeps between forward and backward (ctx.saved) and across microbatches (the
+What eager te.Linear keeps between forward and backward (linear_forward's saved, rebuilt from
+save_for_backward by linear._saved) and across microbatches (the
 weight cache) is, per quantized operand, ONE uint8 buffer with the members at 256-byte-aligned
 offsets, paired with DelayedScaling's amax history slot (None for the other recipes). Checked
 here against te.ops.quantize of the same (zero-padded) operand, byte for byte:
@@ -19,6 +20,7 @@ import torch
 
 import tequant as te
 from tequant import _C
+from tequant.linear import _saved
 from tequant.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
                             MXFP8BlockScaling, NVFP4BlockScaling)
 
@@ -95,6 +97,18 @@ def check_packed(buf, members):
     assert size <= buf.numel() < size + ALIGN * len(members)
 
 
+def saved_of(y):
+    """linear_forward's saved tuple, as the backward of y's te.Linear node rebuilds it."""
+    return _saved(y.grad_fn)[0]
+
+
+def same(kept, other):
+    """kept and other hold the same tensor objects (the amax: the same view of the history)."""
+    return len(kept) == len(other) and all(
+        a is b or (isinstance(a, torch.Tensor) and a.data_ptr() == b.data_ptr())
+        for a, b in zip(kept, other))
+
+
 def forward(lin, name, x, **kwargs):
     with te.autocast(recipe=RECIPES[name]):
         return lin(x, **kwargs)
@@ -112,7 +126,7 @@ def test_backward_keeps_x_columnwise_in_one_buffer(name, dtype, shape, device):
     lin = make_linear(name, dtype=dtype, device=device, seed=1)
     x = randn(*shape, seed=2, dtype=dtype, device=device).requires_grad_()
     y = forward(lin, name, x)
-    kept = y.grad_fn.saved[0]
+    kept = saved_of(y)[0]
     assert isinstance(kept, tuple) and len(kept) == 2
     buf, amax = kept
     ref = te.ops.quantize(padded_2d(x, name), RECIPES[name], "input", rowwise=True,
@@ -144,7 +158,7 @@ def test_padding_rows_are_zero_in_reused_memory(name, device):
     y = forward(lin, name, x)
     ref = te.ops.quantize(padded_2d(x, name), RECIPES[name], "input", rowwise=True,
                           columnwise=True)
-    check_packed(y.grad_fn.saved[0][0], kept_members(name, "input", ref._members(), COL))
+    check_packed(saved_of(y)[0][0], kept_members(name, "input", ref._members(), COL))
     for cols in (K, N):
         poison = [torch.full((rows, cols), float("nan"), dtype=torch.bfloat16, device=device)
                   for _ in range(4)]
@@ -190,7 +204,7 @@ def test_without_wgrad_nothing_of_x_is_kept(name, device):
     lin.weight.requires_grad_(False)
     x = randn(20, K, seed=4, device=device).requires_grad_()
     y = forward(lin, name, x)
-    assert y.grad_fn.saved[0] is None
+    assert saved_of(y)[0] is None
     y.backward(torch.ones_like(y))
     assert x.grad is not None and lin.weight.grad is None
 
@@ -212,7 +226,7 @@ def test_weight_cache_holds_one_buffer_and_reuses_it(name, dtype, bias, device):
         y_first = lin(x, is_first_microbatch=True)
         assert len(lin._weight_cache) == 2
         kept = lin._weight_cache[1]
-        assert y_first.grad_fn.saved[1] is kept
+        assert same(saved_of(y_first)[1], kept)
         buf, amax = kept
         check_packed(buf, kept_members(name, "weight", w_ref._members(), ROW | COL))
         if name == "delayed":
@@ -223,7 +237,7 @@ def test_weight_cache_holds_one_buffer_and_reuses_it(name, dtype, bias, device):
         with torch.no_grad():
             lin.weight.add_(randn(N, K, seed=7, dtype=dtype, device=device, scale=K ** -0.5))
         y_cached = lin(x, is_first_microbatch=False)
-        assert lin._weight_cache[1] is kept and y_cached.grad_fn.saved[1] is kept
+        assert lin._weight_cache[1] is kept and same(saved_of(y_cached)[1], kept)
         assert torch.equal(buf, bytes_before)
         y_new = lin(x, is_first_microbatch=None)
         assert lin._weight_cache == []

@@ -128,6 +128,44 @@ def test_construction_defaults_and_init_method():
     assert torch.equal(lin.bias, torch.zeros(32, dtype=torch.bfloat16))
 
 
+def test_is_a_torch_nn_linear_with_its_constructor():
+    """torch.nn.Linear's constructor (positional in_features, out_features, bias, device, dtype)
+    plus TE's keywords; its state_dict; reset_parameters re-applies init_method, so a module
+    built on the meta device initializes after to_empty (how FSDP2 materializes)."""
+    lin = te.Linear(64, 32, False, "cpu", torch.bfloat16)
+    assert isinstance(lin, torch.nn.Linear) and lin.bias is None
+    assert lin.weight.dtype == torch.bfloat16 and "bias" in lin._parameters
+    assert [n for n, _ in lin.named_parameters()] == ["weight"]
+    assert te.Linear(64, 32, dtype=torch.float16).weight.dtype == torch.float16
+    assert te.Linear(64, 32, params_dtype=torch.float16, dtype=torch.float16).bias.dtype == \
+        torch.float16
+    with pytest.raises(ValueError, match="disagree"):
+        te.Linear(64, 32, dtype=torch.float16, params_dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="init_method must be callable"):
+        te.Linear(64, 32, init_method=3)
+    with pytest.raises(TypeError):
+        te.Linear(64, 32, True, None, None, torch.float32)  # TE's extras are keyword-only
+    ref = torch.nn.Linear(64, 32)
+    lin = te.Linear(64, 32)
+    lin.load_state_dict(ref.state_dict())
+    x = torch.randn(5, 64)
+    assert torch.equal(lin(x), ref(x)) and lin.state_dict().keys() == ref.state_dict().keys()
+    calls = []
+    lin = te.Linear(64, 32, init_method=lambda w: calls.append(1) or torch.nn.init.ones_(w))
+    with torch.no_grad():
+        lin.bias.fill_(3.0)
+    lin.reset_parameters()
+    assert len(calls) == 2 and torch.equal(lin.weight, torch.ones(32, 64))
+    assert not lin.bias.any()
+    meta = te.Linear(64, 32, device="meta")
+    assert meta.weight.is_meta
+    meta.to_empty(device="cpu")
+    meta.reset_parameters()
+    assert torch.isfinite(meta.weight).all() and meta.weight.abs().max() > 0
+    with te.autocast(recipe=RECIPES["mxfp8"]):
+        assert meta(torch.randn(4, 64)).shape == (4, 32)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_state_dict_round_trip(device):
     k, n = 64, 32

@@ -86,6 +86,7 @@ typedef struct {
     PyObject_HEAD
     tq_quant_config config;
     int role;
+    Py_ssize_t key; /* the recipe's, for pickling */
 } QuantizerConfigObject;
 
 static PyObject *str_or_none(const char *s) { return s ? PyUnicode_FromString(s) : Py_NewRef(Py_None); }
@@ -243,7 +244,25 @@ static void qc_dealloc(QuantizerConfigObject *self) {
     Py_DECREF(tp);
 }
 
+/* copy, deepcopy and pickle rebuild a config as te.quantizer_config(recipe, role): recipe keys
+ * are this process's, the recipe itself pickles. */
+static PyObject *qc_reduce(QuantizerConfigObject *self, PyObject *unused) {
+    (void)unused;
+    PyObject *module = PyType_GetModule(Py_TYPE(self));
+    if (module == NULL) return NULL;
+    PyObject *fn = PyObject_GetAttrString(module, "quantizer_config");
+    if (fn == NULL) return NULL;
+    return Py_BuildValue("(N(Os))", fn, tqx_module_state(module)->recipes[self->key].recipe,
+                         tqx_role_names[self->role]);
+}
+
+static PyMethodDef qc_methods[] = {
+    {"__reduce__", (PyCFunction)qc_reduce, METH_NOARGS,
+     "Pickles as quantizer_config(recipe, role)."},
+    {NULL, NULL, 0, NULL}};
+
 static PyType_Slot qc_slots[] = {
+    {Py_tp_methods, qc_methods},
     {Py_tp_doc, "The immutable quantizer configuration of one (recipe, tensor role); see "
                 "te.quantizer_config()."},
     {Py_tp_getset, qc_getset},
@@ -300,6 +319,7 @@ static PyObject *py_quantizer_config(PyObject *module, PyObject *args, PyObject 
     if (obj == NULL) return NULL;
     obj->config = st->recipes[key].roles[role];
     obj->role = role;
+    obj->key = key;
     return (PyObject *)obj;
 }
 

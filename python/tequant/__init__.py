@@ -10,7 +10,7 @@ the C extension tequant._C (csrc/ext); recipes are frozen dataclasses (recipe.py
 """
 import torch  # noqa: F401  (loads the CUDA/cuBLAS libraries the extension shares with torch)
 
-from . import ops, recipe
+from . import checkpoint, ops, recipe
 from ._C import (
     Autocast,
     CudaError,
@@ -40,6 +40,8 @@ from .capability import (
 )
 
 from . import _compile
+
+checkpoint.install()  # te.Linear under torch.utils.checkpoint recomputes as it ran
 
 _compile.register_with_dynamo()  # torch.compile support, without importing torch._dynamo now
 

@@ -357,6 +357,13 @@ def forward(module, inp, is_first_microbatch):
             raise ValueError(f"{name}={dim} must be a multiple of {align} for {scaling} scaling "
                              "(te.Linear inside te.autocast)")
     scale_fwd = hist_fwd = scale_bwd = hist_bwd = None
+    if is_delayed and _in_checkpoint():
+        # DelayedScaling inside torch.utils.checkpoint: AOTAutograd's recompute would read the
+        # forward scales after the autocast's exit has updated them in place (other gradients
+        # than without checkpointing). A graph break runs this checkpointed region eagerly,
+        # where tequant/checkpoint.py replays the scales the forward used; with
+        # fullgraph=True it is an error.
+        torch._dynamo.graph_break()
     if is_delayed:
         _ensure_buffers(_module_uid(module), history_len)
         scale_fwd, hist_fwd = module.delayed_scale_fwd, module.delayed_amax_history_fwd
@@ -365,6 +372,23 @@ def forward(module, inp, is_first_microbatch):
             _register_delayed(module, state, hist_fwd, scale_fwd, recipe_id)
     return _CompiledLinear.apply(inp, module.weight, bias, scale_fwd, hist_fwd, scale_bwd,
                                  hist_bwd, recipe_id, state.group if is_delayed else None)
+
+
+@_compile.constant
+def _in_checkpoint():
+    """True while Dynamo traces the body of a torch.utils.checkpoint call (its higher-order
+    op's subgraph tracer; tracers from torch 2.11 on carry that description); False outside
+    tracing."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        tracer = InstructionTranslator.current_tx().output.current_tracer
+    except Exception:  # not tracing: an eager call of this function
+        return False
+    while tracer is not None:
+        if str(getattr(tracer, "description", None)).startswith("torch.utils.checkpoint"):
+            return True
+        tracer = tracer.parent
+    return False
 
 
 _MODULES = weakref.WeakValueDictionary()  # uid -> te.Linear, for _ensure_buffers

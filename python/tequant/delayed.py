@@ -60,6 +60,14 @@ def slots(module, direction):
                                for c in range(len(_COLUMNS[direction]))))
 
 
+def replay_slots(scale_fwd):
+    """The (scale, amax slot) pairs of x and W for an activation-checkpointing recompute: the
+    forward's scales as they were (a copy, checkpoint.Call.scale_fwd) and scratch amax slots, so
+    that the recompute quantizes as the forward did and records no amax a second time."""
+    amax = torch.zeros(2, dtype=torch.float32, device=scale_fwd.device)
+    return tuple((scale_fwd[c:c + 1], amax[c:c + 1]) for c in range(2))
+
+
 def calibrate(module, length, inp):
     """calibrating=True without quantizing: max-accumulate the amaxes of x and W (TE's
     Float8Quantizer.calibrate) into a history of `length` rows."""

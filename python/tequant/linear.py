@@ -4,14 +4,17 @@ Outside te.autocast (or with enabled=False) it is exactly torch.nn.functional.li
 active recipe's quantizers (te.quantizer_config(recipe, role)) quantize x ("input"), W ("weight")
 and dy ("grad_output"), and te.ops' GEMM runs fprop y = x W^T (x rowwise, W rowwise), dgrad
 dx = dy W (dy rowwise, W columnwise) and wgrad dW = dy^T x (dy columnwise, x columnwise), as
-TE_REFERENCE 7.3-7.5 describe. Backward keeps the quantized columnwise x and the quantized W, not
-high-precision copies. Any number of tokens works: rows are zero-padded to the format's multiple
+TE_REFERENCE 7.3-7.5 describe. Backward keeps the quantized columnwise x and the quantized W
+(through save_for_backward, so activation checkpointing drops and recomputes them; the recompute
+replays what the forward ran with, checkpoint.py), not high-precision copies. Any number of tokens works: rows are zero-padded to the format's multiple
 (zero rows add nothing to any product) and the result is exactly the unpadded one.
 DelayedScaling keeps its amax histories and scales in module buffers (delayed.py). The forward
 and the backward are one C call each (csrc/ext/linear.c); this file is the autograd Function,
 the module and the recipe plans around them. With no graph to record (torch.no_grad,
 inference_mode, nothing requiring grad) forward is the C call alone, without the Function.
-Tests: tests/test_linear.py, tests/test_linear_module.py, tests/test_linear_delayed.py.
+Copies and pickles rebuild the plans and carry the cached weight (Linear.__getstate__).
+Tests: tests/test_linear.py, tests/test_linear_module.py, tests/test_linear_delayed.py,
+tests/test_checkpoint.py, tests/test_copy.py.
 """
 import math
 
@@ -19,7 +22,7 @@ import torch
 import torch.autograd.forward_ad as _forward_ad
 import torch.nn.functional as F
 
-from . import _C, _compile_linear, delayed
+from . import _C, _compile_linear, checkpoint, delayed
 from .ops import _FAST_ACCUM  # tq_gemm_flags, defined once in ops.py
 from .quantized import ROWWISE
 from .recipe import QuantizerRole
@@ -60,43 +63,74 @@ class _QuantizedLinear(torch.autograd.Function):
     linear_forward), one backward (linear_backward)."""
 
     @staticmethod
-    def forward(ctx, inp, weight, bias, module, plan, is_first_microbatch, pending):
+    def forward(ctx, inp, weight, bias, module, plan, is_first_microbatch, pending, states):
         needs = ((_NEED_DGRAD if ctx.needs_input_grad[0] else 0)
                  | (_NEED_WGRAD if ctx.needs_input_grad[1] else 0))
         override = plan.backward_override
-        # packed: ctx.saved and the weight cache hold one buffer per quantized operand (few
-        # allocations); "dequantized" reads the member tensors of x and W in Python instead
+        # packed: what backward keeps and the weight cache are one buffer per quantized operand
+        # (few allocations); "dequantized" reads the member tensors of x and W in Python instead
         c_needs = (needs | _PACKED if override is None
                    else _KEEP_X_ROWWISE if override == "dequantized" else _PACKED)
         inp = inp.contiguous()
-        out, saved = _forward(inp, weight, bias, module, plan, is_first_microbatch, c_needs)
-        ctx.plan, ctx.saved, ctx.needs, ctx.shape = plan, saved, needs, inp.shape
+        out, saved = _forward(inp, weight, bias, module, plan, is_first_microbatch, c_needs,
+                              states)
+        # The quantized operands go through save_for_backward, so activation checkpointing can
+        # drop them and have them recomputed; their amaxes stay on ctx: DelayedScaling's are
+        # views of the module's history, which the autocast's exit updates in place before
+        # backward, and no GEMM reads an amax.
+        x_tensors, ctx.x_amax = _split(saved[0])
+        w_tensors, ctx.w_amax = _split(saved[1])
+        ctx.n_x, ctx.n_w = len(x_tensors), len(w_tensors)
+        kept = (inp, weight) if override == "high_precision" else ()
+        ctx.save_for_backward(*x_tensors, *w_tensors, *kept)
+        ctx.plan, ctx.rest, ctx.needs, ctx.shape = plan, saved[2:], needs, inp.shape
         ctx.module, ctx.pending = module, pending
         ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.dtype, ctx.weight_dtype = inp.dtype, weight.dtype
-        if override == "high_precision":
-            ctx.save_for_backward(inp, weight)
         return out
 
     @staticmethod
     def backward(ctx, dy):
         plan, needs = ctx.plan, ctx.needs
+        saved, kept = _saved(ctx)
         dy = dy.contiguous()
         bias_dtype = ctx.bias_dtype if ctx.needs_input_grad[2] else None
         if plan.backward_override is not None:
-            dx, dw, db = _high_precision_backward(ctx, dy.reshape(-1, dy.shape[-1]), needs,
-                                                  bias_dtype)
+            dx, dw, db = _high_precision_backward(ctx, saved, kept, dy.reshape(-1, dy.shape[-1]),
+                                                  needs, bias_dtype)
         else:  # ctx.pending: first in forward, so last in backward: it updates them all
             state = delayed.slots(ctx.module, delayed.BACKWARD)[0] if plan.delayed else None
-            dx, dw, db = _C.linear_backward(plan.c_args, ctx.saved, dy, needs, state, ctx.shape,
+            dx, dw, db = _C.linear_backward(plan.c_args, saved, dy, needs, state, ctx.shape,
                                             bias_dtype, ctx.pending)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
-def _forward(inp, weight, bias, module, plan, is_first_microbatch, c_needs):
-    """linear_forward's (out, saved) for a contiguous inp, with DelayedScaling's slots."""
+def _split(kept):
+    """(tensors, amaxes) of a kept quantization: a packed pair (buffer, amax) or the six members
+    (amaxes last); None for none."""
+    if kept is None:
+        return (), None
+    return (kept[:1], kept[1:]) if len(kept) == 2 else (kept[:4], kept[4:])
+
+
+def _joined(tensors, amaxes):
+    return None if amaxes is None else tuple(tensors) + amaxes
+
+
+def _saved(ctx):
+    """(linear_forward's saved, (x, W) kept for backward_override="high_precision" or ()) of a
+    _QuantizedLinear node (ctx, or the grad_fn of its output)."""
+    tensors, n_x, n_w = ctx.saved_tensors, ctx.n_x, ctx.n_w
+    saved = (_joined(tensors[:n_x], ctx.x_amax),
+             _joined(tensors[n_x:n_x + n_w], ctx.w_amax)) + ctx.rest
+    return saved, tensors[n_x + n_w:]
+
+
+def _forward(inp, weight, bias, module, plan, is_first_microbatch, c_needs, states=None):
+    """linear_forward's (out, saved) for a contiguous inp. states: DelayedScaling's (scale, amax
+    slot) pairs of x and W (None: the module's own)."""
     if plan.delayed:
-        x_state, w_state = delayed.slots(module, delayed.FORWARD)
+        x_state, w_state = states or delayed.slots(module, delayed.FORWARD)
     else:
         x_state = w_state = None
     return _C.linear_forward(plan.c_args, inp, weight, bias, c_needs, module._weight_cache,
@@ -130,15 +164,15 @@ def _fast_apply(function):
 _quantized_linear = _fast_apply(_QuantizedLinear)
 
 
-def _high_precision_backward(ctx, dy2d, needs, bias_dtype):
-    """backward_override: "high_precision" multiplies the unquantized x and W, "dequantized"
-    the dequantized forward operands (rowwise x and W), both in dy's precision."""
+def _high_precision_backward(ctx, saved, kept, dy2d, needs, bias_dtype):
+    """backward_override: "high_precision" multiplies the unquantized x and W (kept), "dequantized"
+    the dequantized forward operands (rowwise x and W of saved), both in dy's precision."""
     plan = ctx.plan
     if plan.backward_override == "high_precision":
-        inp, weight = ctx.saved_tensors
+        inp, weight = kept
         x2d = inp.reshape(-1, inp.shape[-1])
     else:
-        qx, qw, rows, padded, n, k = ctx.saved[:6]
+        qx, qw, rows, padded, n, k = saved[:6]
         x2d = _dequantized(plan.x, padded, k, qx, dy2d.dtype)[:rows]
         weight = _dequantized(plan.w, n, k, qw, dy2d.dtype)
     dx = dw = None
@@ -185,61 +219,121 @@ class _CustomLinear(torch.autograd.Function):
         return dx, dw, db, None
 
 
-class Linear(torch.nn.Module):
+class Linear(torch.nn.Linear):
     """y = x W^T + b, with its GEMMs quantized inside te.autocast (FP8, MXFP8, NVFP4).
+
+    A torch.nn.Linear (isinstance-based tools such as PEFT's LoRA, FSDP and tensor-parallel
+    styles and weight-init code see one), with torch.nn.Linear's constructor and TE's extra
+    keyword arguments.
 
     Args:
         in_features, out_features: the weight is [out_features, in_features].
-        bias: learn an additive bias [out_features] (initialized to 0).
-        params_dtype: dtype of the parameters (default torch.get_default_dtype()).
+        bias: learn an additive bias [out_features] (initialized to 0, as TE does).
         device: where to create the parameters (default: the current default device).
-        init_method: callable initializing the weight in place (default: torch.nn.Linear's
-            Kaiming-uniform initialization).
+        dtype / params_dtype: dtype of the parameters, float32, bfloat16 or float16 (default
+            torch.get_default_dtype()); params_dtype is TE's name, dtype torch.nn.Linear's.
+        init_method: callable initializing the weight in place, also in reset_parameters()
+            (default: torch.nn.Linear's Kaiming-uniform initialization). It is kept on the
+            module, so pickling the module pickles it (a lambda cannot be).
         return_bias: forward returns (out, bias) and does not add the bias.
 
     forward(inp, is_first_microbatch=None): inp is [..., in_features] on CPU (the C reference
     path) or CUDA. is_first_microbatch: True quantizes the weight and caches it, False reuses the
     cached quantized weight (gradient accumulation over microbatches), None quantizes every call.
     Inside te.autocast the feature dims must be multiples of 16 (FP8 recipes, NVFP4) or 32
-    (MXFP8); any number of tokens works.
+    (MXFP8); any number of tokens works. Under activation checkpointing (torch.utils.checkpoint,
+    either mode) the recompute runs exactly as the forward did (checkpoint.py).
 
     CustomRecipe(qfactory): qfactory(QuantizerRole(module_type="linear", tensor_type=role)) is
     called once per module for the roles "input", "weight" and "grad_output"; each returns a
     quantizer with `quantize(tensor) -> q` (any object) and `dequantize(q) -> tensor` (the
     values, same shape). The three GEMMs multiply the dequantized values in the activation
     dtype, so a research format needs only those two methods.
+
+    copy.copy, copy.deepcopy, pickle and torch.save of a module (or of a model holding it) work
+    before and after steps under every recipe: recipe plans are rebuilt, the cached quantized
+    weight is copied with the module, and DelayedScaling's state is its buffers.
     """
 
-    def __init__(self, in_features, out_features, bias=True, params_dtype=None, device=None,
-                 init_method=None, return_bias=False):
-        super().__init__()
+    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *,
+                 params_dtype=None, init_method=None, return_bias=False):
+        torch.nn.Module.__init__(self)  # not nn.Linear's: it would initialize twice
         for name, v in (("in_features", in_features), ("out_features", out_features)):
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
-        self.in_features, self.out_features = in_features, out_features
-        self.return_bias = bool(return_bias)
-        dtype = params_dtype if params_dtype is not None else torch.get_default_dtype()
+        if dtype is not None and params_dtype is not None and dtype != params_dtype:
+            raise ValueError(f"dtype={dtype} and params_dtype={params_dtype} disagree; pass one")
+        dtype = params_dtype if params_dtype is not None else dtype
+        dtype = dtype if dtype is not None else torch.get_default_dtype()
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"params_dtype must be torch.float32, torch.bfloat16 or "
                              f"torch.float16, got {dtype}")
+        if init_method is not None and not callable(init_method):
+            raise TypeError(f"init_method must be callable, got {type(init_method).__name__}")
+        self.in_features, self.out_features = in_features, out_features
         factory = {"dtype": dtype, "device": device}
         self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, **factory))
-        self.bias = torch.nn.Parameter(torch.zeros(out_features, **factory)) if bias else None
-        if init_method is not None:
-            init_method(self.weight)
+        if bias:
+            self.bias = torch.nn.Parameter(torch.empty(out_features, **factory))
         else:
-            torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
-        _compile_linear.register_module(self)
-        self._plans = {}           # recipe key -> _Plan
-        self._weight_cache = []    # [recipe key, quantized W] for is_first_microbatch=False
+            self.register_parameter("bias", None)
+        self._adopt(self, return_bias=return_bias, init_method=init_method)
+        self.reset_parameters()
+
+    @staticmethod
+    def _adopt(module, *, return_bias=False, init_method=None):
+        """The te.Linear state of a module whose parameters are in place (also te.convert's
+        swap of a torch.nn.Linear)."""
+        module.return_bias = bool(return_bias)
+        module.init_method = init_method
+        module._plans = {}           # recipe key -> _Plan (or a CustomRecipe's quantizers)
+        module._weight_cache = []    # [recipe key, quantized W] for is_first_microbatch=False
+        _compile_linear.register_module(module)
+
+    def reset_parameters(self):
+        """init_method(weight) (default: torch.nn.Linear's Kaiming-uniform) and a zero bias."""
+        with torch.no_grad():
+            if self.init_method is not None:
+                self.init_method(self.weight)
+            else:
+                torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+            if self.bias is not None:
+                self.bias.zero_()
+        self._weight_cache = []
+
+    # ---- copies and pickles ------------------------------------------------------------------
+
+    def __getstate__(self):
+        """nn.Module's state less what is rebuilt (plans, DelayedScaling's kept views, the
+        compile registration) and with the weight cache keyed by its recipe, not by this
+        process's recipe key."""
+        state = super().__getstate__()
+        for name in [n for n in state if n.startswith("_delayed_")] + ["_tequant_uid"]:
+            state.pop(name, None)  # views of the buffers, plans, process groups: rebuilt
+        state["_plans"] = {}
+        cache = state.pop("_weight_cache", [])
+        state["_weight_cache"] = []
+        if cache:
+            state["_weight_cache_recipe"] = (_C._recipe_of_key(cache[0]), cache[1])
+        return state
 
     def __setstate__(self, state):
+        state = dict(state)
+        cached = state.pop("_weight_cache_recipe", None)
         super().__setstate__(state)
         _compile_linear.register_module(self)  # a copy (deepcopy, pickle) is a module of its own
+        if cached is not None:
+            recipe, kept = cached
+            if self._plan(recipe).delayed:  # its amax is this module's history slot, not a copy
+                amax = delayed.slots(self, delayed.FORWARD)[1][1]
+                kept = (kept[0], amax) if len(kept) == 2 else kept[:4] + (amax,) + kept[5:]
+            self._weight_cache = [_C.recipe_key(recipe), kept]
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, dtype={self.weight.dtype}")
+
+    # ---- recipes ------------------------------------------------------------------------------
 
     def _plan(self, recipe):
         key = _C.recipe_key(recipe)
@@ -274,48 +368,83 @@ class Linear(torch.nn.Module):
             self._plans[key] = quantizers
         return quantizers
 
+    # ---- forward ------------------------------------------------------------------------------
+
     def forward(self, inp, is_first_microbatch=None):
         """y = inp W^T + b for inp [..., in_features]: quantized inside te.autocast, exactly
         F.linear outside. is_first_microbatch: see the class docstring. Returns y, or (y, bias)
         with return_bias=True."""
         if torch.compiler.is_compiling():
             out = _compile_linear.forward(self, inp, is_first_microbatch)
-            return (out, self.bias) if self.return_bias else out
+        else:
+            regions = checkpoint.REGIONS.get()
+            out = (self._run(inp, is_first_microbatch) if regions is None
+                   else self._run_checkpointed(inp, is_first_microbatch, regions))
+        return (out, self.bias) if self.return_bias else out
+
+    def _run_checkpointed(self, inp, is_first_microbatch, regions):
+        """Inside activation-checkpointed code (checkpoint.py): replays the Call the forward
+        recorded, or runs live and records one."""
+        call, tapes = checkpoint.source(regions, self)
+        if call is None:
+            call = checkpoint.Call(self)
+            out = self._run(inp, is_first_microbatch, record=call,
+                            trains=any(tape.trains for tape in tapes))
+        else:  # with True the recompute caches W again: the forward's bits (same W, scales)
+            out = self._run(inp, is_first_microbatch, replay=call)
+        for tape in tapes:
+            tape.calls.append(call)
+        return out
+
+    def _run(self, inp, is_first_microbatch, record=None, replay=None, trains=False):
+        """The forward without return_bias's tuple: live, or replaying `replay` (a recorded
+        checkpoint.Call); a live call fills `record` in when given. trains: register with
+        DelayedScaling's update even under no_grad (a reentrant checkpoint's forward)."""
         bias = None if self.return_bias else self.bias
-        if not _C.is_fp8_enabled():
+        if replay is not None:
+            recipe = replay.recipe
+        elif _C.is_fp8_enabled():
+            recipe = _C.get_fp8_recipe()
+        else:
+            recipe = None
             if _C.is_fp8_calibration():
                 plan = self._plan(_C.get_fp8_recipe())
                 if plan.delayed:
                     delayed.calibrate(self, plan.x.amax_history_len, inp)
-            out = F.linear(inp, self.weight, bias)
-        else:
-            if inp.shape[-1] != self.in_features:
-                raise ValueError(f"input has {inp.shape[-1]} features in its last dim; this "
-                                 f"Linear takes {self.in_features}")
-            if torch.is_autocast_enabled(inp.device.type):
-                inp = inp.to(torch.get_autocast_dtype(inp.device.type))
-            recipe = _C.get_fp8_recipe()
-            if recipe.custom():
-                out = _CustomLinear.apply(inp, self.weight, bias, self._custom_quantizers(recipe))
-                return (out, self.bias) if self.return_bias else out
-            plan = self._plan(recipe)
-            pending = None
-            if plan.delayed:
+        if recipe is None:
+            return F.linear(inp, self.weight, bias)
+        if record is not None:
+            record.recipe = recipe
+        if inp.shape[-1] != self.in_features:
+            raise ValueError(f"input has {inp.shape[-1]} features in its last dim; this "
+                             f"Linear takes {self.in_features}")
+        if torch.is_autocast_enabled(inp.device.type):
+            inp = inp.to(torch.get_autocast_dtype(inp.device.type))
+        if recipe.custom():
+            return _CustomLinear.apply(inp, self.weight, bias, self._custom_quantizers(recipe))
+        plan = self._plan(recipe)
+        pending = states = None
+        if plan.delayed:
+            if replay is not None:
+                pending, states = replay.pending, delayed.replay_slots(replay.scale_fwd)
+            else:
                 delayed.ensure(self, plan.x.amax_history_len)
                 attrs = self.__dict__  # plain attributes: nn.Module.__setattr__ costs ~2 us each
                 attrs["_delayed_plan"], attrs["_delayed_group"] = plan, _C.get_fp8_group()
-                if torch.is_grad_enabled():
+                if torch.is_grad_enabled() or trains:
                     modules, first = _C._delayed_register(self)
                     pending = modules if first else None
-            weight = self.weight
-            if (torch.is_grad_enabled() and (inp.requires_grad or weight.requires_grad or (
-                    bias is not None and bias.requires_grad))) or _transformed():
-                out = _quantized_linear(inp, weight, bias, self, plan, is_first_microbatch,
-                                        pending)
-            else:  # no graph to record (eval, inference): the C forward alone, x rowwise only
-                out = _forward(inp.contiguous(), weight, bias, self, plan, is_first_microbatch,
-                               _PACKED)[0]
-        return (out, self.bias) if self.return_bias else out
+                if record is not None:
+                    record.pending = pending
+                    record.scale_fwd = self._buffers["delayed_scale_fwd"].clone()
+        weight = self.weight
+        if (torch.is_grad_enabled() and (inp.requires_grad or weight.requires_grad or (
+                bias is not None and bias.requires_grad))) or _transformed():
+            return _quantized_linear(inp, weight, bias, self, plan, is_first_microbatch, pending,
+                                     states)
+        # no graph to record (eval, inference): the C forward alone, x rowwise only
+        return _forward(inp.contiguous(), weight, bias, self, plan, is_first_microbatch, _PACKED,
+                        states)[0]
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # DelayedScaling buffers exist once a module quantized with it: create them from a

@@ -6,6 +6,7 @@ fc2 are te.Linear, so inside te.autocast every GEMM of every block runs in the r
 The LM head is torch and weight-tied to the token embedding (why: see GPT's docstring).
 Tests: tests/test_demo.py (through the demo).
 """
+import functools
 import math
 
 import torch
@@ -28,7 +29,8 @@ class Block(torch.nn.Module):
         self.heads = heads
         self.ln1 = torch.nn.LayerNorm(d_model)
         self.ln2 = torch.nn.LayerNorm(d_model)
-        normal = lambda std: (lambda w: torch.nn.init.normal_(w, std=std))  # noqa: E731
+        # a partial, not a closure: the module keeps init_method, and the model stays picklable
+        normal = lambda std: functools.partial(torch.nn.init.normal_, std=std)  # noqa: E731
         self.qkv = Linear(d_model, 3 * d_model, init_method=normal(init_std))
         self.proj = Linear(d_model, d_model, init_method=normal(out_std))
         self.fc1 = Linear(d_model, 4 * d_model, init_method=normal(init_std))

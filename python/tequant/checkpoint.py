@@ -1,0 +1,155 @@
+"""Activation checkpointing with te.Linear: the recompute runs as the forward did.
+
+torch.utils.checkpoint (use_reentrant=True or False), torch's checkpoint_wrapper /
+apply_activation_checkpointing and Hugging Face's gradient_checkpointing_enable() recompute a
+checkpointed forward during backward: on the autograd thread, outside the user's te.autocast,
+and after that autocast's exit has updated DelayedScaling's scales. A te.Linear recomputed as it
+stands then would run in high precision or with other scales, and its gradients would differ from
+those of the forward that ran (shared/docs/DISTRIBUTED.md 4).
+
+So a checkpointed forward is a region. While it runs, each te.Linear call in it appends a Call to
+the region's tape: the recipe it ran with (None: high precision), DelayedScaling's forward scales
+as they were and the module list the first module's backward updates. The recompute replays the
+tape in order: each te.Linear call takes the next Call and runs exactly as it did, with those
+scales, recording no amax (a forward's amaxes are recorded once, when it runs) and registering
+with no autocast. Gradients are then those without checkpointing, bit for bit, for every recipe;
+NVFP4's stochastic rounding draws from torch's generator, whose state torch's checkpoint restores
+for the recompute (preserve_rng_state=True, its default). CustomRecipe quantizers are called
+again in the recompute.
+
+torch.utils.checkpoint.checkpoint reaches its two modes through module globals,
+CheckpointFunction (reentrant) and _checkpoint_without_reentrant_generator (non-reentrant);
+install() wraps both once, when tequant is imported. Code without te.Linear runs as before.
+Under torch.compile Dynamo traces a checkpointed function as its own higher-order op and the
+recompute is part of the compiled graph, so neither wrapper is involved there.
+Regions nest: a call takes its Call from the innermost region being replayed (none: it runs live
+and makes one) and appends it to every region being recorded inside that one.
+Tests: tests/test_checkpoint.py.
+"""
+import contextlib
+import contextvars
+
+import torch
+import torch.utils.checkpoint as _torch_checkpoint
+
+__all__ = ["REGIONS", "Call", "source"]
+
+# The regions around the calling code, outermost first: _Tape while recorded, _Replay while
+# replayed; None outside any (the only case te.Linear's forward pays for: one ContextVar read).
+REGIONS = contextvars.ContextVar("tequant_checkpoint_regions", default=None)
+
+
+class Call:
+    """What one te.Linear forward ran with; linear.py fills it in while the call runs live."""
+
+    __slots__ = ("module", "recipe", "pending", "scale_fwd")
+
+    def __init__(self, module):
+        self.module = module
+        self.recipe = None      # None: high precision (no autocast, disabled or calibrating)
+        self.pending = None     # DelayedScaling: the modules the first one's backward updates
+        self.scale_fwd = None   # DelayedScaling: a copy of the module's forward scales [2]
+
+
+class _Tape:
+    """A region being recorded: its forward's calls in order. trains: the forward counts as a
+    training step even where it runs under no_grad (the reentrant mode runs it so)."""
+
+    __slots__ = ("calls", "trains")
+
+    def __init__(self, trains):
+        self.calls = []
+        self.trains = trains
+
+
+class _Replay:
+    """A region being recomputed: hands out its tape's calls in order, from the first."""
+
+    __slots__ = ("tape", "position")
+
+    def __init__(self, tape):
+        self.tape = tape
+        self.position = 0
+
+    def take(self, module):
+        calls, i = self.tape.calls, self.position
+        if i >= len(calls) or calls[i].module is not module:
+            ran = "no more te.Linear calls" if i >= len(calls) else \
+                f"{type(calls[i].module).__name__} {id(calls[i].module):#x}"
+            raise RuntimeError(
+                f"activation checkpointing: the recompute called te.Linear {id(module):#x} as its "
+                f"call #{i + 1}, where the forward made {ran}; a checkpointed function must call "
+                "the same te.Linear modules in the same order when it is recomputed")
+        self.position = i + 1
+        return calls[i]
+
+
+def source(regions, module):
+    """(the Call this te.Linear call replays or None to run live, the tapes that record it)."""
+    for i in range(len(regions) - 1, -1, -1):
+        if type(regions[i]) is _Replay:
+            return regions[i].take(module), regions[i + 1:]
+    return None, regions
+
+
+@contextlib.contextmanager
+def _inside(region):
+    outer = REGIONS.get()
+    token = REGIONS.set((region,) if outer is None else outer + (region,))
+    try:
+        yield
+    finally:
+        REGIONS.reset(token)
+
+
+def _replaying(function, tape):
+    """function, run as a recompute of the forward `tape` recorded."""
+    def recompute(*args, **kwargs):
+        with _inside(_Replay(tape)):
+            return function(*args, **kwargs)
+    return recompute
+
+
+_TorchCheckpointFunction = _torch_checkpoint.CheckpointFunction
+_torch_without_reentrant = _torch_checkpoint._checkpoint_without_reentrant_generator
+
+
+class CheckpointFunction(_TorchCheckpointFunction):
+    """torch's reentrant checkpoint, its forward recorded and its recompute replayed. The forward
+    runs run_function once under no_grad inside apply; backward calls ctx.run_function again."""
+
+    @classmethod
+    def apply(cls, run_function, preserve_rng_state, *args):
+        if not torch.is_grad_enabled():  # no graph, so no recompute
+            return super().apply(run_function, preserve_rng_state, *args)
+        tape = _Tape(trains=True)
+        recompute = _replaying(run_function, tape)
+        forward_done = False
+
+        def run(*inputs):
+            return recompute(*inputs) if forward_done else run_function(*inputs)
+
+        with _inside(tape):
+            out = super().apply(run, preserve_rng_state, *args)
+        forward_done = True
+        return out
+
+
+def _checkpoint_without_reentrant_generator(fn, *rest, **kwargs):
+    """torch's non-reentrant checkpoint, its forward (run by torch's checkpoint() between the
+    generator's two steps) recorded; torch calls fn itself only to recompute."""
+    if not torch.is_grad_enabled():  # torch saves nothing then: no recompute
+        return (yield from _torch_without_reentrant(fn, *rest, **kwargs))
+    tape = _Tape(trains=False)
+    with _inside(tape):
+        return (yield from _torch_without_reentrant(_replaying(fn, tape), *rest, **kwargs))
+
+
+def install():
+    """Routes torch.utils.checkpoint's two modes through the wrappers above (once)."""
+    if _torch_checkpoint.CheckpointFunction is CheckpointFunction:
+        return
+    _torch_checkpoint.CheckpointFunction = CheckpointFunction
+    _torch_checkpoint._checkpoint_without_reentrant_generator = \
+        _checkpoint_without_reentrant_generator
+
