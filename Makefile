@@ -1,7 +1,8 @@
 # tequant: each target does its own set-up on a fresh machine.
 #   make demo   set-up and build, then train a small GPT once per recipe and once in bf16
 #               (python -m tequant.demo $(DEMO_ARGS); table, loss.png, results.json in demo_out/)
-#   make test   install what is missing (torch 2.13 CPU if no torch; pytest, numpy, matplotlib;
+#   make test   install what is missing (torch 2.13 CPU if no torch; pytest, numpy, matplotlib,
+#               transformers and peft for tests/test_hf.py;
 #               the nvidia-cublas wheel when nvcc exists but the CUDA install lacks cuBLAS),
 #               build, run pytest
 #   make build  the set-up and the build only
@@ -11,11 +12,12 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 TORCH_SPEC ?= torch==2.13.0
+HF_SPEC ?= "transformers>=5,<6" "peft>=0.17"
 PYTEST_ARGS ?= -q
 # e.g. make demo DEMO_ARGS="--recipes bf16,mxfp8 --steps 300" (python -m tequant.demo --help)
 DEMO_ARGS ?=
 
-.PHONY: demo test build deps bench clean
+.PHONY: demo test build deps test-deps bench clean
 
 deps:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_SPEC)"
@@ -35,8 +37,14 @@ build: deps
 demo: build
 	$(PYTHON) -m tequant.demo $(DEMO_ARGS)
 
+# transformers and peft are test-only (tests/test_hf.py, skipped without them): a failed install
+# (no network) does not stop make.
+test-deps: deps
+	@$(PYTHON) -c "import transformers, peft" 2>/dev/null || $(PIP) install $(HF_SPEC) || \
+		echo "make test-deps: transformers/peft could not be installed; tests/test_hf.py will skip"
+
 # pytest exits 5 when it collects no test; make treats any non-zero exit as a failure.
-test: build
+test: build test-deps
 	$(PYTHON) -m pytest $(PYTEST_ARGS) tests
 
 # bench_quantize, bench_gemm, bench_overhead and bench_linear need a GPU; without one they run

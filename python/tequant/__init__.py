@@ -39,6 +39,7 @@ from .capability import (
     is_nvfp4_available,
 )
 
+from .convert import convert
 from . import _compile
 
 checkpoint.install()  # te.Linear under torch.utils.checkpoint recomputes as it ran
@@ -48,7 +49,7 @@ _compile.register_with_dynamo()  # torch.compile support, without importing torc
 __version__ = "0.1.0"
 
 __all__ = [
-    "Autocast", "CudaError", "ExecutionMode", "QuantizerConfig", "autocast", "autocast_depth", "build_info",
+    "Autocast", "convert", "CudaError", "ExecutionMode", "QuantizerConfig", "autocast", "autocast_depth", "build_info",
     "execution_mode", "fp8_autocast", "gemm_split_accumulator", "get_fp8_group", "get_fp8_recipe",
     "is_first_fp8_module", "is_fp8_available", "Linear", "is_fp8_block_scaling_available",
     "is_fp8_calibration", "is_fp8_enabled", "is_mxfp8_available", "is_nvfp4_available",
