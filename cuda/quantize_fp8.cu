@@ -2,7 +2,8 @@
  * dequantization on CUDA.
  *
  * Rule (NUMERICS.md 2, TE_REFERENCE A.1 / A.2): q = cvt8(RN(x * scale)), scale_inv = RN(1/scale);
- * CURRENT: scale = tq_scale_from_amax(max|x|, fmax, eps, pow2, FLT_MAX), amax written to q->amax;
+ * CURRENT: scale = tq_scale_from_amax(max|x|, fmax, eps, pow2, FLT_MAX), amax written to q->amax
+ * (or the caller's amax, tq_quantize_args.amax, copied there: no amax pass);
  * DELAYED: scale given, max|x| max-accumulated into the caller's history slot (atomicMax on the
  * float's signed bits). Multiplies are tq_mul: a NaN element encodes as 0x7F, dequantizes to
  * 0x7FFFFFFF.
@@ -371,8 +372,13 @@ extern "C" tq_status tq_quantize_fp8_cuda(const tq_tensor *x, const tq_quant_con
     const size_t elem_size = x->dtype == TQ_DTYPE_FLOAT32 ? 4 : 2;
 
     const int64_t n = x->rows * x->cols;
-    const bool small = !delayed && n > 0 && n <= kSmallElems;
-    if (!delayed && !small) { /* the amax pass; the cast reads its result from device memory */
+    const bool given = a->amax.data != nullptr; /* CURRENT: a shard's all-reduced amax */
+    const bool small = !delayed && !given && n > 0 && n <= kSmallElems;
+    if (given) { /* q->amax holds it, as if the amax pass had found it */
+        const cudaError_t err = cudaMemcpyAsync(q->amax.data, a->amax.data, sizeof(float),
+                                                cudaMemcpyDeviceToDevice, s);
+        if (err != cudaSuccess) return cuda_failed("fp8 quantize: copying the given amax", err);
+    } else if (!delayed && !small) { /* the amax pass; the cast reads it from device memory */
         tq_status st = tq_amax_cuda(x, &q->amax, stream);
         if (st != TQ_SUCCESS) return st;
     }

@@ -4,7 +4,8 @@
  * code = cvt4(RN(v * tq_nvfp4_block_enc(s_b, RN(1/S_enc)))), or stochastic rounding with the
  * Philox bytes of the element's output index. Columnwise quantizes x^T, or RN_bf16(RHT) of
  * each 16-row group with TQ_QUANT_RHT. Two launches, no host sync: pass 1 reads x for the
- * global amaxes (q->amax, post-RHT q->amax_t); pass 2 reads each 128-row tile once into shared
+ * global amaxes (q->amax, post-RHT q->amax_t; skipped when the caller gives them, a shard's
+ * all-reduced amaxes); pass 2 reads each 128-row tile once into shared
  * memory and writes both directions. A tensor of at most 64K elements takes one launch of one
  * CTA running both passes (small_kernel). Pass 2 is issue-bound on Hopper (no E2M1 convert before
  * sm_100), so the per-element work is cut to the bone: the RHT is formats.h's butterfly, E2M1
@@ -535,7 +536,12 @@ void launch_small(const AmaxParams &ap, const CastParams &cp, bool rht, bool two
  * kernel only when the columnwise amax needs the transform. */
 template <typename E>
 void launch(const AmaxParams &ap, const CastParams &cp, bool vec16, bool vec4, bool rht, bool two_d,
-            bool sr, int sms, cudaStream_t s) {
+            bool sr, bool amax_given, int sms, cudaStream_t s) {
+    if (amax_given) { /* the amaxes are in place: pass 2 alone */
+        if (sr) launch_cast<E, true>(cp, rht, two_d, s);
+        else launch_cast<E, false>(cp, rht, two_d, s);
+        return;
+    }
     if (ap.rows * ap.cols <= kSmallElems) {
         if (sr) launch_small<E, true>(ap, cp, rht, two_d, s);
         else launch_small<E, false>(ap, cp, rht, two_d, s);
@@ -562,11 +568,22 @@ extern "C" tq_status tq_quantize_nvfp4_cuda(const tq_tensor *x, const tq_quant_c
     const bool rht = (config->flags & TQ_QUANT_RHT) != 0, two_d = (config->flags & TQ_QUANT_2D) != 0;
     float *amax = row ? static_cast<float *>(q->amax.data) : nullptr;
     float *amax_t = col ? static_cast<float *>(q->amax_t.data) : nullptr;
-    /* the tiled pass 1 max-accumulates into zeroed amaxes; the one-CTA path stores them */
-    const bool small = x->rows * x->cols > 0 && x->rows * x->cols <= kSmallElems;
+    /* the tiled pass 1 max-accumulates into zeroed amaxes; the one-CTA path stores them; given
+     * amaxes (a shard's all-reduced ones, tq_quantize_args.amax) are copied in, no pass 1 */
+    const void *given = args->amax.data;
+    const void *given_t = args->amax_t.data != nullptr ? args->amax_t.data : given;
+    const bool small = given == nullptr && x->rows * x->cols > 0 && x->rows * x->cols <= kSmallElems;
     cudaError_t err = cudaSuccess;
-    if (!small && amax != nullptr && err == cudaSuccess) err = cudaMemsetAsync(amax, 0, sizeof(float), s);
-    if (!small && amax_t != nullptr && err == cudaSuccess) err = cudaMemsetAsync(amax_t, 0, sizeof(float), s);
+    if (given != nullptr) {
+        if (amax != nullptr)
+            err = cudaMemcpyAsync(amax, given, sizeof(float), cudaMemcpyDeviceToDevice, s);
+        if (amax_t != nullptr && err == cudaSuccess)
+            err = cudaMemcpyAsync(amax_t, given_t, sizeof(float), cudaMemcpyDeviceToDevice, s);
+        if (err != cudaSuccess) return cuda_failed("NVFP4 quantize: copying the given amaxes", err);
+    }
+    if (!small && given == nullptr && amax != nullptr) err = cudaMemsetAsync(amax, 0, sizeof(float), s);
+    if (!small && given == nullptr && amax_t != nullptr && err == cudaSuccess)
+        err = cudaMemsetAsync(amax_t, 0, sizeof(float), s);
     if (err != cudaSuccess) return cuda_failed("NVFP4 quantize: zeroing the amaxes (cudaMemsetAsync)", err);
     if (x->rows == 0 || x->cols == 0) return TQ_SUCCESS;
     if ((x->rows / kTileRows + 1) * (x->cols / 64 + 1) > INT32_MAX)
@@ -589,9 +606,9 @@ extern "C" tq_status tq_quantize_nvfp4_cuda(const tq_tensor *x, const tq_quant_c
     const bool vec4 = (base & 3) == 0 && (x->ld * elem) % 4 == 0;
     cp.vec16 = vec16;
     switch (x->dtype) {
-        case TQ_DTYPE_FLOAT32: launch<F32>(ap, cp, vec16, vec4, rht, two_d, sr, sms, s); break;
-        case TQ_DTYPE_BFLOAT16: launch<BF16>(ap, cp, vec16, vec4, rht, two_d, sr, sms, s); break;
-        default: launch<F16>(ap, cp, vec16, vec4, rht, two_d, sr, sms, s); break;
+        case TQ_DTYPE_FLOAT32: launch<F32>(ap, cp, vec16, vec4, rht, two_d, sr, given != nullptr, sms, s); break;
+        case TQ_DTYPE_BFLOAT16: launch<BF16>(ap, cp, vec16, vec4, rht, two_d, sr, given != nullptr, sms, s); break;
+        default: launch<F16>(ap, cp, vec16, vec4, rht, two_d, sr, given != nullptr, sms, s); break;
     }
     err = cudaPeekAtLastError();
     if (err != cudaSuccess) return cuda_failed("NVFP4 quantize kernel launch", err);

@@ -214,7 +214,7 @@ def test_sr_rng_tensor_errors():
     config = te._C.quantizer_config(recipe, "input")
     assert not config.stochastic_rounding
     with pytest.raises(ValueError, match="rng_state is set but the config does not round"):
-        te._C._quantize(x, config, 1, None, None, torch.zeros(2, dtype=torch.int64))
+        te._C._quantize(x, config, 1, None, None, torch.zeros(2, dtype=torch.int64), None)
 
 
 def _sr_generator_draws(device):

@@ -132,6 +132,39 @@ static int float_dtype(tq_dtype d) {
     return d == TQ_DTYPE_FLOAT32 || d == TQ_DTYPE_BFLOAT16 || d == TQ_DTYPE_FLOAT16;
 }
 
+/* One FP32 element on x's device, or nothing given. */
+static tq_status check_amax_tensor(const tq_tensor *t, const char *name, int device) {
+    if (t->data == NULL) return TQ_SUCCESS;
+    tq_status st = tq_tensor_check(t, name);
+    if (st != TQ_SUCCESS) return st;
+    if (t->dtype != TQ_DTYPE_FLOAT32 || t->rows * t->cols != 1 || t->device != device)
+        return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "quantize: a given %s must be one float32 on "
+                       "x's device (%d); got %s [%lld, %lld] on device %d", name, device,
+                       tq_dtype_name(t->dtype), (long long)t->rows, (long long)t->cols, t->device);
+    return TQ_SUCCESS;
+}
+
+/* args->amax / amax_t: only where a per-tensor scale comes from an amax (CURRENT, NVFP4), and
+ * with an RHT columnwise copy the transformed amax too (it differs from max|x|). */
+static tq_status check_given_amax(const tq_tensor *x, const tq_quant_config *c,
+                                  const tq_quantize_args *a) {
+    const int given = a->amax.data != NULL, given_t = a->amax_t.data != NULL;
+    if (!given && !given_t) return TQ_SUCCESS;
+    const int nvfp4 = c->scaling == TQ_SCALING_NVFP4;
+    if (c->scaling != TQ_SCALING_CURRENT && !nvfp4)
+        return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "quantize: a given amax applies to current "
+                       "scaling and NVFP4 (a per-tensor scale from an amax); this config's "
+                       "scaling has none");
+    if (!given || (given_t && !nvfp4))
+        return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "quantize: amax_t is NVFP4's columnwise amax "
+                       "and comes with amax");
+    if (nvfp4 && (c->flags & TQ_QUANT_RHT) && (a->usage & TQ_USAGE_COLUMNWISE) && !given_t)
+        return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "quantize: NVFP4 with RHT scales its "
+                       "columnwise copy from the transformed values' amax: give amax_t too");
+    tq_status st = check_amax_tensor(&a->amax, "amax", x->device);
+    return st != TQ_SUCCESS ? st : check_amax_tensor(&a->amax_t, "amax_t", x->device);
+}
+
 tq_status tq_quantize(const tq_tensor *x, const tq_quant_config *c, const tq_quantize_args *a,
                       tq_qtensor *q, struct CUstream_st *stream) {
     tq_status st = tq_tensor_check(x, "x");
@@ -172,6 +205,8 @@ tq_status tq_quantize(const tq_tensor *x, const tq_quant_config *c, const tq_qua
                            (long long)a->rng_state.rows, (long long)a->rng_state.cols,
                            (long long)a->rng_state.ld, a->rng_state.device);
     }
+    st = check_given_amax(x, c, a);
+    if (st != TQ_SUCCESS) return st;
     const int on_cpu = x->device == TQ_DEVICE_CPU;
     switch (c->scaling) {
         case TQ_SCALING_DELAYED:

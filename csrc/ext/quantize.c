@@ -106,15 +106,37 @@ int tqx_rng_from_py(tqx_state *st, PyObject *rng, tq_quantize_args *qa) {
     return tqx_tensor_from_py(st, rng, "rng", 1u << TQ_DTYPE_INT64, &qa->rng_state, NULL);
 }
 
-/* _quantize(x, config, usage, scale, amax, rng) -> 6-tuple of tensors/None.
+/* A given amax (current scaling, NVFP4) into qa: None, or a float32 tensor of one element, or
+ * of two for NVFP4 (rowwise, columnwise). */
+static int given_amax_from_py(tqx_state *st, PyObject *obj, tq_quantize_args *qa) {
+    if (obj == Py_None) return 0;
+    tq_tensor t;
+    if (tqx_tensor_from_py(st, obj, "amax", 1u << TQ_DTYPE_FLOAT32, &t, NULL) < 0) return -1;
+    const int64_t n = t.rows * t.cols, second = t.rows == 1 ? 1 : t.ld; /* element 1's offset */
+    if (n != 1 && n != 2) {
+        PyErr_Format(PyExc_ValueError, "amax must hold one float32 (or two for NVFP4: rowwise, "
+                     "columnwise); got %lld elements", (long long)n);
+        return -1;
+    }
+    t.rows = t.cols = t.ld = 1;
+    qa->amax = t;
+    if (n == 2) {
+        qa->amax_t = t;
+        qa->amax_t.data = (float *)t.data + second;
+    }
+    return 0;
+}
+
+/* _quantize(x, config, usage, scale, amax, rng, amax_in) -> 6-tuple of tensors/None.
  * usage: 1 rowwise, 2 columnwise, 3 both. scale (delayed only): float32 [1] or None (= 1).
  * amax (delayed only): a float32 [1] history slot to max-accumulate into, or None (fresh).
  * rng (stochastic rounding): None, (seed, offset) ints, or an int64 [2] tensor on x's device
- * read when the kernel runs. */
+ * read when the kernel runs. amax_in (current scaling, NVFP4): None, or the float32 amax (NVFP4:
+ * one, or rowwise and columnwise) the per-tensor scale is computed from (given_amax_from_py). */
 static PyObject *py_quantize(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6) {
-        PyErr_Format(PyExc_TypeError, "_quantize(x, config, usage, scale, amax, rng) takes 6 "
-                     "arguments (%zd given)", nargs);
+    if (nargs != 7) {
+        PyErr_Format(PyExc_TypeError, "_quantize(x, config, usage, scale, amax, rng, amax_in) "
+                     "takes 7 arguments (%zd given)", nargs);
         return NULL;
     }
     tqx_state *st = tqx_module_state(module);
@@ -128,7 +150,8 @@ static PyObject *py_quantize(PyObject *module, PyObject *const *args, Py_ssize_t
     long usage = PyLong_AsLong(args[2]);
     if (usage == -1 && PyErr_Occurred()) return NULL;
     qargs.usage = (uint32_t)usage;
-    if (tqx_rng_from_py(st, args[5], &qargs) < 0) return NULL;
+    if (tqx_rng_from_py(st, args[5], &qargs) < 0 || given_amax_from_py(st, args[6], &qargs) < 0)
+        return NULL;
     tq_qtensor q;
     return tqx_quantize_members(st, args[0], &x, info.stream, &config, &qargs, args[3], args[4], &q);
 }
@@ -234,7 +257,7 @@ PyMethodDef tqx_quantize_methods[] = {
      "_quantize_layout(config, rows, cols, usage) -> 6-tuple of (rows, cols, dtype) or None\n\n"
      "The members _quantize allocates, as torch shapes and dtypes."},
     {"_quantize", (PyCFunction)(void (*)(void))py_quantize, METH_FASTCALL,
-     "_quantize(x, config, usage, scale, amax, rng) -> (data, scale_inv, "
+     "_quantize(x, config, usage, scale, amax, rng, amax_in) -> (data, scale_inv, "
      "data_t, scale_inv_t, amax, amax_t)\n\nQuantizes x with a QuantizerConfig; see "
      "tequant.ops.quantize for the public API."},
     {"_dequantize", (PyCFunction)(void (*)(void))py_dequantize, METH_FASTCALL,

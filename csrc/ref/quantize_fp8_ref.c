@@ -21,8 +21,12 @@ tq_status tq_quantize_fp8_ref(const tq_tensor *x, const tq_quant_config *c,
     (void)stream;
     const int e5m2 = c->elem_dtype == TQ_DTYPE_FLOAT8_E5M2;
     float amax = 0.0f;
-    for (int64_t r = 0; r < x->rows; r++)
-        for (int64_t col = 0; col < x->cols; col++) amax = tq_amax_step(amax, tq_ref_load(x, r, col));
+    if (a->amax.data != NULL) /* CURRENT with a given amax (a shard's all-reduced one) */
+        amax = *(const float *)a->amax.data;
+    else
+        for (int64_t r = 0; r < x->rows; r++)
+            for (int64_t col = 0; col < x->cols; col++)
+                amax = tq_amax_step(amax, tq_ref_load(x, r, col));
 
     float scale;
     if (c->scaling == TQ_SCALING_CURRENT) {

@@ -114,17 +114,22 @@ tq_status tq_quantize_nvfp4_ref(const tq_tensor *x, const tq_quant_config *confi
     direction dirs[2];
     direction_init(&dirs[0], x, 0, rht);
     direction_init(&dirs[1], x, 1, rht);
-    /* Rowwise amax is max|x|; columnwise is the same unless the RHT changes the values. */
+    /* Rowwise amax is max|x|; columnwise is the same unless the RHT changes the values; or the
+     * caller's (a shard's all-reduced amaxes). */
+    const float *given = (const float *)args->amax.data, *given_t = (const float *)args->amax_t.data;
     float amax_x = 0.0f;
     const int need_amax_x = (args->usage & TQ_USAGE_ROWWISE) || !rht;
-    if (need_amax_x) amax_x = direction_amax(&dirs[0]);
+    if (given != NULL) amax_x = *given;
+    else if (need_amax_x) amax_x = direction_amax(&dirs[0]);
     if (args->usage & TQ_USAGE_ROWWISE) {
         *(float *)q->amax.data = amax_x;
         quantize_direction(&dirs[0], amax_x, two_d, sr, seed, offset,
                            (uint8_t *)q->data.data, (uint8_t *)q->scale_inv.data);
     }
     if (args->usage & TQ_USAGE_COLUMNWISE) {
-        const float amax_t = rht ? direction_amax(&dirs[1]) : amax_x;
+        const float amax_t = given_t != NULL ? *given_t
+                             : given != NULL ? amax_x
+                             : rht ? direction_amax(&dirs[1]) : amax_x;
         *(float *)q->amax_t.data = amax_t;
         quantize_direction(&dirs[1], amax_t, two_d, sr, seed, offset,
                            (uint8_t *)q->data_t.data, (uint8_t *)q->scale_inv_t.data);

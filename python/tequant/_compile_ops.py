@@ -99,7 +99,7 @@ def quantize_op(x: torch.Tensor, recipe_id: str, role: str, usage: int,
         chosen = _rng_state(x.device, None)
     else:
         chosen = None
-    members = _C._quantize(x, config, usage, scale, None, chosen)
+    members = _C._quantize(x, config, usage, scale, None, chosen, None)
     return [m for m in members if m is not None]
 
 

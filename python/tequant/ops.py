@@ -58,7 +58,7 @@ def _checked_rng(rng, device):
 
 
 def quantize(x, recipe=None, role="input", rowwise=True, columnwise=False, *, scale=None,
-             amax_history=None, generator=None, rng=None):
+             amax_history=None, generator=None, rng=None, amax=None):
     """Quantizes x with the quantizer `recipe` (None: Float8CurrentScaling()) gives `role`.
 
     Args:
@@ -78,6 +78,12 @@ def quantize(x, recipe=None, role="input", rowwise=True, columnwise=False, *, sc
             kernel reads when it runs: a CUDA graph then rounds with whatever it holds at each
             replay. Without either, a CUDA graph capture draws the pair inside the graph, so
             each replay rounds with new bits (reproducible under torch.manual_seed).
+        amax: Float8CurrentScaling and NVFP4 only: the float32 amax (a tensor of one element on
+            x's device; NVFP4 also two: rowwise, columnwise) that the per-tensor scale is computed
+            from instead of x's own. A shard of a tensor passes the amax all-reduced (MAX) over
+            the shards and gets exactly the shard of the whole tensor's quantization (rows of
+            the rowwise data; per-block formats need the shard aligned to their blocks). NVFP4
+            with RHT needs the columnwise (transformed) amax too when columnwise=True.
 
     Returns a QuantizedTensor. MXFP8 needs M and K multiples of 32, NVFP4 of 16 (ValueError
     otherwise); per-tensor and block FP8 take any shape.
@@ -103,6 +109,22 @@ def quantize(x, recipe=None, role="input", rowwise=True, columnwise=False, *, sc
             "for this role directly")
     if scaling == "none":
         raise ValueError(f"the recipe does not quantize the {role!r} role")
+    if amax is not None:
+        if scaling not in ("current", "nvfp4"):
+            raise ValueError(f"amax applies to Float8CurrentScaling and NVFP4 (a per-tensor scale "
+                             f"from an amax); this recipe's {role!r} quantizer uses {scaling} "
+                             "scaling")
+        if not (isinstance(amax, torch.Tensor) and amax.dtype == torch.float32
+                and amax.device == x.device and amax.numel() in ((1, 2) if scaling == "nvfp4"
+                                                                 else (1,))):
+            got = (f"{amax.dtype} {tuple(amax.shape)} on {amax.device}"
+                   if isinstance(amax, torch.Tensor) else type(amax).__name__)
+            raise ValueError(f"amax must be a float32 tensor of one element (NVFP4: one or two) "
+                             f"on x's device ({x.device}); got {got}")
+        if compiling:
+            raise NotImplementedError("te.ops.quantize(amax=...) is not supported under "
+                                      "torch.compile yet")
+        amax = amax.contiguous()
     if scaling != "delayed" and (scale is not None or amax_history is not None):
         raise ValueError("scale and amax_history apply to DelayedScaling only; this recipe's "
                          f"{role!r} quantizer uses {scaling} scaling")
@@ -128,7 +150,7 @@ def quantize(x, recipe=None, role="input", rowwise=True, columnwise=False, *, sc
     if compiling:
         return traced.quantize(x, recipe, recipe_id, role, usage, scale, amax_history, chosen,
                                stochastic, present)
-    members = _C._quantize(x, config, usage, scale, amax_history, chosen)
+    members = _C._quantize(x, config, usage, scale, amax_history, chosen, amax)
     return QuantizedTensor(config, x.shape, x.dtype, members, recipe, role)
 
 

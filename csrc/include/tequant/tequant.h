@@ -239,9 +239,17 @@ typedef struct tq_quantize_args {
      * rng_seed / rng_offset, so a captured CUDA graph draws fresh bits whenever the graph refills
      * it (tequant draws it with torch's graph-safe generator inside the capture). */
     tq_tensor rng_state;
+    /* CURRENT and NVFP4, optional (data NULL: x's own max|x|): the amax, FP32 [1, 1] on x's
+     * device, that the per-tensor scale is computed from. A shard of a tensor passes the amax
+     * all-reduced over the shards, so that each shard casts exactly as the whole tensor would
+     * (shared/docs/DISTRIBUTED.md 1). It is copied into q->amax. amax_t: NVFP4's columnwise one
+     * (with RHT, of the transformed values; required then), default amax. */
+    tq_tensor amax;
+    tq_tensor amax_t;
 } tq_quantize_args;
 
-#define TQ_QUANTIZE_ARGS_INIT {sizeof(tq_quantize_args), TQ_USAGE_ROWWISE, {0}, 0, 0, {0}}
+#define TQ_QUANTIZE_ARGS_INIT \
+    {sizeof(tq_quantize_args), TQ_USAGE_ROWWISE, {0}, 0, 0, {0}, {0}, {0}}
 
 /* Fills q's shapes and dtypes (data pointers NULL, device TQ_DEVICE_CPU) for quantizing an
  * [rows, cols] matrix with `config` in the directions `usage`; the caller allocates each member
