@@ -14,6 +14,9 @@
  * direction in saved (backward_override="dequantized"), bit 8 packed (below). cache: the
  * module's list [key, kept W] for is_first_microbatch (True: quantize and keep, False: reuse,
  * None: quantize, keep nothing). *_state: DelayedScaling's (scale, amax slot) views, or None.
+ * weight may also be an already quantized W, (kept, N, K, tq dtype of W): its kept form (the
+ * six members, or a packed pair) is used as it is (FSDP2's quantized all-gather,
+ * python/tequant/distributed/fsdp.py); w_state and the cache are then unused.
  * Forward quantizes x rowwise (+ columnwise for wgrad) and W in both directions, runs fprop with
  * the bias in the epilogue, and saves the columnwise x and W for backward (TE_REFERENCE 7.3-7.5).
  * Backward quantizes dy, runs dgrad and wgrad, sums dy into the bias grad (FP32, then the bias's
@@ -354,9 +357,24 @@ static PyObject *py_linear_forward(PyObject *module, PyObject *const *args, Py_s
     }
     if (tqx_torch_import(st) < 0 || plan_from_py(st, args[0], &p) < 0) return NULL;
     PyObject *inp = args[1], *weight = args[2], *bias = args[3];
-    tq_tensor w;
-    tqx_tensor_info w_info;
-    if (tqx_tensor_from_py(st, weight, "weight", TQX_FLOAT_DTYPES, &w, &w_info) < 0) return NULL;
+    tq_tensor w = {0};
+    tqx_tensor_info w_info = {0};
+    PyObject *w_given = NULL; /* an already quantized W: its kept form */
+    if (PyTuple_Check(weight)) {
+        long long rows, cols;
+        int dtype;
+        if (!PyArg_ParseTuple(weight, "OLLi", &w_given, &rows, &cols, &dtype)) return NULL;
+        if (dtype < 0 || dtype > 31 || !(TQX_FLOAT_DTYPES & (1u << dtype)) || rows <= 0
+            || cols <= 0) {
+            PyErr_Format(PyExc_ValueError, "a quantized weight (kept, N, K, dtype) needs N, K > 0 "
+                         "and a float32/bfloat16/float16 dtype code; got %lld, %lld, %d", rows,
+                         cols, dtype);
+            return NULL;
+        }
+        w.rows = rows, w.cols = w.ld = cols, w.dtype = (tq_dtype)dtype;
+    } else if (tqx_tensor_from_py(st, weight, "weight", TQX_FLOAT_DTYPES, &w, &w_info) < 0) {
+        return NULL;
+    }
     const int64_t n = w.rows, k = w.cols;
     PyObject *device = PyObject_GetAttrString(inp, "device");
     PyObject *qw = NULL, *shape = NULL, *out = NULL;
@@ -382,9 +400,13 @@ static PyObject *py_linear_forward(PyObject *module, PyObject *const *args, Py_s
     if (quantize(st, inp, &xp, x_info.stream, &p.x, x_usage, args[7], device, x.device, x_n_parts,
                  x_n_parts == 2 ? x_parts : x_parts + 1, x_n_parts == 2 ? 2u : 1u, &qx) < 0)
         goto done;
-    if ((qw = weight_kept(st, &p, weight, &w, w_info.stream, args[5], args[6], args[8], needs,
-                          device, x.device)) == NULL)
+    if (w_given != NULL) {
+        qw = Py_NewRef(w_given);
+        w.device = x.device;
+    } else if ((qw = weight_kept(st, &p, weight, &w, w_info.stream, args[5], args[6], args[8],
+                                 needs, device, x.device)) == NULL) {
         goto done;
+    }
     tqx_operand a, b;
     if (operand(st, &qx, &p.x, padded, k, TQ_USAGE_ROWWISE, &a) < 0
         || tqx_operand_from_kept(st, &p.w, n, k, qw, TQX_PART_ROWWISE | TQX_PART_COLUMNWISE,

@@ -30,7 +30,7 @@ from ._C import (
     recipe_key,
 )
 from .quantized import QuantizedTensor
-from .linear import Linear
+from .linear import Linear, prepare_state
 from .capability import (
     fp8_autocast,
     is_fp8_available,
@@ -48,10 +48,19 @@ _compile.register_with_dynamo()  # torch.compile support, without importing torc
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name):
+    # te.distributed is imported on first use: it loads torch.distributed's FSDP2, which eager
+    # single-process code does not need (and the core never imports it).
+    if name == "distributed":
+        import importlib
+        return importlib.import_module(".distributed", __name__)
+    raise AttributeError(f"module 'tequant' has no attribute {name!r}")
+
 __all__ = [
     "Autocast", "convert", "CudaError", "ExecutionMode", "QuantizerConfig", "autocast", "autocast_depth", "build_info",
     "execution_mode", "fp8_autocast", "gemm_split_accumulator", "get_fp8_group", "get_fp8_recipe",
     "is_first_fp8_module", "is_fp8_available", "Linear", "is_fp8_block_scaling_available",
     "is_fp8_calibration", "is_fp8_enabled", "is_mxfp8_available", "is_nvfp4_available",
-    "ops", "QuantizedTensor", "quantizer_config", "recipe", "recipe_key",
+    "ops", "prepare_state", "QuantizedTensor", "quantizer_config", "recipe", "recipe_key",
 ]

@@ -6,8 +6,10 @@ and dy ("grad_output"), and te.ops' GEMM runs fprop y = x W^T (x rowwise, W roww
 dx = dy W (dy rowwise, W columnwise) and wgrad dW = dy^T x (dy columnwise, x columnwise), as
 TE_REFERENCE 7.3-7.5 describe. Backward keeps the quantized columnwise x and the quantized W
 (through save_for_backward, so activation checkpointing drops and recomputes them; the recompute
-replays what the forward ran with, checkpoint.py), not high-precision copies. Any number of tokens works: rows are zero-padded to the format's multiple
-(zero rows add nothing to any product) and the result is exactly the unpadded one.
+replays what the forward ran with, checkpoint.py), not high-precision copies. Any number of
+tokens works: rows are zero-padded to the format's multiple (zero rows add nothing to any
+product) and the result is exactly the unpadded one. A weight that arrives quantized (FSDP2's
+quantized all-gather) is multiplied as it is.
 DelayedScaling keeps its amax histories and scales in module buffers (delayed.py). The forward
 and the backward are one C call each (csrc/ext/linear.c); this file is the autograd Function,
 the module and the recipe plans around them. With no graph to record (torch.no_grad,
@@ -24,10 +26,10 @@ import torch.nn.functional as F
 
 from . import _C, _compile_linear, checkpoint, delayed
 from .ops import _FAST_ACCUM  # tq_gemm_flags, defined once in ops.py
-from .quantized import ROWWISE
+from .quantized import COLUMNWISE as _COLUMNWISE, ROWWISE as _ROWWISE
 from .recipe import QuantizerRole
 
-__all__ = ["Linear"]
+__all__ = ["Linear", "prepare_state"]
 
 # Feature dims must be multiples of these (the quantizers' and cuBLASLt's rules); rows are padded
 # to them (FP8 wgrad contracts over rows: cuBLASLt needs K % 16; MXFP8 / NVFP4 quantize 32 / 16).
@@ -77,9 +79,11 @@ class _QuantizedLinear(torch.autograd.Function):
         # The quantized operands go through save_for_backward, so activation checkpointing can
         # drop them and have them recomputed; their amaxes stay on ctx: DelayedScaling's are
         # views of the module's history, which the autocast's exit updates in place before
-        # backward, and no GEMM reads an amax.
+        # backward, and no GEMM reads an amax. A weight that came quantized is asked again in
+        # backward for the direction dgrad reads (FSDP2 may have gathered it anew).
+        ctx.w_given = _quantized_weight(weight)
         x_tensors, ctx.x_amax = _split(saved[0])
-        w_tensors, ctx.w_amax = _split(saved[1])
+        w_tensors, ctx.w_amax = _split(saved[1] if ctx.w_given is None else None)
         ctx.n_x, ctx.n_w = len(x_tensors), len(w_tensors)
         kept = (inp, weight) if override == "high_precision" else ()
         ctx.save_for_backward(*x_tensors, *w_tensors, *kept)
@@ -92,7 +96,8 @@ class _QuantizedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         plan, needs = ctx.plan, ctx.needs
-        saved, kept = _saved(ctx)
+        saved, kept = _saved(ctx, _ROWWISE if plan.backward_override == "dequantized"
+                             else _COLUMNWISE if needs & _NEED_DGRAD else 0)
         dy = dy.contiguous()
         bias_dtype = ctx.bias_dtype if ctx.needs_input_grad[2] else None
         if plan.backward_override is not None:
@@ -117,22 +122,72 @@ def _joined(tensors, amaxes):
     return None if amaxes is None else tuple(tensors) + amaxes
 
 
-def _saved(ctx):
+def _saved(ctx, w_usage=_COLUMNWISE):
     """(linear_forward's saved, (x, W) kept for backward_override="high_precision" or ()) of a
-    _QuantizedLinear node (ctx, or the grad_fn of its output)."""
+    _QuantizedLinear node (ctx, or the grad_fn of its output). A weight that came quantized gives
+    its members for w_usage (0: none needed)."""
     tensors, n_x, n_w = ctx.saved_tensors, ctx.n_x, ctx.n_w
-    saved = (_joined(tensors[:n_x], ctx.x_amax),
-             _joined(tensors[n_x:n_x + n_w], ctx.w_amax)) + ctx.rest
+    if ctx.w_given is None:
+        w_kept = _joined(tensors[n_x:n_x + n_w], ctx.w_amax)
+    else:
+        w_kept = _given_kept(ctx.w_given, ctx.plan, w_usage) if w_usage else None
+    saved = (_joined(tensors[:n_x], ctx.x_amax), w_kept) + ctx.rest
     return saved, tensors[n_x + n_w:]
+
+
+# A weight that arrives quantized (FSDP2's quantized all-gather, tequant/distributed/fsdp.py) is
+# a tensor subclass with tq_recipe_key (the key of the recipe it was quantized under),
+# tq_kept(usage) (its six members holding the direction ROWWISE or COLUMNWISE) and
+# tq_dequantized() (its values in its dtype, for a te.Linear running in high precision). A
+# subclass that wraps the high-precision weight gives it as tq_data.
+_TQ_DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # tq_dtype codes
+
+
+def _quantized_weight(weight):
+    """weight, when it arrives quantized; None for an ordinary tensor (the common case costs
+    two type checks)."""
+    if type(weight) is torch.nn.Parameter or type(weight) is torch.Tensor:
+        return None
+    return weight if hasattr(weight, "tq_kept") else None
+
+
+def _given_kept(given, plan, usage):
+    if given.tq_recipe_key != plan.key:
+        raise RuntimeError(
+            f"this te.Linear's weight was quantized (by FSDP2's all-gather) under "
+            f"{_C._recipe_of_key(given.tq_recipe_key)!r}, the te.autocast active when it was "
+            f"gathered, but the layer runs under {plan.recipe!r}: enter one te.autocast around "
+            "the whole FSDP module's forward")
+    return given.tq_kept(usage)
+
+
+class _DequantizedWeight(torch.autograd.Function):
+    """A quantized-arrived weight's values for a high-precision te.Linear; its gradient passes
+    straight to the weight (FSDP2 reduce-scatters it as usual)."""
+
+    @staticmethod
+    def forward(ctx, weight):
+        return weight.tq_dequantized()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
 
 
 def _forward(inp, weight, bias, module, plan, is_first_microbatch, c_needs, states=None):
     """linear_forward's (out, saved) for a contiguous inp. states: DelayedScaling's (scale, amax
-    slot) pairs of x and W (None: the module's own)."""
+    slot) pairs of x and W (None: the module's own). A weight that arrives quantized goes to C
+    as it is (rowwise), with no second quantization."""
     if plan.delayed:
         x_state, w_state = states or delayed.slots(module, delayed.FORWARD)
     else:
         x_state = w_state = None
+    if type(weight) is not torch.nn.Parameter and type(weight) is not torch.Tensor:
+        if hasattr(weight, "tq_kept"):
+            weight = (_given_kept(weight, plan, _ROWWISE), weight.shape[0], weight.shape[1],
+                      _TQ_DTYPE[weight.dtype])
+        else:  # a wrapper of the high-precision weight (tequant.distributed.ShardedWeight)
+            weight = getattr(weight, "tq_data", weight)
     return _C.linear_forward(plan.c_args, inp, weight, bias, c_needs, module._weight_cache,
                              is_first_microbatch, x_state, w_state)
 
@@ -170,6 +225,8 @@ def _high_precision_backward(ctx, saved, kept, dy2d, needs, bias_dtype):
     plan = ctx.plan
     if plan.backward_override == "high_precision":
         inp, weight = kept
+        if ctx.w_given is not None:
+            weight = ctx.w_given.tq_dequantized()
         x2d = inp.reshape(-1, inp.shape[-1])
     else:
         qx, qw, rows, padded, n, k = saved[:6]
@@ -186,7 +243,7 @@ def _high_precision_backward(ctx, saved, kept, dy2d, needs, bias_dtype):
 
 def _dequantized(config, rows, cols, members, dtype):
     out = torch.empty((rows, cols), dtype=dtype, device=members[0].device)
-    _C._dequantize(config, rows, cols, members, ROWWISE, out)
+    _C._dequantize(config, rows, cols, members, _ROWWISE, out)
     return out
 
 
@@ -412,7 +469,10 @@ class Linear(torch.nn.Linear):
                 if plan.delayed:
                     delayed.calibrate(self, plan.x.amax_history_len, inp)
         if recipe is None:
-            return F.linear(inp, self.weight, bias)
+            weight = self.weight
+            if _quantized_weight(weight) is not None:
+                weight = _DequantizedWeight.apply(weight)
+            return F.linear(inp, weight, bias)
         if record is not None:
             record.recipe = recipe
         if inp.shape[-1] != self.in_features:
@@ -455,3 +515,17 @@ class Linear(torch.nn.Linear):
                 if saved is not None and getattr(self, name, None) is None:
                     self.register_buffer(name, torch.empty_like(saved, device=self.weight.device))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def prepare_state(model, recipe):
+    """Creates the state te.Linear keeps between steps under `recipe` (DelayedScaling's amax
+    histories and scales, zeros and ones) in every te.Linear of `model` that lacks it, as the
+    first forward under the recipe would; returns model. A fresh model needs it before it loads a
+    checkpoint through torch.distributed.checkpoint, which reads only the entries the model
+    already has (torch.load'ed state_dicts need nothing: Linear creates the buffers they hold)."""
+    for module in model.modules():
+        if isinstance(module, Linear) and not recipe.custom():
+            plan = module._plan(recipe)
+            if plan.delayed:
+                delayed.ensure(module, plan.x.amax_history_len)
+    return model

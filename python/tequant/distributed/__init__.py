@@ -1,0 +1,12 @@
+"""tequant.distributed: te.Linear on torch.distributed's engines (shared/docs/DISTRIBUTED.md).
+
+- FSDP2: `enable_quantized_all_gather(model)` before `fully_shard` makes each te.Linear weight
+  travel in the recipe's quantized format inside te.autocast (fsdp.py).
+- DDP and distributed checkpoints need nothing of tequant's: te.Linear's state is parameters and
+  buffers, and DelayedScaling reduces its amaxes over te.autocast's amax_reduction_group.
+It imports the core (tequant), which never imports it. Tests: tests/test_fsdp.py,
+tests/test_ddp_dcp.py.
+"""
+from .fsdp import GatheredWeight, ShardedWeight, enable_quantized_all_gather, fallbacks
+
+__all__ = ["GatheredWeight", "ShardedWeight", "enable_quantized_all_gather", "fallbacks"]

@@ -1,0 +1,356 @@
+"""FSDP2 with te.Linear weights all-gathered in the recipe's quantized format.
+
+`enable_quantized_all_gather(model)` (before fully_shard and before the optimizer is built) wraps
+each te.Linear weight in a ShardedWeight: a tensor subclass that behaves as the high-precision
+tensor it holds and keeps itself through FSDP2's sharding ops, so that FSDP2 calls its
+fsdp_pre_all_gather / fsdp_post_all_gather (torch/distributed/fsdp/_fully_shard/_fsdp_param.py):
+
+- inside an enabled te.autocast whose recipe te.Linear quantizes W with, a rank quantizes its shard
+  (in MixedPrecisionPolicy's param_dtype, when set) with the whole weight's per-tensor scale (the
+  shards' amaxes all-reduced with MAX; DelayedScaling's module scale, the global W amax recorded
+  into its history once per forward) and the all-gather moves codes and scales
+  (gather_layout.py); post_all_gather gives the module a GatheredWeight, which te.Linear
+  multiplies as it is, with no second quantization. The gathered members are bit-identical to
+  te.ops.quantize of the whole weight. Forward gathers the rowwise direction; backward's
+  re-gather (reshard_after_forward=True) the columnwise one where the format cannot derive it
+  from the rowwise (MXFP8, 1-D NVFP4; without resharding their forward gathers both).
+- otherwise (no autocast, enabled=False, CustomRecipe) the shard travels in high precision and
+  FSDP2 behaves as without tequant. So does a weight whose shards would cut the format's blocks
+  (gather_layout.fallback_reason), counted in `fallbacks`.
+
+FSDP2 reuses a parameter's all-gather buffers across steps, sized by the first gather; when the
+payload changes (autocast on/off, another recipe) the FSDPParam's buffers are dropped so FSDP2
+sizes them anew. tequant reaches the FSDPParam that calls its hooks through the caller's frame
+(FSDPParam.all_gather_inputs / init_unsharded_param), and keeps its own per-parameter state on it.
+Tests: tests/test_fsdp.py (gloo, 2 and 4 ranks), GPU with NCCL: the same file.
+"""
+import collections
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+from torch.utils._pytree import tree_map_only
+
+from .. import _C, delayed, ops
+from ..linear import Linear
+from ..quantized import COLUMNWISE, ROWWISE
+from . import gather_layout
+
+__all__ = ["ShardedWeight", "GatheredWeight", "enable_quantized_all_gather", "fallbacks"]
+
+aten = torch.ops.aten
+# What FSDP2 does to a parameter when it shards it, moves it or rebuilds its local tensor: these
+# keep the wrapper; every other op runs on the wrapped tensor and returns plain tensors.
+_KEEP = {aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor, aten.view.default,
+         aten._unsafe_view.default, aten.as_strided.default, aten.new_zeros.default,
+         aten.clone.default, aten.copy_.default, aten.detach.default, aten.alias.default,
+         aten._to_copy.default, aten._pin_memory.default}
+
+fallbacks = collections.Counter()  # reason -> gathers that went in high precision for it
+
+
+def _wrap_like(cls, t, **extra):
+    return torch.Tensor._make_wrapper_subclass(cls, t.shape, strides=t.stride(),
+                                               storage_offset=t.storage_offset(), dtype=t.dtype,
+                                               layout=t.layout, device=t.device,
+                                               requires_grad=t.requires_grad, **extra)
+
+
+class ShardedWeight(torch.Tensor):
+    """A te.Linear weight (or FSDP2's shard of it) whose all-gather is tequant's."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, data):
+        return _wrap_like(cls, data)
+
+    def __init__(self, data):
+        self._data = data
+
+    def __repr__(self):
+        return f"ShardedWeight({self._data!r})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrapped = tree_map_only(ShardedWeight, lambda t: t._data, (args, kwargs or {}))
+        out = func(*unwrapped[0], **unwrapped[1])
+        if func not in _KEEP:
+            return out
+        if func is aten.copy_.default:
+            return args[0]
+        return tree_map_only(torch.Tensor, ShardedWeight, out)
+
+    def __tensor_flatten__(self):
+        return ["_data"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return ShardedWeight(inner["_data"])
+
+    # ---- FSDP2's all-gather extension ------------------------------------------------------
+
+    @property
+    def tq_data(self):
+        """The high-precision tensor (linear.py hands it to C when no FSDP2 gathered it)."""
+        return self._data
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        fsdp_param = _calling_fsdp_param()
+        state = fsdp_param.__dict__.setdefault("_tequant_gather", _GatherState())
+        n, k = outer_size
+        world = mesh.size()
+        dtype = mp_policy.param_dtype or self.dtype
+        backward = torch._C._current_graph_task_id() != -1
+        if not backward:  # backward's re-gather quantizes as the forward did
+            state.plan = _plan_for(module, n, world)
+        plan = state.plan
+        if plan is None:
+            usage = 0
+        elif gather_layout.derivable(plan.w):
+            usage = ROWWISE
+        elif backward:
+            usage = COLUMNWISE
+        else:  # without resharding after forward, backward reads what forward gathered
+            usage = ROWWISE | (COLUMNWISE if fsdp_param.post_forward_mesh_info is None else 0)
+        signature = (plan.key if plan else None, usage == ROWWISE | COLUMNWISE, dtype)
+        if state.signature is not None and state.signature != signature:
+            _drop_buffers(fsdp_param)  # sized for another payload
+        state.signature = signature
+        x = _padded_shard(self._data, -(-n // world), dtype)
+        if plan is None:
+            return (x,), ("hp",)
+        group = mesh.get_group()
+        members = _quantize_shard(state, plan, x, usage, module, group, backward)
+        return (tuple(gather_layout.shard_inputs(members, plan.w, usage)),
+                ("q", plan, usage, n, k, world, _factors(plan, members, state), state, group,
+                 self))
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        if metadata[0] == "hp":
+            if out is not None:  # FSDP2 refilled the buffer the parameter views
+                return None
+            return all_gather_outputs[0], (all_gather_outputs[0],)
+        _, plan, usage, n, k, world, factors, state, group, sharded = metadata
+        held = _Held(plan, usage, all_gather_outputs, n, k, world, factors, state, group,
+                     sharded)
+        if out is not None:
+            out._held = held
+            return None
+        return GatheredWeight(held, param_dtype), all_gather_outputs
+
+
+def _padded_shard(shard, rows, dtype):
+    """A rank's shard [rows, K] in dtype: FSDP2's last shard of an uneven split has fewer rows
+    (its padding is zeros, which quantize to zero codes and leave every amax as it is)."""
+    x = shard.to(dtype)
+    if x.shape[0] < rows:
+        x = torch.cat((x, x.new_zeros(rows - x.shape[0], x.shape[1])))
+    return x
+
+
+def _quantize_shard(state, plan, x, usage, module, group, backward):
+    """The members of x quantized with the whole weight's per-tensor factors."""
+    extra = _per_tensor_factors(state, plan, x, module, group, backward)
+    return ops.quantize(x, plan.recipe, "weight", rowwise=bool(usage & ROWWISE),
+                        columnwise=bool(usage & COLUMNWISE), **extra)._member_tuple
+
+
+def _factors(plan, members, state):
+    """What the gathered members need besides the gathered bytes: (scale_inv, amax) of a
+    per-tensor format, NVFP4's (amax, amax_t), None for the other block formats."""
+    if plan.w.scaling in gather_layout.PER_TENSOR:
+        return members[1], state.amax_global
+    if plan.w.scaling == "nvfp4":
+        return members[4], members[4] if members[5] is None else members[5]
+    return None
+
+
+class _GatherState:
+    """tequant's per-parameter state, kept on FSDP2's FSDPParam (its local tensor object can be
+    replaced, the FSDPParam stays)."""
+
+    __slots__ = ("plan", "signature", "amax_global", "scale")
+
+    def __init__(self):
+        self.plan = self.signature = self.amax_global = self.scale = None
+
+
+def _calling_fsdp_param():
+    """The FSDPParam whose all-gather calls these hooks (the nearest caller frame's self)."""
+    frame = sys._getframe(2)
+    for _ in range(4):
+        if frame is None:
+            break
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, FSDPParam):
+            return owner
+        frame = frame.f_back
+    raise RuntimeError("tequant's FSDP2 all-gather hooks were called from outside FSDP2's "
+                       "FSDPParam; this torch version's fully_shard is not one tequant supports")
+
+
+def _drop_buffers(fsdp_param):
+    """Makes FSDP2 size the parameter's all-gather buffers and unsharded parameter anew."""
+    fsdp_param.all_gather_outputs = []
+    fsdp_param._unsharded_inner_tensors = []
+    fsdp_param.__dict__.pop("_unsharded_param", None)
+
+
+def _plan_for(module, rows, world):
+    """The te.Linear plan the forward will quantize W with, or None to gather in high precision
+    (no te.Linear, no enabled te.autocast, a CustomRecipe, or a shape the format cannot shard)."""
+    if not isinstance(module, Linear) or not _C.is_fp8_enabled():
+        return None
+    recipe = _C.get_fp8_recipe()
+    if recipe.custom():
+        return None
+    plan = module._plan(recipe)
+    reason = gather_layout.fallback_reason(plan.w, rows, world)
+    if reason is not None:
+        fallbacks[reason] += 1
+        return None
+    return plan
+
+
+def _per_tensor_factors(state, plan, x, module, group, backward):
+    """te.ops.quantize's scale (DelayedScaling) or amax (current, NVFP4) for this shard: the whole
+    weight's. A forward computes it (the shard amaxes all-reduced, MAX) and DelayedScaling records
+    the global W amax into the module's history; backward reuses the forward's."""
+    scaling = plan.w.scaling
+    if scaling not in ("delayed", "current", "nvfp4"):
+        return {}
+    if not backward:
+        local = torch.zeros(1, dtype=torch.float32, device=x.device)
+        _C._amax(x, local)
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+        state.amax_global = local.view(1, 1)
+        if scaling == "delayed":
+            delayed.ensure(module, plan.x.amax_history_len)
+            hist = module.delayed_amax_history_fwd
+            with torch.no_grad():
+                hist[0, 1:2] = torch.maximum(hist[0, 1:2], local)
+            state.scale = module.delayed_scale_fwd[1:2].clone()
+    if scaling == "delayed":
+        return {"scale": state.scale}
+    return {"amax": state.amax_global.view(1)}
+
+
+class _Held:
+    """What a GatheredWeight holds: the gathered buffers of one all-gather and how to read them."""
+
+    __slots__ = ("plan", "usage", "outputs", "n", "k", "world", "factors", "state", "group",
+                 "sharded", "members")
+
+    def __init__(self, plan, usage, outputs, n, k, world, factors, state, group, sharded):
+        self.plan, self.usage, self.outputs = plan, usage, outputs
+        self.n, self.k, self.world, self.factors = n, k, world, factors
+        self.state, self.group, self.sharded = state, group, sharded
+        self.members = None
+
+
+class GatheredWeight(torch.Tensor):
+    """The unsharded te.Linear weight FSDP2 gives the module after a quantized all-gather: a
+    [N, K] tensor of the parameter dtype whose values are the recipe's quantization of W. te.Linear
+    reads its members (tq_kept, linear.py); anything else must not compute with it."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, held, dtype):
+        return torch.Tensor._make_wrapper_subclass(cls, (held.n, held.k), dtype=dtype,
+                                                   device=held.outputs[0].device)
+
+    def __init__(self, held, dtype):
+        self._held = held
+
+    def __repr__(self):
+        return (f"GatheredWeight(shape={tuple(self.shape)}, recipe={self._held.plan.recipe!r}, "
+                f"dtype={self.dtype})")
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        me = args[0]
+        if func in (aten.detach.default, aten.alias.default) or (
+                func is aten.as_strided.default and tuple(args[1]) == tuple(me.shape)):
+            return GatheredWeight(me._held, me.dtype)  # FSDP2 wrapping it in a Parameter
+        raise NotImplementedError(
+            f"{func} on a te.Linear weight that FSDP2 all-gathered in the recipe's quantized "
+            "format: only te.Linear computes with it (use the module, or gather outside "
+            "te.autocast)")
+
+    @property
+    def tq_recipe_key(self):
+        return self._held.plan.key
+
+    def tq_kept(self, usage):
+        """The members holding `usage` (linear.py's quantized-weight protocol)."""
+        held = self._held
+        plan, n, k = held.plan, held.n, held.k
+        if held.members is None:
+            dtypes = [m[2] if m else None for m in _C._quantize_layout(plan.w, n, k, 3)[:4]]
+            held.members = gather_layout.assemble(plan.w, held.outputs, held.usage, n, k,
+                                                  held.world, dtypes, held.factors)
+        members = held.members
+        index = 0 if usage == ROWWISE else 2
+        if members[index] is None:
+            if gather_layout.derivable(plan.w):
+                held.members = members = gather_layout.derive_columnwise(plan.w, members, n, k)
+            else:  # a direction this all-gather did not bring (an activation recompute)
+                members = _gather_now(held, usage)
+        return tuple(members)
+
+    def tq_dequantized(self):
+        held = self._held
+        kept = self.tq_kept(ROWWISE)
+        out = torch.empty(held.n, held.k, dtype=self.dtype, device=self.device)
+        _C._dequantize(held.plan.w, held.n, held.k, kept, ROWWISE, out)
+        return out
+
+
+def _gather_now(held, usage):
+    """The members of one direction gathered outside FSDP2 (a synchronous all-gather of the shards
+    quantized again with the forward's factors): an activation recompute in backward reading the
+    rowwise MXFP8 / 1-D NVFP4 weight after FSDP2 gathered the columnwise one."""
+    plan = held.plan
+    x = _padded_shard(held.sharded._data, -(-held.n // held.world), held.state.signature[2])
+    members = _quantize_shard(held.state, plan, x, usage, None, held.group, backward=True)
+    outputs = []
+    for inp in gather_layout.shard_inputs(members, plan.w, usage):
+        out = inp.new_empty((held.world * inp.shape[0],) + tuple(inp.shape[1:]))
+        dist.all_gather_into_tensor(out, inp.contiguous(), group=held.group)
+        outputs.append(out)
+    dtypes = [m[2] if m else None for m in _C._quantize_layout(plan.w, held.n, held.k, 3)[:4]]
+    gathered = gather_layout.assemble(plan.w, outputs, usage, held.n, held.k, held.world,
+                                      dtypes, held.factors)
+    return [g if g is not None else m for g, m in zip(gathered, held.members)]
+
+
+def _plain_state_dict_hook(module, state_dict, prefix, local_metadata):
+    """state_dict entries of plain tensors (DTensor with plain local tensors) for ShardedWeight
+    weights: checkpoints hold ordinary tensors and load into any model."""
+    from torch.distributed.tensor import DTensor
+    key = prefix + "weight"
+    value = state_dict.get(key)
+    if isinstance(value, DTensor) and isinstance(value._local_tensor, ShardedWeight):
+        state_dict[key] = DTensor.from_local(value._local_tensor._data, value.device_mesh,
+                                             value.placements, run_check=False,
+                                             shape=value.shape, stride=value.stride())
+    elif isinstance(value, ShardedWeight):
+        state_dict[key] = value._data
+
+
+def enable_quantized_all_gather(model):
+    """Makes FSDP2 all-gather every te.Linear weight in `model` in the recipe's quantized format
+    inside te.autocast (and in high precision outside). Call it before fully_shard and before
+    building the optimizer: each weight becomes a new Parameter (a ShardedWeight). Returns model."""
+    for module in model.modules():
+        if not isinstance(module, Linear) or isinstance(module.weight, ShardedWeight):
+            continue
+        weight = module.weight
+        module.weight = torch.nn.Parameter(ShardedWeight(weight.data),
+                                           requires_grad=weight.requires_grad)
+        module._register_state_dict_hook(_plain_state_dict_hook)
+    return model
