@@ -18,6 +18,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
@@ -49,6 +50,9 @@ def parse_args():
     p.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
     p.add_argument("--bf16", action="store_true",
                    help="MixedPrecisionPolicy(param_dtype=bfloat16) (default on CUDA)")
+    p.add_argument("--device", choices=("cuda", "cpu"),
+                   default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cuda: one GPU per rank over NCCL; cpu: gloo")
     p.add_argument("--checkpoint-dir", help="save a distributed checkpoint here at the end")
     p.add_argument("--resume", action="store_true", help="load --checkpoint-dir first")
     return p.parse_args()
@@ -80,19 +84,20 @@ def build(cfg, corpus, device, args):
         model.blocks = torch.nn.ModuleList(Checkpointed(b) for b in model.blocks)
     bf16 = args.bf16 or device.type == "cuda"
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else MixedPrecisionPolicy()
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for block in model.blocks:
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(block, mp_policy=policy, mesh=mesh)
+    fully_shard(model, mp_policy=policy, mesh=mesh)
     return model
 
 
 def main():
     args = parse_args()
-    cuda = torch.cuda.is_available()
+    cuda = args.device == "cuda"
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) if cuda else 0) \
-        if cuda else torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else \
+        torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     cfg = SIZES[args.size]

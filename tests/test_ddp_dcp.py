@@ -145,13 +145,15 @@ RECIPE = DelayedScaling(amax_history_len=4)
 
 
 def fsdp_model(seed=0):
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     torch.manual_seed(seed)
     model = torch.nn.Sequential(MLP(), MLP())
     te.distributed.enable_quantized_all_gather(model)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))  # CPU also beside a GPU
     for mlp in model:
-        fully_shard(mlp)
-    fully_shard(model)
+        fully_shard(mlp, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 

@@ -14,7 +14,7 @@ SCRIPT = os.path.join(ROOT, "examples", "train_fsdp.py")
 
 def torchrun(*args, timeout=240):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", SCRIPT, *args]
+           "2", SCRIPT, "--device", "cpu", *args]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

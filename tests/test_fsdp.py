@@ -92,11 +92,14 @@ class GatherBytes:
 
 
 def sharded(model, *, reshard, dtype, enable=True):
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     model = copy.deepcopy(model)
     if enable:
         te.distributed.enable_quantized_all_gather(model)
-    kwargs = {"reshard_after_forward": reshard}
+    device_type = next(model.parameters()).device.type  # a CPU model stays on CPU beside a GPU
+    kwargs = {"reshard_after_forward": reshard,
+              "mesh": init_device_mesh(device_type, (dist.get_world_size(),))}
     if dtype is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype)
     for block in model.blocks:
@@ -255,9 +258,19 @@ def fsdp_worker_cuda(rank, world, names, configs):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_fsdp_cuda_nccl_one_rank():
-    """World size 1 on one GPU with NCCL: the code path on CUDA (the quantized payload, the
-    GatheredWeight, te.Linear's use of it), every recipe."""
+    """World size 1 on one GPU with NCCL: the code path on CUDA (the quantized payload, FSDP2's
+    one-rank copy of it, the GatheredWeight, te.Linear's use of it), every recipe."""
     configs = [(True, torch.bfloat16, True), (False, None, False)]
-    reports = run_ranks(fsdp_worker_cuda, 1, list(RECIPES), configs, timeout=300,
-                        backend="nccl")
-    check_bytes(reports[0], RECIPES)
+    report = run_ranks(fsdp_worker_cuda, 1, list(RECIPES), configs, timeout=300,
+                       backend="nccl")[0]
+    assert report.pop("fallbacks") == {}
+    assert all(sent == [0] * 5 for sent in report.values())  # one rank: FSDP2 gathers nothing
+
+
+def test_fsdp_one_rank_cpu():
+    """World size 1 on CPU: FSDP2 copies the first all-gather input alone; the quantized
+    payload's other members travel in the metadata."""
+    configs = [(False, None, False)]
+    report = run_ranks(fsdp_worker, 1, ["block", "mxfp8", "nvfp4"], configs, "cpu",
+                       timeout=120)[0]
+    assert report.pop("fallbacks") == {}

@@ -123,18 +123,22 @@ class ShardedWeight(torch.Tensor):
             return (x,), ("hp",)
         group = mesh.get_group()
         members = _quantize_shard(state, plan, x, usage, module, group, backward)
-        return (tuple(gather_layout.shard_inputs(members, plan.w, usage)),
+        inputs = gather_layout.shard_inputs(members, plan.w, usage)
+        # One rank: FSDP2 copies the first input alone (its world-size-1 path); the others are
+        # this rank's whole members already, and travel in the metadata.
+        local = inputs[1:] if world == 1 else []
+        return (tuple(inputs[:1] if world == 1 else inputs),
                 ("q", plan, usage, n, k, world, _factors(plan, members, state), state, group,
-                 self))
+                 self, local))
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         if metadata[0] == "hp":
             if out is not None:  # FSDP2 refilled the buffer the parameter views
                 return None
             return all_gather_outputs[0], (all_gather_outputs[0],)
-        _, plan, usage, n, k, world, factors, state, group, sharded = metadata
-        held = _Held(plan, usage, all_gather_outputs, n, k, world, factors, state, group,
-                     sharded)
+        _, plan, usage, n, k, world, factors, state, group, sharded, local = metadata
+        outputs = tuple(all_gather_outputs) + tuple(local)
+        held = _Held(plan, usage, outputs, n, k, world, factors, state, group, sharded)
         if out is not None:
             out._held = held
             return None
