@@ -67,19 +67,28 @@ class Stack(torch.nn.Module):
 
 
 class Gathered:
-    """Bytes sent through the all-gather functions FSDP2 calls."""
+    """Bytes of te.Linear weights a rank puts into FSDP2's all-gathers: the inputs of the
+    quantized gather's hook (tequant.distributed.ShardedWeight.fsdp_pre_all_gather), or, for a
+    model without the hook, its weights in bf16 at each gather (FSDP2's one-rank path calls no
+    collective, so the collectives themselves cannot be counted here)."""
 
     def __init__(self):
         self.sent = 0
-        for name in ("all_gather_into_tensor", "all_gather_single"):
-            if hasattr(dist, name):
-                setattr(dist, name, self._counted(getattr(dist, name)))
+        cls = te.distributed.ShardedWeight
+        pre = cls.fsdp_pre_all_gather
 
-    def _counted(self, fn):
-        def counted(output, inp, *args, **kwargs):
-            self.sent += inp.numel() * inp.element_size()
-            return fn(output, inp, *args, **kwargs)
-        return counted
+        def counted(weight, mesh, outer_size, outer_stride, module, mp_policy):
+            inputs, metadata = pre(weight, mesh, outer_size, outer_stride, module, mp_policy)
+            local = metadata[-1] if metadata[0] == "q" else ()
+            self.sent += sum(t.numel() * t.element_size() for t in (*inputs, *local))
+            return inputs, metadata
+        cls.fsdp_pre_all_gather = counted
+
+    def count_plain(self, model):
+        """For a model whose te.Linear weights gather in bf16 without the hook: one gather's
+        bytes; FSDP2 gathers them once in forward and again in backward (reshard after
+        forward)."""
+        return 2 * sum(m.weight.numel() * 2 for m in model.modules() if isinstance(m, te.Linear))
 
 
 def fsdp(base, *, quantized):
@@ -94,8 +103,9 @@ def fsdp(base, *, quantized):
     return model
 
 
-def measure(model, recipe, x, counter, warmup, iters):
-    """(median ms per fwd+bwd, peak GiB, bytes gathered per step, the last loss)."""
+def measure(model, recipe, x, counter, warmup, iters, plain_bytes=None):
+    """(median ms per fwd+bwd, peak GiB, te.Linear weight bytes gathered per step, the last
+    loss); plain_bytes: the bytes of a model whose weights gather without the hook."""
     def step():
         with te.autocast(recipe=recipe) if recipe is not None else te.autocast(enabled=False):
             loss = model(x).float().square().mean()
@@ -116,7 +126,7 @@ def measure(model, recipe, x, counter, warmup, iters):
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
-        sent.append(counter.sent)
+        sent.append(counter.sent if plain_bytes is None else plain_bytes)
     return (statistics.median(times), torch.cuda.max_memory_allocated() / 2**30,
             statistics.median(sent), float(loss))
 
@@ -146,31 +156,36 @@ def main():
     counter = Gathered()
     plain = copy.deepcopy(base).to(torch.bfloat16)
     rows, failures = [], []
-    bf16 = measure(fsdp(base, quantized=False), None, x, counter, args.warmup, args.iters)
+    gathered_bf16 = counter.count_plain(base)
+    bf16 = measure(fsdp(base, quantized=False), None, x, counter, args.warmup, args.iters,
+                   gathered_bf16)
     for name, recipe in benchutil.make_recipes(args.recipes):
         q = measure(fsdp(base, quantized=True), recipe, x, counter, args.warmup, args.iters)
-        hp = measure(fsdp(base, quantized=False), recipe, x, counter, args.warmup, args.iters)
-        alone = measure(plain, recipe, x, counter, args.warmup, args.iters)
+        hp = measure(fsdp(base, quantized=False), recipe, x, counter, args.warmup, args.iters,
+                     gathered_bf16)
+        alone = measure(plain, recipe, x, counter, args.warmup, args.iters, 0)
         rows.append((name, q, hp, alone))
         if not q[2] < 0.6 * hp[2]:
             failures.append(f"{name}: gathered {q[2]} bytes, not below the bf16 gather's {hp[2]}")
         if abs(q[3] - hp[3]) > 0.05 * abs(hp[3]):
             failures.append(f"{name}: loss {q[3]} with the quantized gather, {hp[3]} without")
     cols = ["recipe", "FSDP2 quantized gather ms", "vs bf16 FSDP2", "FSDP2 bf16 gather ms",
-            "without FSDP ms", "peak GiB (q / bf16 gather)", "MiB gathered / step",
+            "without FSDP ms", "peak GiB (q / bf16 gather)", "weight MiB gathered / step",
             "vs bf16 gather"]
     lines = [f"## bench_fsdp: FSDP2 on one GPU, {args.layers} GPT blocks d={args.width}, "
              f"{args.tokens} tokens, fwd+bwd", "", benchutil.machine("cuda"), "",
              f"bf16 FSDP2: {bf16[0]:.2f} ms, peak {bf16[1]:.2f} GiB, "
-             f"{bf16[2] / 2**20:.1f} MiB gathered per step", ""]
+             f"{bf16[2] / 2**20:.1f} MiB of te.Linear weights gathered per step", ""]
     lines += benchutil.table_head(cols, 1)
     for name, q, hp, alone in rows:
         lines.append(f"| {name} | {q[0]:.2f} | {benchutil.ratio_text(bf16[0], q[0])} | "
                      f"{hp[0]:.2f} | {alone[0]:.2f} | {q[1]:.2f} / {hp[1]:.2f} | "
                      f"{q[2] / 2**20:.1f} | {benchutil.ratio_text(q[2], hp[2])} |")
     lines += ["", "`vs bf16 FSDP2` is the speedup (bf16 step time / this step time). One rank: "
-              "the all-gather is a local copy, so the bytes column is what would cross the "
-              "network with more GPUs."]
+              "FSDP2 copies the shard instead of gathering it, so the times hold FSDP2's own "
+              "cost and the quantization of the shard before the gather, not the network; the "
+              "bytes are what each rank would send with more GPUs (forward gather and backward "
+              "re-gather)."]
     status = benchutil.finish("\n".join(lines) + "\n", args.out, failures)
     dist.destroy_process_group()
     return status
