@@ -20,6 +20,7 @@ Run: python3 benchmarks/bench_fsdp.py [--width 4096] [--layers 4] [--tokens 8192
          [--out FILE]
 """
 import copy
+import gc
 import os
 import statistics
 import sys
@@ -113,6 +114,8 @@ def measure(model, recipe, x, counter, warmup, iters, plain_bytes=None):
         for p in model.parameters():
             p.grad = None
         return loss
+    gc.collect()  # the models measured before (FSDP2 modules hold reference cycles)
+    torch.cuda.empty_cache()
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
