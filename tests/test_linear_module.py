@@ -166,6 +166,22 @@ def test_is_a_torch_nn_linear_with_its_constructor():
         assert meta(torch.randn(4, 64)).shape == (4, 32)
 
 
+def test_prepare_state_creates_what_the_first_forward_would():
+    from tequant.recipe import DelayedScaling
+    model = torch.nn.Sequential(te.Linear(32, 32), torch.nn.ReLU(), te.Linear(32, 32))
+    assert te.prepare_state(model, RECIPES["current"]) is model
+    assert not any(n.startswith("delayed") for n, _ in model[0].named_buffers())
+    te.prepare_state(model, DelayedScaling(amax_history_len=8))
+    fresh = te.Linear(32, 32)
+    with te.autocast(recipe=DelayedScaling(amax_history_len=8)):
+        fresh(torch.randn(4, 32))  # no grad needed: the buffers come with the first forward
+    for lin in (model[0], model[2]):
+        state = dict(lin.named_buffers())
+        for name, want in fresh.named_buffers():
+            assert state[name].shape == want.shape
+        assert not state["delayed_amax_history_fwd"].any() and (state["delayed_scale_fwd"] == 1).all()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_state_dict_round_trip(device):
     k, n = 64, 32
