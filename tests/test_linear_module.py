@@ -179,7 +179,8 @@ def test_prepare_state_creates_what_the_first_forward_would():
         state = dict(lin.named_buffers())
         for name, want in fresh.named_buffers():
             assert state[name].shape == want.shape
-        assert not state["delayed_amax_history_fwd"].any() and (state["delayed_scale_fwd"] == 1).all()
+        assert not state["delayed_amax_history_fwd"].any()
+        assert (state["delayed_scale_fwd"] == 1).all()
 
 
 @pytest.mark.parametrize("device", DEVICES)
