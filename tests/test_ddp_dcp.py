@@ -9,8 +9,9 @@ Gloo ranks on CPU (tests/dist_util.py, every join with a timeout):
   exit, the backward update at the end of backward), however many modules;
 - torch.distributed.checkpoint save / load (get_/set_model_state_dict, get_/set_optimizer_state_
   dict) of an FSDP2 model with quantized all-gather and DelayedScaling state: two more steps after
-  a reload are bit-identical to the uninterrupted run's; the checkpoint of 2 ranks loads onto 4
-  and onto 1 (the whole weights, the DelayedScaling buffers), and training goes on there.
+  a reload are bit-identical to the uninterrupted run's; the checkpoint of 2 ranks loads onto 3
+  (uneven shards) and onto 1 (the whole weights, the DelayedScaling buffers), and training goes
+  on there.
 Code: python/tequant/distributed/, python/tequant/linear.py, delayed.py.
 """
 import copy
@@ -224,5 +225,5 @@ def dcp_load_worker(rank, world, folder, saved):
 def test_dcp_resume_bit_identical_and_other_world_sizes(tmp_path):
     folder = str(tmp_path / "ckpt")
     saved = run_ranks(dcp_save_worker, 2, folder, timeout=180)[0]
-    for world in (4, 1):
+    for world in (3, 1):  # 3: uneven shards (64 and 256 rows over 3 ranks)
         assert all(run_ranks(dcp_load_worker, world, folder, saved, timeout=180))
