@@ -570,21 +570,16 @@ extern "C" tq_status tq_quantize_nvfp4_cuda(const tq_tensor *x, const tq_quant_c
     float *amax_t = col ? static_cast<float *>(q->amax_t.data) : nullptr;
     /* the tiled pass 1 max-accumulates into zeroed amaxes; the one-CTA path stores them; given
      * amaxes (a shard's all-reduced ones, tq_quantize_args.amax) are copied in, no pass 1 */
-    const void *given = args->amax.data;
-    const void *given_t = args->amax_t.data != nullptr ? args->amax_t.data : given;
-    const bool small = given == nullptr && x->rows * x->cols > 0 && x->rows * x->cols <= kSmallElems;
+    const void *given = args->amax.data, *given_t = args->amax_t.data ? args->amax_t.data : given;
+    const bool small = !given && x->rows * x->cols > 0 && x->rows * x->cols <= kSmallElems;
     cudaError_t err = cudaSuccess;
-    if (given != nullptr) {
-        if (amax != nullptr)
-            err = cudaMemcpyAsync(amax, given, sizeof(float), cudaMemcpyDeviceToDevice, s);
-        if (amax_t != nullptr && err == cudaSuccess)
-            err = cudaMemcpyAsync(amax_t, given_t, sizeof(float), cudaMemcpyDeviceToDevice, s);
-        if (err != cudaSuccess) return cuda_failed("NVFP4 quantize: copying the given amaxes", err);
+    for (int i = 0; i < 2 && err == cudaSuccess; i++) {
+        float *slot = i ? amax_t : amax;
+        if (slot != nullptr && given)
+            err = cudaMemcpyAsync(slot, i ? given_t : given, sizeof(float), cudaMemcpyDeviceToDevice, s);
+        else if (slot != nullptr && !small) err = cudaMemsetAsync(slot, 0, sizeof(float), s);
     }
-    if (!small && given == nullptr && amax != nullptr) err = cudaMemsetAsync(amax, 0, sizeof(float), s);
-    if (!small && given == nullptr && amax_t != nullptr && err == cudaSuccess)
-        err = cudaMemsetAsync(amax_t, 0, sizeof(float), s);
-    if (err != cudaSuccess) return cuda_failed("NVFP4 quantize: zeroing the amaxes (cudaMemsetAsync)", err);
+    if (err != cudaSuccess) return cuda_failed("NVFP4 quantize: setting the amaxes", err);
     if (x->rows == 0 || x->cols == 0) return TQ_SUCCESS;
     if ((x->rows / kTileRows + 1) * (x->cols / 64 + 1) > INT32_MAX)
         return tq_fail(TQ_ERROR_NOT_SUPPORTED, "NVFP4 quantize: x [%lld, %lld] needs more tiles "
