@@ -16,7 +16,10 @@
  * None: quantize, keep nothing). *_state: DelayedScaling's (scale, amax slot) views, or None.
  * weight may also be an already quantized W, (kept, N, K, tq dtype of W): its kept form (the
  * six members, or a packed pair) is used as it is (FSDP2's quantized all-gather,
- * python/tequant/distributed/fsdp.py); w_state and the cache are then unused.
+ * python/tequant/distributed/fsdp.py); w_state and the cache are then unused. Likewise inp
+ * (forward) and dy (backward) may come quantized as (six members, shape, tq dtype), their rows
+ * a multiple of the format's (tensor / sequence parallelism's quantized all-gathers); x_state /
+ * dy_state are then unused, and a quantized dy gives no bias gradient.
  * Forward quantizes x rowwise (+ columnwise for wgrad) and W in both directions, runs fprop with
  * the bias in the epilogue, and saves the columnwise x and W for backward (TE_REFERENCE 7.3-7.5).
  * Backward quantizes dy, runs dgrad and wgrad, sums dy into the bias grad (FP32, then the bias's
@@ -292,12 +295,9 @@ static PyObject *x_kept(const quantized *z, const tq_quant_config *c, long needs
                                     : Py_NewRef(Py_None);
 }
 
-/* The leading shape of t with its last dim replaced by n. */
-static PyObject *shape_with_last(PyObject *t, int64_t n) {
-    PyObject *shape = PyObject_GetAttrString(t, "shape");
-    if (shape == NULL) return NULL;
+/* The shape (a sequence) with its last dim replaced by n. */
+static PyObject *shape_with_last(PyObject *shape, int64_t n) {
     PyObject *list = PySequence_List(shape);
-    Py_DECREF(shape);
     if (list == NULL) return NULL;
     PyObject *last = PyLong_FromLongLong(n);
     const Py_ssize_t len = PyList_GET_SIZE(list);
@@ -340,6 +340,35 @@ static PyObject *bias_grad(tqx_state *st, PyObject *dy, int ndim, tq_dtype dy_dt
     return db;
 }
 
+/* An operand handed in already quantized, (members, shape, tq dtype of its high-precision
+ * values): *z holds the six members, *t the [prod(shape[:-1]), shape[-1]] descriptor (its data
+ * is the members', never read). Returns the shape (borrowed), or NULL with an exception. */
+static PyObject *given_operand(tqx_state *st, PyObject *obj, const char *name, tq_tensor *t,
+                               quantized *z) {
+    PyObject *members, *shape;
+    int dtype;
+    if (!PyArg_ParseTuple(obj, "OOi", &members, &shape, &dtype)) return NULL;
+    if (!PyTuple_Check(members) || PyTuple_GET_SIZE(members) != TQX_N_MEMBERS
+        || !PyTuple_Check(shape) || PyTuple_GET_SIZE(shape) < 1 || dtype < 0 || dtype > 31
+        || !(TQX_FLOAT_DTYPES & (1u << dtype))) {
+        PyErr_Format(PyExc_ValueError, "a quantized %s is (six members, shape tuple, float "
+                     "dtype code)", name);
+        return NULL;
+    }
+    int64_t rows = 1;
+    for (Py_ssize_t i = 0; i + 1 < PyTuple_GET_SIZE(shape); i++)
+        rows *= PyLong_AsLongLong(PyTuple_GET_ITEM(shape, i));
+    const int64_t cols = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, PyTuple_GET_SIZE(shape) - 1));
+    if (PyErr_Occurred()) return NULL;
+    PyObject *first = PyTuple_GET_ITEM(members, 0) != Py_None ? PyTuple_GET_ITEM(members, 0)
+                                                                 : PyTuple_GET_ITEM(members, 2);
+    if (tqx_tensor_from_py(st, first, name, ~0u, t, NULL) < 0) return NULL;
+    t->rows = rows, t->cols = t->ld = cols, t->dtype = (tq_dtype)dtype;
+    z->members = Py_NewRef(members);
+    z->source = first;
+    return shape;
+}
+
 static PyObject *py_linear_forward(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 9) {
         PyErr_Format(PyExc_TypeError, "linear_forward takes 9 arguments (%zd given)", nargs);
@@ -376,30 +405,51 @@ static PyObject *py_linear_forward(PyObject *module, PyObject *const *args, Py_s
         return NULL;
     }
     const int64_t n = w.rows, k = w.cols;
-    PyObject *device = PyObject_GetAttrString(inp, "device");
-    PyObject *qw = NULL, *shape = NULL, *out = NULL;
+    PyObject *device = NULL, *qw = NULL, *shape = NULL, *out = NULL, *x_shape = NULL;
     PyObject *result = NULL;
     quantized qx = QUANTIZED_INIT;
     tqx_scratch pad = TQX_SCRATCH_INIT;
     tq_tensor x, xp;
     tqx_tensor_info x_info;
-    if (device == NULL || tqx_tensor_from_py(st, inp, "input", TQX_FLOAT_DTYPES, &x, &x_info) < 0)
-        goto done;
+    /* x may come quantized too, (members, shape, dtype): tensor parallelism's all-gathered
+     * input (python/tequant/distributed/tensor_parallel.py); its rows are the format's multiple */
+    if (PyTuple_Check(inp)) {
+        if ((x_shape = given_operand(st, inp, "input", &x, &qx)) == NULL) goto done;
+        Py_INCREF(x_shape);
+        if (x.rows % p.align) {
+            PyErr_Format(PyExc_ValueError, "a quantized input needs rows a multiple of %lld; got "
+                         "%lld", (long long)p.align, (long long)x.rows);
+            goto done;
+        }
+        device = PyObject_GetAttrString(qx.source, "device");
+        xp = x;
+    } else {
+        x_shape = PyObject_GetAttrString(inp, "shape");
+        device = PyObject_GetAttrString(inp, "device");
+        if (x_shape == NULL || device == NULL
+            || tqx_tensor_from_py(st, inp, "input", TQX_FLOAT_DTYPES, &x, &x_info) < 0)
+            goto done;
+    }
+    if (device == NULL) goto done;
     if (x.cols != k) {
         PyErr_Format(PyExc_ValueError, "input has %lld features in its last dim; the weight "
                      "takes %lld", (long long)x.cols, (long long)k);
         goto done;
     }
-    if (pad_rows(st, &x, x_info.stream, p.align, device, &xp, &pad) < 0) goto done;
+    if (qx.members == NULL) {
+        if (pad_rows(st, &x, x_info.stream, p.align, device, &xp, &pad) < 0) goto done;
+        const uint32_t x_usage =
+            TQ_USAGE_ROWWISE | ((needs & NEED_WGRAD) ? TQ_USAGE_COLUMNWISE : 0);
+        /* packed x: with wgrad, the columnwise part (kept) apart from the rowwise one, which
+         * fprop consumes in this call (scratch) */
+        static const uint32_t x_parts[2] = {TQX_PART_COLUMNWISE, TQX_PART_ROWWISE};
+        const int x_n_parts = !packed ? 0 : (needs & NEED_WGRAD) ? 2 : 1;
+        if (quantize(st, inp, &xp, x_info.stream, &p.x, x_usage, args[7], device, x.device,
+                     x_n_parts, x_n_parts == 2 ? x_parts : x_parts + 1,
+                     x_n_parts == 2 ? 2u : 1u, &qx) < 0)
+            goto done;
+    }
     const int64_t padded = xp.rows;
-    const uint32_t x_usage = TQ_USAGE_ROWWISE | ((needs & NEED_WGRAD) ? TQ_USAGE_COLUMNWISE : 0);
-    /* packed x: with wgrad, the columnwise part (kept) apart from the rowwise one, which fprop
-     * consumes in this call (scratch) */
-    static const uint32_t x_parts[2] = {TQX_PART_COLUMNWISE, TQX_PART_ROWWISE};
-    const int x_n_parts = !packed ? 0 : (needs & NEED_WGRAD) ? 2 : 1;
-    if (quantize(st, inp, &xp, x_info.stream, &p.x, x_usage, args[7], device, x.device, x_n_parts,
-                 x_n_parts == 2 ? x_parts : x_parts + 1, x_n_parts == 2 ? 2u : 1u, &qx) < 0)
-        goto done;
     if (w_given != NULL) {
         qw = Py_NewRef(w_given);
         w.device = x.device;
@@ -412,7 +462,7 @@ static PyObject *py_linear_forward(PyObject *module, PyObject *const *args, Py_s
         || tqx_operand_from_kept(st, &p.w, n, k, qw, TQX_PART_ROWWISE | TQX_PART_COLUMNWISE,
                                  TQ_USAGE_ROWWISE, &b) < 0)
         goto done;
-    if ((shape = shape_with_last(inp, n)) == NULL
+    if ((shape = shape_with_last(x_shape, n)) == NULL
         || (out = gemm(st, &p, &a, &b, x.dtype, bias, p.flags[0], x.rows, padded, shape,
                        device)) == NULL)
         goto done;
@@ -427,6 +477,7 @@ static PyObject *py_linear_forward(PyObject *module, PyObject *const *args, Py_s
     Py_XDECREF(saved);
 done:
     Py_XDECREF(device);
+    Py_XDECREF(x_shape);
     tqx_scratch_release(st, &pad);
     quantized_clear(st, &qx);
     Py_XDECREF(qw);
@@ -452,27 +503,41 @@ static PyObject *py_linear_backward(PyObject *module, PyObject *const *args, Py_
                              &w_dtype))
         return NULL;
     PyObject *dy = args[2], *inp_shape = args[5], *bias_dtype = args[6], *pending = args[7];
-    PyObject *device = PyObject_GetAttrString(dy, "device");
+    PyObject *device = NULL;
     PyObject *dx = NULL, *dw = NULL, *db = NULL, *dw_shape = NULL;
     PyObject *result = NULL;
     quantized qdy = QUANTIZED_INIT;
     tqx_scratch pad = TQX_SCRATCH_INIT;
     tq_tensor d, dyp;
     tqx_tensor_info dy_info;
+    /* dy may come quantized, (members, shape, dtype): sequence parallelism's all-gathered
+     * grad_output; its bias gradient is then the caller's */
+    const int dy_given = PyTuple_Check(dy);
+    if (dy_given) {
+        if (given_operand(st, dy, "grad_output", &d, &qdy) == NULL) goto done;
+        if (bias_dtype != Py_None) {
+            PyErr_SetString(PyExc_ValueError, "a quantized grad_output gives no bias gradient: "
+                            "pass bias_dtype None");
+            goto done;
+        }
+    }
+    device = PyObject_GetAttrString(dy_given ? qdy.source : dy, "device");
     if (device == NULL
-        || tqx_tensor_from_py(st, dy, "grad_output", TQX_FLOAT_DTYPES, &d, &dy_info) < 0)
+        || (!dy_given
+            && tqx_tensor_from_py(st, dy, "grad_output", TQX_FLOAT_DTYPES, &d, &dy_info) < 0))
         goto done;
-    if (d.rows != rows || d.cols != n) {
+    if (d.rows != rows || d.cols != n || (dy_given && rows != padded)) {
         PyErr_Format(PyExc_ValueError, "grad_output is [%lld, %lld] as rows; the forward made "
                      "[%lld, %lld]", (long long)d.rows, (long long)d.cols, rows, n);
         goto done;
     }
-    if (pad_rows(st, &d, dy_info.stream, p.align, device, &dyp, &pad) < 0) goto done;
     const uint32_t usage = ((needs & NEED_DGRAD) ? TQ_USAGE_ROWWISE : 0)
                            | ((needs & NEED_WGRAD) ? TQ_USAGE_COLUMNWISE : 0);
     /* dy is consumed by this call's GEMMs: its one part is scratch */
-    if (usage && quantize(st, dy, &dyp, dy_info.stream, &p.dy, usage, args[4], device, d.device, 1,
-                          &usage, 1u, &qdy) < 0)
+    if (!dy_given
+        && (pad_rows(st, &d, dy_info.stream, p.align, device, &dyp, &pad) < 0
+            || (usage && quantize(st, dy, &dyp, dy_info.stream, &p.dy, usage, args[4], device,
+                                  d.device, 1, &usage, 1u, &qdy) < 0)))
         goto done;
     if (needs & NEED_DGRAD) { /* dx = dy . W: dy rowwise [M, N], W columnwise [K, N] */
         tqx_operand a, b;

@@ -295,7 +295,7 @@ class GatheredWeight(torch.Tensor):
         plan, n, k = held.plan, held.n, held.k
         if held.members is None:
             dtypes = [m[2] if m else None for m in _C._quantize_layout(plan.w, n, k, 3)[:4]]
-            held.members = gather_layout.assemble(plan.w, held.outputs, held.usage, n, k,
+            held.members = gather_layout.assemble(plan.w, held.outputs, held.usage, n,
                                                   held.world, dtypes, held.factors)
         members = held.members
         index = 0 if usage == ROWWISE else 2
@@ -327,8 +327,8 @@ def _gather_now(held, usage):
         dist.all_gather_into_tensor(out, inp.contiguous(), group=held.group)
         outputs.append(out)
     dtypes = [m[2] if m else None for m in _C._quantize_layout(plan.w, held.n, held.k, 3)[:4]]
-    gathered = gather_layout.assemble(plan.w, outputs, usage, held.n, held.k, held.world,
-                                      dtypes, held.factors)
+    gathered = gather_layout.assemble(plan.w, outputs, usage, held.n, held.world, dtypes,
+                                      held.factors)
     return [g if g is not None else m for g, m in zip(gathered, held.members)]
 
 

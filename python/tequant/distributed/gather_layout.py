@@ -1,24 +1,20 @@
-"""How a sharded weight's quantization travels in an all-gather and becomes the whole weight's.
+"""How a row-sharded tensor's quantization travels in an all-gather and becomes the whole one's.
 
-FSDP2 shards te.Linear's weight W [N, K] by rows: rank i holds rows [i*r, (i+1)*r) (r rows,
-zero-padded on the last rank when N is not a multiple of the world size). Each rank quantizes its
-shard with the whole tensor's per-tensor scale (shared/docs/DISTRIBUTED.md 1) and sends, per
-direction, the members below; the all-gather stacks the ranks' inputs (rank-major), and this
-module turns the result into the six members te.Linear's C forward and backward read, laid out as
-te.ops.quantize lays out W itself (csrc/include/tequant/tequant.h):
+A tensor X [M, K] split by rows over the ranks of a group (FSDP2's shards of te.Linear's weight,
+sequence parallelism's token shards of an activation) is quantized shard by shard with the
+whole tensor's per-tensor scale (shared/docs/DISTRIBUTED.md 1), and each member of the shard's
+quantization (te layout, csrc/include/tequant/tequant.h) is all-gathered; the gather stacks the
+ranks' members (rank-major). A member whose rows are X's rows (rowwise data, and the scales laid
+out row by row) is then the whole tensor's as it is; one whose columns are X's rows (columnwise
+data [K, M], block-major scales [K/32, M]) is the whole tensor's after one permuting copy
+(member_axes). Per-tensor scales travel as metadata, not bytes.
 
-  per-tensor FP8   rowwise codes [r, K]                      (the scale travels in metadata)
-  FP8 128x128      rowwise codes [r, K], scales [r/128, pad4(K/128)]
-  MXFP8            rowwise codes [r, K], scales [K/32, r]; columnwise codes [K, r], scales [r/32, K]
-  NVFP4 16x16      rowwise codes [r, K/2], scales [r, K/16] (the global amax in metadata)
-  NVFP4 1x16       as 16x16, and columnwise codes [K, r/2], scales [K, r/16]
-
-Formats whose columnwise copy is the rowwise one transposed (per-tensor FP8 and the 2-D
-weight blocks: same scales, same codes) gather rowwise only and derive the columnwise members
-from it when backward reads them; MXFP8 and 1-D NVFP4 gather the direction they need. Rows must
-not cut a block: `fallback_reason` says when a tensor gathers in high precision instead (the
-per-tensor format alone takes uneven shards: its only input has the padded shard's shape, as
-FSDP2 requires). Tests: tests/test_fsdp.py.
+Formats whose columnwise copy is the rowwise one transposed (per-tensor FP8; the 2-D weight
+blocks: same scales, same codes) gather rowwise only and derive the columnwise members when
+backward reads them (derive_columnwise). Shards must not cut a block: fallback_reason says when a
+tensor travels in high precision instead (the per-tensor format alone takes FSDP2's zero-padded
+uneven shards: its one input has the padded shard's shape). Used by fsdp.py and
+tensor_parallel.py; tests: tests/test_fsdp.py, tests/test_tensor_parallel.py.
 """
 import math
 
@@ -27,6 +23,17 @@ import torch
 from ..quantized import COLUMNWISE, ROWWISE
 
 PER_TENSOR = ("delayed", "current")
+ROWS, COLS = "rows", "cols"
+
+
+def member_axes(config):
+    """For (data, scale_inv, data_t, scale_inv_t): ROWS where the tensor's rows are the member's
+    rows, COLS where they are its columns, None where nothing is gathered (a per-tensor scale)."""
+    if config.scaling in PER_TENSOR:
+        return ROWS, None, COLS, None
+    if config.scaling == "nvfp4" or config.two_d and config.scaling == "block":
+        return ROWS, ROWS, COLS, COLS  # [M, K/16] / [K, M/16]; [mb][kb] / [kb][mb]
+    return ROWS, COLS, COLS, ROWS  # MXFP8 and 1x128 blocks: [K/32, M] / [M/32, K]
 
 
 def derivable(config):
@@ -44,9 +51,7 @@ def block_rows(config):
 
 
 def fallback_reason(config, rows, world_size):
-    """Why W [rows, K] cannot travel quantized over world_size ranks (None: it can)."""
-    if config.scaling == "block" and not config.two_d:
-        return "Float8BlockScaling with 1-D weight blocks (its columnwise scales do not shard)"
+    """Why X [rows, K] cannot travel quantized over world_size ranks (None: it can)."""
     if config.scaling in PER_TENSOR or world_size == 1:
         return None
     if rows % world_size:
@@ -59,19 +64,16 @@ def fallback_reason(config, rows, world_size):
     return None
 
 
-def shard_inputs(q, config, usage):
-    """The all-gather inputs (uint8 views, or float32 block scales) of a shard's quantization q
-    (members of a QuantizedTensor, te layout) in the directions `usage`."""
-    data, scale_inv, data_t, scale_inv_t = (t if t is None or t.dtype == torch.float32
-                                            else t.view(torch.uint8) for t in q[:4])
-    inputs = []
-    if usage & ROWWISE:
-        inputs.append(data)
-        if config.scaling not in PER_TENSOR:
-            inputs.append(scale_inv)
-    if usage & COLUMNWISE:
-        inputs += [data_t, scale_inv_t]
-    return inputs
+def _bytes(t):
+    return t if t.dtype == torch.float32 else t.view(torch.uint8)
+
+
+def shard_inputs(members, config, usage):
+    """The all-gather inputs (uint8 views; float32 block scales as they are) of a shard's
+    quantization (six members, te layout) in the directions `usage`."""
+    axes = member_axes(config)
+    return [_bytes(members[i]) for i in range(4)
+            if axes[i] is not None and usage & (ROWWISE if i < 2 else COLUMNWISE)]
 
 
 def _rank_major_cols(out, world_size, rows, cols):
@@ -80,37 +82,27 @@ def _rank_major_cols(out, world_size, rows, cols):
     return out.view(world_size, rows, cols).permute(1, 0, 2).reshape(rows, world_size * cols)
 
 
-def assemble(config, outputs, usage, n, k, world_size, dtypes, extra):
-    """The six members (data, scale_inv, data_t, scale_inv_t, amax, amax_t) of W [n, k] from the
-    gathered outputs of the directions `usage`; missing directions are None. dtypes: the torch
-    dtypes of the four data/scale members (te layout); extra: (scale_inv, amax) of a per-tensor
-    format, (amax, amax_t) of NVFP4, None otherwise."""
-    scaling = config.scaling
+def assemble(config, outputs, usage, n, world_size, dtypes, extra):
+    """The six members (data, scale_inv, data_t, scale_inv_t, amax, amax_t) of the whole X
+    [n, K] from the gathered outputs of the directions `usage` (shard_inputs' order); missing
+    directions are None. dtypes: the torch dtypes of the four data/scale members (te layout);
+    extra: (scale_inv, amax) of a per-tensor format, (amax, amax_t) of NVFP4, else None."""
+    axes = member_axes(config)
     members = [None] * 6
     it = iter(outputs)
-    r = n // world_size if scaling not in PER_TENSOR else None
-    if usage & ROWWISE:
-        data = next(it)[:n]
-        members[0] = data.view(dtypes[0])
-        if scaling in PER_TENSOR:
-            members[1] = extra[0]
-        elif scaling == "block":
-            members[1] = next(it)[:math.ceil(n / 128)]
-        elif scaling == "mxfp8":
-            members[1] = _rank_major_cols(next(it), world_size, k // 32, r).view(dtypes[1])
-        else:  # nvfp4
-            members[1] = next(it).view(dtypes[1])
-    if usage & COLUMNWISE:
-        data_t, scale_t = next(it), next(it)
-        if scaling == "mxfp8":
-            members[2] = _rank_major_cols(data_t, world_size, k, r).view(dtypes[2])
-            members[3] = scale_t.view(dtypes[3])
-        else:  # nvfp4, 1-D blocks
-            members[2] = _rank_major_cols(data_t, world_size, k, r // 2).view(dtypes[2])
-            members[3] = _rank_major_cols(scale_t, world_size, k, r // 16).view(dtypes[3])
-    if scaling in PER_TENSOR:
-        members[4] = extra[1]
-    elif scaling == "nvfp4":
+    for i in range(4):
+        if axes[i] is None or not usage & (ROWWISE if i < 2 else COLUMNWISE):
+            continue
+        out = next(it)
+        if axes[i] == COLS:
+            rows = out.shape[0] // world_size
+            out = _rank_major_cols(out, world_size, rows, out.shape[1])
+        elif i == 0:
+            out = out[:n]  # FSDP2's zero padding of an uneven last shard
+        members[i] = out.view(dtypes[i])
+    if config.scaling in PER_TENSOR:
+        members[1], members[4] = extra
+    elif config.scaling == "nvfp4":
         members[4], members[5] = extra
     return members
 
