@@ -65,7 +65,7 @@ class _QuantizedLinear(torch.autograd.Function):
     linear_forward), one backward (linear_backward)."""
 
     @staticmethod
-    def forward(ctx, inp, weight, bias, module, plan, is_first_microbatch, pending, states):
+    def forward(ctx, inp, weight, bias, module, plan, is_first_microbatch, pending, states, tp):
         needs = ((_NEED_DGRAD if ctx.needs_input_grad[0] else 0)
                  | (_NEED_WGRAD if ctx.needs_input_grad[1] else 0))
         override = plan.backward_override
@@ -74,8 +74,15 @@ class _QuantizedLinear(torch.autograd.Function):
         c_needs = (needs | _PACKED if override is None
                    else _KEEP_X_ROWWISE if override == "dequantized" else _PACKED)
         inp = inp.contiguous()
+        ctx.tp = tp
+        if tp is not None:  # tensor parallelism: the collectives around the C calls
+            if plan.delayed and states is None:
+                states = delayed.slots(module, delayed.FORWARD)
+            inp = tp.gather_input(inp, plan, states, needs & _NEED_WGRAD, override is None)
         out, saved = _forward(inp, weight, bias, module, plan, is_first_microbatch, c_needs,
                               states)
+        if tp is not None:
+            out = tp.reduce_output(out)
         # The quantized operands go through save_for_backward, so activation checkpointing can
         # drop them and have them recomputed; their amaxes stay on ctx: DelayedScaling's are
         # views of the module's history, which the autocast's exit updates in place before
@@ -87,10 +94,13 @@ class _QuantizedLinear(torch.autograd.Function):
         ctx.n_x, ctx.n_w = len(x_tensors), len(w_tensors)
         kept = (inp, weight) if override == "high_precision" else ()
         ctx.save_for_backward(*x_tensors, *w_tensors, *kept)
-        ctx.plan, ctx.rest, ctx.needs, ctx.shape = plan, saved[2:], needs, inp.shape
+        quantized_x = type(inp) is tuple  # (members, shape, dtype): gathered quantized
+        ctx.plan, ctx.rest, ctx.needs = plan, saved[2:], needs
+        ctx.shape = inp[1] if quantized_x else inp.shape
         ctx.module, ctx.pending = module, pending
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        ctx.dtype, ctx.weight_dtype = inp.dtype, weight.dtype
+        ctx.dtype = _DTYPE_OF[inp[2]] if quantized_x else inp.dtype
+        ctx.weight_dtype = weight.dtype
         return out
 
     @staticmethod
@@ -100,14 +110,19 @@ class _QuantizedLinear(torch.autograd.Function):
                              else _COLUMNWISE if needs & _NEED_DGRAD else 0)
         dy = dy.contiguous()
         bias_dtype = ctx.bias_dtype if ctx.needs_input_grad[2] else None
+        tp = ctx.tp
+        state = delayed.slots(ctx.module, delayed.BACKWARD)[0] if plan.delayed else None
+        if tp is not None:
+            dy = tp.gather_grad_output(dy, plan, state, needs, plan.backward_override is None)
         if plan.backward_override is not None:
             dx, dw, db = _high_precision_backward(ctx, saved, kept, dy.reshape(-1, dy.shape[-1]),
                                                   needs, bias_dtype)
         else:  # ctx.pending: first in forward, so last in backward: it updates them all
-            state = delayed.slots(ctx.module, delayed.BACKWARD)[0] if plan.delayed else None
             dx, dw, db = _C.linear_backward(plan.c_args, saved, dy, needs, state, ctx.shape,
                                             bias_dtype, ctx.pending)
-        return dx, dw, db, None, None, None, None, None
+        if tp is not None:
+            dx = tp.reduce_grad_input(dx)
+        return dx, dw, db, None, None, None, None, None, None
 
 
 def _split(kept):
@@ -141,6 +156,7 @@ def _saved(ctx, w_usage=_COLUMNWISE):
 # tq_dequantized() (its values in its dtype, for a te.Linear running in high precision). A
 # subclass that wraps the high-precision weight gives it as tq_data.
 _TQ_DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # tq_dtype codes
+_DTYPE_OF = {code: dtype for dtype, code in _TQ_DTYPE.items()}
 
 
 def _quantized_weight(weight):
@@ -313,7 +329,8 @@ class Linear(torch.nn.Linear):
     """
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *,
-                 params_dtype=None, init_method=None, return_bias=False):
+                 params_dtype=None, init_method=None, return_bias=False, tp_group=None,
+                 tp_size=1, parallel_mode=None, sequence_parallel=False):
         torch.nn.Module.__init__(self)  # not nn.Linear's: it would initialize twice
         for name, v in (("in_features", in_features), ("out_features", out_features)):
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
@@ -328,21 +345,40 @@ class Linear(torch.nn.Linear):
         if init_method is not None and not callable(init_method):
             raise TypeError(f"init_method must be callable, got {type(init_method).__name__}")
         self.in_features, self.out_features = in_features, out_features
+        tp, in_local, out_local = None, in_features, out_features
+        if parallel_mode is not None or tp_group is not None or tp_size != 1 or sequence_parallel:
+            # imported here: single-device code never loads tequant.distributed
+            from .distributed.tensor_parallel import TensorParallel
+            tp, in_local, out_local = TensorParallel.make(in_features, out_features, tp_group,
+                                                          tp_size, parallel_mode,
+                                                          sequence_parallel)
+        self.tp_group, self.parallel_mode = tp_group, parallel_mode
+        self.tp_size = tp.size if tp is not None else 1
+        self.sequence_parallel = bool(sequence_parallel)
         factory = {"dtype": dtype, "device": device}
-        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, **factory))
-        if bias:
-            self.bias = torch.nn.Parameter(torch.empty(out_features, **factory))
+        self.weight = torch.nn.Parameter(torch.empty(out_local, in_local, **factory))
+        if bias:  # row parallel: whole, added after the reduction; column: this rank's slice
+            self.bias = torch.nn.Parameter(torch.empty(
+                out_features if parallel_mode == "row" else out_local, **factory))
+            if parallel_mode == "row" and sequence_parallel:
+                self.bias.sequence_parallel = True  # its gradient: this rank's tokens' part
         else:
             self.register_parameter("bias", None)
-        self._adopt(self, return_bias=return_bias, init_method=init_method)
+        self._adopt(self, return_bias=return_bias, init_method=init_method, tp=tp)
         self.reset_parameters()
 
     @staticmethod
-    def _adopt(module, *, return_bias=False, init_method=None):
+    def _adopt(module, *, return_bias=False, init_method=None, tp=None):
         """The te.Linear state of a module whose parameters are in place (also te.convert's
         swap of a torch.nn.Linear)."""
         module.return_bias = bool(return_bias)
         module.init_method = init_method
+        module._tp = tp  # tensor parallelism (distributed/tensor_parallel.py), or None
+        if tp is None:
+            module.__dict__.setdefault("tp_size", 1)
+            module.__dict__.setdefault("parallel_mode", None)
+            module.__dict__.setdefault("tp_group", None)
+            module.__dict__.setdefault("sequence_parallel", False)
         module._plans = {}           # recipe key -> _Plan (or a CustomRecipe's quantizers)
         module._weight_cache = []    # [recipe key, quantized W] for is_first_microbatch=False
         _compile_linear.register_module(module)
@@ -403,9 +439,12 @@ class Linear(torch.nn.Linear):
     def _check_plan(self, plan):
         if plan.x.scaling == "custom":
             return
-        for name, dim in (("in_features", self.in_features), ("out_features", self.out_features)):
-            if dim % plan.align:
-                raise ValueError(f"{name}={dim} must be a multiple of {plan.align} for "
+        out_local, in_local = self.weight.shape  # a tensor-parallel shard's
+        for name, dim, local in (("in_features", self.in_features, in_local),
+                                 ("out_features", self.out_features, out_local)):
+            if local % plan.align:
+                shard = f" (this rank's {local} of {dim})" if local != dim else ""
+                raise ValueError(f"{name}={dim}{shard} must be a multiple of {plan.align} for "
                                  f"{plan.x.scaling} scaling (te.Linear inside te.autocast)")
 
     def _custom_quantizers(self, recipe):
@@ -456,8 +495,16 @@ class Linear(torch.nn.Linear):
     def _run(self, inp, is_first_microbatch, record=None, replay=None, trains=False):
         """The forward without return_bias's tuple: live, or replaying `replay` (a recorded
         checkpoint.Call); a live call fills `record` in when given. trains: register with
-        DelayedScaling's update even under no_grad (a reentrant checkpoint's forward)."""
+        DelayedScaling's update even under no_grad (a reentrant checkpoint's forward).
+        Row-parallel layers add the bias once, after the reduction (as TransformerEngine)."""
+        tp = self._tp
         bias = None if self.return_bias else self.bias
+        if tp is not None and tp.mode == "row":
+            out = self._compute(inp, is_first_microbatch, record, replay, trains, None, tp)
+            return out if bias is None else out + bias.to(out.dtype)
+        return self._compute(inp, is_first_microbatch, record, replay, trains, bias, tp)
+
+    def _compute(self, inp, is_first_microbatch, record, replay, trains, bias, tp):
         if replay is not None:
             recipe = replay.recipe
         elif _C.is_fp8_enabled():
@@ -468,21 +515,29 @@ class Linear(torch.nn.Linear):
                 plan = self._plan(_C.get_fp8_recipe())
                 if plan.delayed:
                     delayed.calibrate(self, plan.x.amax_history_len, inp)
+        weight = self.weight
         if recipe is None:
-            weight = self.weight
             if _quantized_weight(weight) is not None:
                 weight = _DequantizedWeight.apply(weight)
+            if tp is not None:
+                return tp.linear_hp(inp, lambda x: F.linear(x, weight, bias))
             return F.linear(inp, weight, bias)
         if record is not None:
             record.recipe = recipe
-        if inp.shape[-1] != self.in_features:
+        if inp.shape[-1] != weight.shape[1]:
             raise ValueError(f"input has {inp.shape[-1]} features in its last dim; this "
-                             f"Linear takes {self.in_features}")
+                             f"Linear takes {weight.shape[1]}")
         if torch.is_autocast_enabled(inp.device.type):
             inp = inp.to(torch.get_autocast_dtype(inp.device.type))
         if recipe.custom():
-            return _CustomLinear.apply(inp, self.weight, bias, self._custom_quantizers(recipe))
+            quantizers = self._custom_quantizers(recipe)
+            if tp is not None:
+                return tp.linear_hp(inp, lambda x: _CustomLinear.apply(x, weight, bias,
+                                                                       quantizers))
+            return _CustomLinear.apply(inp, weight, bias, quantizers)
         plan = self._plan(recipe)
+        if tp is not None:
+            tp.check_recipe(recipe, plan.key)
         pending = states = None
         if plan.delayed:
             if replay is not None:
@@ -497,11 +552,10 @@ class Linear(torch.nn.Linear):
                 if record is not None:
                     record.pending = pending
                     record.scale_fwd = self._buffers["delayed_scale_fwd"].clone()
-        weight = self.weight
         if (torch.is_grad_enabled() and (inp.requires_grad or weight.requires_grad or (
-                bias is not None and bias.requires_grad))) or _transformed():
+                bias is not None and bias.requires_grad))) or _transformed() or tp is not None:
             return _quantized_linear(inp, weight, bias, self, plan, is_first_microbatch, pending,
-                                     states)
+                                     states, tp)
         # no graph to record (eval, inference): the C forward alone, x rowwise only
         return _forward(inp.contiguous(), weight, bias, self, plan, is_first_microbatch, _PACKED,
                         states)[0]

@@ -1,0 +1,287 @@
+"""Tensor and sequence parallelism inside te.Linear, with TransformerEngine's parallel_mode.
+
+te.Linear(in_features, out_features, ..., tp_group, tp_size, parallel_mode, sequence_parallel)
+takes the global sizes and holds its rank's shard (shared/docs/DISTRIBUTED.md 3):
+- "column": W [out/tp, in], bias [out/tp]; the output is this rank's slice of the features. The
+  input is the whole input, or, with sequence_parallel, this rank's tokens (split along dim 0),
+  all-gathered first; backward all-reduces the input gradient (reduce-scatters it along dim 0).
+- "row": W [out, in/tp], bias [out]; the input is this rank's slice of the features; the output
+  partial sums are all-reduced (reduce-scattered along dim 0 with sequence_parallel) and the bias
+  is added once, after; with sequence_parallel backward all-gathers the output gradient.
+The all-gathers of sequence parallelism move the recipe's codes and scales: each rank quantizes
+its tokens with the whole tensor's per-tensor scale (the amaxes all-reduced (MAX) over tp_group
+first; DelayedScaling casts with the module's scale and records the gathered tensor's amax), so
+the gathered operand is te.ops.quantize of the whole one, bit for bit (gather_layout.py), and
+te.Linear multiplies it as it is. They move high precision where a shard would cut the format's
+blocks, for NVFP4 gradients rounded stochastically (a shard cannot draw the whole tensor's bits),
+and outside te.autocast; those are counted in `fallbacks`. A row-parallel bias under
+sequence_parallel gets the gradient of this rank's tokens, as in TransformerEngine: its
+`sequence_parallel` attribute is set, and reduce_sequence_parallel_grads sums such gradients
+over the group. Tests: tests/test_tensor_parallel.py.
+"""
+import collections
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+from .. import _C, ops
+from ..quantized import COLUMNWISE, ROWWISE
+from . import gather_layout
+
+__all__ = ["TensorParallel", "reduce_sequence_parallel_grads", "fallbacks"]
+
+fallbacks = collections.Counter()  # reason -> all-gathers of SP that went in high precision
+_ROLES = {"input": "x", "grad_output": "dy"}
+
+
+class TensorParallel:
+    """A te.Linear's tensor-parallel setting and the collectives around its C calls (the hooks
+    linear._QuantizedLinear calls: gather_input, reduce_output, gather_grad_output,
+    reduce_grad_input)."""
+
+    __slots__ = ("group", "size", "mode", "sequence_parallel", "checked")
+
+    def __init__(self, group, size, mode, sequence_parallel):
+        self.group, self.size, self.mode = group, size, mode
+        self.sequence_parallel = sequence_parallel
+        self.checked = set()  # recipe keys whose agreement across the group was checked
+
+    @staticmethod
+    def make(in_features, out_features, tp_group, tp_size, parallel_mode, sequence_parallel):
+        """The setting, validated, or None without tensor parallelism; and the shard's
+        (in, out)."""
+        if parallel_mode not in (None, "column", "row"):
+            raise ValueError(f"parallel_mode must be None, 'column' or 'row', got "
+                             f"{parallel_mode!r}")
+        if tp_group is not None:
+            size = dist.get_world_size(tp_group)
+            if tp_size not in (1, size):
+                raise ValueError(f"tp_size={tp_size} but tp_group has {size} ranks")
+        else:
+            size = tp_size
+            if not isinstance(size, int) or size < 1:
+                raise ValueError(f"tp_size must be a positive int, got {tp_size!r}")
+            if size > 1:
+                raise ValueError(f"tp_size={size} needs tp_group, the tensor-parallel group")
+        if sequence_parallel and (tp_group is None or parallel_mode is None):
+            raise ValueError("sequence_parallel=True needs tp_group and parallel_mode "
+                             "('column' or 'row')")
+        if parallel_mode is None:
+            return None, in_features, out_features
+        dims = {"column": ("out_features", out_features), "row": ("in_features", in_features)}
+        name, dim = dims[parallel_mode]
+        if dim % size:
+            raise ValueError(f"{name}={dim} is not divisible by the {size} ranks of the "
+                             f"tensor-parallel group ({parallel_mode} parallel splits it)")
+        tp = TensorParallel(tp_group, size, parallel_mode, bool(sequence_parallel))
+        if parallel_mode == "column":
+            return tp, in_features, out_features // size
+        return tp, in_features // size, out_features
+
+    # ---- the recipe every rank runs ---------------------------------------------------------
+
+    def check_recipe(self, recipe, key):
+        """Once per recipe: every rank of the group runs the same one (a one-element all-reduce
+        of its fingerprint, MIN and MAX; a mismatch raises on every rank, no rank hangs)."""
+        if key in self.checked or self.group is None or self.size == 1:
+            return
+        digest = hashlib.sha256(repr(recipe).encode()).digest()
+        value = int.from_bytes(digest[:7], "little")
+        both = torch.tensor([value, -value], dtype=torch.int64, device=_device(self.group))
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        if int(both[0]) != value or int(both[1]) != -value:
+            raise RuntimeError(f"the ranks of this te.Linear's tensor-parallel group run different "
+                               f"recipes (this rank: {recipe!r}); every rank must enter "
+                               "te.autocast with an equal recipe")
+        self.checked.add(key)
+
+    # ---- high precision (no te.autocast, CustomRecipe) --------------------------------------
+
+    def linear_hp(self, inp, linear):
+        """linear(x) -> y of one rank with this setting's collectives as autograd Functions."""
+        if self.mode == "column":
+            x = (_GatherTokens.apply(inp, self.group) if self.sequence_parallel
+                 else _ReduceGrad.apply(inp, self.group))
+            return linear(x)
+        y = linear(inp)
+        return (_ScatterTokens.apply(y, self.group) if self.sequence_parallel
+                else _ReduceOutput.apply(y, self.group))
+
+    # ---- hooks of the quantized Function ----------------------------------------------------
+
+    def gather_input(self, inp, plan, states, needs_wgrad, quantized):
+        """Column, sequence parallel: the whole input from this rank's tokens, quantized
+        ((members, shape, dtype) for C) or in high precision where it cannot be (or where the
+        recipe's backward_override reads it, quantized=False)."""
+        if self.mode != "column" or not self.sequence_parallel:
+            return inp
+        if not quantized:
+            return _gather_tokens(inp, self.group)
+        usage = ROWWISE | (COLUMNWISE if needs_wgrad else 0)
+        state = states[0] if states else None
+        return _gather_quantized(inp, plan, "input", usage, self.group, self.size, state)
+
+    def reduce_output(self, out):
+        if self.mode != "row":
+            return out
+        return _scatter_tokens(out, self.group) if self.sequence_parallel else _all_reduce(
+            out, self.group)
+
+    def gather_grad_output(self, dy, plan, state, needs, quantized):
+        """Row, sequence parallel: the whole output gradient from this rank's tokens (needs:
+        linear.c's bits, 1 dgrad, 2 wgrad)."""
+        if self.mode != "row" or not self.sequence_parallel:
+            return dy
+        usage = (ROWWISE if needs & 1 else 0) | (COLUMNWISE if needs & 2 else 0)
+        if not usage or not quantized:
+            return _gather_tokens(dy, self.group)
+        return _gather_quantized(dy, plan, "grad_output", usage, self.group, self.size, state)
+
+    def reduce_grad_input(self, dx):
+        if self.mode != "column" or dx is None:
+            return dx
+        return _scatter_tokens(dx, self.group) if self.sequence_parallel else _all_reduce(
+            dx, self.group)
+
+
+def _device(group):
+    backend = dist.get_backend(group)
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else \
+        torch.device("cpu")
+
+
+# ---- collectives on dim 0 (tokens) --------------------------------------------------------------
+
+def _all_reduce(t, group):
+    t = t.contiguous()
+    dist.all_reduce(t, group=group)
+    return t
+
+
+def _gather_tokens(t, group):
+    t = t.contiguous()
+    out = t.new_empty((dist.get_world_size(group) * t.shape[0],) + tuple(t.shape[1:]))
+    dist.all_gather_into_tensor(out, t, group=group)
+    return out
+
+
+def _scatter_tokens(t, group):
+    size = dist.get_world_size(group)
+    if t.shape[0] % size:
+        raise ValueError(f"sequence parallelism splits dim 0 of a {list(t.shape)} tensor over "
+                         f"{size} ranks: it must be a multiple of {size}")
+    t = t.contiguous()
+    out = t.new_empty((t.shape[0] // size,) + tuple(t.shape[1:]))
+    dist.reduce_scatter_tensor(out, t, group=group)
+    return out
+
+
+def _mirrored(name, forward_op, backward_op):
+    """An autograd Function running forward_op(t, group) and, on the gradient,
+    backward_op(grad, group) (a collective and its transpose)."""
+    def forward(ctx, t, group):
+        ctx.group = group
+        return forward_op(t, group)
+
+    def backward(ctx, grad):
+        return backward_op(grad, ctx.group), None
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
+                                                     "backward": staticmethod(backward)})
+
+
+def _identity(t, group):
+    return t.view_as(t)
+
+
+# column parallel: the input gradient is summed over the ranks; row: the output
+_ReduceGrad = _mirrored("_ReduceGrad", _identity, lambda g, group: _all_reduce(g.clone(), group))
+_ReduceOutput = _mirrored("_ReduceOutput", lambda t, group: _all_reduce(t.clone(), group),
+                          _identity)
+# sequence parallel: tokens gathered before a column layer, scattered after a row layer
+_GatherTokens = _mirrored("_GatherTokens", _gather_tokens, _scatter_tokens)
+_ScatterTokens = _mirrored("_ScatterTokens", _scatter_tokens, _gather_tokens)
+
+
+# ---- the quantized all-gather ---------------------------------------------------------------------
+
+def _fallback(config, rows, size, plan):
+    """Why this rank's `rows` tokens cannot travel quantized (None: they can)."""
+    if config.stochastic_rounding:
+        return ("NVFP4's stochastic rounding of a shard cannot draw the whole tensor's bits "
+                "(gathered in high precision, then rounded)")
+    align = max(plan.align, gather_layout.block_rows(config))
+    if rows % align:
+        return f"{rows} tokens per rank are not a multiple of the format's {align}"
+    return None
+
+
+def _gather_quantized(t, plan, role, usage, group, size, state):
+    """t [rows, ..., K] of this rank -> the whole [size * rows, ..., K] along dim 0, quantized
+    with the whole tensor's factors as (members, shape, tq dtype); or gathered in high
+    precision (counted) where it cannot be. state: DelayedScaling's (scale, amax slot)."""
+    config = getattr(plan, _ROLES[role])
+    t = t.contiguous()
+    x = t.reshape(-1, t.shape[-1])
+    reason = _fallback(config, x.shape[0], size, plan)
+    if reason is not None:
+        fallbacks[reason] += 1
+        return _gather_tokens(t, group)
+    extra = _factors(x, plan.recipe, role, config, usage, group, state)
+    members = ops.quantize(x, plan.recipe, role, rowwise=bool(usage & ROWWISE),
+                           columnwise=bool(usage & COLUMNWISE), **extra)._member_tuple
+    gathered_usage = ROWWISE if config.scaling in gather_layout.PER_TENSOR else usage
+    outputs = []
+    for inp in gather_layout.shard_inputs(members, config, gathered_usage):
+        out = inp.new_empty((size * inp.shape[0],) + tuple(inp.shape[1:]))
+        dist.all_gather_into_tensor(out, inp.contiguous(), group=group)
+        outputs.append(out)
+    rows = size * x.shape[0]
+    dtypes = [m[2] if m else None for m in _C._quantize_layout(config, rows, x.shape[1], 3)[:4]]
+    factors = ((members[1], members[4]) if config.scaling in gather_layout.PER_TENSOR
+               else (members[4], members[5]) if config.scaling == "nvfp4" else None)
+    whole = gather_layout.assemble(config, outputs, gathered_usage, rows, size, dtypes, factors)
+    if usage & COLUMNWISE and config.scaling in gather_layout.PER_TENSOR:
+        whole = gather_layout.derive_columnwise(config, whole, rows, x.shape[1])
+    shape = (size * t.shape[0],) + tuple(t.shape[1:])
+    return tuple(whole), shape, _TQ_DTYPE[t.dtype]
+
+
+_TQ_DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _factors(x, recipe, role, config, usage, group, state):
+    """te.ops.quantize's scale (DelayedScaling: the module's; the gathered tensor's amax, the
+    shards' all-reduced, is recorded in its history slot) or amax (current scaling; NVFP4 with
+    its transformed columnwise one) of the whole tensor, for this shard."""
+    scaling = config.scaling
+    if scaling not in ("delayed", "current", "nvfp4"):
+        return {}
+    local = torch.zeros(2, dtype=torch.float32, device=x.device)
+    _C._amax(x, local[0:1])
+    if scaling == "nvfp4" and config.rht and usage & COLUMNWISE:  # the transformed values' amax
+        local[1] = ops.quantize(x, recipe, role, rowwise=False, columnwise=True).amax_t.view(())
+    else:
+        local[1] = local[0]
+    dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+    if scaling == "delayed":
+        scale, slot = state
+        with torch.no_grad():
+            slot.copy_(torch.maximum(slot, local[0:1]))
+        return {"scale": scale}
+    return {"amax": local if scaling == "nvfp4" else local[0:1]}
+
+
+def reduce_sequence_parallel_grads(model, group):
+    """Sums over `group` the gradients of the parameters whose `sequence_parallel` attribute is
+    set (row-parallel biases under sequence parallelism; each rank's holds its tokens' part), as
+    Megatron-LM does for TransformerEngine's modules. Call it between backward and the
+    optimizer step."""
+    grads = [p.grad for p in model.parameters()
+             if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    if grads:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))

@@ -1,0 +1,283 @@
+"""Tensor and sequence parallelism inside te.Linear (issue 22; DISTRIBUTED.md 1, 3, 5).
+
+Gloo ranks on CPU (tests/dist_util.py, every join with a timeout), 2 and 4 ranks, every recipe:
+- column parallel, with and without sequence_parallel: each rank's output equals, bit for bit,
+  one process's te.Linear holding that rank's weight shard on the whole input (the quantized
+  all-gather of the token shards is te.ops.quantize of the whole input), and so does its weight
+  gradient; the input gradient after the reduction matches the ranks' sum of that process's
+  within fp32 summation order;
+- row parallel, with and without sequence_parallel: output and gradients against one process's
+  te.Linear on the whole weight within the recipe's quantization error (each rank quantizes its
+  own slice of the input, as in TransformerEngine); the bias is added once; the sequence-parallel
+  all-gather of grad_output equals te.ops.quantize of the whole grad_output, bit for bit;
+- a column-then-row MLP with sequence parallelism trained 20 steps on 2 ranks tracks one
+  process's loss curve within the recipe's quantization noise, and matches it to 1e-5 without
+  te.autocast;
+- clear errors: features not divisible by the group, sequence_parallel without tp_group, ranks
+  running different recipes (raised on every rank, no hang).
+Code: python/tequant/distributed/tensor_parallel.py, linear.py.
+"""
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+from dist_util import run_ranks  # noqa: E402
+
+import tequant as te  # noqa: E402
+from test_compile import RECIPES  # noqa: E402  (DelayedScaling with a 4-row history)
+
+# Relative error of a row-parallel result against the whole layer's: both quantize the same
+# values, with other scales (each rank its slice of x), so their difference is quantization
+# error (FP8 < 5e-2, NVFP4 < 2e-1 each, NUMERICS 5).
+ROW_BOUND = {"delayed": 0.12, "current": 0.12, "block": 0.12, "mxfp8": 0.12, "nvfp4": 0.4}
+K, N, TOKENS = 64, 128, 256  # 256 tokens: shards of 128 (2 ranks) or 64 (4 ranks)
+
+
+def rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def full_layer(seed=0):
+    torch.manual_seed(seed)
+    layer = te.Linear(K, N)
+    with torch.no_grad():
+        layer.bias.normal_()
+    return layer
+
+
+def tp_layer(mode, sp, rank, world, ref):
+    """A te.Linear of this rank's shard of `ref` (column: rows of W; row: columns)."""
+    group = dist.group.WORLD
+    layer = te.Linear(K, N, tp_group=group, parallel_mode=mode, sequence_parallel=sp)
+    with torch.no_grad():
+        if mode == "column":
+            layer.weight.copy_(ref.weight.chunk(world, 0)[rank])
+            layer.bias.copy_(ref.bias.chunk(world, 0)[rank])
+        else:
+            layer.weight.copy_(ref.weight.chunk(world, 1)[rank])
+            layer.bias.copy_(ref.bias)
+    return layer
+
+
+def step(layer, x, dy, recipe, seed):
+    """(y, dx, dW, db) of one fwd+bwd; the generator reseeded (stochastic rounding draws)."""
+    x = x.clone().requires_grad_()
+    torch.manual_seed(seed)
+    with te.autocast(recipe=recipe) if recipe is not None else te.autocast(enabled=False):
+        y = layer(x)
+    y.backward(dy)
+    return y.detach(), x.grad, layer.weight.grad, layer.bias.grad
+
+
+def column_worker(rank, world, names):
+    torch.manual_seed(1)
+    x = torch.randn(TOKENS, 2, K)  # [tokens, batch, features]: SP splits dim 0
+    dy = torch.randn(TOKENS, 2, N)
+    for name in names:
+        recipe = RECIPES[name]
+        for sp in (False, True):
+            ref_whole = full_layer()
+            shard = te.Linear(K, N // world)  # one process's te.Linear holding this shard
+            with torch.no_grad():
+                shard.weight.copy_(ref_whole.weight.chunk(world, 0)[rank])
+                shard.bias.copy_(ref_whole.bias.chunk(world, 0)[rank])
+            layer = tp_layer("column", sp, rank, world, ref_whole)
+            dy_local = dy.chunk(world, 2)[rank].contiguous()
+            x_in = x.chunk(world, 0)[rank].contiguous() if sp else x
+            for s in range(2):  # two steps: DelayedScaling's second uses updated scales
+                y, dx, dw, db = step(layer, x_in, dy_local, recipe, seed=50 + s)
+                y_r, dx_r, dw_r, db_r = step(shard, x, dy_local, recipe, seed=50 + s)
+                assert torch.equal(y, y_r), (name, sp, s, "y")
+                assert torch.equal(dw, dw_r), (name, sp, s, "dW")
+                assert torch.equal(db, db_r), (name, sp, s, "db")
+                dist.all_reduce(dx_r)  # the ranks' sum: what the reduction gives
+                want = dx_r.chunk(world, 0)[rank] if sp else dx_r
+                assert rel(dx, want) < 1e-6, (name, sp, s, rel(dx, want))
+                for p in (*layer.parameters(), *shard.parameters()):
+                    p.grad = None
+    return True
+
+
+def row_worker(rank, world, names):
+    torch.manual_seed(2)
+    x = torch.randn(TOKENS, 2, K)
+    dy = torch.randn(TOKENS, 2, N)
+    errors = {}
+    for name in names:
+        recipe = RECIPES[name]
+        for sp in (False, True):
+            ref = full_layer()
+            layer = tp_layer("row", sp, rank, world, ref)
+            x_local = x.chunk(world, 2)[rank].contiguous()
+            dy_in = dy.chunk(world, 0)[rank].contiguous() if sp else dy
+            y, dx, dw, db = step(layer, x_local, dy_in, recipe, seed=60)
+            if sp:
+                te.distributed.reduce_sequence_parallel_grads(layer, dist.group.WORLD)
+                db = layer.bias.grad
+            y_r, dx_r, dw_r, db_r = step(ref, x, dy, recipe, seed=60)
+            want_y = y_r.chunk(world, 0)[rank] if sp else y_r
+            errs = {"y": rel(y, want_y), "dx": rel(dx, dx_r.chunk(world, 2)[rank]),
+                    "dW": rel(dw, dw_r.chunk(world, 1)[rank]), "db": rel(db, db_r)}
+            for what, err in errs.items():
+                bound = 1e-5 if what == "db" else ROW_BOUND[name]
+                assert 0 <= err < bound, (name, sp, what, err)
+            errors[(name, sp)] = errs["y"]
+    return errors
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_column_parallel_every_recipe(world):
+    names = list(RECIPES) if world == 2 else ["current", "nvfp4"]
+    assert all(run_ranks(column_worker, world, names, timeout=240))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_row_parallel_every_recipe(world):
+    names = list(RECIPES) if world == 2 else ["delayed", "nvfp4"]  # 16 features each: not MXFP8
+    for errors in run_ranks(row_worker, world, names, timeout=240):
+        assert all(err > 0 for err in errors.values())  # quantized, not exact
+
+
+def gather_worker(rank, world):
+    """The sequence-parallel all-gathers themselves, against te.ops.quantize of the whole."""
+    from tequant.distributed import tensor_parallel as tp
+    from tequant.linear import _Plan
+    torch.manual_seed(3)
+    whole = torch.randn(TOKENS, N) * 3
+    whole[17, 5] = 50.0  # the amax sits on rank 0
+    local = whole.chunk(world, 0)[rank].contiguous()
+    for name, recipe in RECIPES.items():
+        for role in ("input", "grad_output"):
+            plan = _Plan(recipe)
+            config = plan.x if role == "input" else plan.dy
+            if config.stochastic_rounding:
+                continue  # NVFP4 gradients: gathered in high precision (tested below)
+            state = None
+            if recipe.delayed():
+                state = (torch.tensor([0.5]), torch.zeros(1))
+            members, shape, _ = tp._gather_quantized(local, plan, role, 3, dist.group.WORLD,
+                                                     world, state)
+            kwargs = {"scale": state[0]} if state else {}
+            want = te.ops.quantize(whole, recipe, role, rowwise=True, columnwise=True, **kwargs)
+            assert shape == whole.shape
+            for i, (a, b) in enumerate(zip(members[:4], want._member_tuple[:4])):
+                assert (a is None) == (b is None) and (a is None or torch.equal(
+                    a.view(torch.uint8) if a.element_size() == 1 else a,
+                    b.view(torch.uint8) if b.element_size() == 1 else b)), (name, role, i)
+            if state:  # the whole tensor's amax was recorded, once
+                assert float(state[1]) == float(whole.abs().max())
+    sr = _Plan(RECIPES["nvfp4"])
+    out = tp._gather_quantized(local, sr, "grad_output", 3, dist.group.WORLD, world, None)
+    assert torch.equal(out, whole)  # high precision, counted
+    return dict(tp.fallbacks)
+
+
+def test_sequence_parallel_gathers_are_the_whole_tensors_quantization():
+    fallbacks = run_ranks(gather_worker, 2, timeout=120)[0]
+    assert any("stochastic rounding" in reason for reason in fallbacks), fallbacks
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, group=None, sp=False):
+        super().__init__()
+        kw = ({"tp_group": group, "sequence_parallel": sp} if group is not None else {})
+        self.fc1 = te.Linear(K, 4 * K, parallel_mode="column" if group else None, **kw)
+        self.fc2 = te.Linear(4 * K, K, parallel_mode="row" if group else None, **kw)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+def mlp_worker(rank, world, name):
+    """20 SGD steps of the MLP on the same batches, column-then-row with sequence parallelism
+    (each rank its token shard) and in one process (whole); the losses of both."""
+    recipe = RECIPES[name] if name != "fp32" else None
+    torch.manual_seed(0)
+    ref = MLP()
+    model = MLP(dist.group.WORLD, sp=True)
+    with torch.no_grad():
+        model.fc1.weight.copy_(ref.fc1.weight.chunk(world, 0)[rank])
+        model.fc1.bias.copy_(ref.fc1.bias.chunk(world, 0)[rank])
+        model.fc2.weight.copy_(ref.fc2.weight.chunk(world, 1)[rank])
+        model.fc2.bias.copy_(ref.fc2.bias)
+    teacher = torch.randn(K, K) / K ** 0.5
+    losses = []
+    for step_ in range(20):
+        g = torch.Generator().manual_seed(step_)
+        x = torch.randn(64, 2, K, generator=g)
+        target = torch.tanh(x @ teacher)
+        pair = []
+        for m, xin, tgt in ((model, x.chunk(world, 0)[rank], target.chunk(world, 0)[rank]),
+                            (ref, x, target)):
+            torch.manual_seed(step_)
+            with te.autocast(recipe=recipe) if recipe else te.autocast(enabled=False):
+                out = m(xin)
+            loss = F.mse_loss(out, tgt)
+            loss.backward()
+            scale = 1.0
+            if m is model:
+                # every rank's backward sums the ranks' losses (the gathered gradients hold
+                # each rank's loss's part): the whole batch's mean is 1/world of it
+                te.distributed.reduce_sequence_parallel_grads(m, dist.group.WORLD)
+                scale = 1.0 / world
+                loss = loss.detach().clone()
+                dist.all_reduce(loss)
+                loss /= world
+            with torch.no_grad():
+                for p in m.parameters():
+                    p -= 1.0 * scale * p.grad
+                    p.grad = None
+            pair.append(float(loss))
+        losses.append(pair)
+    return losses
+
+
+# Measured (worst relative loss difference over the 20 steps, CPU): fp32 1.5e-7, delayed 1.3e-3,
+# current 8.4e-4, block 2.4e-4, mxfp8 1.0e-7 (its 32-element blocks do not cross the row shards),
+# nvfp4 2.0e-3.
+MLP_BOUND = {"fp32": 1e-5, "delayed": 0.01, "current": 0.01, "block": 0.01, "mxfp8": 0.01,
+             "nvfp4": 0.02}
+
+
+def mlp_all_worker(rank, world):
+    return {name: mlp_worker(rank, world, name) for name in MLP_BOUND}
+
+
+def test_mlp_with_sequence_parallelism_tracks_one_process():
+    for name, losses in run_ranks(mlp_all_worker, 2, timeout=300)[0].items():
+        first = losses[0][1]
+        assert losses[-1][1] < 0.75 * first, (name, losses)  # the task is being learned
+        worst = max(abs(tp_loss - one) / one for tp_loss, one in losses)
+        assert worst < MLP_BOUND[name], (name, worst, losses)
+
+
+def errors_worker(rank, world):
+    group = dist.group.WORLD
+    raised = []
+    for make in (lambda: te.Linear(K, N + 1, tp_group=group, parallel_mode="column"),
+                 lambda: te.Linear(K + 1, N, tp_group=group, parallel_mode="row"),
+                 lambda: te.Linear(K, N, parallel_mode="column", sequence_parallel=True),
+                 lambda: te.Linear(K, N, tp_size=2, parallel_mode="column"),
+                 lambda: te.Linear(K, N, tp_group=group, parallel_mode="diagonal")):
+        with pytest.raises(ValueError) as info:
+            make()
+        raised.append(str(info.value))
+    layer = te.Linear(K, N, tp_group=group, parallel_mode="column")
+    recipe = RECIPES["current"] if rank == 0 else RECIPES["mxfp8"]
+    with pytest.raises(RuntimeError, match="run different recipes"):
+        with te.autocast(recipe=recipe):
+            layer(torch.randn(32, K))
+    return raised
+
+
+def test_bad_configurations_raise_clearly():
+    raised = run_ranks(errors_worker, 2, timeout=120)[0]
+    assert "not divisible by the 2 ranks" in raised[0] and "in_features=65" in raised[1]
+    assert "sequence_parallel=True needs tp_group" in raised[2]
+    assert "needs tp_group" in raised[3] and "parallel_mode must be" in raised[4]
