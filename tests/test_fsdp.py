@@ -217,7 +217,7 @@ def test_fsdp_two_ranks_every_recipe():
 
 
 def test_fsdp_four_ranks():
-    configs = [(True, torch.bfloat16, True), (False, None, False)]
+    configs = [(True, torch.bfloat16, True)]  # the 2-rank test covers the other settings
     reports = run_ranks(fsdp_worker, 4, ["current", "nvfp4"], configs, "cpu", timeout=300)
     check_bytes(reports[0], ["current", "nvfp4"])
 
