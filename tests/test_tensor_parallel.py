@@ -145,36 +145,41 @@ def test_row_parallel_every_recipe(world):
 
 
 def gather_worker(rank, world):
-    """The sequence-parallel all-gathers themselves, against te.ops.quantize of the whole."""
+    """The sequence-parallel all-gathers themselves, against te.ops.quantize of the whole: along
+    dim 0 ([s, K], TE's layout) and along dim 1 ([b, s, K], each rank two runs of tokens)."""
     from tequant.distributed import tensor_parallel as tp
     from tequant.linear import _Plan
     torch.manual_seed(3)
-    whole = torch.randn(TOKENS, N) * 3
-    whole[17, 5] = 50.0  # the amax sits on rank 0
-    local = whole.chunk(world, 0)[rank].contiguous()
-    for name, recipe in RECIPES.items():
-        for role in ("input", "grad_output"):
-            plan = _Plan(recipe)
-            config = plan.x if role == "input" else plan.dy
-            if config.stochastic_rounding:
-                continue  # NVFP4 gradients: gathered in high precision (tested below)
-            state = None
-            if recipe.delayed():
-                state = (torch.tensor([0.5]), torch.zeros(1))
-            members, shape, _ = tp._gather_quantized(local, plan, role, 3, dist.group.WORLD,
-                                                     world, state)
-            kwargs = {"scale": state[0]} if state else {}
-            want = te.ops.quantize(whole, recipe, role, rowwise=True, columnwise=True, **kwargs)
-            assert shape == whole.shape
-            for i, (a, b) in enumerate(zip(members[:4], want._member_tuple[:4])):
-                assert (a is None) == (b is None) and (a is None or torch.equal(
-                    a.view(torch.uint8) if a.element_size() == 1 else a,
-                    b.view(torch.uint8) if b.element_size() == 1 else b)), (name, role, i)
-            if state:  # the whole tensor's amax was recorded, once
-                assert float(state[1]) == float(whole.abs().max())
-    sr = _Plan(RECIPES["nvfp4"])
-    out = tp._gather_quantized(local, sr, "grad_output", 3, dist.group.WORLD, world, None)
-    assert torch.equal(out, whole)  # high precision, counted
+    for dim, shape in ((0, (TOKENS, N)), (1, (2, TOKENS, N))):
+        whole = torch.randn(shape) * 3
+        whole.view(-1, N)[17, 5] = 50.0  # the amax sits on rank 0
+        local = whole.chunk(world, dim)[rank].contiguous()
+        setting = tp.TensorParallel(dist.group.WORLD, world, "column", True, dim)
+        for name, recipe in RECIPES.items():
+            for role in ("input", "grad_output"):
+                plan = _Plan(recipe)
+                config = plan.x if role == "input" else plan.dy
+                if config.stochastic_rounding:
+                    continue  # NVFP4 gradients: gathered in high precision (tested below)
+                state = None
+                if recipe.delayed():
+                    state = (torch.tensor([0.5]), torch.zeros(1))
+                members, got_shape, _ = tp._gather_quantized(local, plan, role, 3, setting,
+                                                             state)
+                kwargs = {"scale": state[0]} if state else {}
+                want = te.ops.quantize(whole.reshape(-1, N), recipe, role, rowwise=True,
+                                       columnwise=True, **kwargs)
+                assert got_shape == whole.shape
+                for i, (a, b) in enumerate(zip(members[:4], want._member_tuple[:4])):
+                    assert (a is None) == (b is None) and (a is None or torch.equal(
+                        a.view(torch.uint8) if a.element_size() == 1 else a,
+                        b.view(torch.uint8) if b.element_size() == 1 else b)), \
+                        (dim, name, role, i)
+                if state:  # the whole tensor's amax was recorded, once
+                    assert float(state[1]) == float(whole.abs().max())
+        sr = _Plan(RECIPES["nvfp4"])
+        out = tp._gather_quantized(local, sr, "grad_output", 3, setting, None)
+        assert torch.equal(out, whole)  # high precision, counted
     return dict(tp.fallbacks)
 
 

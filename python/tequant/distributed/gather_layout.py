@@ -107,6 +107,24 @@ def assemble(config, outputs, usage, n, world_size, dtypes, extra):
     return members
 
 
+def interleave(config, members, world_size, outer):
+    """The whole tensor's members from ones gathered rank-major whose shards each hold `outer`
+    runs of consecutive rows (X [A, S, ..., K] split along S, A = outer: rank r holds rows
+    [a, r S/world_size : (r + 1) S/world_size] for each a): each member's row axis reordered
+    from (rank, run, row) to (run, rank, row), one copy per member. Runs must not cut a block."""
+    axes = member_axes(config)
+    out = list(members)
+    for i, m in enumerate(members[:4]):
+        if m is None or axes[i] is None:
+            continue
+        if axes[i] == ROWS:
+            out[i] = m.reshape((world_size, outer, -1) + tuple(m.shape[1:])).transpose(0, 1) \
+                      .reshape(m.shape)
+        else:
+            out[i] = m.reshape(m.shape[0], world_size, outer, -1).transpose(1, 2).reshape(m.shape)
+    return out
+
+
 def derive_columnwise(config, members, n, k):
     """members with the columnwise data and scales made from the rowwise ones (per-tensor FP8
     and the 2-D weight blocks, whose codes and block scales are the same in both directions)."""

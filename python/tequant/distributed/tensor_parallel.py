@@ -3,11 +3,13 @@
 te.Linear(in_features, out_features, ..., tp_group, tp_size, parallel_mode, sequence_parallel)
 takes the global sizes and holds its rank's shard (shared/docs/DISTRIBUTED.md 3):
 - "column": W [out/tp, in], bias [out/tp]; the output is this rank's slice of the features. The
-  input is the whole input, or, with sequence_parallel, this rank's tokens (split along dim 0),
-  all-gathered first; backward all-reduces the input gradient (reduce-scatters it along dim 0).
+  input is the whole input, or, with sequence_parallel, this rank's tokens (split along the
+  sequence dim, 0 for TE's [s, b, h]; the DTensor styles may pick another), all-gathered first;
+  backward all-reduces the input gradient (reduce-scatters it along the sequence dim).
 - "row": W [out, in/tp], bias [out]; the input is this rank's slice of the features; the output
-  partial sums are all-reduced (reduce-scattered along dim 0 with sequence_parallel) and the bias
-  is added once, after; with sequence_parallel backward all-gathers the output gradient.
+  partial sums are all-reduced (reduce-scattered along the sequence dim with sequence_parallel)
+  and the bias is added once, after; with sequence_parallel backward all-gathers the output
+  gradient.
 The all-gathers of sequence parallelism move the recipe's codes and scales: each rank quantizes
 its tokens with the whole tensor's per-tensor scale (the amaxes all-reduced (MAX) over tp_group
 first; DelayedScaling casts with the module's scale and records the gathered tensor's amax), so
@@ -21,6 +23,7 @@ over the group. Tests: tests/test_tensor_parallel.py.
 """
 import collections
 import hashlib
+import math
 
 import torch
 import torch.distributed as dist
@@ -40,11 +43,12 @@ class TensorParallel:
     linear._QuantizedLinear calls: gather_input, reduce_output, gather_grad_output,
     reduce_grad_input)."""
 
-    __slots__ = ("group", "size", "mode", "sequence_parallel", "checked")
+    __slots__ = ("group", "size", "mode", "sequence_parallel", "dim", "checked")
 
-    def __init__(self, group, size, mode, sequence_parallel):
+    def __init__(self, group, size, mode, sequence_parallel, dim=0):
         self.group, self.size, self.mode = group, size, mode
         self.sequence_parallel = sequence_parallel
+        self.dim = dim  # the sequence dim sequence parallelism splits (0: TE's [s, b, h])
         self.checked = set()  # recipe keys whose agreement across the group was checked
 
     @staticmethod
@@ -101,12 +105,12 @@ class TensorParallel:
     def linear_hp(self, inp, linear):
         """linear(x) -> y of one rank with this setting's collectives as autograd Functions."""
         if self.mode == "column":
-            x = (_GatherTokens.apply(inp, self.group) if self.sequence_parallel
-                 else _ReduceGrad.apply(inp, self.group))
+            x = (_GatherTokens.apply(inp, self.group, self.dim) if self.sequence_parallel
+                 else _ReduceGrad.apply(inp, self.group, 0))
             return linear(x)
         y = linear(inp)
-        return (_ScatterTokens.apply(y, self.group) if self.sequence_parallel
-                else _ReduceOutput.apply(y, self.group))
+        return (_ScatterTokens.apply(y, self.group, self.dim) if self.sequence_parallel
+                else _ReduceOutput.apply(y, self.group, 0))
 
     # ---- hooks of the quantized Function ----------------------------------------------------
 
@@ -117,16 +121,16 @@ class TensorParallel:
         if self.mode != "column" or not self.sequence_parallel:
             return inp
         if not quantized:
-            return _gather_tokens(inp, self.group)
+            return _gather_tokens(inp, self.group, self.dim)
         usage = ROWWISE | (COLUMNWISE if needs_wgrad else 0)
         state = states[0] if states else None
-        return _gather_quantized(inp, plan, "input", usage, self.group, self.size, state)
+        return _gather_quantized(inp, plan, "input", usage, self, state)
 
     def reduce_output(self, out):
         if self.mode != "row":
             return out
-        return _scatter_tokens(out, self.group) if self.sequence_parallel else _all_reduce(
-            out, self.group)
+        return _scatter_tokens(out, self.group, self.dim) if self.sequence_parallel else \
+            _all_reduce(out, self.group)
 
     def gather_grad_output(self, dy, plan, state, needs, quantized):
         """Row, sequence parallel: the whole output gradient from this rank's tokens (needs:
@@ -135,14 +139,14 @@ class TensorParallel:
             return dy
         usage = (ROWWISE if needs & 1 else 0) | (COLUMNWISE if needs & 2 else 0)
         if not usage or not quantized:
-            return _gather_tokens(dy, self.group)
-        return _gather_quantized(dy, plan, "grad_output", usage, self.group, self.size, state)
+            return _gather_tokens(dy, self.group, self.dim)
+        return _gather_quantized(dy, plan, "grad_output", usage, self, state)
 
     def reduce_grad_input(self, dx):
         if self.mode != "column" or dx is None:
             return dx
-        return _scatter_tokens(dx, self.group) if self.sequence_parallel else _all_reduce(
-            dx, self.group)
+        return _scatter_tokens(dx, self.group, self.dim) if self.sequence_parallel else \
+            _all_reduce(dx, self.group)
 
 
 def _device(group):
@@ -151,7 +155,7 @@ def _device(group):
         torch.device("cpu")
 
 
-# ---- collectives on dim 0 (tokens) --------------------------------------------------------------
+# ---- collectives along the sequence dim (tokens) ----------------------------------------------
 
 def _all_reduce(t, group):
     t = t.contiguous()
@@ -159,75 +163,92 @@ def _all_reduce(t, group):
     return t
 
 
-def _gather_tokens(t, group):
+def _gather_tokens(t, group, dim=0):
+    """The ranks' t concatenated along dim (one copy besides the gather where dim > 0)."""
     t = t.contiguous()
-    out = t.new_empty((dist.get_world_size(group) * t.shape[0],) + tuple(t.shape[1:]))
-    dist.all_gather_into_tensor(out, t, group=group)
-    return out
-
-
-def _scatter_tokens(t, group):
     size = dist.get_world_size(group)
-    if t.shape[0] % size:
-        raise ValueError(f"sequence parallelism splits dim 0 of a {list(t.shape)} tensor over "
-                         f"{size} ranks: it must be a multiple of {size}")
-    t = t.contiguous()
-    out = t.new_empty((t.shape[0] // size,) + tuple(t.shape[1:]))
-    dist.reduce_scatter_tensor(out, t, group=group)
+    out = t.new_empty((size * t.shape[0],) + tuple(t.shape[1:]))
+    dist.all_gather_into_tensor(out, t, group=group)
+    if dim == 0:
+        return out
+    shape = t.shape[:dim] + (size * t.shape[dim],) + t.shape[dim + 1:]
+    return out.view((size,) + tuple(t.shape)).movedim(0, dim).reshape(shape)
+
+
+def _scatter_tokens(t, group, dim=0):
+    """The sum over the ranks of t, split along dim: this rank's part."""
+    size = dist.get_world_size(group)
+    if t.shape[dim] % size:
+        raise ValueError(f"sequence parallelism splits dim {dim} of a {list(t.shape)} tensor "
+                         f"over {size} ranks: it must be a multiple of {size}")
+    part = t.shape[:dim] + (t.shape[dim] // size,) + t.shape[dim + 1:]
+    stacked = t.reshape(t.shape[:dim] + (size, t.shape[dim] // size) + t.shape[dim + 1:])
+    stacked = stacked.movedim(dim, 0).contiguous()  # the ranks' parts, stacked
+    out = t.new_empty(part)
+    dist.reduce_scatter_tensor(out, stacked.view((size * part[0],) + part[1:]), group=group)
     return out
 
 
 def _mirrored(name, forward_op, backward_op):
-    """An autograd Function running forward_op(t, group) and, on the gradient,
-    backward_op(grad, group) (a collective and its transpose)."""
-    def forward(ctx, t, group):
-        ctx.group = group
-        return forward_op(t, group)
+    """An autograd Function running forward_op(t, group, dim) and, on the gradient,
+    backward_op(grad, group, dim) (a collective and its transpose)."""
+    def forward(ctx, t, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return forward_op(t, group, dim)
 
     def backward(ctx, grad):
-        return backward_op(grad, ctx.group), None
+        return backward_op(grad, ctx.group, ctx.dim), None, None
 
     return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
                                                      "backward": staticmethod(backward)})
 
 
-def _identity(t, group):
+def _identity(t, group, dim):
     return t.view_as(t)
 
 
+def _reduced_copy(t, group, dim):
+    return _all_reduce(t.clone(), group)
+
+
 # column parallel: the input gradient is summed over the ranks; row: the output
-_ReduceGrad = _mirrored("_ReduceGrad", _identity, lambda g, group: _all_reduce(g.clone(), group))
-_ReduceOutput = _mirrored("_ReduceOutput", lambda t, group: _all_reduce(t.clone(), group),
-                          _identity)
+_ReduceGrad = _mirrored("_ReduceGrad", _identity, _reduced_copy)
+_ReduceOutput = _mirrored("_ReduceOutput", _reduced_copy, _identity)
 # sequence parallel: tokens gathered before a column layer, scattered after a row layer
 _GatherTokens = _mirrored("_GatherTokens", _gather_tokens, _scatter_tokens)
 _ScatterTokens = _mirrored("_ScatterTokens", _scatter_tokens, _gather_tokens)
 
 
-# ---- the quantized all-gather ---------------------------------------------------------------------
+# ---- the quantized all-gather --------------------------------------------------------------------
 
-def _fallback(config, rows, size, plan):
-    """Why this rank's `rows` tokens cannot travel quantized (None: they can)."""
+def _fallback(config, rows, run, plan):
+    """Why this rank's `rows` tokens, in runs of `run` consecutive ones along the sequence dim,
+    cannot travel quantized (None: they can)."""
     if config.stochastic_rounding:
         return ("NVFP4's stochastic rounding of a shard cannot draw the whole tensor's bits "
                 "(gathered in high precision, then rounded)")
-    align = max(plan.align, gather_layout.block_rows(config))
-    if rows % align:
-        return f"{rows} tokens per rank are not a multiple of the format's {align}"
+    if rows % plan.align:
+        return f"{rows} tokens per rank are not a multiple of the format's {plan.align}"
+    block = gather_layout.block_rows(config)
+    if run % block:
+        return (f"runs of {run} tokens per rank along the sequence dim would cut the format's "
+                f"{block}-token blocks")
     return None
 
 
-def _gather_quantized(t, plan, role, usage, group, size, state):
-    """t [rows, ..., K] of this rank -> the whole [size * rows, ..., K] along dim 0, quantized
-    with the whole tensor's factors as (members, shape, tq dtype); or gathered in high
+def _gather_quantized(t, plan, role, usage, tp, state):
+    """t [..., s, ..., K] of this rank -> the whole [..., size * s, ..., K] along tp.dim,
+    quantized with the whole tensor's factors as (members, shape, tq dtype); or gathered in high
     precision (counted) where it cannot be. state: DelayedScaling's (scale, amax slot)."""
     config = getattr(plan, _ROLES[role])
+    group, size, dim = tp.group, tp.size, tp.dim
     t = t.contiguous()
     x = t.reshape(-1, t.shape[-1])
-    reason = _fallback(config, x.shape[0], size, plan)
+    outer = math.prod(t.shape[:dim])  # runs of consecutive tokens per rank
+    reason = _fallback(config, x.shape[0], x.shape[0] // outer, plan)
     if reason is not None:
         fallbacks[reason] += 1
-        return _gather_tokens(t, group)
+        return _gather_tokens(t, group, dim)
     extra = _factors(x, plan.recipe, role, config, usage, group, state)
     members = ops.quantize(x, plan.recipe, role, rowwise=bool(usage & ROWWISE),
                            columnwise=bool(usage & COLUMNWISE), **extra)._member_tuple
@@ -242,9 +263,11 @@ def _gather_quantized(t, plan, role, usage, group, size, state):
     factors = ((members[1], members[4]) if config.scaling in gather_layout.PER_TENSOR
                else (members[4], members[5]) if config.scaling == "nvfp4" else None)
     whole = gather_layout.assemble(config, outputs, gathered_usage, rows, size, dtypes, factors)
+    if outer > 1:
+        whole = gather_layout.interleave(config, whole, size, outer)
     if usage & COLUMNWISE and config.scaling in gather_layout.PER_TENSOR:
         whole = gather_layout.derive_columnwise(config, whole, rows, x.shape[1])
-    shape = (size * t.shape[0],) + tuple(t.shape[1:])
+    shape = t.shape[:dim] + (size * t.shape[dim],) + t.shape[dim + 1:]
     return tuple(whole), shape, _TQ_DTYPE[t.dtype]
 
 
