@@ -19,6 +19,7 @@ Tests: tests/test_linear.py, tests/test_linear_module.py, tests/test_linear_dela
 tests/test_checkpoint.py, tests/test_copy.py.
 """
 import math
+import sys
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
@@ -108,6 +109,8 @@ class _QuantizedLinear(torch.autograd.Function):
         plan, needs = ctx.plan, ctx.needs
         saved, kept = _saved(ctx, _ROWWISE if plan.backward_override == "dequantized"
                              else _COLUMNWISE if needs & _NEED_DGRAD else 0)
+        if type(dy) is not torch.Tensor and hasattr(type(dy), "trigger_wait"):
+            dy = dy.trigger_wait()  # a collective's output (DTensor's), as in forward's _Waited
         dy = dy.contiguous()
         bias_dtype = ctx.bias_dtype if ctx.needs_input_grad[2] else None
         tp = ctx.tp
@@ -175,6 +178,20 @@ def _given_kept(given, plan, usage):
             f"gathered, but the layer runs under {plan.recipe!r}: enter one te.autocast around "
             "the whole FSDP module's forward")
     return given.tq_kept(usage)
+
+
+class _Waited(torch.autograd.Function):
+    """An AsyncCollectiveTensor (a functional collective's output, e.g. DTensor's to_local after
+    a redistribute, which has no data of its own for C) as the plain tensor it waits for; its
+    gradient passes through."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.trigger_wait()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
 
 
 class _DequantizedWeight(torch.autograd.Function):
@@ -436,10 +453,14 @@ class Linear(torch.nn.Linear):
             self._check_plan(plan)
         return plan
 
-    def _check_plan(self, plan):
+    def _check_plan(self, plan, shape=None):
+        """shape: this rank's (out, in) of W (default: what the features and tp_size give)."""
         if plan.x.scaling == "custom":
             return
-        out_local, in_local = self.weight.shape  # a tensor-parallel shard's
+        tp = self._tp
+        out_local, in_local = shape or (
+            self.out_features // (tp.size if tp is not None and tp.mode == "column" else 1),
+            self.in_features // (tp.size if tp is not None and tp.mode == "row" else 1))
         for name, dim, local in (("in_features", self.in_features, in_local),
                                  ("out_features", self.out_features, out_local)):
             if local % plan.align:
@@ -496,15 +517,25 @@ class Linear(torch.nn.Linear):
         """The forward without return_bias's tuple: live, or replaying `replay` (a recorded
         checkpoint.Call); a live call fills `record` in when given. trains: register with
         DelayedScaling's update even under no_grad (a reentrant checkpoint's forward).
-        Row-parallel layers add the bias once, after the reduction (as TransformerEngine)."""
-        tp = self._tp
-        bias = None if self.return_bias else self.bias
-        if tp is not None and tp.mode == "row":
-            out = self._compute(inp, is_first_microbatch, record, replay, trains, None, tp)
-            return out if bias is None else out + bias.to(out.dtype)
-        return self._compute(inp, is_first_microbatch, record, replay, trains, bias, tp)
+        A DTensor weight (parallelize_module) runs on the local tensors (distributed/dtensor.py)."""
+        weight, bias = self.weight, None if self.return_bias else self.bias
+        if (type(weight) is not torch.nn.Parameter and type(weight) is not torch.Tensor
+                and _is_dtensor(weight)):
+            from .distributed import dtensor
+            return dtensor.run(self, inp, weight, bias, lambda x, w, b: self._local(
+                x, w, b, is_first_microbatch, record, replay, trains))
+        return self._local(inp, weight, bias, is_first_microbatch, record, replay, trains)
 
-    def _compute(self, inp, is_first_microbatch, record, replay, trains, bias, tp):
+    def _local(self, inp, weight, bias, is_first_microbatch, record, replay, trains):
+        """Row-parallel layers add the bias once, after the reduction (as TransformerEngine)."""
+        tp = self._tp
+        if tp is not None and tp.mode == "row":
+            out = self._compute(inp, weight, None, is_first_microbatch, record, replay, trains,
+                                tp)
+            return out if bias is None else out + bias.to(out.dtype)
+        return self._compute(inp, weight, bias, is_first_microbatch, record, replay, trains, tp)
+
+    def _compute(self, inp, weight, bias, is_first_microbatch, record, replay, trains, tp):
         if replay is not None:
             recipe = replay.recipe
         elif _C.is_fp8_enabled():
@@ -515,7 +546,6 @@ class Linear(torch.nn.Linear):
                 plan = self._plan(_C.get_fp8_recipe())
                 if plan.delayed:
                     delayed.calibrate(self, plan.x.amax_history_len, inp)
-        weight = self.weight
         if recipe is None:
             if _quantized_weight(weight) is not None:
                 weight = _DequantizedWeight.apply(weight)
@@ -527,6 +557,8 @@ class Linear(torch.nn.Linear):
         if inp.shape[-1] != weight.shape[1]:
             raise ValueError(f"input has {inp.shape[-1]} features in its last dim; this "
                              f"Linear takes {weight.shape[1]}")
+        if type(inp) is not torch.Tensor and hasattr(type(inp), "trigger_wait"):
+            inp = _Waited.apply(inp)  # a collective's output, not yet waited on
         if torch.is_autocast_enabled(inp.device.type):
             inp = inp.to(torch.get_autocast_dtype(inp.device.type))
         if recipe.custom():
@@ -569,6 +601,12 @@ class Linear(torch.nn.Linear):
                 if saved is not None and getattr(self, name, None) is None:
                     self.register_buffer(name, torch.empty_like(saved, device=self.weight.device))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def _is_dtensor(weight):
+    """Without importing torch.distributed.tensor (nothing made a DTensor before it loads)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(weight, module.DTensor)
 
 
 def prepare_state(model, recipe):

@@ -33,7 +33,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
 from torch.utils._pytree import tree_map_only
 
 from .. import _C, delayed, ops
-from ..linear import Linear
+from ..linear import Linear, _is_dtensor
 from ..quantized import COLUMNWISE, ROWWISE
 from . import gather_layout
 
@@ -278,8 +278,10 @@ class GatheredWeight(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         me = args[0]
         if func in (aten.detach.default, aten.alias.default) or (
-                func is aten.as_strided.default and tuple(args[1]) == tuple(me.shape)):
-            return GatheredWeight(me._held, me.dtype)  # FSDP2 wrapping it in a Parameter
+                func in (aten.as_strided.default, aten.view.default)
+                and tuple(args[1]) == tuple(me.shape)):
+            # FSDP2 wrapping it in a Parameter; DTensor's to_local (tensor parallelism)
+            return GatheredWeight(me._held, me.dtype)
         raise NotImplementedError(
             f"{func} on a te.Linear weight that FSDP2 all-gathered in the recipe's quantized "
             "format: only te.Linear computes with it (use the module, or gather outside "
@@ -354,7 +356,13 @@ def enable_quantized_all_gather(model):
         if not isinstance(module, Linear) or isinstance(module.weight, ShardedWeight):
             continue
         weight = module.weight
-        module.weight = torch.nn.Parameter(ShardedWeight(weight.data),
-                                           requires_grad=weight.requires_grad)
+        if _is_dtensor(weight):  # tensor parallel (a 2-D mesh): the local shard is wrapped
+            from torch.distributed.tensor import DTensor
+            data = DTensor.from_local(ShardedWeight(weight._local_tensor.detach()),
+                                      weight.device_mesh, weight.placements, run_check=False,
+                                      shape=weight.shape, stride=weight.stride())
+        else:
+            data = ShardedWeight(weight.data)
+        module.weight = torch.nn.Parameter(data, requires_grad=weight.requires_grad)
         module._register_state_dict_hook(_plain_state_dict_hook)
     return model

@@ -165,7 +165,7 @@ def _all_reduce(t, group):
 
 def _gather_tokens(t, group, dim=0):
     """The ranks' t concatenated along dim (one copy besides the gather where dim > 0)."""
-    t = t.contiguous()
+    t, dim = t.contiguous(), dim % t.dim()
     size = dist.get_world_size(group)
     out = t.new_empty((size * t.shape[0],) + tuple(t.shape[1:]))
     dist.all_gather_into_tensor(out, t, group=group)
@@ -177,7 +177,7 @@ def _gather_tokens(t, group, dim=0):
 
 def _scatter_tokens(t, group, dim=0):
     """The sum over the ranks of t, split along dim: this rank's part."""
-    size = dist.get_world_size(group)
+    size, dim = dist.get_world_size(group), dim % t.dim()
     if t.shape[dim] % size:
         raise ValueError(f"sequence parallelism splits dim {dim} of a {list(t.shape)} tensor "
                          f"over {size} ranks: it must be a multiple of {size}")
@@ -241,8 +241,8 @@ def _gather_quantized(t, plan, role, usage, tp, state):
     quantized with the whole tensor's factors as (members, shape, tq dtype); or gathered in high
     precision (counted) where it cannot be. state: DelayedScaling's (scale, amax slot)."""
     config = getattr(plan, _ROLES[role])
-    group, size, dim = tp.group, tp.size, tp.dim
     t = t.contiguous()
+    group, size, dim = tp.group, tp.size, tp.dim % t.dim()
     x = t.reshape(-1, t.shape[-1])
     outer = math.prod(t.shape[:dim])  # runs of consecutive tokens per rank
     reason = _fallback(config, x.shape[0], x.shape[0] // outer, plan)
