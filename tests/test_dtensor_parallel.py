@@ -9,6 +9,8 @@ parallelism along dim 0 ([s, b, h]) and dim 1 ([b, s, h]):
   gradient bit-identical (the same quantized collectives: codes + scales move);
 - torch's styles (their collectives in high precision, te.Linear on the local tensors): the same
   within fp32 summation order (the row bias is a DTensor add);
+- torch's SequenceParallel on a te.Linear: one process's output per token shard, Partial
+  parameter gradients;
 - a 2-D mesh (dp 2 x tp 2, 4 ranks): FSDP2 over tequant's styles, with and without the quantized
   all-gather, forward bit-identical to the TP-only pair on the rank's batch, gradients the dp
   mean of the TP-only pair's;
@@ -190,6 +192,36 @@ def fsdp_tp_worker(rank, world, name, quantized_gather):
 def test_fsdp2_over_tensor_parallel_2d_mesh(quantized_gather):
     for name in ("current", "mxfp8"):
         assert all(run_ranks(fsdp_tp_worker, 4, name, quantized_gather, timeout=300))
+
+
+def sequence_parallel_worker(rank, world):
+    """torch's SequenceParallel on a te.Linear (a replicated W on token-sharded input): each
+    rank's output is one process's te.Linear on its tokens, the gradients of W and b Partial,
+    summing to the ranks' sum."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(3)
+    x, dy = torch.randn(TOKENS, 2, K), torch.randn(TOKENS, 2, N)
+    x_local, dy_local = x.chunk(world, 0)[rank], dy.chunk(world, 0)[rank]
+    for recipe in (None, RECIPES["current"], RECIPES["mxfp8"]):
+        one = whole_pair().fc1
+        layer = parallelize_module(copy.deepcopy(one), mesh, SequenceParallel(sequence_dim=0))
+        with te.autocast(recipe=recipe) if recipe is not None else te.autocast(enabled=False):
+            y = layer(x_local)
+            y_one = one(x_local)
+        assert y.placements[0].is_shard(0) and torch.equal(y.to_local(), y_one)
+        y.to_local().backward(dy_local)
+        y_one.backward(dy_local)
+        for p, q in zip(layer.parameters(), one.parameters()):
+            assert p.grad.placements[0].is_partial()
+            dist.all_reduce(q.grad)
+            assert rel(p.grad.full_tensor(), q.grad) < 1e-6
+    return True
+
+
+def test_torch_sequence_parallel_style():
+    assert all(run_ranks(sequence_parallel_worker, 2, timeout=120))
 
 
 def errors_worker(rank, world):

@@ -13,11 +13,16 @@ Gloo ranks on CPU (tests/dist_util.py, every join with a timeout), 2 and 4 ranks
 - a column-then-row MLP with sequence parallelism trained 20 steps on 2 ranks tracks one
   process's loss curve within the recipe's quantization noise, and matches it to 1e-5 without
   te.autocast;
+- torch.compile(fullgraph=True) with te.autocast inside, TE's form and tequant's DTensor styles:
+  one graph (functional collectives), bit-identical to eager;
+- deepcopy shares the process group; pickling says it cannot hold one;
 - clear errors: features not divisible by the group, sequence_parallel without tp_group, ranks
   running different recipes (raised on every rank, no hang).
 Code: python/tequant/distributed/tensor_parallel.py, linear.py.
 """
+import copy
 import os
+import pickle
 import sys
 
 import pytest
@@ -273,7 +278,17 @@ def errors_worker(rank, world):
         with pytest.raises(ValueError) as info:
             make()
         raised.append(str(info.value))
-    layer = te.Linear(K, N, tp_group=group, parallel_mode="column")
+    layer = te.Linear(K, N, tp_group=group, parallel_mode="column", sequence_parallel=True)
+    assert (layer.tp_group, layer.tp_size, layer.parallel_mode, layer.sequence_parallel) == (
+        group, world, "column", True)
+    twin = copy.deepcopy(layer)  # shares the process group; a pickle cannot hold one
+    assert twin.tp_group is group and twin._tp is not layer._tp
+    x = torch.randn(32, K)
+    with te.autocast(recipe=RECIPES["current"]):
+        assert torch.equal(twin(x), layer(x))
+    with pytest.raises(TypeError, match="holds its process group, which cannot be pickled"):
+        pickle.dumps(layer)
+    layer = te.Linear(K, N, tp_group=group, parallel_mode="column")  # its first step
     recipe = RECIPES["current"] if rank == 0 else RECIPES["mxfp8"]
     with pytest.raises(RuntimeError, match="run different recipes"):
         with te.autocast(recipe=recipe):
@@ -286,3 +301,58 @@ def test_bad_configurations_raise_clearly():
     assert "not divisible by the 2 ranks" in raised[0] and "in_features=65" in raised[1]
     assert "sequence_parallel=True needs tp_group" in raised[2]
     assert "needs tp_group" in raised[3] and "parallel_mode must be" in raised[4]
+
+
+def compile_worker(rank, world, configs):
+    """torch.compile(fullgraph=True) of a column-then-row MLP with te.autocast inside the compiled
+    step: output, input gradient and parameter gradients of two steps bit-identical to eager.
+    configs: (recipe name, sequence_parallel, "te" for TE's form or "styles" for tequant's
+    DTensor styles)."""
+    import torch._dynamo.testing
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+    mesh = init_device_mesh("cpu", (world,))
+    torch._dynamo.config.cache_size_limit = 64
+    for name, sp, form in configs:
+        recipe = RECIPES[name]
+        torch.manual_seed(0)
+        if form == "te":
+            eager = MLP(dist.group.WORLD, sp=sp)
+        else:
+            eager = parallelize_module(MLP(), mesh, {
+                "fc1": te.distributed.ColwiseParallel(input_layouts=Shard(1) if sp else None),
+                "fc2": te.distributed.RowwiseParallel(output_layouts=Shard(1) if sp else None)})
+        twin = copy.deepcopy(eager)
+
+        def step(model, x):
+            with te.autocast(recipe=recipe):
+                return model(x)
+        counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(step, backend=counter, fullgraph=True)
+        results = []
+        for model, fn in ((eager, step), (twin, compiled)):
+            got = []
+            for s in range(2):
+                torch.manual_seed(100 + s)
+                x = torch.randn(2, 64, K)  # [b, s, h]; TE's form splits dim 0, the styles dim 1
+                if sp:
+                    x = x.chunk(world, 1 if form == "styles" else 0)[rank]
+                x = x.contiguous().requires_grad_()
+                y = fn(model, x)
+                y.square().mean().backward()
+                got += [y.detach(), x.grad]
+                for p in model.parameters():
+                    got.append(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
+                    p.grad = None
+            results.append(got)
+        assert counter.frame_count == 1, counter.frame_count  # one graph, traced once
+        for i, (a, b) in enumerate(zip(*results)):
+            assert torch.equal(a, b), (name, sp, form, i, rel(a, b))
+    return True
+
+
+def test_compiled_tensor_parallel_is_bit_identical_to_eager():
+    configs = [("current", True, "te"), ("mxfp8", True, "te"), ("delayed", False, "te"),
+               ("nvfp4", True, "styles")]
+    assert all(run_ranks(compile_worker, 2, configs, timeout=400))

@@ -16,6 +16,7 @@ Traced updates all-reduce row 0 over the autocast's amax_reduction_group first (
 collective in the graph), as delayed.py's eager update does.
 Tests: tests/test_compile.py.
 """
+import sys
 import weakref
 
 import torch
@@ -331,31 +332,67 @@ def _high_precision(dy, x2d, weight, needs, bias_dtype, ctx):
 
 
 def forward(module, inp, is_first_microbatch):
-    """te.Linear.forward as Dynamo traces it (linear.py calls it while compiling)."""
-    bias = None if module.return_bias else module.bias
+    """te.Linear.forward as Dynamo traces it (linear.py calls it while compiling). Tensor
+    parallelism (te.Linear's own, or tequant's DTensor styles) wraps the local linear in
+    functional collectives; its sequence-parallel all-gathers move high precision here (each
+    rank then quantizes the whole tensor: the eager quantized gather's bits)."""
+    weight, bias = module.weight, None if module.return_bias else module.bias
+    tp = module._tp
+    if tp is None:
+        if _is_dtensor(weight):
+            raise NotImplementedError(
+                "te.Linear parallelized with torch's ColwiseParallel / RowwiseParallel under "
+                "torch.compile: use te.distributed.ColwiseParallel / RowwiseParallel (same "
+                "arguments), which compile")
+        return _local(module, inp, weight, bias, is_first_microbatch)
+    row = tp.mode == "row"
+    if _is_dtensor(weight):  # a tequant style: the parameters' local shards
+        from torch.distributed.tensor import Partial
+        weight = weight.to_local()
+        if bias is not None:
+            bias = bias.to_local(grad_placements=[Partial()] if row and tp.sequence_parallel
+                                 else None)
+    state = _compile.current()
+    if state.enabled and not state.recipe.custom():
+        _check_tp_recipe(_module_uid(module), state.recipe_id)
+    out = tp.linear_hp(inp, lambda x: _local(module, x, weight, None if row else bias,
+                                             is_first_microbatch))
+    return out + bias.to(out.dtype) if row and bias is not None else out
+
+
+def _is_dtensor(weight):
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(weight, module.DTensor)
+
+
+def _local(module, inp, weight, bias, is_first_microbatch):
+    """The linear on this rank's tensors (all of a non-parallel layer's)."""
     state = _compile.current()
     recipe_id = state.recipe_id
     if not state.enabled:
         if state.calibrating and info(recipe_id, 0)[2]:
             delayed.calibrate(module, info(recipe_id, 0)[4], inp)
-        return F.linear(inp, module.weight, bias)
+        return F.linear(inp, weight, bias)
     if is_first_microbatch is not None:
         raise NotImplementedError("te.Linear(is_first_microbatch=...) caches the quantized weight "
                                   "between calls, which torch.compile does not trace; pass None "
                                   "(the default) inside compiled code")
-    if inp.shape[-1] != module.in_features:
+    n, k = weight.shape
+    if inp.shape[-1] != k:
         raise ValueError(f"input has {inp.shape[-1]} features in its last dim; this Linear "
-                         f"takes {module.in_features}")
+                         f"takes {k}")
     if torch.is_autocast_enabled(inp.device.type):
         inp = inp.to(torch.get_autocast_dtype(inp.device.type))
     if state.recipe.custom():
         from .linear import _CustomLinear
-        return _CustomLinear.apply(inp, module.weight, bias, module._custom_quantizers(state.recipe))
+        return _CustomLinear.apply(inp, weight, bias, module._custom_quantizers(state.recipe))
     scaling, align, is_delayed, _, history_len, _, _, _ = info(recipe_id, 0)
-    for name, dim in (("in_features", module.in_features), ("out_features", module.out_features)):
-        if dim % align:
-            raise ValueError(f"{name}={dim} must be a multiple of {align} for {scaling} scaling "
-                             "(te.Linear inside te.autocast)")
+    for name, dim, local in (("in_features", module.in_features, k),
+                             ("out_features", module.out_features, n)):
+        if local % align:
+            shard = f" (this rank's {local} of {dim})" if local != dim else ""
+            raise ValueError(f"{name}={dim}{shard} must be a multiple of {align} for {scaling} "
+                             "scaling (te.Linear inside te.autocast)")
     scale_fwd = hist_fwd = scale_bwd = hist_bwd = None
     if is_delayed and _in_checkpoint():
         # DelayedScaling inside torch.utils.checkpoint: AOTAutograd's recompute would read the
@@ -370,8 +407,16 @@ def forward(module, inp, is_first_microbatch):
         scale_bwd, hist_bwd = module.delayed_scale_bwd, module.delayed_amax_history_bwd
         if torch.is_grad_enabled():
             _register_delayed(module, state, hist_fwd, scale_fwd, recipe_id)
-    return _CompiledLinear.apply(inp, module.weight, bias, scale_fwd, hist_fwd, scale_bwd,
+    return _CompiledLinear.apply(inp, weight, bias, scale_fwd, hist_fwd, scale_bwd,
                                  hist_bwd, recipe_id, state.group if is_delayed else None)
+
+
+@_compile.constant
+def _check_tp_recipe(uid, recipe_id):
+    """The tensor-parallel group's one-time recipe agreement check (tensor_parallel.py), run
+    while Dynamo traces: every rank traces the same code, so every rank takes part."""
+    _MODULES[uid]._tp.check_recipe(_C._recipe_of_key(int(recipe_id)), int(recipe_id))
+    return True
 
 
 @_compile.constant

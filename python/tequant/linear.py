@@ -369,9 +369,6 @@ class Linear(torch.nn.Linear):
             tp, in_local, out_local = TensorParallel.make(in_features, out_features, tp_group,
                                                           tp_size, parallel_mode,
                                                           sequence_parallel)
-        self.tp_group, self.parallel_mode = tp_group, parallel_mode
-        self.tp_size = tp.size if tp is not None else 1
-        self.sequence_parallel = bool(sequence_parallel)
         factory = {"dtype": dtype, "device": device}
         self.weight = torch.nn.Parameter(torch.empty(out_local, in_local, **factory))
         if bias:  # row parallel: whole, added after the reduction; column: this rank's slice
@@ -391,14 +388,16 @@ class Linear(torch.nn.Linear):
         module.return_bias = bool(return_bias)
         module.init_method = init_method
         module._tp = tp  # tensor parallelism (distributed/tensor_parallel.py), or None
-        if tp is None:
-            module.__dict__.setdefault("tp_size", 1)
-            module.__dict__.setdefault("parallel_mode", None)
-            module.__dict__.setdefault("tp_group", None)
-            module.__dict__.setdefault("sequence_parallel", False)
         module._plans = {}           # recipe key -> _Plan (or a CustomRecipe's quantizers)
         module._weight_cache = []    # [recipe key, quantized W] for is_first_microbatch=False
         _compile_linear.register_module(module)
+
+    # TransformerEngine's tensor-parallel attributes, read from the setting (a copy of the module
+    # shares its process group: TensorParallel.__deepcopy__)
+    tp_group = property(lambda self: None if self._tp is None else self._tp.group)
+    tp_size = property(lambda self: 1 if self._tp is None else self._tp.size)
+    parallel_mode = property(lambda self: None if self._tp is None else self._tp.mode)
+    sequence_parallel = property(lambda self: self._tp is not None and self._tp.sequence_parallel)
 
     def reset_parameters(self):
         """init_method(weight) (default: torch.nn.Linear's Kaiming-uniform) and a zero bias."""

@@ -125,9 +125,7 @@ def _setup(module, mesh, mode, dim, style):
                              dim is not None)[0]
     if dim is not None:
         tp.dim = dim
-    module._tp = tp
-    module.tp_group, module.tp_size, module.parallel_mode = group, tp.size, mode
-    module.sequence_parallel = tp.sequence_parallel
+    module._tp = tp  # also te.Linear's tp_group, tp_size, parallel_mode, sequence_parallel
     return tp
 
 

@@ -27,6 +27,7 @@ import math
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from .. import _C, ops
 from ..quantized import COLUMNWISE, ROWWISE
@@ -50,6 +51,17 @@ class TensorParallel:
         self.sequence_parallel = sequence_parallel
         self.dim = dim  # the sequence dim sequence parallelism splits (0: TE's [s, b, h])
         self.checked = set()  # recipe keys whose agreement across the group was checked
+
+    def __deepcopy__(self, memo):
+        """A copied te.Linear shares the process group (a communicator is not copied)."""
+        tp = TensorParallel(self.group, self.size, self.mode, self.sequence_parallel, self.dim)
+        tp.checked = set(self.checked)
+        return tp
+
+    def __reduce__(self):
+        raise TypeError("a tensor-parallel te.Linear holds its process group, which cannot be "
+                        "pickled: save the model's state_dict (torch.distributed.checkpoint for "
+                        "DTensor parameters) and build the model again on load")
 
     @staticmethod
     def make(in_features, out_features, tp_group, tp_size, parallel_mode, sequence_parallel):
@@ -157,7 +169,12 @@ def _device(group):
 
 # ---- collectives along the sequence dim (tokens) ----------------------------------------------
 
+# Under torch.compile the collectives are functional collectives (traceable ops that return new
+# tensors); eager code calls the in-place c10d ones, cheaper on the host.
+
 def _all_reduce(t, group):
+    if torch.compiler.is_compiling():
+        return funcol.all_reduce(t, "sum", group)
     t = t.contiguous()
     dist.all_reduce(t, group=group)
     return t
@@ -166,6 +183,8 @@ def _all_reduce(t, group):
 def _gather_tokens(t, group, dim=0):
     """The ranks' t concatenated along dim (one copy besides the gather where dim > 0)."""
     t, dim = t.contiguous(), dim % t.dim()
+    if torch.compiler.is_compiling():
+        return funcol.all_gather_tensor(t, dim, group)
     size = dist.get_world_size(group)
     out = t.new_empty((size * t.shape[0],) + tuple(t.shape[1:]))
     dist.all_gather_into_tensor(out, t, group=group)
@@ -181,6 +200,8 @@ def _scatter_tokens(t, group, dim=0):
     if t.shape[dim] % size:
         raise ValueError(f"sequence parallelism splits dim {dim} of a {list(t.shape)} tensor "
                          f"over {size} ranks: it must be a multiple of {size}")
+    if torch.compiler.is_compiling():
+        return funcol.reduce_scatter_tensor(t.contiguous(), "sum", dim, group)
     part = t.shape[:dim] + (t.shape[dim] // size,) + t.shape[dim + 1:]
     stacked = t.reshape(t.shape[:dim] + (size, t.shape[dim] // size) + t.shape[dim + 1:])
     stacked = stacked.movedim(dim, 0).contiguous()  # the ranks' parts, stacked
