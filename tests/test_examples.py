@@ -1,6 +1,7 @@
 """examples/train_fsdp.py under torchrun on CPU (gloo, 2 ranks): FSDP2 + activation
 checkpointing + quantized all-gather trains, prints the bytes it gathered per forward (below the
-high-precision gather's), saves a distributed checkpoint and resumes from it. A subprocess with a
+high-precision gather's), saves a distributed checkpoint and resumes from it; with --tp 2 (a
+dp x tp mesh, sequence parallel) it trains with quantized all-gathers. A subprocess with a
 timeout, so a hang fails the test.
 """
 import os
@@ -32,3 +33,13 @@ def test_train_fsdp_example_trains_saves_and_resumes(tmp_path):
                    "--checkpoint-dir", folder, "--resume")
     resumed = float(re.search(r"final loss ([\d.]+)", out).group(1))
     assert 0 < resumed < first + 1.0, out  # went on from the trained state, not from scratch
+
+
+def test_train_fsdp_example_with_tensor_parallelism():
+    """--tp 2 on 2 ranks (dp 1 x tp 2), sequence parallel: trains, and its column layers'
+    all-gathers move the recipe's codes (fewer bytes than in high precision)."""
+    out = torchrun("--size", "tiny", "--steps", "6", "--recipe", "current", "--tp", "2")
+    losses = [float(v) for v in re.findall(r"loss ([\d.]+)", out)]
+    ratio = float(re.search(r"high precision [\d,]+ \(([\d.]+)x\)", out).group(1))
+    assert "tp 2" in out and losses[-1] < losses[0] - 0.2, out
+    assert 0 < ratio < 0.6, out

@@ -26,7 +26,7 @@ SIZES = {
 class Block(torch.nn.Module):
     def __init__(self, d_model, heads, init_std, out_std):
         super().__init__()
-        self.heads = heads
+        self.head_dim = d_model // heads
         self.ln1 = torch.nn.LayerNorm(d_model)
         self.ln2 = torch.nn.LayerNorm(d_model)
         # a partial, not a closure: the module keeps init_method, and the model stays picklable
@@ -37,11 +37,13 @@ class Block(torch.nn.Module):
         self.fc2 = Linear(4 * d_model, d_model, init_method=normal(out_std))
 
     def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        # sizes from qkv's output: under tensor parallelism (examples/train_fsdp.py --tp) it holds
+        # this rank's heads [q; k; v], and with sequence parallelism all the tokens
+        qkv = self.qkv(self.ln1(x))
+        b, t = qkv.shape[:2]
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in qkv.chunk(3, dim=-1))
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, -1))
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
 
 
