@@ -47,17 +47,19 @@ test-deps: deps
 test: build test-deps
 	$(PYTHON) -m pytest $(PYTEST_ARGS) tests
 
-# bench_quantize, bench_gemm, bench_overhead and bench_linear need a GPU; without one they run
-# their quick CPU-side checks.
+# bench_quantize, bench_gemm, bench_overhead, bench_linear and bench_tp_overhead need a GPU;
+# without one they run their quick CPU-side checks.
 bench: build
 	$(PYTHON) benchmarks/bench_autocast.py
 	@if $(PYTHON) -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then \
 		$(PYTHON) benchmarks/bench_quantize.py && $(PYTHON) benchmarks/bench_gemm.py && \
-		$(PYTHON) benchmarks/bench_overhead.py && $(PYTHON) benchmarks/bench_linear.py; \
+		$(PYTHON) benchmarks/bench_overhead.py && $(PYTHON) benchmarks/bench_linear.py && \
+		$(PYTHON) benchmarks/bench_tp_overhead.py; \
 	else $(PYTHON) benchmarks/bench_quantize.py --device cpu --shapes 256x256 && \
 		$(PYTHON) benchmarks/bench_gemm.py --device cpu && \
 		$(PYTHON) benchmarks/bench_overhead.py --device cpu && \
-		$(PYTHON) benchmarks/bench_linear.py --device cpu; fi
+		$(PYTHON) benchmarks/bench_linear.py --device cpu && \
+		$(PYTHON) benchmarks/bench_tp_overhead.py --device cpu --recipes current; fi
 
 clean:
 	rm -rf build python/tequant/*.so *.egg-info python/*.egg-info

@@ -42,7 +42,8 @@ _ROLES = {"input": "x", "grad_output": "dy"}
 class TensorParallel:
     """A te.Linear's tensor-parallel setting and the collectives around its C calls (the hooks
     linear._QuantizedLinear calls: gather_input, reduce_output, gather_grad_output,
-    reduce_grad_input)."""
+    reduce_grad_input). A group of one rank has nothing to exchange: its hooks pass tensors
+    through (as TransformerEngine's collectives do)."""
 
     __slots__ = ("group", "size", "mode", "sequence_parallel", "dim", "checked")
 
@@ -116,6 +117,8 @@ class TensorParallel:
 
     def linear_hp(self, inp, linear):
         """linear(x) -> y of one rank with this setting's collectives as autograd Functions."""
+        if self.size == 1:
+            return linear(inp)
         if self.mode == "column":
             x = (_GatherTokens.apply(inp, self.group, self.dim) if self.sequence_parallel
                  else _ReduceGrad.apply(inp, self.group, 0))
@@ -130,7 +133,7 @@ class TensorParallel:
         """Column, sequence parallel: the whole input from this rank's tokens, quantized
         ((members, shape, dtype) for C) or in high precision where it cannot be (or where the
         recipe's backward_override reads it, quantized=False)."""
-        if self.mode != "column" or not self.sequence_parallel:
+        if self.mode != "column" or not self.sequence_parallel or self.size == 1:
             return inp
         if not quantized:
             return _gather_tokens(inp, self.group, self.dim)
@@ -139,7 +142,7 @@ class TensorParallel:
         return _gather_quantized(inp, plan, "input", usage, self, state)
 
     def reduce_output(self, out):
-        if self.mode != "row":
+        if self.mode != "row" or self.size == 1:
             return out
         return _scatter_tokens(out, self.group, self.dim) if self.sequence_parallel else \
             _all_reduce(out, self.group)
@@ -147,7 +150,7 @@ class TensorParallel:
     def gather_grad_output(self, dy, plan, state, needs, quantized):
         """Row, sequence parallel: the whole output gradient from this rank's tokens (needs:
         linear.c's bits, 1 dgrad, 2 wgrad)."""
-        if self.mode != "row" or not self.sequence_parallel:
+        if self.mode != "row" or not self.sequence_parallel or self.size == 1:
             return dy
         usage = (ROWWISE if needs & 1 else 0) | (COLUMNWISE if needs & 2 else 0)
         if not usage or not quantized:
@@ -155,7 +158,7 @@ class TensorParallel:
         return _gather_quantized(dy, plan, "grad_output", usage, self, state)
 
     def reduce_grad_input(self, dx):
-        if self.mode != "column" or dx is None:
+        if self.mode != "column" or dx is None or self.size == 1:
             return dx
         return _scatter_tokens(dx, self.group, self.dim) if self.sequence_parallel else \
             _all_reduce(dx, self.group)
@@ -183,11 +186,12 @@ def _all_reduce(t, group):
 def _gather_tokens(t, group, dim=0):
     """The ranks' t concatenated along dim (one copy besides the gather where dim > 0)."""
     t, dim = t.contiguous(), dim % t.dim()
-    if torch.compiler.is_compiling():
-        return funcol.all_gather_tensor(t, dim, group)
     size = dist.get_world_size(group)
-    out = t.new_empty((size * t.shape[0],) + tuple(t.shape[1:]))
-    dist.all_gather_into_tensor(out, t, group=group)
+    if torch.compiler.is_compiling():  # along dim 0: torch 2.11's funcol cannot trace others
+        out = funcol.all_gather_tensor(t, 0, group)
+    else:
+        out = t.new_empty((size * t.shape[0],) + tuple(t.shape[1:]))
+        dist.all_gather_into_tensor(out, t, group=group)
     if dim == 0:
         return out
     shape = t.shape[:dim] + (size * t.shape[dim],) + t.shape[dim + 1:]
@@ -200,13 +204,14 @@ def _scatter_tokens(t, group, dim=0):
     if t.shape[dim] % size:
         raise ValueError(f"sequence parallelism splits dim {dim} of a {list(t.shape)} tensor "
                          f"over {size} ranks: it must be a multiple of {size}")
-    if torch.compiler.is_compiling():
-        return funcol.reduce_scatter_tensor(t.contiguous(), "sum", dim, group)
     part = t.shape[:dim] + (t.shape[dim] // size,) + t.shape[dim + 1:]
     stacked = t.reshape(t.shape[:dim] + (size, t.shape[dim] // size) + t.shape[dim + 1:])
     stacked = stacked.movedim(dim, 0).contiguous()  # the ranks' parts, stacked
+    stacked = stacked.view((size * part[0],) + part[1:])
+    if torch.compiler.is_compiling():
+        return funcol.reduce_scatter_tensor(stacked, "sum", 0, group)
     out = t.new_empty(part)
-    dist.reduce_scatter_tensor(out, stacked.view((size * part[0],) + part[1:]), group=group)
+    dist.reduce_scatter_tensor(out, stacked, group=group)
     return out
 
 
