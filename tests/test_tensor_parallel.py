@@ -13,6 +13,7 @@ Gloo ranks on CPU (tests/dist_util.py, every join with a timeout), 2 and 4 ranks
 - a column-then-row MLP with sequence parallelism trained 20 steps on 2 ranks tracks one
   process's loss curve within the recipe's quantization noise, and matches it to 1e-5 without
   te.autocast;
+- with CUDA (two ranks on the GPU over gloo): the column, row and gather checks again;
 - torch.compile(fullgraph=True) with te.autocast inside, TE's form and tequant's DTensor styles:
   one graph (functional collectives), bit-identical to eager;
 - deepcopy shares the process group; pickling says it cannot hold one;
@@ -191,6 +192,23 @@ def gather_worker(rank, world):
 def test_sequence_parallel_gathers_are_the_whole_tensors_quantization():
     fallbacks = run_ranks(gather_worker, 2, timeout=120)[0]
     assert any("stochastic rounding" in reason for reason in fallbacks), fallbacks
+
+
+def cuda_worker(rank, world, worker, args):
+    """A worker of this file with CUDA tensors (the CUDA quantize kernels and GEMMs); the ranks
+    share the GPU, and gloo moves the CUDA tensors."""
+    torch.cuda.set_device(0)
+    torch.set_default_device("cuda")
+    return globals()[worker](rank, world, *args)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tensor_parallel_over_gloo():
+    names = list(RECIPES)
+    assert all(run_ranks(cuda_worker, 2, "column_worker", (names,), timeout=300))
+    for errors in run_ranks(cuda_worker, 2, "row_worker", (names,), timeout=300):
+        assert all(err > 0 for err in errors.values())
+    run_ranks(cuda_worker, 2, "gather_worker", (), timeout=300)
 
 
 class MLP(torch.nn.Module):
