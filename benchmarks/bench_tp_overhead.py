@@ -1,11 +1,13 @@
 """Host time of a tensor-parallel te.Linear call vs the same te.Linear without tensor parallelism.
 
 One process, a process group of one rank (NCCL on CUDA, gloo on CPU). A one-rank group has
-nothing to exchange and te.Linear's TP hooks pass tensors through (as TransformerEngine's
-collectives do), so this measures what tensor parallelism adds on the host around the C calls:
-the autograd Function path with its hooks, and for the DTensor styles their forward hooks and
-the parameters' to_local; not c10d's collective launches, which the multi-GPU issue measures
-with the collectives themselves (sequence parallelism is then the same path as without it).
+nothing to exchange: te.Linear's TP hooks pass tensors through (as TransformerEngine's
+collectives do) and a row layer adds its bias in the GEMM, as a plain layer. So this measures
+what tensor parallelism adds on the host around the C calls: the autograd Function path with
+its hooks, and for the DTensor styles their forward hooks and the DTensor parameters (their
+local tensors, their gradients wrapped as DTensors and accumulated); not c10d's collective
+launches nor the row bias add after a real reduction, which the multi-GPU issue measures with
+the collectives themselves (sequence parallelism is then the same path as without it).
 Tiny shapes (M tokens, 256->256, bf16 params and activations, bias), te.autocast entered once
 around each loop, fwd+bwd per call; variants:
 - te.Linear (the baseline of each recipe's rows);

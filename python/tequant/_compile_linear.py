@@ -345,13 +345,13 @@ def forward(module, inp, is_first_microbatch):
                 "torch.compile: use te.distributed.ColwiseParallel / RowwiseParallel (same "
                 "arguments), which compile")
         return _local(module, inp, weight, bias, is_first_microbatch)
-    row = tp.mode == "row"
+    row = tp.mode == "row" and tp.size > 1  # the bias after the reduction (one rank: in GEMM)
     if _is_dtensor(weight):  # a tequant style: the parameters' local shards
         from torch.distributed.tensor import Partial
         weight = weight.to_local()
         if bias is not None:
-            bias = bias.to_local(grad_placements=[Partial()] if row and tp.sequence_parallel
-                                 else None)
+            bias = bias.to_local(grad_placements=[Partial()] if tp.mode == "row"
+                                 and tp.sequence_parallel else None)
     state = _compile.current()
     if state.enabled and not state.recipe.custom():
         _check_tp_recipe(_module_uid(module), state.recipe_id)

@@ -526,9 +526,10 @@ class Linear(torch.nn.Linear):
         return self._local(inp, weight, bias, is_first_microbatch, record, replay, trains)
 
     def _local(self, inp, weight, bias, is_first_microbatch, record, replay, trains):
-        """Row-parallel layers add the bias once, after the reduction (as TransformerEngine)."""
+        """Row-parallel layers add the bias once, after the reduction (as TransformerEngine); a
+        group of one rank reduces nothing and adds it in the GEMM, as a plain layer."""
         tp = self._tp
-        if tp is not None and tp.mode == "row":
+        if tp is not None and tp.mode == "row" and tp.size > 1:
             out = self._compute(inp, weight, None, is_first_microbatch, record, replay, trains,
                                 tp)
             return out if bias is None else out + bias.to(out.dtype)

@@ -62,9 +62,9 @@ def run(module, inp, weight, bias, local):
         if isinstance(inp, DTensor):
             raise TypeError(f"{name} was parallelized with a tequant style, whose hook makes the "
                             "input local; it got a DTensor (call the module, not forward)")
-        grad = [Partial()] if module._tp.mode == "row" and module._tp.sequence_parallel else None
-        b = None if bias is None else bias.to_local(grad_placements=grad)
-        return local(inp, weight.to_local(), b)
+        partial_bias = module._tp.mode == "row" and module._tp.sequence_parallel
+        w, b = _LocalParameters.apply(weight, bias, _grad_spec(module, bias, partial_bias))
+        return local(inp, w, b)
     if not isinstance(inp, DTensor) or inp.device_mesh != mesh:
         raise TypeError(f"{name}'s weight is a DTensor on {mesh}; its input must be a DTensor on "
                         f"the same mesh (parallelize_module's styles make it one), got "
@@ -95,6 +95,38 @@ def run(module, inp, weight, bias, local):
         return _wrap(y, mesh, at, tuple(inp.shape[:-1]) + (weight.shape[0],))
     raise ValueError(f"{name}'s weight has placement {placement}; te.Linear runs Shard(0) "
                      "(ColwiseParallel), Shard(1) (RowwiseParallel) or Replicate()")
+
+
+class _LocalParameters(torch.autograd.Function):
+    """(W, b) DTensors -> their local tensors; backward wraps the local gradients as DTensors
+    of the parameters' layout (b's: bias_spec). What to_local does for each, in one node, and
+    without to_local's from_local in backward (most of a tequant-style call's host overhead)."""
+
+    @staticmethod
+    def forward(ctx, weight, bias, bias_spec):
+        ctx.specs = (weight._spec, bias_spec)
+        w = weight._local_tensor.view_as(weight._local_tensor)  # a fresh tensor for autograd
+        b = None if bias is None else bias._local_tensor.view_as(bias._local_tensor)
+        return w, b
+
+    @staticmethod
+    def backward(ctx, dw, db):
+        w_spec, b_spec = ctx.specs
+        return (None if dw is None else DTensor(dw, w_spec, requires_grad=False),
+                None if db is None else DTensor(db, b_spec, requires_grad=False), None)
+
+
+def _grad_spec(module, bias, partial):
+    """The layout of b's gradient: b's own, or Partial (a row-parallel bias under sequence
+    parallelism: each rank's tokens' part), made once per bias."""
+    if bias is None or not partial:
+        return None if bias is None else bias._spec
+    cached = module.__dict__.get("_tq_bias_grad_spec")
+    if cached is None or cached[0] is not bias._spec:
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec
+        spec = DTensorSpec(bias._spec.mesh, (Partial(),), tensor_meta=bias._spec.tensor_meta)
+        cached = module.__dict__["_tq_bias_grad_spec"] = (bias._spec, spec)
+    return cached[1]
 
 
 # ---- tequant's styles --------------------------------------------------------------------------
