@@ -14,6 +14,8 @@ parallelism along dim 0 ([s, b, h]) and dim 1 ([b, s, h]):
 - a 2-D mesh (dp 2 x tp 2, 4 ranks): FSDP2 over tequant's styles, with and without the quantized
   all-gather, forward bit-identical to the TP-only pair on the rank's batch, gradients the dp
   mean of the TP-only pair's;
+- TransformerEngine's form under FSDP2: reduce_sequence_parallel_grads sums the row bias's
+  DTensor gradient (found through its module: FSDP2 replaces the parameter);
 - clear errors: a module that is not te.Linear, a 2-D mesh, a feature-sharded column input, a
   Partial output layout, a layer parallelized twice.
 Code: python/tequant/distributed/dtensor.py, tensor_parallel.py, linear.py.
@@ -100,8 +102,8 @@ def fwd_bwd(model, x, dy, recipe, seed):
     with te.autocast(recipe=recipe) if recipe is not None else te.autocast(enabled=False):
         y = model(x)
     y.backward(dy)
-    if model.fc2.sequence_parallel and not hasattr(model.fc2.bias, "placements"):
-        te.distributed.reduce_sequence_parallel_grads(model, dist.group.WORLD)  # TE's form
+    if model.fc2.sequence_parallel:  # TE's form needs it, and the styles' biases it leaves
+        te.distributed.reduce_sequence_parallel_grads(model, dist.group.WORLD)
     grads = [local(p.grad) for p in model.parameters()]
     for p in model.parameters():
         p.grad = None
@@ -222,6 +224,30 @@ def sequence_parallel_worker(rank, world):
 
 def test_torch_sequence_parallel_style():
     assert all(run_ranks(sequence_parallel_worker, 2, timeout=120))
+
+
+def fsdp_te_form_worker(rank, world):
+    """TransformerEngine's form with sequence parallelism under FSDP2 (a 1 x 2 mesh): the
+    row-parallel bias's gradient, a DTensor, is summed by reduce_sequence_parallel_grads like a
+    plain one."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    whole = whole_pair()
+    model = te_mode_pair(whole, rank, world, True, 0)
+    reference = te_mode_pair(whole, rank, world, True, 0)
+    fully_shard(model, mesh=mesh["dp"])
+    torch.manual_seed(4)
+    x, dy = torch.randn(TOKENS // world, 2, K), torch.randn(TOKENS // world, 2, K)
+    got = fwd_bwd(model, x, dy, RECIPES["current"], seed=90)
+    want = fwd_bwd(reference, x, dy, RECIPES["current"], seed=90)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), (i, rel(a, b))
+    return True
+
+
+def test_fsdp2_over_transformer_engine_form():
+    assert all(run_ranks(fsdp_te_form_worker, 2, timeout=120))
 
 
 def errors_worker(rank, world):

@@ -155,6 +155,7 @@ def _setup(module, mesh, mode, dim, style):
     group = mesh.get_group()
     tp = TensorParallel.make(module.in_features, module.out_features, group, 1, mode,
                              dim is not None)[0]
+    tp.dtensor = True
     if dim is not None:
         tp.dim = dim
     module._tp = tp  # also te.Linear's tp_group, tp_size, parallel_mode, sequence_parallel

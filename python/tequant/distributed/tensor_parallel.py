@@ -45,18 +45,19 @@ class TensorParallel:
     reduce_grad_input). A group of one rank has nothing to exchange: its hooks pass tensors
     through (as TransformerEngine's collectives do)."""
 
-    __slots__ = ("group", "size", "mode", "sequence_parallel", "dim", "checked")
+    __slots__ = ("group", "size", "mode", "sequence_parallel", "dim", "checked", "dtensor")
 
     def __init__(self, group, size, mode, sequence_parallel, dim=0):
         self.group, self.size, self.mode = group, size, mode
         self.sequence_parallel = sequence_parallel
         self.dim = dim  # the sequence dim sequence parallelism splits (0: TE's [s, b, h])
         self.checked = set()  # recipe keys whose agreement across the group was checked
+        self.dtensor = False  # set by tequant's DTensor styles (dtensor.py): DTensor parameters
 
     def __deepcopy__(self, memo):
         """A copied te.Linear shares the process group (a communicator is not copied)."""
         tp = TensorParallel(self.group, self.size, self.mode, self.sequence_parallel, self.dim)
-        tp.checked = set(self.checked)
+        tp.checked, tp.dtensor = set(self.checked), self.dtensor
         return tp
 
     def __reduce__(self):
@@ -323,12 +324,21 @@ def _factors(x, recipe, role, config, usage, group, state):
 
 
 def reduce_sequence_parallel_grads(model, group):
-    """Sums over `group` the gradients of the parameters whose `sequence_parallel` attribute is
-    set (row-parallel biases under sequence parallelism; each rank's holds its tokens' part), as
-    Megatron-LM does for TransformerEngine's modules. Call it between backward and the
-    optimizer step."""
-    grads = [p.grad for p in model.parameters()
-             if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    """Sums over `group` the gradients of the row-parallel te.Linear biases under sequence
+    parallelism (each rank's holds its tokens' part) and of any parameter whose
+    `sequence_parallel` attribute is set, as Megatron-LM does for TransformerEngine's modules.
+    Call it between backward and the optimizer step. The biases are found through their modules
+    (FSDP2 replaces parameter objects, and their attributes with them)."""
+    from ..linear import Linear
+    params = {id(p): p for p in model.parameters() if getattr(p, "sequence_parallel", False)}
+    for module in model.modules():
+        tp = getattr(module, "_tp", None) if isinstance(module, Linear) else None
+        if tp is not None and tp.mode == "row" and tp.sequence_parallel and not tp.dtensor \
+                and module.bias is not None:  # (a DTensor style's bias has a Partial gradient)
+            params[id(module.bias)] = module.bias
+    grads = [p.grad for p in params.values() if p.grad is not None]
+    # FSDP2's gradients are DTensors: their local tensors (views) are what this rank holds
+    grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
     if grads:
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=group)
