@@ -16,7 +16,6 @@ Traced updates all-reduce row 0 over the autocast's amax_reduction_group first (
 collective in the graph), as delayed.py's eager update does.
 Tests: tests/test_compile.py.
 """
-import sys
 import weakref
 
 import torch
@@ -24,10 +23,10 @@ import torch.nn.functional as F
 
 from . import _C, _compile, delayed
 from ._compile_ops import fake, graph_safe_workspace, op
+from ._operands import TQ_DTYPE, is_dtensor
 
 _NEED_DGRAD, _NEED_WGRAD, _KEEP_X_ROWWISE = 1, 2, 4  # csrc/ext/linear.c
 _ROWWISE, _COLUMNWISE = 1, 2
-_TQ_DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # tq_dtype codes
 _PLANS = {}  # recipe id -> linear._Plan
 
 
@@ -141,7 +140,7 @@ def linear_bwd(dy: torch.Tensor, x_members: list[torch.Tensor], w_members: list[
     x_kept = _x_kept(plan, needs)
     x_six = _six(x_members, x_kept) if any(x_kept) else None
     saved = (x_six, _six(w_members, _w_kept(plan)), rows, _padded(rows, plan.align), n, k,
-             _TQ_DTYPE[x_dtype], _TQ_DTYPE[w_dtype])
+             TQ_DTYPE[x_dtype], TQ_DTYPE[w_dtype])
     state = _delayed_state(scale_bwd, 0, dy.device) if plan.delayed else None
     with graph_safe_workspace():
         dx, dw, db = _C.linear_backward(plan.c_args, saved, dy.contiguous(), needs, state,
@@ -339,14 +338,14 @@ def forward(module, inp, is_first_microbatch):
     weight, bias = module.weight, None if module.return_bias else module.bias
     tp = module._tp
     if tp is None:
-        if _is_dtensor(weight):
+        if is_dtensor(weight):
             raise NotImplementedError(
                 "te.Linear parallelized with torch's ColwiseParallel / RowwiseParallel under "
                 "torch.compile: use te.distributed.ColwiseParallel / RowwiseParallel (same "
                 "arguments), which compile")
         return _local(module, inp, weight, bias, is_first_microbatch)
     row = tp.mode == "row" and tp.size > 1  # the bias after the reduction (one rank: in GEMM)
-    if _is_dtensor(weight):  # a tequant style: the parameters' local shards
+    if is_dtensor(weight):  # a tequant style: the parameters' local shards
         from torch.distributed.tensor import Partial
         weight = weight.to_local()
         if bias is not None:
@@ -358,11 +357,6 @@ def forward(module, inp, is_first_microbatch):
     out = tp.linear_hp(inp, lambda x: _local(module, x, weight, None if row else bias,
                                              is_first_microbatch))
     return out + bias.to(out.dtype) if row and bias is not None else out
-
-
-def _is_dtensor(weight):
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(weight, module.DTensor)
 
 
 def _local(module, inp, weight, bias, is_first_microbatch):

@@ -19,13 +19,12 @@ Tests: tests/test_linear.py, tests/test_linear_module.py, tests/test_linear_dela
 tests/test_checkpoint.py, tests/test_copy.py.
 """
 import math
-import sys
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
 import torch.nn.functional as F
 
-from . import _C, _compile_linear, checkpoint, delayed
+from . import _C, _compile_linear, _operands, checkpoint, delayed
 from .ops import _FAST_ACCUM  # tq_gemm_flags, defined once in ops.py
 from .quantized import COLUMNWISE as _COLUMNWISE, ROWWISE as _ROWWISE
 from .recipe import QuantizerRole
@@ -89,7 +88,7 @@ class _QuantizedLinear(torch.autograd.Function):
         # views of the module's history, which the autocast's exit updates in place before
         # backward, and no GEMM reads an amax. A weight that came quantized is asked again in
         # backward for the direction dgrad reads (FSDP2 may have gathered it anew).
-        ctx.w_given = _quantized_weight(weight)
+        ctx.w_given = _operands.quantized_weight(weight)
         x_tensors, ctx.x_amax = _split(saved[0])
         w_tensors, ctx.w_amax = _split(saved[1] if ctx.w_given is None else None)
         ctx.n_x, ctx.n_w = len(x_tensors), len(w_tensors)
@@ -100,7 +99,7 @@ class _QuantizedLinear(torch.autograd.Function):
         ctx.shape = inp[1] if quantized_x else inp.shape
         ctx.module, ctx.pending = module, pending
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        ctx.dtype = _DTYPE_OF[inp[2]] if quantized_x else inp.dtype
+        ctx.dtype = _operands.DTYPE_OF[inp[2]] if quantized_x else inp.dtype
         ctx.weight_dtype = weight.dtype
         return out
 
@@ -109,9 +108,7 @@ class _QuantizedLinear(torch.autograd.Function):
         plan, needs = ctx.plan, ctx.needs
         saved, kept = _saved(ctx, _ROWWISE if plan.backward_override == "dequantized"
                              else _COLUMNWISE if needs & _NEED_DGRAD else 0)
-        if type(dy) is not torch.Tensor and hasattr(type(dy), "trigger_wait"):
-            dy = dy.trigger_wait()  # a collective's output (DTensor's), as in forward's _Waited
-        dy = dy.contiguous()
+        dy = _operands.waited(dy).contiguous()  # a collective's output (DTensor's)
         bias_dtype = ctx.bias_dtype if ctx.needs_input_grad[2] else None
         tp = ctx.tp
         state = delayed.slots(ctx.module, delayed.BACKWARD)[0] if plan.delayed else None
@@ -148,63 +145,9 @@ def _saved(ctx, w_usage=_COLUMNWISE):
     if ctx.w_given is None:
         w_kept = _joined(tensors[n_x:n_x + n_w], ctx.w_amax)
     else:
-        w_kept = _given_kept(ctx.w_given, ctx.plan, w_usage) if w_usage else None
+        w_kept = _operands.given_kept(ctx.w_given, ctx.plan, w_usage) if w_usage else None
     saved = (_joined(tensors[:n_x], ctx.x_amax), w_kept) + ctx.rest
     return saved, tensors[n_x + n_w:]
-
-
-# A weight that arrives quantized (FSDP2's quantized all-gather, tequant/distributed/fsdp.py) is
-# a tensor subclass with tq_recipe_key (the key of the recipe it was quantized under),
-# tq_kept(usage) (its six members holding the direction ROWWISE or COLUMNWISE) and
-# tq_dequantized() (its values in its dtype, for a te.Linear running in high precision). A
-# subclass that wraps the high-precision weight gives it as tq_data.
-_TQ_DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # tq_dtype codes
-_DTYPE_OF = {code: dtype for dtype, code in _TQ_DTYPE.items()}
-
-
-def _quantized_weight(weight):
-    """weight, when it arrives quantized; None for an ordinary tensor (the common case costs
-    two type checks)."""
-    if type(weight) is torch.nn.Parameter or type(weight) is torch.Tensor:
-        return None
-    return weight if hasattr(weight, "tq_kept") else None
-
-
-def _given_kept(given, plan, usage):
-    if given.tq_recipe_key != plan.key:
-        raise RuntimeError(
-            f"this te.Linear's weight was quantized (by FSDP2's all-gather) under "
-            f"{_C._recipe_of_key(given.tq_recipe_key)!r}, the te.autocast active when it was "
-            f"gathered, but the layer runs under {plan.recipe!r}: enter one te.autocast around "
-            "the whole FSDP module's forward")
-    return given.tq_kept(usage)
-
-
-class _Waited(torch.autograd.Function):
-    """An AsyncCollectiveTensor (a functional collective's output, e.g. DTensor's to_local after
-    a redistribute, which has no data of its own for C) as the plain tensor it waits for; its
-    gradient passes through."""
-
-    @staticmethod
-    def forward(ctx, t):
-        return t.trigger_wait()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-
-
-class _DequantizedWeight(torch.autograd.Function):
-    """A quantized-arrived weight's values for a high-precision te.Linear; its gradient passes
-    straight to the weight (FSDP2 reduce-scatters it as usual)."""
-
-    @staticmethod
-    def forward(ctx, weight):
-        return weight.tq_dequantized()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
 
 
 def _forward(inp, weight, bias, module, plan, is_first_microbatch, c_needs, states=None):
@@ -217,8 +160,8 @@ def _forward(inp, weight, bias, module, plan, is_first_microbatch, c_needs, stat
         x_state = w_state = None
     if type(weight) is not torch.nn.Parameter and type(weight) is not torch.Tensor:
         if hasattr(weight, "tq_kept"):
-            weight = (_given_kept(weight, plan, _ROWWISE), weight.shape[0], weight.shape[1],
-                      _TQ_DTYPE[weight.dtype])
+            weight = (_operands.given_kept(weight, plan, _ROWWISE), weight.shape[0],
+                      weight.shape[1], _operands.TQ_DTYPE[weight.dtype])
         else:  # a wrapper of the high-precision weight (tequant.distributed.ShardedWeight)
             weight = getattr(weight, "tq_data", weight)
     return _C.linear_forward(plan.c_args, inp, weight, bias, c_needs, module._weight_cache,
@@ -519,7 +462,7 @@ class Linear(torch.nn.Linear):
         A DTensor weight (parallelize_module) runs on the local tensors (distributed/dtensor.py)."""
         weight, bias = self.weight, None if self.return_bias else self.bias
         if (type(weight) is not torch.nn.Parameter and type(weight) is not torch.Tensor
-                and _is_dtensor(weight)):
+                and _operands.is_dtensor(weight)):
             from .distributed import dtensor
             return dtensor.run(self, inp, weight, bias, lambda x, w, b: self._local(
                 x, w, b, is_first_microbatch, record, replay, trains))
@@ -547,8 +490,8 @@ class Linear(torch.nn.Linear):
                 if plan.delayed:
                     delayed.calibrate(self, plan.x.amax_history_len, inp)
         if recipe is None:
-            if _quantized_weight(weight) is not None:
-                weight = _DequantizedWeight.apply(weight)
+            if _operands.quantized_weight(weight) is not None:
+                weight = _operands.dequantized(weight)
             if tp is not None:
                 return tp.linear_hp(inp, lambda x: F.linear(x, weight, bias))
             return F.linear(inp, weight, bias)
@@ -557,8 +500,7 @@ class Linear(torch.nn.Linear):
         if inp.shape[-1] != weight.shape[1]:
             raise ValueError(f"input has {inp.shape[-1]} features in its last dim; this "
                              f"Linear takes {weight.shape[1]}")
-        if type(inp) is not torch.Tensor and hasattr(type(inp), "trigger_wait"):
-            inp = _Waited.apply(inp)  # a collective's output, not yet waited on
+        inp = _operands.waited(inp)  # a collective's output, not yet waited on
         if torch.is_autocast_enabled(inp.device.type):
             inp = inp.to(torch.get_autocast_dtype(inp.device.type))
         if recipe.custom():
@@ -601,12 +543,6 @@ class Linear(torch.nn.Linear):
                 if saved is not None and getattr(self, name, None) is None:
                     self.register_buffer(name, torch.empty_like(saved, device=self.weight.device))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-
-
-def _is_dtensor(weight):
-    """Without importing torch.distributed.tensor (nothing made a DTensor before it loads)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(weight, module.DTensor)
 
 
 def prepare_state(model, recipe):

@@ -33,7 +33,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
 from torch.utils._pytree import tree_map_only
 
 from .. import _C, delayed, ops
-from ..linear import Linear, _is_dtensor
+from .._operands import is_dtensor
+from ..linear import Linear
 from ..quantized import COLUMNWISE, ROWWISE
 from . import gather_layout
 
@@ -356,7 +357,7 @@ def enable_quantized_all_gather(model):
         if not isinstance(module, Linear) or isinstance(module.weight, ShardedWeight):
             continue
         weight = module.weight
-        if _is_dtensor(weight):  # tensor parallel (a 2-D mesh): the local shard is wrapped
+        if is_dtensor(weight):  # tensor parallel (a 2-D mesh): the local shard is wrapped
             from torch.distributed.tensor import DTensor
             data = DTensor.from_local(ShardedWeight(weight._local_tensor.detach()),
                                       weight.device_mesh, weight.placements, run_check=False,

@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from .. import _C, ops
+from .._operands import TQ_DTYPE
 from ..quantized import COLUMNWISE, ROWWISE
 from . import gather_layout
 
@@ -295,10 +296,7 @@ def _gather_quantized(t, plan, role, usage, tp, state):
     if usage & COLUMNWISE and config.scaling in gather_layout.PER_TENSOR:
         whole = gather_layout.derive_columnwise(config, whole, rows, x.shape[1])
     shape = t.shape[:dim] + (size * t.shape[dim],) + t.shape[dim + 1:]
-    return tuple(whole), shape, _TQ_DTYPE[t.dtype]
-
-
-_TQ_DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+    return tuple(whole), shape, TQ_DTYPE[t.dtype]
 
 
 def _factors(x, recipe, role, config, usage, group, state):

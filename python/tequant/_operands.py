@@ -1,0 +1,73 @@
+"""What te.Linear accepts as operands besides plain tensors, and how it reads them.
+
+- A weight that arrives quantized (FSDP2's quantized all-gather, tequant/distributed/fsdp.py) is
+  a tensor subclass with tq_recipe_key (the key of the recipe it was quantized under),
+  tq_kept(usage) (its six members holding the direction ROWWISE or COLUMNWISE) and
+  tq_dequantized() (its values in its dtype, for a te.Linear running in high precision). A
+  subclass that wraps the high-precision weight gives it as tq_data.
+- A DTensor weight (tensor parallelism through parallelize_module, distributed/dtensor.py).
+- An AsyncCollectiveTensor input or output gradient (a functional collective's output, e.g.
+  DTensor's to_local after a redistribute), which has no data of its own for C: waited on.
+tq dtype codes (TQ_DTYPE) name the high-precision dtype of an operand that travels as members.
+Tests: tests/test_fsdp.py, tests/test_dtensor_parallel.py, tests/test_tensor_parallel.py.
+"""
+import sys
+
+import torch
+
+from . import _C
+
+TQ_DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # tq_dtype codes
+DTYPE_OF = {code: dtype for dtype, code in TQ_DTYPE.items()}
+
+
+def quantized_weight(weight):
+    """weight, when it arrives quantized; None for an ordinary tensor (the common case costs
+    two type checks)."""
+    if type(weight) is torch.nn.Parameter or type(weight) is torch.Tensor:
+        return None
+    return weight if hasattr(weight, "tq_kept") else None
+
+
+def given_kept(given, plan, usage):
+    """The members of a weight that arrived quantized, for `usage`, checked against the plan's
+    recipe."""
+    if given.tq_recipe_key != plan.key:
+        raise RuntimeError(
+            f"this te.Linear's weight was quantized (by FSDP2's all-gather) under "
+            f"{_C._recipe_of_key(given.tq_recipe_key)!r}, the te.autocast active when it was "
+            f"gathered, but the layer runs under {plan.recipe!r}: enter one te.autocast around "
+            "the whole FSDP module's forward")
+    return given.tq_kept(usage)
+
+
+def is_dtensor(weight):
+    """Without importing torch.distributed.tensor (nothing made a DTensor before it loads)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(weight, module.DTensor)
+
+
+def waited(t):
+    """t, or the plain tensor an AsyncCollectiveTensor t waits for (in the autograd graph: its
+    gradient passes through)."""
+    if type(t) is not torch.Tensor and hasattr(type(t), "trigger_wait"):
+        return _Passthrough.apply(t, "trigger_wait")
+    return t
+
+
+def dequantized(weight):
+    """A quantized-arrived weight's values for a high-precision te.Linear; its gradient passes
+    straight to the weight (FSDP2 reduce-scatters it as usual)."""
+    return _Passthrough.apply(weight, "tq_dequantized")
+
+
+class _Passthrough(torch.autograd.Function):
+    """t.<method>() forward, the identity on the gradient."""
+
+    @staticmethod
+    def forward(ctx, t, method):
+        return getattr(t, method)()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
