@@ -130,6 +130,9 @@ def test_demo_non_finite_loss_exit_status(tmp_path, monkeypatch, one_thread):
     (["--steps", "0"], "expected a positive integer"),
     (["--size", "huge"], "invalid choice: 'huge'"),
     (["--device", "tpu"], "invalid choice: 'tpu'"),
+    (["--sweep", "--widths", "512,100"], "positive multiples of 64"),
+    (["--sweep", "--widths", "x"], "positive multiples of 64"),
+    (["--sweep", "--sweep-steps", "0"], "expected a positive integer"),
 ])
 def test_demo_bad_flags(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -143,3 +146,26 @@ def test_demo_cuda_without_gpu(capsys):
     with pytest.raises(SystemExit):
         demo.main(["--device", "cuda"])
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_demo_sweep(tmp_path, one_thread, capsys):
+    """--sweep times every (width, recipe) and writes the table, the numbers and the plot; the
+    points are measured (positive, and not all equal)."""
+    status = demo.main(["--sweep", "--device", "cpu", "--widths", "128,64", "--sweep-steps", "1",
+                        "--sweep-layers", "1", "--recipes", "bf16,current,nvfp4",
+                        "--out", str(tmp_path)])
+    assert status == 0
+    result = json.loads((tmp_path / "sweep.json").read_text())
+    points = result["points"]
+    assert [(p["width"], p["recipe"]) for p in points] == [
+        (w, r) for w in (64, 128) for r in ("bf16", "current", "nvfp4")]
+    speeds = [p["tokens_per_s"] for p in points]
+    assert all(v > 0 and math.isfinite(v) for v in speeds) and len(set(speeds)) > 1
+    table = (tmp_path / "sweep.md").read_text()
+    assert table.strip() in capsys.readouterr().out  # printed too
+    rows = [line for line in table.splitlines() if line.startswith("| 64 ") or
+            line.startswith("| 128 ")]
+    assert len(rows) == 2 and all(row.count("x)") == 2 for row in rows)
+    assert "fp32 (CPU baseline)" in table
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -34,6 +34,17 @@ def _positive_int(text):
     return value
 
 
+def _width_list(text):
+    try:
+        widths = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        widths = []
+    if not widths or any(w <= 0 or w % 64 for w in widths):
+        raise argparse.ArgumentTypeError(
+            f"expected a comma list of positive multiples of 64, got {text!r}")
+    return sorted(set(widths))
+
+
 def _recipe_list(text):
     names = [v.strip() for v in text.split(",") if v.strip()]
     unknown = [v for v in names if v not in RECIPES]
@@ -55,7 +66,8 @@ def parse_args(argv):
     parser.add_argument("--steps", type=_positive_int, default=None,
                         help="training steps per run (default: the size's)")
     parser.add_argument("--size", choices=list(SIZES), default=None,
-                        help="tiny (tests), small (CPU default), medium (GPU default)")
+                        help="tiny (tests), small (CPU default), medium, large (GPU default: where "
+                             "FP8 pays off on an H100)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
                         help="default: cuda when available, else cpu")
     parser.add_argument("--compile", action="store_true",
@@ -63,13 +75,23 @@ def parse_args(argv):
                              "when compilation fails)")
     parser.add_argument("--out", default="demo_out", help="output folder (default ./demo_out)")
     parser.add_argument("--seed", type=int, default=0, help="data, init and rounding seed")
+    parser.add_argument("--sweep", action="store_true",
+                        help="instead of training: time training tokens/s per recipe against "
+                             "model width (--widths) and write sweep.md / .json / .png")
+    parser.add_argument("--widths", type=_width_list, default=None,
+                        help="--sweep's d_model values, comma list (default "
+                             "512,1024,2048,3072,4096)")
+    parser.add_argument("--sweep-layers", type=_positive_int, default=2,
+                        help="--sweep's number of blocks (default 2)")
+    parser.add_argument("--sweep-steps", type=_positive_int, default=20,
+                        help="--sweep's timed steps per point (default 20)")
     args = parser.parse_args(argv)
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     elif args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device here (use --device cpu)")
     if args.size is None:
-        args.size = "medium" if args.device == "cuda" else "small"
+        args.size = "large" if args.device == "cuda" else "small"
     return args
 
 
@@ -130,12 +152,15 @@ def _environment(device):
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     device = torch.device(args.device)
+    if args.sweep:
+        from .sweep import run_sweep
+        return run_sweep(args, device, _environment(device))
     cfg = dict(SIZES[args.size])
     cfg["steps"] = args.steps or cfg["steps"]
     t0 = time.perf_counter()
     # Training text: one pass over the sampled windows, capped (generation is ~3 M chars/s).
     train_chars = chars_needed(cfg["steps"], cfg["batch"], cfg["seq_len"], cap=8_000_000)
-    val_batches_n = {"tiny": 2, "small": 4, "medium": 8}[args.size]
+    val_batches_n = {"tiny": 2, "small": 4, "medium": 8, "large": 8}[args.size]
     corpus = Corpus(train_chars, max(20_000, 2 * val_batches_n * cfg["batch"] * cfg["seq_len"]),
                     args.seed, device)
     val_batches = corpus.val_batches(val_batches_n, cfg["batch"], cfg["seq_len"])

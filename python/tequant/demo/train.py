@@ -104,6 +104,40 @@ def _evaluate(model, val_batches, contexts):
     return total / len(val_batches)
 
 
+def optimizer(model, lr, device):
+    """AdamW as the demo trains with; fused on CUDA (one kernel per step instead of a dozen per
+    parameter group)."""
+    return torch.optim.AdamW(model.param_groups(0.1), lr=lr, betas=(0.9, 0.95),
+                             fused=device.type == "cuda")
+
+
+def precision_contexts(recipe, device):
+    """The contexts a forward runs in: on CUDA the baseline and the recipes all run under
+    torch.autocast(bfloat16) (te.Linear then takes bf16 activations); on CPU everything stays
+    fp32. recipe None: te.autocast disabled (the baseline)."""
+    amp_dtype = torch.bfloat16 if device.type == "cuda" else None
+
+    @contextmanager
+    def contexts():
+        with ExitStack() as stack:
+            if amp_dtype is not None:
+                stack.enter_context(torch.autocast(device.type, dtype=amp_dtype))
+            stack.enter_context(autocast(enabled=recipe is not None, recipe=recipe))
+            yield
+    return contexts
+
+
+def training_step(model, forward, opt, contexts, x, y):
+    """One optimizer step on batch (x, y); returns the loss (detached, not synchronized)."""
+    with contexts():
+        loss = forward(x, y)
+    loss.backward()  # outside te.autocast, as TransformerEngine's examples do
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
 def train_run(name, cfg, corpus, init_state, device, *, use_compile, seed, val_batches):
     """Trains one model; returns the run's record (curves and summary numbers). When use_compile
     is set and torch.compile fails, the run is redone eager and the failure recorded."""
@@ -138,24 +172,12 @@ def _train(name, cfg, corpus, init_state, device, *, compiled, seed, val_batches
     model = GPT(corpus.vocab_size, cfg["d_model"], cfg["layers"], cfg["heads"],
                 cfg["seq_len"]).to(device)
     model.load_state_dict(init_state)
-    # fused AdamW: one kernel per step on CUDA instead of a dozen per parameter group.
-    opt = torch.optim.AdamW(model.param_groups(0.1), lr=cfg["lr"], betas=(0.9, 0.95),
-                            fused=device.type == "cuda")
+    opt = optimizer(model, cfg["lr"], device)
     forward = model
     if compiled:
         torch._dynamo.reset()  # a fresh cache per run: no recompile limit carried across runs
         forward = torch.compile(model)
-    # On CUDA the baseline and the recipes all run under torch.autocast(bfloat16) (te.Linear
-    # then takes bf16 activations); on CPU everything stays fp32.
-    amp_dtype = torch.bfloat16 if device.type == "cuda" else None
-
-    @contextmanager
-    def contexts():
-        with ExitStack() as stack:
-            if amp_dtype is not None:
-                stack.enter_context(torch.autocast(device.type, dtype=amp_dtype))
-            stack.enter_context(autocast(enabled=recipe is not None, recipe=recipe))
-            yield
+    contexts = precision_contexts(recipe, device)
 
     steps, tokens_per_step = cfg["steps"], cfg["batch"] * cfg["seq_len"]
     eval_every = max(1, steps // 10)
@@ -176,13 +198,7 @@ def _train(name, cfg, corpus, init_state, device, *, compiled, seed, val_batches
     for step, (x, y) in enumerate(batches):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, cfg["lr"])
-        with contexts():
-            loss = forward(x, y)
-        loss.backward()  # outside te.autocast, as TransformerEngine's examples do
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses[step] = loss.detach()
+        losses[step] = training_step(model, forward, opt, contexts, x, y)
         done = step + 1
         if done == skip:
             _sync(device)
