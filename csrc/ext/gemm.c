@@ -281,13 +281,17 @@ static PyObject *py_gemm_plan_cache_clear(PyObject *module, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+int tqx_gemm_workspace_per_call(int on) {
+    const int previous = workspace_per_call;
+    workspace_per_call = on;
+    return previous;
+}
+
 static PyObject *py_workspace_per_call(PyObject *module, PyObject *flag) {
     (void)module;
     const int on = PyObject_IsTrue(flag);
     if (on < 0) return NULL;
-    const int previous = workspace_per_call;
-    workspace_per_call = on;
-    return PyBool_FromLong(previous);
+    return PyBool_FromLong(tqx_gemm_workspace_per_call(on));
 }
 
 PyMethodDef tqx_gemm_methods[] = {

@@ -369,7 +369,7 @@ static PyObject *given_operand(tqx_state *st, PyObject *obj, const char *name, t
     return shape;
 }
 
-static PyObject *py_linear_forward(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+PyObject *tqx_linear_forward(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 9) {
         PyErr_Format(PyExc_TypeError, "linear_forward takes 9 arguments (%zd given)", nargs);
         return NULL;
@@ -486,7 +486,7 @@ done:
     return result;
 }
 
-static PyObject *py_linear_backward(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+PyObject *tqx_linear_backward(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 8) {
         PyErr_Format(PyExc_TypeError, "linear_backward takes 8 arguments (%zd given)", nargs);
         return NULL;
@@ -584,10 +584,10 @@ done:
 }
 
 PyMethodDef tqx_linear_methods[] = {
-    {"linear_forward", (PyCFunction)(void (*)(void))py_linear_forward, METH_FASTCALL,
+    {"linear_forward", (PyCFunction)(void (*)(void))tqx_linear_forward, METH_FASTCALL,
      "linear_forward(plan, inp, weight, bias, needs, cache, first_microbatch, x_state, w_state)"
      " -> (out, saved)\n\nte.Linear's quantized forward; see csrc/ext/linear.c."},
-    {"linear_backward", (PyCFunction)(void (*)(void))py_linear_backward, METH_FASTCALL,
+    {"linear_backward", (PyCFunction)(void (*)(void))tqx_linear_backward, METH_FASTCALL,
      "linear_backward(plan, saved, dy, needs, dy_state, input_shape, bias_dtype, pending) -> "
      "(dx, dw, db)\n\nte.Linear's quantized backward; see csrc/ext/linear.c."},
     {NULL, NULL, 0, NULL}};

@@ -22,7 +22,8 @@ static int tequant_exec(PyObject *module) {
     PyMethodDef *tables[] = {tqx_registry_methods, tqx_capability_methods, tqx_state_methods,
                              tqx_tensor_view_methods, tqx_ops_methods, tqx_quantize_methods,
                              tqx_codec_methods, tqx_gemm_methods, tqx_amax_update_methods,
-                             tqx_linear_methods, tqx_autocast_methods};
+                             tqx_linear_methods, tqx_linear_ops_methods,
+                             tqx_autocast_methods};
     for (size_t i = 0; i < sizeof tables / sizeof tables[0]; i++)
         if (PyModule_AddFunctions(module, tables[i]) < 0) return -1;
     return 0;
@@ -42,6 +43,8 @@ static int tequant_traverse(PyObject *module, visitproc visit, void *arg) {
     Py_VISIT(st->delayed_update);
     Py_VISIT(st->delayed_backward_update);
     Py_VISIT(st->rng_state);
+    Py_VISIT(st->linear_plans);
+    Py_VISIT(st->linear_plan_of);
     const int visited = tqx_torch_traverse(st, visit, arg);
     if (visited != 0) return visited;
     return tqx_registry_traverse(st, visit, arg);
@@ -63,6 +66,8 @@ static int tequant_clear(PyObject *module) {
     Py_CLEAR(st->delayed_update);
     Py_CLEAR(st->delayed_backward_update);
     Py_CLEAR(st->rng_state);
+    Py_CLEAR(st->linear_plans);
+    Py_CLEAR(st->linear_plan_of);
     Py_CLEAR(st->str_enabled);
     Py_CLEAR(st->str_calibrating);
     Py_CLEAR(st->str_recipe);

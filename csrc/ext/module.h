@@ -118,6 +118,9 @@ typedef struct tqx_state {
     PyObject *rng_state;
     /* gemm.c: the cuBLASLt workspace per (device, stream), a dict of uint8 tensors */
     PyObject *gemm_workspaces;
+    /* linear_ops.c: recipe id (str) -> linear plan tuple, filled through linear_plan_of (set by
+     * tequant._compile_linear) on a miss */
+    PyObject *linear_plans, *linear_plan_of;
     /* interned keyword names for the autocast constructor */
     PyObject *str_enabled, *str_calibrating, *str_recipe, *str_amax_reduction_group;
 } tqx_state;
@@ -282,6 +285,15 @@ int tqx_operand_from_kept(tqx_state *st, const tq_quant_config *config, int64_t 
 
 /* linear.c: te.Linear's forward and backward calls */
 extern PyMethodDef tqx_linear_methods[];
+PyObject *tqx_linear_forward(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *tqx_linear_backward(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+/* packed.c: the bytes of the buffer holding `parts` of an [rows, cols] quantization laid out for
+ * usage; -1 with an exception */
+int64_t tqx_packed_bytes(tqx_state *st, const tq_quant_config *config, int64_t rows, int64_t cols,
+                         uint32_t usage, uint32_t parts);
+/* gemm.c: sets this thread's workspace-per-call flag, returns the previous one */
+int tqx_gemm_workspace_per_call(int on);
+extern PyMethodDef tqx_linear_ops_methods[];
 
 /* amax_update.c: _amax_update, delayed scaling's history roll and scale update */
 extern PyMethodDef tqx_amax_update_methods[];

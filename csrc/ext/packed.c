@@ -86,6 +86,14 @@ int tqx_quantize_packed(tqx_state *st, const tq_tensor *x, void *stream, PyObjec
     return ok ? 0 : -1;
 }
 
+int64_t tqx_packed_bytes(tqx_state *st, const tq_quant_config *config, int64_t rows, int64_t cols,
+                         uint32_t usage, uint32_t parts) {
+    tq_qtensor q = TQ_QTENSOR_INIT;
+    tq_status s = tq_quantize_layout(config, rows, cols, usage, &q);
+    if (s != TQ_SUCCESS) return tqx_raise_status(st, s), -1;
+    return place(config, &q, usage, parts, NULL, 0);
+}
+
 /* A kept pair (buffer, amax) -> q: the members `parts` holds of an [rows, cols] tensor quantized
  * in both directions (how te.Linear quantizes everything it keeps). */
 static int packed_view(tqx_state *st, const tq_quant_config *config, int64_t rows, int64_t cols,

@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 
 from . import _C, _compile, delayed
-from ._compile_ops import fake, graph_safe_workspace, op
-from ._operands import TQ_DTYPE, is_dtensor
+from ._compile_ops import fake, op
+from ._operands import is_dtensor
 
-_NEED_DGRAD, _NEED_WGRAD, _KEEP_X_ROWWISE = 1, 2, 4  # csrc/ext/linear.c
+_NEED_DGRAD, _NEED_WGRAD, _KEEP_X_ROWWISE, _PACKED = 1, 2, 4, 8  # csrc/ext/linear.c
 _ROWWISE, _COLUMNWISE = 1, 2
 _PLANS = {}  # recipe id -> linear._Plan
 
@@ -55,7 +55,8 @@ def _x_kept(plan, needs):
 
 
 def _w_kept(plan):
-    return tuple(m is not None for m in _C._quantize_layout(plan.w, 128, 128, _ROWWISE | _COLUMNWISE))
+    both = _ROWWISE | _COLUMNWISE
+    return tuple(m is not None for m in _C._quantize_layout(plan.w, 128, 128, both))
 
 
 @_compile.constant
@@ -68,37 +69,25 @@ def info(recipe_id, needs):
             plan.delayed and plan.recipe.reduce_amax)
 
 
-def _present(members, kept):
-    return [m for m, k in zip(members, kept) if k]
-
-
 def _six(present, kept):
     it = iter(present)
     return tuple(next(it) if k else None for k in kept)
 
 
-def _delayed_state(scale, column, device):
-    # The amax slot in the [1, 1] shape _quantize_layout gives the amax member.
-    return (scale[column:column + 1], torch.zeros(1, 1, dtype=torch.float32, device=device))
+def _c_plan(recipe_id):
+    """The linear plan tuple (csrc/ext/linear.c) of a recipe id: linear_ops.c asks once per id."""
+    return _plan(recipe_id).c_args
 
 
-@op("tequant::linear_fwd", mutates_args=())
+_C._set_linear_plan_of(_c_plan)
+
+
+@op("tequant::linear_fwd", mutates_args=(), kernel=_C.linear_fwd_op)
 def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe_id: str,
                needs: int, scale_fwd: torch.Tensor | None) -> list[torch.Tensor]:
-    """[y, x's kept members, W's kept members] (+ [amax x, amax W] for DelayedScaling)."""
-    plan = _plan(recipe_id)
-    x_state = w_state = None
-    if plan.delayed:
-        x_state = _delayed_state(scale_fwd, 0, inp.device)
-        w_state = _delayed_state(scale_fwd, 1, inp.device)
-    with graph_safe_workspace():
-        out, saved = _C.linear_forward(plan.c_args, inp.contiguous(), weight, bias, needs, [],
-                                       None, x_state, w_state)
-    x_members, w_members = saved[0] or (None,) * 6, saved[1]
-    result = ([out] + _present(x_members, _x_kept(plan, needs)) + _present(w_members, _w_kept(plan)))
-    if plan.delayed:  # fresh copies: an output may not alias another one
-        result += [x_state[1].clone(), w_state[1].clone()]
-    return result
+    """[y, what backward keeps] (+ [amax x, amax W] for DelayedScaling): with needs bit 8
+    (packed) x's columnwise buffer when wgrad runs and W's buffer, else the kept members of x
+    and W (csrc/ext/linear_ops.c, the kernel)."""
 
 
 def _padded(rows, align):
@@ -111,64 +100,51 @@ def _fake_members(config, rows, cols, usage, kept, device):
             for (r, c, d), k in zip((m or (0, 0, None) for m in layout), kept) if k]
 
 
+def _fake_buffer(config, rows, cols, parts, like):
+    """A packed buffer of `parts` of an [rows, cols] tensor quantized in both directions."""
+    size = _C._packed_bytes(config, int(rows), int(cols), _ROWWISE | _COLUMNWISE, parts)
+    return like.new_empty((size,), dtype=torch.uint8)
+
+
 @fake("tequant::linear_fwd")
 def _(inp, weight, bias, recipe_id, needs, scale_fwd):
     plan = _plan(recipe_id)
     n, k = weight.shape
     rows = inp.numel() // k
     padded = _padded(rows, plan.align)
-    out = inp.new_empty(tuple(inp.shape[:-1]) + (n,))
-    x_usage = _ROWWISE | (_COLUMNWISE if needs & _NEED_WGRAD else 0)  # linear.c's rule
-    result = [out] + _fake_members(plan.x, padded, k, x_usage, _x_kept(plan, needs), inp.device)
-    result += _fake_members(plan.w, n, k, _ROWWISE | _COLUMNWISE, _w_kept(plan), inp.device)
+    result = [inp.new_empty(tuple(inp.shape[:-1]) + (n,))]
+    if needs & _PACKED:
+        if needs & _NEED_WGRAD:
+            result.append(_fake_buffer(plan.x, padded, k, _COLUMNWISE, inp))
+        result.append(_fake_buffer(plan.w, n, k, _ROWWISE | _COLUMNWISE, inp))
+    else:
+        x_usage = _ROWWISE | (_COLUMNWISE if needs & _NEED_WGRAD else 0)  # linear.c's rule
+        result += _fake_members(plan.x, padded, k, x_usage, _x_kept(plan, needs), inp.device)
+        result += _fake_members(plan.w, n, k, _ROWWISE | _COLUMNWISE, _w_kept(plan), inp.device)
     if plan.delayed:
         result += [inp.new_empty((1, 1), dtype=torch.float32) for _ in range(2)]
     return result
 
 
-@op("tequant::linear_bwd", mutates_args=())
-def linear_bwd(dy: torch.Tensor, x_members: list[torch.Tensor], w_members: list[torch.Tensor],
+@op("tequant::linear_bwd", mutates_args=(), kernel=_C.linear_bwd_op)
+def linear_bwd(dy: torch.Tensor, x_kept: torch.Tensor | None, w_kept: torch.Tensor,
                recipe_id: str, needs: int, inp_shape: list[int], x_dtype: torch.dtype,
                w_dtype: torch.dtype, bias_dtype: torch.dtype | None,
                scale_bwd: torch.Tensor | None) -> list[torch.Tensor]:
-    """[dx if dgrad, dW if wgrad, db if bias_dtype] (+ [amax dy] for DelayedScaling)."""
-    plan = _plan(recipe_id)
-    n, k = _w_shape(plan, w_members)
-    rows = 1
-    for d in inp_shape[:-1]:
-        rows *= d
-    x_kept = _x_kept(plan, needs)
-    x_six = _six(x_members, x_kept) if any(x_kept) else None
-    saved = (x_six, _six(w_members, _w_kept(plan)), rows, _padded(rows, plan.align), n, k,
-             TQ_DTYPE[x_dtype], TQ_DTYPE[w_dtype])
-    state = _delayed_state(scale_bwd, 0, dy.device) if plan.delayed else None
-    with graph_safe_workspace():
-        dx, dw, db = _C.linear_backward(plan.c_args, saved, dy.contiguous(), needs, state,
-                                        tuple(inp_shape), bias_dtype, None)
-    result = [t for t in (dx, dw, db) if t is not None]
-    if plan.delayed:
-        result.append(state[1])
-    return result
-
-
-def _w_shape(plan, w_members):
-    """(N, K) of the weight from its rowwise data (packed E2M1 holds two codes per byte)."""
-    data = w_members[0]
-    return data.shape[0], data.shape[1] * (2 if plan.w.format == "E2M1" else 1)
+    """[dx if dgrad, dW if wgrad, db if bias_dtype] (+ [amax dy] for DelayedScaling) from the
+    packed buffers linear_fwd kept (csrc/ext/linear_ops.c, the kernel)."""
 
 
 @fake("tequant::linear_bwd")
-def _(dy, x_members, w_members, recipe_id, needs, inp_shape, x_dtype, w_dtype, bias_dtype,
-      scale_bwd):
+def _(dy, x_kept, w_kept, recipe_id, needs, inp_shape, x_dtype, w_dtype, bias_dtype, scale_bwd):
     plan = _plan(recipe_id)
-    n, k = _w_shape(plan, w_members)
     result = []
     if needs & _NEED_DGRAD:
         result.append(dy.new_empty(tuple(inp_shape), dtype=x_dtype))
     if needs & _NEED_WGRAD:
-        result.append(dy.new_empty((n, k), dtype=w_dtype))
+        result.append(dy.new_empty((dy.shape[-1], inp_shape[-1]), dtype=w_dtype))
     if bias_dtype is not None:
-        result.append(dy.new_empty((n,), dtype=bias_dtype))
+        result.append(dy.new_empty((dy.shape[-1],), dtype=bias_dtype))
     if plan.delayed:
         result.append(dy.new_empty((1, 1), dtype=torch.float32))
     return result
@@ -231,7 +207,8 @@ def update_forward(entries):
 
 def register_after_graph(entries):
     """Runs after a compiled graph, inside the eager te.autocast it ran in (the C setter of
-    `_C._live.delayed` calls it; _compile._register wraps it in torch._dynamo.disable): records each compiled module's forward buffers with that
+    `_C._live.delayed` calls it; _compile._register wraps it in torch._dynamo.disable): records
+    each compiled module's forward buffers with that
     autocast, whose outermost exit updates them with the eager modules (delayed.py)."""
     group = _C.get_fp8_group()
     for i in range(0, len(entries), 3):  # flat (history, scale, recipe id) triples
@@ -248,12 +225,14 @@ class _CompiledLinear(torch.autograd.Function):
         needs = ((_NEED_DGRAD if ctx.needs_input_grad[0] else 0)
                  | (_NEED_WGRAD if ctx.needs_input_grad[1] else 0))
         scaling, align, is_delayed, override, _, x_kept, w_kept, _ = info(recipe_id, needs)
-        c_needs = needs
-        if override is not None:
-            c_needs = _KEEP_X_ROWWISE if override == "dequantized" else 0
+        if override == "dequantized":  # its backward reads the members of x and W
+            c_needs = _KEEP_X_ROWWISE
             x_kept = info(recipe_id, c_needs)[5]
+            n_x, n_w = sum(x_kept), sum(w_kept)
+        else:  # packed: x's columnwise buffer (wgrad) and W's
+            c_needs = (needs if override is None else 0) | _PACKED
+            n_x, n_w = (1 if c_needs & _NEED_WGRAD else 0), 1
         outs = torch.ops.tequant.linear_fwd(inp, weight, bias, recipe_id, c_needs, scale_fwd)
-        n_x, n_w = sum(x_kept), sum(w_kept)
         x_members, w_members = outs[1:1 + n_x], outs[1 + n_x:1 + n_x + n_w]
         if is_delayed:
             _accumulate(hist_fwd, torch.cat(outs[1 + n_x + n_w:]))
@@ -262,8 +241,10 @@ class _CompiledLinear(torch.autograd.Function):
         ctx.x_kept, ctx.w_kept, ctx.align = x_kept, w_kept, align
         ctx.x_dtype, ctx.w_dtype = inp.dtype, weight.dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        kept = (inp, weight) if override == "high_precision" else ()
-        ctx.save_for_backward(*x_members, *w_members, *kept,
+        if override == "high_precision":  # backward multiplies x and W themselves
+            ctx.save_for_backward(inp, weight)
+            return outs[0]
+        ctx.save_for_backward(*x_members, *w_members,
                               *((scale_bwd, hist_bwd) if is_delayed else ()))
         return outs[0]
 
@@ -273,7 +254,7 @@ class _CompiledLinear(torch.autograd.Function):
         needs, n_x = ctx.needs, ctx.n_x
         bias_dtype = ctx.bias_dtype if ctx.needs_input_grad[2] else None
         if ctx.override == "high_precision":
-            inp, weight = saved[-2:]
+            inp, weight = saved
             dx, dw, db = _high_precision(dy, inp.reshape(-1, inp.shape[-1]), weight, needs,
                                          bias_dtype, ctx)
             return dx, dw, db, None, None, None, None, None, None
@@ -286,8 +267,8 @@ class _CompiledLinear(torch.autograd.Function):
             saved = saved[:-2]
         else:
             scale_bwd = hist_bwd = None
-        x_members, w_members = list(saved[:n_x]), list(saved[n_x:])
-        outs = torch.ops.tequant.linear_bwd(dy, x_members, w_members, ctx.recipe_id, needs,
+        x_kept = saved[0] if n_x else None
+        outs = torch.ops.tequant.linear_bwd(dy, x_kept, saved[n_x], ctx.recipe_id, needs,
                                             list(ctx.shape), ctx.x_dtype, ctx.w_dtype, bias_dtype,
                                             scale_bwd)
         it = iter(outs)

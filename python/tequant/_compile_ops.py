@@ -28,9 +28,10 @@ _CONFIGS = {}  # (recipe_id, role) -> QuantizerConfig
 _LIB = torch.library.Library("tequant", "FRAGMENT")
 
 
-def op(qualname, *, mutates_args, tags=()):
+def op(qualname, *, mutates_args, tags=(), kernel=None):
     """Decorator: defines `qualname` (tequant::name) from the function's annotations, with the
-    function as its implementation, and returns the op (torch.ops.tequant.name).
+    function as its implementation (or `kernel`, a C function of tequant._C taking the same
+    arguments: the dispatcher then calls C directly), and returns the op (torch.ops.tequant.name).
     torch.library.custom_op wraps an implementation in autograd and Dynamo-disabling layers
     that cost ~90 us per call with grad mode off (as compiled graphs run), against ~5 us for a
     plain Library op; these ops need no autograd formula (te.Linear's Function owns the
@@ -39,7 +40,7 @@ def op(qualname, *, mutates_args, tags=()):
 
     def define(fn):
         _LIB.define(name + torch.library.infer_schema(fn, mutates_args=mutates_args), tags=tags)
-        _LIB.impl(name, fn, "CompositeExplicitAutograd")
+        _LIB.impl(name, fn if kernel is None else kernel, "CompositeExplicitAutograd")
         return getattr(torch.ops.tequant, name)
     return define
 
