@@ -372,3 +372,65 @@ def test_amax_reduction_group_under_compile_matches_eager(tmp_path, where):
     for rank in range(2):
         assert results[rank][:4] == [True] * 4
     assert results[0][4] == results[1][4] and max(results[0][4]) == 3.0  # rank 1's last amax
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("needs", [3, 1, 2, 8 | 3, 8 | 1, 8])
+def test_linear_op_kernels_match_their_fake_shapes(name, needs, device):
+    """The C kernels of tequant::linear_fwd / linear_bwd (csrc/ext/linear_ops.c) give exactly
+    the outputs their fake implementations promise (count, shape, dtype): packed buffers (needs
+    bit 8) and member tensors alike; an odd token count exercises the padded rows."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    recipe = RECIPES[name]
+    recipe_id = str(te._C.recipe_key(recipe))
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(3, 7, 64, generator=g, device=device)
+    w = torch.randn(32, 64, generator=g, device=device)
+    b = torch.randn(32, generator=g, device=device)
+    scale = torch.ones(3, device=device) if name == "delayed" else None
+    fwd, bwd = torch.ops.tequant.linear_fwd, torch.ops.tequant.linear_bwd
+
+    def shapes(outs):
+        return [(tuple(t.shape), t.dtype) for t in outs]
+    torch.manual_seed(5)
+    real = fwd(x, w, b, recipe_id, needs, scale)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = fwd(mode.from_tensor(x), mode.from_tensor(w), mode.from_tensor(b), recipe_id,
+                   needs, None if scale is None else mode.from_tensor(scale))
+    assert shapes(real) == shapes(fake)
+    assert torch.equal(real[0], _eager_linear(recipe, x, w, b))  # eager te.Linear's bits
+    if not needs & 8:
+        return
+    n_x = 1 if needs & 2 else 0
+    dy = torch.randn(3, 7, 32, generator=g, device=device)
+    args = (recipe_id, needs & 3, [3, 7, 64], x.dtype, w.dtype, b.dtype, scale)
+    grads = bwd(dy, real[1] if n_x else None, real[1 + n_x], *args)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = bwd(mode.from_tensor(dy), None if not n_x else mode.from_tensor(real[1]),
+                   mode.from_tensor(real[1 + n_x]), *args[:-1],
+                   None if scale is None else mode.from_tensor(scale))
+    assert shapes(grads) == shapes(fake)
+    assert len(grads) == bin(needs & 3).count("1") + 1 + (name == "delayed")
+
+
+def _eager_linear(recipe, x, w, b):
+    lin = te.Linear(64, 32, device=x.device)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+        lin.bias.copy_(b)
+    torch.manual_seed(5)
+    with te.autocast(recipe=recipe):
+        return lin(x).detach()
+
+
+def test_linear_op_kernels_refuse_bad_arguments():
+    recipe_id = str(te._C.recipe_key(DelayedScaling()))
+    x, w = torch.randn(16, 32), torch.randn(16, 32)
+    with pytest.raises(ValueError, match="DelayedScaling needs scale_fwd"):
+        torch.ops.tequant.linear_fwd(x, w, None, recipe_id, 8 | 3, None)
+    with pytest.raises(TypeError, match="takes 6 arguments"):
+        te._C.linear_fwd_op(x, w)
+    with pytest.raises(ValueError, match="x_dtype and w_dtype"):
+        torch.ops.tequant.linear_bwd(x, None, torch.empty(8, dtype=torch.uint8), recipe_id, 1,
+                                     [16, 32], torch.int32, torch.float32, None, torch.ones(3))

@@ -98,7 +98,7 @@ static PyObject *linear_fwd_op(PyObject *module, PyObject *const *args, Py_ssize
     PyObject *x_state = Py_NewRef(Py_None), *w_state = Py_NewRef(Py_None);
     PyObject *fwd = NULL, *list = NULL;
     int delayed = 0;
-    if (plan == NULL || plan_is_delayed(st, plan, &delayed) < 0
+    if (plan == NULL || tqx_torch_import(st) < 0 || plan_is_delayed(st, plan, &delayed) < 0
         || (inp = contiguous(args[0])) == NULL || (cache = PyList_New(0)) == NULL)
         goto done;
     if (delayed) {
@@ -169,7 +169,8 @@ static PyObject *linear_bwd_op(PyObject *module, PyObject *const *args, Py_ssize
                         "bfloat16 or float16");
         goto done;
     }
-    if ((plan = plan_of(st, args[3])) == NULL || plan_is_delayed(st, plan, &delayed) < 0
+    if ((plan = plan_of(st, args[3])) == NULL || tqx_torch_import(st) < 0
+        || plan_is_delayed(st, plan, &delayed) < 0
         || (dy = contiguous(args[0])) == NULL
         || (dy_shape = PyObject_GetAttrString(dy, "shape")) == NULL)
         goto done;
