@@ -1,9 +1,10 @@
 /* dlpack_abi.h: the parts of the DLPack 1.x C ABI that tequant's tensor intake reads.
  *
  * Declared here (from the DLPack specification's struct layouts) rather than included from
- * torch, so the build needs no torch headers. Only what tensor_view.c uses is declared: the
- * tensor description and the `__dlpack_c_exchange_api__` function table that a framework puts
- * on its tensor type as a PyCapsule named "dlpack_exchange_api".
+ * torch, so the build needs no torch headers. Only what tensor_view.c and torch_calls.c use is
+ * declared: the tensor description, the managed tensor (torch_calls.c allocates through the
+ * table) and the `__dlpack_c_exchange_api__` function table that a framework puts on its tensor
+ * type as a PyCapsule named "dlpack_exchange_api".
  * Tests: tests/test_tensor_view.py.
  */
 #ifndef TEQUANT_EXT_DLPACK_ABI_H_
@@ -46,7 +47,13 @@ typedef struct {
     uint32_t minor;
 } DLPackVersion;
 
-typedef struct DLManagedTensorVersioned DLManagedTensorVersioned;
+typedef struct DLManagedTensorVersioned {
+    DLPackVersion version;
+    void *manager_ctx;
+    void (*deleter)(struct DLManagedTensorVersioned *self);
+    uint64_t flags;
+    DLTensor dl_tensor;
+} DLManagedTensorVersioned;
 
 typedef struct DLPackExchangeAPIHeader {
     DLPackVersion version;

@@ -40,6 +40,7 @@ static int tequant_traverse(PyObject *module, visitproc visit, void *arg) {
     for (int k = 0; k < TQX_RECIPE_KIND_COUNT; k++) Py_VISIT(st->recipe_classes[k]);
     Py_VISIT(st->default_recipe);
     Py_VISIT(st->dlpack_type);
+    Py_VISIT(st->alloc_device);
     Py_VISIT(st->delayed_update);
     Py_VISIT(st->delayed_backward_update);
     Py_VISIT(st->rng_state);
@@ -63,6 +64,7 @@ static int tequant_clear(PyObject *module) {
     for (int k = 0; k < TQX_RECIPE_KIND_COUNT; k++) Py_CLEAR(st->recipe_classes[k]);
     Py_CLEAR(st->default_recipe);
     Py_CLEAR(st->dlpack_type);
+    Py_CLEAR(st->alloc_device);
     Py_CLEAR(st->delayed_update);
     Py_CLEAR(st->delayed_backward_update);
     Py_CLEAR(st->rng_state);

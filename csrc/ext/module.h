@@ -103,6 +103,9 @@ typedef struct tqx_state {
     /* DLPack exchange, cached per tensor type */
     PyTypeObject *dlpack_type; /* strong */
     const DLPackExchangeAPI *dlpack_api;
+    /* torch_calls.c: the torch.device last allocated on (strong) and its DLPack device */
+    PyObject *alloc_device;
+    DLDevice alloc_dl_device;
     /* torch functions and dtypes (torch_calls.c), imported on first use */
     PyObject *torch_empty, *torch_zeros, *torch_mm;
     PyObject *kw_dtype_device; /* ("dtype", "device"): the keyword names of torch.empty calls */

@@ -1,6 +1,6 @@
 /* packed.c: te.Linear's quantized operands in one torch allocation per kept part.
  *
- * A torch.empty called from C costs 3-6 us of host time (torch's Python argument parser), and
+ * A tensor allocated from C costs 2-6 us of host time (torch_calls.c), and
  * quantizing member by member took up to six of them per operand (docs/results/NOTES.md, "Fourth
  * step"). Here a quantization takes one uint8 buffer per part that lives on its own (x: the
  * rowwise part, dropped after fprop, and the columnwise part, kept for wgrad), and its members
