@@ -20,7 +20,7 @@ SIZES = {
     "tiny": dict(d_model=64, layers=1, heads=2, seq_len=32, batch=8, steps=30, lr=3e-3),
     "small": dict(d_model=128, layers=2, heads=4, seq_len=64, batch=8, steps=120, lr=3e-3),
     "medium": dict(d_model=512, layers=6, heads=8, seq_len=256, batch=32, steps=1000, lr=1e-3),
-    "large": dict(d_model=3072, layers=4, heads=24, seq_len=256, batch=32, steps=500, lr=4e-4),
+    "large": dict(d_model=3072, layers=4, heads=24, seq_len=256, batch=32, steps=600, lr=2e-4),
 }
 
 
