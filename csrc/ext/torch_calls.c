@@ -58,7 +58,7 @@ tq_dtype tqx_dtype_of_torch(tqx_state *st, PyObject *dtype) {
 }
 
 /* The DLPack device of a torch.device (cpu, or cuda with an index), cached for the last device
- * seen; 0, 1 when it is neither (the caller takes the slow path), -1 with an exception. */
+ * seen: 0; 1 for any other device (the caller takes torch.empty); -1 with an exception. */
 static int dl_device_of(tqx_state *st, PyObject *device, DLDevice *out) {
     if (st->alloc_device != NULL) {
         const int same = st->alloc_device == device
@@ -100,7 +100,7 @@ static void set_alloc_error(void *ctx, const char *kind, const char *message) {
 }
 
 /* torch.empty(shape, dtype, device) through the DLPack exchange table's allocator (torch's
- * caching allocator, no Python argument parsing: ~2x cheaper than calling torch.empty) for the
+ * caching allocator, no Python argument parsing; the gain is in the file's header) for the
  * dtypes DLPack names the same in every torch this builds for (floats, bytes); NULL without an
  * exception where it does not apply (no table yet, another device or dtype), so the caller
  * takes torch.empty. */
