@@ -2,7 +2,7 @@
 whole training step (forward, backward, optimizer) and torch.compile(mode="reduce-overhead"),
 for every recipe. Ten replays must give the parameters (and DelayedScaling histories and scales)
 of ten eager steps, bit for bit; NVFP4 runs without stochastic rounding there. With stochastic
-rounding a capture draws (seed, offset) on the device (ops._rng_state), so each replay rounds with
+rounding a capture draws (seed, offset) on the device (_rng.rng_state), so each replay rounds with
 new bits: those tests check the bits against eager quantization with the same pair, that replays
 differ and torch.manual_seed reproduces them, and that the gradients are as accurate as eager's.
 GPU only. The code under test: python/tequant/linear.py, _compile.py, _compile_linear.py.

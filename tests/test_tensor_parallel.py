@@ -154,7 +154,7 @@ def gather_worker(rank, world):
     """The sequence-parallel all-gathers themselves, against te.ops.quantize of the whole: along
     dim 0 ([s, K], TE's layout) and along dim 1 ([b, s, K], each rank two runs of tokens)."""
     from tequant.distributed import tensor_parallel as tp
-    from tequant.linear import _Plan
+    from tequant._plan import Plan as _Plan
     torch.manual_seed(3)
     for dim, shape in ((0, (TOKENS, N)), (1, (2, TOKENS, N))):
         whole = torch.randn(shape) * 3

@@ -36,10 +36,6 @@
  */
 #include "module.h"
 
-#define NEED_DGRAD 1
-#define NEED_WGRAD 2
-#define KEEP_X_ROWWISE 4 /* backward_override="dequantized" reads the rowwise x */
-#define PACKED 8         /* saved and the cache hold packed (buffer, amax) pairs */
 
 typedef struct plan {
     PyObject *key;
@@ -65,7 +61,7 @@ static int plan_from_py(tqx_state *st, PyObject *obj, plan *p) {
     return PyErr_Occurred() ? -1 : 0;
 }
 
-/* The SR rng from tequant.ops._rng_state (the device's generator: (seed, offset), or under CUDA
+/* The SR rng from tequant._rng.rng_state (the device's generator: (seed, offset), or under CUDA
  * graph capture a device tensor drawn inside the graph) into qa (fresh from
  * TQ_QUANTIZE_ARGS_INIT: no rng), or nothing; *owner keeps that tensor alive through the
  * quantize call. */
@@ -74,10 +70,10 @@ static int rng_for(tqx_state *st, const tq_quant_config *c, PyObject *x, tq_quan
     *owner = NULL;
     if (!(c->flags & TQ_QUANT_STOCHASTIC_ROUNDING)) return 0;
     if (st->rng_state == NULL) {
-        PyObject *ops = PyImport_ImportModule("tequant.ops");
-        if (ops == NULL) return -1;
-        st->rng_state = PyObject_GetAttrString(ops, "_rng_state");
-        Py_DECREF(ops);
+        PyObject *rng = PyImport_ImportModule("tequant._rng");
+        if (rng == NULL) return -1;
+        st->rng_state = PyObject_GetAttrString(rng, "rng_state");
+        Py_DECREF(rng);
         if (st->rng_state == NULL) return -1;
     }
     PyObject *device = PyObject_GetAttrString(x, "device");
@@ -247,7 +243,7 @@ static PyObject *gemm(tqx_state *st, const plan *p, tqx_operand *a, tqx_operand 
 static PyObject *weight_kept(tqx_state *st, const plan *p, PyObject *weight, const tq_tensor *w,
                              void *w_stream, PyObject *cache, PyObject *first, PyObject *state,
                              long needs, PyObject *device, int device_index) {
-    const int packed = (needs & PACKED) != 0;
+    const int packed = (needs & TQX_PACKED) != 0;
     if (!PyList_Check(cache)) {
         PyErr_SetString(PyExc_TypeError, "linear weight cache must be a list");
         return NULL;
@@ -285,13 +281,13 @@ static PyObject *weight_kept(tqx_state *st, const plan *p, PyObject *weight, con
     return kept;
 }
 
-/* What backward keeps of x: its columnwise part for wgrad (all of it with KEEP_X_ROWWISE), else
+/* What backward keeps of x: its columnwise part for wgrad (all of it with TQX_KEEP_X_ROWWISE), else
  * None (new reference). */
 static PyObject *x_kept(const quantized *z, const tq_quant_config *c, long needs) {
     if (z->members == NULL) /* packed: bufs[0] is the columnwise part */
-        return (needs & NEED_WGRAD) ? packed_kept(z) : Py_NewRef(Py_None);
-    return (needs & KEEP_X_ROWWISE) ? Py_NewRef(z->members)
-           : (needs & NEED_WGRAD)   ? keep_columnwise(z->members, c)
+        return (needs & TQX_NEED_WGRAD) ? packed_kept(z) : Py_NewRef(Py_None);
+    return (needs & TQX_KEEP_X_ROWWISE) ? Py_NewRef(z->members)
+           : (needs & TQX_NEED_WGRAD)   ? keep_columnwise(z->members, c)
                                     : Py_NewRef(Py_None);
 }
 
@@ -378,8 +374,8 @@ PyObject *tqx_linear_forward(PyObject *module, PyObject *const *args, Py_ssize_t
     plan p;
     const long needs = PyLong_AsLong(args[4]);
     if (needs == -1 && PyErr_Occurred()) return NULL;
-    const int packed = (needs & PACKED) != 0;
-    if (packed && (needs & KEEP_X_ROWWISE)) { /* that saved x is read as members in Python */
+    const int packed = (needs & TQX_PACKED) != 0;
+    if (packed && (needs & TQX_KEEP_X_ROWWISE)) { /* that saved x is read as members in Python */
         PyErr_SetString(PyExc_ValueError, "linear_forward: needs bits 4 (keep x rowwise) and 8 "
                         "(packed) exclude each other");
         return NULL;
@@ -439,11 +435,11 @@ PyObject *tqx_linear_forward(PyObject *module, PyObject *const *args, Py_ssize_t
     if (qx.members == NULL) {
         if (pad_rows(st, &x, x_info.stream, p.align, device, &xp, &pad) < 0) goto done;
         const uint32_t x_usage =
-            TQ_USAGE_ROWWISE | ((needs & NEED_WGRAD) ? TQ_USAGE_COLUMNWISE : 0);
+            TQ_USAGE_ROWWISE | ((needs & TQX_NEED_WGRAD) ? TQ_USAGE_COLUMNWISE : 0);
         /* packed x: with wgrad, the columnwise part (kept) apart from the rowwise one, which
          * fprop consumes in this call (scratch) */
         static const uint32_t x_parts[2] = {TQX_PART_COLUMNWISE, TQX_PART_ROWWISE};
-        const int x_n_parts = !packed ? 0 : (needs & NEED_WGRAD) ? 2 : 1;
+        const int x_n_parts = !packed ? 0 : (needs & TQX_NEED_WGRAD) ? 2 : 1;
         if (quantize(st, inp, &xp, x_info.stream, &p.x, x_usage, args[7], device, x.device,
                      x_n_parts, x_n_parts == 2 ? x_parts : x_parts + 1,
                      x_n_parts == 2 ? 2u : 1u, &qx) < 0)
@@ -531,15 +527,15 @@ PyObject *tqx_linear_backward(PyObject *module, PyObject *const *args, Py_ssize_
                      "[%lld, %lld]", (long long)d.rows, (long long)d.cols, rows, n);
         goto done;
     }
-    const uint32_t usage = ((needs & NEED_DGRAD) ? TQ_USAGE_ROWWISE : 0)
-                           | ((needs & NEED_WGRAD) ? TQ_USAGE_COLUMNWISE : 0);
+    const uint32_t usage = ((needs & TQX_NEED_DGRAD) ? TQ_USAGE_ROWWISE : 0)
+                           | ((needs & TQX_NEED_WGRAD) ? TQ_USAGE_COLUMNWISE : 0);
     /* dy is consumed by this call's GEMMs: its one part is scratch */
     if (!dy_given
         && (pad_rows(st, &d, dy_info.stream, p.align, device, &dyp, &pad) < 0
             || (usage && quantize(st, dy, &dyp, dy_info.stream, &p.dy, usage, args[4], device,
                                   d.device, 1, &usage, 1u, &qdy) < 0)))
         goto done;
-    if (needs & NEED_DGRAD) { /* dx = dy . W: dy rowwise [M, N], W columnwise [K, N] */
+    if (needs & TQX_NEED_DGRAD) { /* dx = dy . W: dy rowwise [M, N], W columnwise [K, N] */
         tqx_operand a, b;
         if (operand(st, &qdy, &p.dy, padded, n, TQ_USAGE_ROWWISE, &a) < 0
             || tqx_operand_from_kept(st, &p.w, n, k, qw, TQX_PART_ROWWISE | TQX_PART_COLUMNWISE,
@@ -548,7 +544,7 @@ PyObject *tqx_linear_backward(PyObject *module, PyObject *const *args, Py_ssize_
                           inp_shape, device)) == NULL)
             goto done;
     }
-    if (needs & NEED_WGRAD) { /* dW = dy^T . x: dy columnwise [N, M], x columnwise [K, M] */
+    if (needs & TQX_NEED_WGRAD) { /* dW = dy^T . x: dy columnwise [N, M], x columnwise [K, M] */
         tqx_operand a, b;
         if (operand(st, &qdy, &p.dy, padded, n, TQ_USAGE_COLUMNWISE, &a) < 0
             || tqx_operand_from_kept(st, &p.x, padded, k, qx, TQX_PART_COLUMNWISE,

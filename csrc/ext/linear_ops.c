@@ -19,9 +19,6 @@
  */
 #include "module.h"
 
-#define NEED_WGRAD 2
-#define KEEP_X_ROWWISE 4
-#define PACKED 8
 
 /* The plan tuple of a recipe id (new reference). */
 static PyObject *plan_of(tqx_state *st, PyObject *recipe_id) {
@@ -119,7 +116,7 @@ static PyObject *linear_fwd_op(PyObject *module, PyObject *const *args, Py_ssize
     tqx_gemm_workspace_per_call(previous);
     if (fwd == NULL) goto done;
     PyObject *saved = PyTuple_GET_ITEM(fwd, 1);
-    const int members = (needs & PACKED) == 0;
+    const int members = (needs & TQX_PACKED) == 0;
     if ((list = PyList_New(0)) == NULL || PyList_Append(list, PyTuple_GET_ITEM(fwd, 0)) < 0
         || append_kept(list, PyTuple_GET_ITEM(saved, 0)) < 0
         || append_kept(list, PyTuple_GET_ITEM(saved, 1)) < 0

@@ -26,6 +26,14 @@ static int tequant_exec(PyObject *module) {
                              tqx_autocast_methods};
     for (size_t i = 0; i < sizeof tables / sizeof tables[0]; i++)
         if (PyModule_AddFunctions(module, tables[i]) < 0) return -1;
+    /* the bit values Python passes to the C calls, named once (here) for every Python module */
+    static const struct { const char *name; long value; } constants[] = {
+        {"USAGE_ROWWISE", TQ_USAGE_ROWWISE},       {"USAGE_COLUMNWISE", TQ_USAGE_COLUMNWISE},
+        {"GEMM_ACCUMULATE", TQ_GEMM_ACCUMULATE},   {"GEMM_FAST_ACCUM", TQ_GEMM_FAST_ACCUM},
+        {"LINEAR_NEED_DGRAD", TQX_NEED_DGRAD},     {"LINEAR_NEED_WGRAD", TQX_NEED_WGRAD},
+        {"LINEAR_KEEP_X_ROWWISE", TQX_KEEP_X_ROWWISE}, {"LINEAR_PACKED", TQX_PACKED}};
+    for (size_t i = 0; i < sizeof constants / sizeof constants[0]; i++)
+        if (PyModule_AddIntConstant(module, constants[i].name, constants[i].value) < 0) return -1;
     return 0;
 }
 

@@ -40,6 +40,15 @@ typedef enum tqx_mode {
     TQX_MODE_UNSUPPORTED = 3
 } tqx_mode;
 
+/* te.Linear's `needs` bits (linear.c, linear_ops.c), exported to Python as _C.LINEAR_NEED_DGRAD,
+ * _C.LINEAR_NEED_WGRAD, _C.LINEAR_KEEP_X_ROWWISE and _C.LINEAR_PACKED. */
+typedef enum tqx_linear_needs {
+    TQX_NEED_DGRAD = 1,
+    TQX_NEED_WGRAD = 2,
+    TQX_KEEP_X_ROWWISE = 4, /* backward_override="dequantized" reads the rowwise x */
+    TQX_PACKED = 8          /* saved and the cache hold packed (buffer, amax) pairs */
+} tqx_linear_needs;
+
 typedef enum tqx_gemm { TQX_GEMM_FPROP = 0, TQX_GEMM_DGRAD = 1, TQX_GEMM_WGRAD = 2 } tqx_gemm;
 
 /* Whether a recipe can run where autocast is entered; computed once, see capability.c. */

@@ -26,6 +26,8 @@ from . import _C
 __all__ = ["current", "constant"]
 
 _CONSTANTS = []  # functions Dynamo evaluates at trace time (assume_constant_result)
+_ON_DYNAMO = []  # functions called once torch._dynamo is loaded (when_dynamo_loads)
+_ROOT_EXIT = []  # fn(delayed entries) called at a traced outermost autocast's exit (at_root_exit)
 _REGISTERED = []  # [True] once _register ran
 
 
@@ -37,6 +39,24 @@ def constant(fn):
     if "torch._dynamo" in sys.modules and _REGISTERED:
         torch._dynamo.assume_constant_result(fn)
     return fn
+
+def when_dynamo_loads(fn):
+    """Calls fn() once torch._dynamo is loaded (now, if it is): for modules that wrap their
+    eager-only entry points in torch._dynamo.disable without importing Dynamo themselves."""
+    _ON_DYNAMO.append(fn)
+    if "torch._dynamo" in sys.modules and _REGISTERED:
+        fn()
+    return fn
+
+
+def at_root_exit(fn):
+    """Registers fn(entries), called (traced) at the exit of an outermost te.autocast entered in
+    compiled code with the DelayedScaling entries its modules appended to `root.delayed`
+    (_compile_linear.py registers the forward update). This module imports no other tequant
+    module but _C: the ones that trace register with it."""
+    _ROOT_EXIT.append(fn)
+    return fn
+
 
 _TRACED = []  # _TracedAutocast frames entered by the code being traced, innermost last
 _DEFAULT_RECIPE = _C.get_fp8_recipe()  # outside any autocast: the default recipe object
@@ -107,8 +127,8 @@ class _TracedAutocast:
         _TRACED.pop()
         self.active = False
         if self.root is self and self.delayed:
-            from . import _compile_linear
-            _compile_linear.update_forward(self.delayed)
+            for fn in _ROOT_EXIT:
+                fn(self.delayed)
         return False
 
 
@@ -137,11 +157,10 @@ def _register():
     """Tells Dynamo about tequant: the twins of the C entry points, the trace-time constants,
     and the eager-only bookkeeping it must not compile."""
     _REGISTERED.append(True)
-    from . import _compile_linear
     for fn in _CONSTANTS:
         torch._dynamo.assume_constant_result(fn)
-    _compile_linear.register_after_graph = torch._dynamo.disable(
-        _compile_linear.register_after_graph)
+    for fn in _ON_DYNAMO:
+        fn()
     sub = torch.compiler.substitute_in_graph
 
     @sub(_C.autocast)

@@ -1,5 +1,5 @@
-"""te.Linear inside torch.compile: the `tequant::linear_fwd`, `tequant::linear_bwd` and
-`tequant::amax_update` ops, their fake implementations, and the autograd Function Dynamo traces.
+"""te.Linear inside torch.compile: the forward and the autograd Function Dynamo traces, around
+the `tequant::linear_fwd`, `tequant::linear_bwd` and `tequant::amax_update` ops (_compile_ops.py).
 
 Eager te.Linear makes one C call per direction (csrc/ext/linear.c); traced code cannot, so the
 same C calls run inside torch.library ops whose schemas carry only tensors, ints and strings
@@ -21,149 +21,24 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from . import _C, _compile, delayed
-from ._compile_ops import fake, op
+from . import _C, _compile, _custom_linear, _plan, delayed
 from ._operands import is_dtensor
-
-_NEED_DGRAD, _NEED_WGRAD, _KEEP_X_ROWWISE, _PACKED = 1, 2, 4, 8  # csrc/ext/linear.c
-_ROWWISE, _COLUMNWISE = 1, 2
-_PLANS = {}  # recipe id -> linear._Plan
-
-
-def _plan(recipe_id):
-    plan = _PLANS.get(recipe_id)
-    if plan is None:
-        from .linear import _Plan
-        plan = _PLANS[recipe_id] = _Plan(_C._recipe_of_key(int(recipe_id)))
-    return plan
-
-
-def _shared_scale(config):
-    return config.scaling in ("delayed", "current")
-
-
-def _x_kept(plan, needs):
-    """Which of x's six members linear_forward saves (csrc/ext/linear.c keep_columnwise)."""
-    if needs & _KEEP_X_ROWWISE:
-        usage = _ROWWISE | ((needs & _NEED_WGRAD) and _COLUMNWISE)
-        return tuple(m is not None for m in _C._quantize_layout(plan.x, 128, 128, usage))
-    if not needs & _NEED_WGRAD:
-        return (False,) * 6
-    full = _C._quantize_layout(plan.x, 128, 128, _ROWWISE | _COLUMNWISE)
-    return tuple(m is not None and (i >= 2 or (i == 1 and _shared_scale(plan.x)))
-                 for i, m in enumerate(full))
-
-
-def _w_kept(plan):
-    both = _ROWWISE | _COLUMNWISE
-    return tuple(m is not None for m in _C._quantize_layout(plan.w, 128, 128, both))
+from ._plan import KEEP_X_ROWWISE, NEED_DGRAD, NEED_WGRAD, PACKED, ROWWISE
 
 
 @_compile.constant
 def info(recipe_id, needs):
     """Compile-time constants of a recipe: (scaling, align, delayed, backward_override,
     history_len, x members kept, w members kept, reduce_amax)."""
-    plan = _plan(recipe_id)
+    plan = _plan.of_id(recipe_id)
     return (plan.x.scaling, plan.align, plan.delayed, plan.backward_override,
-            plan.x.amax_history_len if plan.delayed else 0, _x_kept(plan, needs), _w_kept(plan),
-            plan.delayed and plan.recipe.reduce_amax)
+            plan.x.amax_history_len if plan.delayed else 0, _plan.x_kept(plan, needs),
+            _plan.w_kept(plan), plan.delayed and plan.recipe.reduce_amax)
 
 
 def _six(present, kept):
     it = iter(present)
     return tuple(next(it) if k else None for k in kept)
-
-
-def _c_plan(recipe_id):
-    """The linear plan tuple (csrc/ext/linear.c) of a recipe id: linear_ops.c asks once per id."""
-    return _plan(recipe_id).c_args
-
-
-_C._set_linear_plan_of(_c_plan)
-
-
-@op("tequant::linear_fwd", mutates_args=(), kernel=_C.linear_fwd_op)
-def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe_id: str,
-               needs: int, scale_fwd: torch.Tensor | None) -> list[torch.Tensor]:
-    """[y, what backward keeps] (+ [amax x, amax W] for DelayedScaling): with needs bit 8
-    (packed) x's columnwise buffer when wgrad runs and W's buffer, else the kept members of x
-    and W (csrc/ext/linear_ops.c, the kernel)."""
-
-
-def _padded(rows, align):
-    return (rows + align - 1) // align * align
-
-
-def _fake_members(config, rows, cols, usage, kept, device):
-    layout = _C._quantize_layout(config, int(rows), int(cols), usage)
-    return [torch.empty(r, c, dtype=d, device=device)
-            for (r, c, d), k in zip((m or (0, 0, None) for m in layout), kept) if k]
-
-
-def _fake_buffer(config, rows, cols, parts, like):
-    """A packed buffer of `parts` of an [rows, cols] tensor quantized in both directions."""
-    size = _C._packed_bytes(config, int(rows), int(cols), _ROWWISE | _COLUMNWISE, parts)
-    return like.new_empty((size,), dtype=torch.uint8)
-
-
-@fake("tequant::linear_fwd")
-def _(inp, weight, bias, recipe_id, needs, scale_fwd):
-    plan = _plan(recipe_id)
-    n, k = weight.shape
-    rows = inp.numel() // k
-    padded = _padded(rows, plan.align)
-    result = [inp.new_empty(tuple(inp.shape[:-1]) + (n,))]
-    if needs & _PACKED:
-        if needs & _NEED_WGRAD:
-            result.append(_fake_buffer(plan.x, padded, k, _COLUMNWISE, inp))
-        result.append(_fake_buffer(plan.w, n, k, _ROWWISE | _COLUMNWISE, inp))
-    else:
-        x_usage = _ROWWISE | (_COLUMNWISE if needs & _NEED_WGRAD else 0)  # linear.c's rule
-        result += _fake_members(plan.x, padded, k, x_usage, _x_kept(plan, needs), inp.device)
-        result += _fake_members(plan.w, n, k, _ROWWISE | _COLUMNWISE, _w_kept(plan), inp.device)
-    if plan.delayed:
-        result += [inp.new_empty((1, 1), dtype=torch.float32) for _ in range(2)]
-    return result
-
-
-@op("tequant::linear_bwd", mutates_args=(), kernel=_C.linear_bwd_op)
-def linear_bwd(dy: torch.Tensor, x_kept: torch.Tensor | None, w_kept: torch.Tensor,
-               recipe_id: str, needs: int, inp_shape: list[int], x_dtype: torch.dtype,
-               w_dtype: torch.dtype, bias_dtype: torch.dtype | None,
-               scale_bwd: torch.Tensor | None) -> list[torch.Tensor]:
-    """[dx if dgrad, dW if wgrad, db if bias_dtype] (+ [amax dy] for DelayedScaling) from the
-    packed buffers linear_fwd kept (csrc/ext/linear_ops.c, the kernel)."""
-
-
-@fake("tequant::linear_bwd")
-def _(dy, x_kept, w_kept, recipe_id, needs, inp_shape, x_dtype, w_dtype, bias_dtype, scale_bwd):
-    plan = _plan(recipe_id)
-    result = []
-    if needs & _NEED_DGRAD:
-        result.append(dy.new_empty(tuple(inp_shape), dtype=x_dtype))
-    if needs & _NEED_WGRAD:
-        result.append(dy.new_empty((dy.shape[-1], inp_shape[-1]), dtype=w_dtype))
-    if bias_dtype is not None:
-        result.append(dy.new_empty((dy.shape[-1],), dtype=bias_dtype))
-    if plan.delayed:
-        result.append(dy.new_empty((1, 1), dtype=torch.float32))
-    return result
-
-
-@op("tequant::amax_update", mutates_args=())
-def amax_update(history: torch.Tensor, scale: torch.Tensor, recipe_id: str,
-                direction: str) -> list[torch.Tensor]:
-    """DelayedScaling's roll and scale update of one module's [L, n] history and [n] scale,
-    returned as new tensors (delayed.update_slots, the eager rule)."""
-    history, scale = history.clone(), scale.clone()
-    plan = _plan(recipe_id)
-    delayed.update_slots(delayed.slots_of(plan, history, scale, direction), plan.recipe, None)
-    return [history, scale]
-
-
-@fake("tequant::amax_update")
-def _(history, scale, recipe_id, direction):
-    return [torch.empty_like(history), torch.empty_like(scale)]
 
 
 def _accumulated(history, amaxes):
@@ -178,42 +53,66 @@ def _accumulate(history, amaxes):
         history.copy_(_accumulated(history, amaxes))
 
 
-def _reduced(current, recipe_id, group):
-    """current with row 0 all-reduced (MAX) over the amax reduction group, as delayed._reduce
-    does in eager (traced: Dynamo turns the collective into a functional one in the graph)."""
+def _reduced(currents, recipe_id, group):
+    """currents (histories) with row 0 all-reduced (MAX) over the amax reduction group in one
+    collective, as delayed._reduce does in eager (traced: Dynamo turns the collective into a
+    functional one in the graph)."""
     if group is None or not info(recipe_id, 0)[7] or not torch.distributed.is_initialized() \
             or torch.distributed.get_world_size(group) <= 1:
-        return current
-    row0 = current[:1].clone()
-    torch.distributed.all_reduce(row0, op=torch.distributed.ReduceOp.MAX, group=group)
-    return torch.cat((row0, current[1:]))
+        return currents
+    rows = torch.cat([c[0] for c in currents])
+    torch.distributed.all_reduce(rows, op=torch.distributed.ReduceOp.MAX, group=group)
+    reduced, start = [], 0
+    for c in currents:
+        width = c.shape[1]
+        reduced.append(torch.cat((rows[start:start + width].view(1, width), c[1:])))
+        start += width
+    return reduced
 
 
-def _apply_update(history, scale, recipe_id, direction, current=None, group=None):
-    """The roll and scale update of `current` (default: history itself) after the group's
-    all-reduce, written into history and scale."""
-    current = _reduced(history if current is None else current, recipe_id, group)
-    new_history, new_scale = torch.ops.tequant.amax_update(current, scale, recipe_id, direction)
+def _apply_update(histories, scales, recipe_id, direction, currents=None, group=None):
+    """The roll and scale update of `currents` (default: the histories themselves) after the
+    group's all-reduce, in one tequant::amax_update call, written into histories and scales."""
+    currents = _reduced(list(histories) if currents is None else currents, recipe_id, group)
+    new = torch.ops.tequant.amax_update(currents, list(scales), recipe_id, direction)
     with torch.no_grad():
-        history.copy_(new_history)
-        scale.copy_(new_scale)
+        for buffer, value in zip(list(histories) + list(scales), new):
+            buffer.copy_(value)
 
 
+@_compile.at_root_exit
 def update_forward(entries):
-    """The traced outermost autocast's exit: the forward update of its DelayedScaling modules."""
+    """The traced outermost autocast's exit: the forward update of its DelayedScaling modules,
+    one op per (recipe, group) as eager batches them."""
+    batches = []  # (recipe_id, group, histories, scales)
     for _, history, scale, recipe_id, group in entries:
-        _apply_update(history, scale, recipe_id, delayed.FORWARD, group=group)
+        for batch in batches:
+            if batch[0] == recipe_id and batch[1] is group:
+                break
+        else:
+            batch = (recipe_id, group, [], [])
+            batches.append(batch)
+        batch[2].append(history)
+        batch[3].append(scale)
+    for recipe_id, group, histories, scales in batches:
+        _apply_update(histories, scales, recipe_id, delayed.FORWARD, group=group)
 
 
 def register_after_graph(entries):
     """Runs after a compiled graph, inside the eager te.autocast it ran in (the C setter of
-    `_C._live.delayed` calls it; _compile._register wraps it in torch._dynamo.disable): records
-    each compiled module's forward buffers with that
-    autocast, whose outermost exit updates them with the eager modules (delayed.py)."""
+    `_C._live.delayed` calls it; wrapped in torch._dynamo.disable once Dynamo loads): records
+    each compiled module's forward buffers with that autocast, whose outermost exit updates
+    them with the eager modules (delayed.py)."""
     group = _C.get_fp8_group()
     for i in range(0, len(entries), 3):  # flat (history, scale, recipe id) triples
         history, scale, recipe_id = entries[i:i + 3]
-        delayed.register_compiled(history, scale, _plan(recipe_id), group)
+        delayed.register_compiled(history, scale, _plan.of_id(recipe_id), group)
+
+
+@_compile.when_dynamo_loads
+def _eager_only():
+    global register_after_graph
+    register_after_graph = torch._dynamo.disable(register_after_graph)
 
 
 class _CompiledLinear(torch.autograd.Function):
@@ -222,16 +121,16 @@ class _CompiledLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp, weight, bias, scale_fwd, hist_fwd, scale_bwd, hist_bwd, recipe_id,
                 group):
-        needs = ((_NEED_DGRAD if ctx.needs_input_grad[0] else 0)
-                 | (_NEED_WGRAD if ctx.needs_input_grad[1] else 0))
+        needs = ((NEED_DGRAD if ctx.needs_input_grad[0] else 0)
+                 | (NEED_WGRAD if ctx.needs_input_grad[1] else 0))
         scaling, align, is_delayed, override, _, x_kept, w_kept, _ = info(recipe_id, needs)
         if override == "dequantized":  # its backward reads the members of x and W
-            c_needs = _KEEP_X_ROWWISE
+            c_needs = KEEP_X_ROWWISE
             x_kept = info(recipe_id, c_needs)[5]
             n_x, n_w = sum(x_kept), sum(w_kept)
         else:  # packed: x's columnwise buffer (wgrad) and W's
-            c_needs = (needs if override is None else 0) | _PACKED
-            n_x, n_w = (1 if c_needs & _NEED_WGRAD else 0), 1
+            c_needs = (needs if override is None else 0) | PACKED
+            n_x, n_w = (1 if c_needs & NEED_WGRAD else 0), 1
         outs = torch.ops.tequant.linear_fwd(inp, weight, bias, recipe_id, c_needs, scale_fwd)
         x_members, w_members = outs[1:1 + n_x], outs[1 + n_x:1 + n_x + n_w]
         if is_delayed:
@@ -272,13 +171,13 @@ class _CompiledLinear(torch.autograd.Function):
                                             list(ctx.shape), ctx.x_dtype, ctx.w_dtype, bias_dtype,
                                             scale_bwd)
         it = iter(outs)
-        dx = next(it) if needs & _NEED_DGRAD else None
-        dw = next(it) if needs & _NEED_WGRAD else None
+        dx = next(it) if needs & NEED_DGRAD else None
+        dw = next(it) if needs & NEED_WGRAD else None
         db = next(it) if bias_dtype is not None else None
         if ctx.is_delayed:
             # One write per buffer: AOT's partitioner refuses a buffer written twice in backward.
-            _apply_update(hist_bwd, scale_bwd, ctx.recipe_id, delayed.BACKWARD,
-                          _accumulated(hist_bwd, next(it)), ctx.group)
+            _apply_update((hist_bwd,), (scale_bwd,), ctx.recipe_id, delayed.BACKWARD,
+                          [_accumulated(hist_bwd, next(it))], ctx.group)
         return dx, dw, db, None, None, None, None, None, None
 
 
@@ -292,19 +191,19 @@ def _dequantized_operands(ctx, saved, dtype):
     rows = 1
     for d in ctx.shape[:-1]:
         rows *= d
-    padded = _padded(rows, ctx.align)
+    padded = _plan.padded(rows, ctx.align)
     n = w_six[0].shape[0]
-    x2d = torch.ops.tequant.dequantize(x_six, ctx.recipe_id, "input", padded, k, _ROWWISE, dtype)
-    weight = torch.ops.tequant.dequantize(w_six, ctx.recipe_id, "weight", n, k, _ROWWISE, dtype)
+    x2d = torch.ops.tequant.dequantize(x_six, ctx.recipe_id, "input", padded, k, ROWWISE, dtype)
+    weight = torch.ops.tequant.dequantize(w_six, ctx.recipe_id, "weight", n, k, ROWWISE, dtype)
     return x2d[:rows], weight
 
 
 def _high_precision(dy, x2d, weight, needs, bias_dtype, ctx):
     dy2d = dy.reshape(-1, dy.shape[-1])
     dx = dw = db = None
-    if needs & _NEED_DGRAD:
+    if needs & NEED_DGRAD:
         dx = (dy2d @ weight.to(dy2d.dtype)).to(ctx.x_dtype).view(ctx.shape)
-    if needs & _NEED_WGRAD:
+    if needs & NEED_WGRAD:
         dw = (dy2d.t() @ x2d.to(dy2d.dtype)).to(ctx.w_dtype)
     if bias_dtype is not None:
         db = dy2d.sum(0, dtype=torch.float32).to(bias_dtype)
@@ -359,8 +258,8 @@ def _local(module, inp, weight, bias, is_first_microbatch):
     if torch.is_autocast_enabled(inp.device.type):
         inp = inp.to(torch.get_autocast_dtype(inp.device.type))
     if state.recipe.custom():
-        from .linear import _CustomLinear
-        return _CustomLinear.apply(inp, weight, bias, module._custom_quantizers(state.recipe))
+        return _custom_linear.apply(inp, weight, bias,
+                                    _custom_linear.quantizers(module, state.recipe))
     scaling, align, is_delayed, _, history_len, _, _, _ = info(recipe_id, 0)
     for name, dim, local in (("in_features", module.in_features, k),
                              ("out_features", module.out_features, n)):

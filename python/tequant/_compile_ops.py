@@ -1,10 +1,12 @@
-"""The tequant::quantize / dequantize / gemm / gemm_out custom ops that torch.compile traces.
+"""The tequant:: custom ops that torch.compile traces: quantize / dequantize / gemm / gemm_out
+(te.ops) and linear_fwd / linear_bwd / amax_update (te.Linear).
 
 Dynamo cannot trace te.ops' C calls, so under torch.compile each one runs as a torch.library
 custom op: its real implementation is the same C call as eager (the same bits), its fake
 implementation gives the output shapes for tracing. The traced Python that calls the ops is
-_compile_trace.py. Importing this module only registers the ops (no torch._dynamo import), so
-`import tequant` makes them available, e.g. to load an exported program.
+_compile_trace.py (te.ops) and _compile_linear.py (te.Linear). Importing this module only
+registers the ops (no torch._dynamo import), so `import tequant` makes them available, e.g. to
+load an exported program.
 
 A config travels as two strings, a recipe's registry key `recipe._tequant_id` and the role; the
 implementations resolve them with _C._recipe_of_key and _C.quantizer_config (cached).
@@ -13,16 +15,16 @@ Rules the ops keep for functionalization: quantize, dequantize and gemm return f
 quantize takes `scale` read-only and returns the amax of x in a fresh tensor (the traced code
 max-accumulates it into the history slot). Stochastic rounding without rng: quantize draws
 (seed, offset) from the default generator of x's device when it runs, as each eager call does
-(inside a CUDA graph capture, as a device tensor that each replay draws anew: ops._rng_state).
-Tests: tests/test_compile_ops.py.
+(inside a CUDA graph capture, as a device tensor that each replay draws anew: _rng.py).
+Tests: tests/test_compile_ops.py, tests/test_compile.py.
 """
 import contextlib
 from typing import Optional
 
 import torch
 
-from . import _C
-from .quantized import ROWWISE
+from . import _C, _plan, _rng, delayed
+from ._plan import COLUMNWISE, NEED_DGRAD, NEED_WGRAD, PACKED, ROWWISE
 
 _CONFIGS = {}  # (recipe_id, role) -> QuantizerConfig
 _LIB = torch.library.Library("tequant", "FRAGMENT")
@@ -96,8 +98,7 @@ def quantize_op(x: torch.Tensor, recipe_id: str, role: str, usage: int,
     elif rng is not None:
         chosen = tuple(rng)
     elif config.stochastic_rounding:
-        from .ops import _rng_state
-        chosen = _rng_state(x.device, None)
+        chosen = _rng.rng_state(x.device, None)
     else:
         chosen = None
     members = _C._quantize(x, config, usage, scale, None, chosen, None)
@@ -179,3 +180,98 @@ def gemm_out_op(a: list[Optional[torch.Tensor]], a_recipe_id: str, a_role: str, 
 def _gemm_out_fake(a, a_recipe_id, a_role, a_rows, a_cols, a_usage, b, b_recipe_id, b_role,
                    b_rows, b_cols, b_usage, out, bias, flags):
     return None
+
+
+# ---- te.Linear ---------------------------------------------------------------------------------
+# The compiled te.Linear (_compile_linear.py) runs linear.c's forward and backward as these ops,
+# whose kernels are C functions of tequant._C (csrc/ext/linear_ops.c): the dispatcher calls them
+# with no Python frame in between. linear_ops.c asks for a recipe id's plan tuple once.
+
+_C._set_linear_plan_of(lambda recipe_id: _plan.of_id(recipe_id).c_args)
+
+
+@op("tequant::linear_fwd", mutates_args=(), kernel=_C.linear_fwd_op)
+def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe_id: str,
+               needs: int, scale_fwd: torch.Tensor | None) -> list[torch.Tensor]:
+    """[y, what backward keeps] (+ [amax x, amax W] for DelayedScaling): with needs bit 8
+    (packed) x's columnwise buffer when wgrad runs and W's buffer, else the kept members of x
+    and W (csrc/ext/linear_ops.c, the kernel)."""
+
+
+def _fake_members(config, rows, cols, usage, kept, device):
+    layout = _C._quantize_layout(config, int(rows), int(cols), usage)
+    return [torch.empty(r, c, dtype=d, device=device)
+            for (r, c, d), k in zip((m or (0, 0, None) for m in layout), kept) if k]
+
+
+def _fake_buffer(config, rows, cols, parts, like):
+    """A packed buffer of `parts` of an [rows, cols] tensor quantized in both directions."""
+    size = _C._packed_bytes(config, int(rows), int(cols), ROWWISE | COLUMNWISE, parts)
+    return like.new_empty((size,), dtype=torch.uint8)
+
+
+@fake("tequant::linear_fwd")
+def _linear_fwd_fake(inp, weight, bias, recipe_id, needs, scale_fwd):
+    plan = _plan.of_id(recipe_id)
+    n, k = weight.shape
+    rows = inp.numel() // k
+    padded = _plan.padded(rows, plan.align)
+    result = [inp.new_empty(tuple(inp.shape[:-1]) + (n,))]
+    if needs & PACKED:
+        if needs & NEED_WGRAD:
+            result.append(_fake_buffer(plan.x, padded, k, COLUMNWISE, inp))
+        result.append(_fake_buffer(plan.w, n, k, ROWWISE | COLUMNWISE, inp))
+    else:
+        x_usage = ROWWISE | (COLUMNWISE if needs & NEED_WGRAD else 0)  # linear.c's rule
+        result += _fake_members(plan.x, padded, k, x_usage, _plan.x_kept(plan, needs),
+                                inp.device)
+        result += _fake_members(plan.w, n, k, ROWWISE | COLUMNWISE, _plan.w_kept(plan),
+                                inp.device)
+    if plan.delayed:
+        result += [inp.new_empty((1, 1), dtype=torch.float32) for _ in range(2)]
+    return result
+
+
+@op("tequant::linear_bwd", mutates_args=(), kernel=_C.linear_bwd_op)
+def linear_bwd(dy: torch.Tensor, x_kept: torch.Tensor | None, w_kept: torch.Tensor,
+               recipe_id: str, needs: int, inp_shape: list[int], x_dtype: torch.dtype,
+               w_dtype: torch.dtype, bias_dtype: torch.dtype | None,
+               scale_bwd: torch.Tensor | None) -> list[torch.Tensor]:
+    """[dx if dgrad, dW if wgrad, db if bias_dtype] (+ [amax dy] for DelayedScaling) from the
+    packed buffers linear_fwd kept (csrc/ext/linear_ops.c, the kernel)."""
+
+
+@fake("tequant::linear_bwd")
+def _linear_bwd_fake(dy, x_kept, w_kept, recipe_id, needs, inp_shape, x_dtype, w_dtype,
+                     bias_dtype, scale_bwd):
+    result = []
+    if needs & NEED_DGRAD:
+        result.append(dy.new_empty(tuple(inp_shape), dtype=x_dtype))
+    if needs & NEED_WGRAD:
+        result.append(dy.new_empty((dy.shape[-1], inp_shape[-1]), dtype=w_dtype))
+    if bias_dtype is not None:
+        result.append(dy.new_empty((dy.shape[-1],), dtype=bias_dtype))
+    if _plan.of_id(recipe_id).delayed:
+        result.append(dy.new_empty((1, 1), dtype=torch.float32))
+    return result
+
+
+@op("tequant::amax_update", mutates_args=())
+def amax_update(histories: list[torch.Tensor], scales: list[torch.Tensor], recipe_id: str,
+                direction: str) -> list[torch.Tensor]:
+    """DelayedScaling's roll and scale update of n modules' [L, c] histories and [c] scales, in
+    one batch as eager's update runs (delayed.update_slots): [new histories..., new scales...]."""
+    histories = [h.clone() for h in histories]
+    scales = [s.clone() for s in scales]
+    plan = _plan.of_id(recipe_id)
+    slots = []
+    for history, scale in zip(histories, scales):
+        slots += delayed.slots_of(plan, history, scale, direction)
+    delayed.update_slots(slots, plan.recipe, None)
+    return histories + scales
+
+
+@fake("tequant::amax_update")
+def _amax_update_fake(histories, scales, recipe_id, direction):
+    return [torch.empty_like(t) for t in list(histories) + list(scales)]
+

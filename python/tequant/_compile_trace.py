@@ -1,7 +1,7 @@
 """What te.ops and QuantizedTensor run while torch.compile traces them.
 
 ops.py and quantized.py import this module inside their `torch.compiler.is_compiling()`
-branches (it needs torch._dynamo, which `import tequant` should not load). The traced code
+branches (it needs torch._dynamo, which `import tequant` should not load); it imports neither. The traced code
 cannot read a QuantizerConfig (a C object): it names a config by the recipe's registry key
 `recipe._tequant_id` (Dynamo guards on the string's value, so an equal recipe reuses the compiled
 code and another one recompiles) and the role, and learns what it needs (scaling, which members
@@ -20,7 +20,6 @@ import weakref
 import torch
 
 from . import _C, _compile_ops
-from .quantized import QuantizedTensor
 from .recipe import Recipe
 
 _ERRORS = {"TypeError": TypeError, "ValueError": ValueError, "KeyError": KeyError}
@@ -116,8 +115,9 @@ def _signed64(v):
 
 
 def quantize(x, recipe, recipe_id, role, usage, scale, amax_history, rng, stochastic, present):
-    """te.ops.quantize's C call and QuantizedTensor, through tequant::quantize. The op returns
-    a fresh amax; a DelayedScaling history slot takes max(slot, amax), as the kernel does."""
+    """te.ops.quantize's C call through tequant::quantize: the six members (None where absent)
+    that te.ops.quantize wraps in a QuantizedTensor. The op returns a fresh amax; a
+    DelayedScaling history slot takes max(slot, amax), as the kernel does."""
     draw_site, rng_state = 0, None
     if isinstance(rng, torch.Tensor):
         rng, rng_state = None, rng
@@ -133,7 +133,7 @@ def quantize(x, recipe, recipe_id, role, usage, scale, amax_history, rng, stocha
         amax = members[4]
         amax_history.copy_(torch.maximum(amax_history, amax.reshape(amax_history.shape)))
         members = members[:4] + (amax_history, members[5])
-    return QuantizedTensor(None, x.shape, x.dtype, members, recipe, role)
+    return members
 
 
 def dequantize(q, usage, dtype):

@@ -14,7 +14,8 @@ import warnings
 import torch
 
 from . import _C
-from .linear import _ALIGN, Linear
+from ._plan import ALIGN as _ALIGN
+from .linear import Linear
 from .recipe import Recipe
 
 __all__ = ["convert"]

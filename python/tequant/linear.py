@@ -24,40 +24,12 @@ import torch
 import torch.autograd.forward_ad as _forward_ad
 import torch.nn.functional as F
 
-from . import _C, _compile_linear, _operands, checkpoint, delayed
-from .ops import _FAST_ACCUM  # tq_gemm_flags, defined once in ops.py
-from .quantized import COLUMNWISE as _COLUMNWISE, ROWWISE as _ROWWISE
-from .recipe import QuantizerRole
+from . import _C, _compile_linear, _custom_linear, _operands, _plan, checkpoint, delayed
+from ._plan import (COLUMNWISE as _COLUMNWISE, KEEP_X_ROWWISE as _KEEP_X_ROWWISE,
+                    NEED_DGRAD as _NEED_DGRAD, NEED_WGRAD as _NEED_WGRAD, PACKED as _PACKED,
+                    ROWWISE as _ROWWISE)
 
 __all__ = ["Linear", "prepare_state"]
-
-# Feature dims must be multiples of these (the quantizers' and cuBLASLt's rules); rows are padded
-# to them (FP8 wgrad contracts over rows: cuBLASLt needs K % 16; MXFP8 / NVFP4 quantize 32 / 16).
-_ALIGN = {"delayed": 16, "current": 16, "block": 16, "mxfp8": 32, "nvfp4": 16}
-
-
-class _Plan:
-    """What one recipe asks of a Linear, looked up once per recipe and cached on the module."""
-
-    __slots__ = ("recipe", "key", "x", "w", "dy", "align", "flags", "backward_override",
-                 "delayed", "c_args")
-
-    def __init__(self, recipe):
-        self.recipe = recipe
-        self.key = _C.recipe_key(recipe)
-        self.x = _C.quantizer_config(recipe, "input")
-        self.w = _C.quantizer_config(recipe, "weight")
-        self.dy = _C.quantizer_config(recipe, "grad_output")
-        self.align = _ALIGN.get(self.x.scaling)
-        split = _C.gemm_split_accumulator(recipe)
-        self.flags = tuple(0 if s else _FAST_ACCUM for s in split)  # fprop, dgrad, wgrad
-        self.backward_override = getattr(recipe, "backward_override", None)
-        self.delayed = self.x.scaling == "delayed"
-        emulated = self.x.scaling in ("mxfp8", "nvfp4")
-        self.c_args = (self.key, self.x, self.w, self.dy, self.align) + self.flags + (emulated,)
-
-
-_NEED_DGRAD, _NEED_WGRAD, _KEEP_X_ROWWISE, _PACKED = 1, 2, 4, 8  # csrc/ext/linear.c
 
 
 class _QuantizedLinear(torch.autograd.Function):
@@ -223,35 +195,6 @@ def _dequantized(config, rows, cols, members, dtype):
     return out
 
 
-class _CustomLinear(torch.autograd.Function):
-    """CustomRecipe: each role's quantizer (from the recipe's qfactory) quantizes, and the GEMMs
-    multiply the dequantized values in the activation dtype (the quantizer protocol is in
-    Linear's docstring)."""
-
-    @staticmethod
-    def forward(ctx, inp, weight, bias, quantizers):
-        qx, qw, qdy = quantizers
-        x_q, w_q = qx.quantize(inp.detach()), qw.quantize(weight.detach())
-        x_hat = qx.dequantize(x_q).to(inp.dtype)
-        w_hat = qw.dequantize(w_q).to(inp.dtype)
-        ctx.save_for_backward(x_hat, w_hat)
-        ctx.qdy, ctx.weight_dtype = qdy, weight.dtype
-        ctx.bias_dtype = bias.dtype if bias is not None else None
-        return F.linear(x_hat, w_hat, None if bias is None else bias.to(inp.dtype))
-
-    @staticmethod
-    def backward(ctx, dy):
-        x_hat, w_hat = ctx.saved_tensors
-        dy_hat = ctx.qdy.dequantize(ctx.qdy.quantize(dy)).to(dy.dtype)
-        dy2d, x2d = dy_hat.reshape(-1, dy.shape[-1]), x_hat.reshape(-1, x_hat.shape[-1])
-        dx = (dy_hat @ w_hat).to(x_hat.dtype) if ctx.needs_input_grad[0] else None
-        dw = (dy2d.t() @ x2d).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
-        db = None
-        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-            db = dy.reshape(-1, dy.shape[-1]).sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return dx, dw, db, None
-
-
 class Linear(torch.nn.Linear):
     """y = x W^T + b, with its GEMMs quantized inside te.autocast (FP8, MXFP8, NVFP4).
 
@@ -331,7 +274,7 @@ class Linear(torch.nn.Linear):
         module.return_bias = bool(return_bias)
         module.init_method = init_method
         module._tp = tp  # tensor parallelism (distributed/tensor_parallel.py), or None
-        module._plans = {}           # recipe key -> _Plan (or a CustomRecipe's quantizers)
+        module._plans = {}           # recipe key -> _plan.Plan (or a CustomRecipe's quantizers)
         module._weight_cache = []    # [recipe key, quantized W] for is_first_microbatch=False
         _compile_linear.register_module(module)
 
@@ -391,7 +334,7 @@ class Linear(torch.nn.Linear):
         key = _C.recipe_key(recipe)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = _Plan(recipe)
+            plan = self._plans[key] = _plan.Plan(recipe)
             self._check_plan(plan)
         return plan
 
@@ -409,23 +352,6 @@ class Linear(torch.nn.Linear):
                 shard = f" (this rank's {local} of {dim})" if local != dim else ""
                 raise ValueError(f"{name}={dim}{shard} must be a multiple of {plan.align} for "
                                  f"{plan.x.scaling} scaling (te.Linear inside te.autocast)")
-
-    def _custom_quantizers(self, recipe):
-        """The (input, weight, grad_output) quantizers of a CustomRecipe's qfactory, made once
-        per recipe and module."""
-        key = _C.recipe_key(recipe)
-        quantizers = self._plans.get(key)
-        if quantizers is None:
-            quantizers = tuple(recipe.qfactory(QuantizerRole(module_type="linear", tensor_type=r))
-                               for r in ("input", "weight", "grad_output"))
-            for role, q in zip(("input", "weight", "grad_output"), quantizers):
-                if not (callable(getattr(q, "quantize", None))
-                        and callable(getattr(q, "dequantize", None))):
-                    raise TypeError(f"CustomRecipe.qfactory returned {type(q).__name__} for the "
-                                    f"{role!r} role: a quantizer needs quantize(tensor) and "
-                                    "dequantize(quantized) methods")
-            self._plans[key] = quantizers
-        return quantizers
 
     # ---- forward ------------------------------------------------------------------------------
 
@@ -504,11 +430,11 @@ class Linear(torch.nn.Linear):
         if torch.is_autocast_enabled(inp.device.type):
             inp = inp.to(torch.get_autocast_dtype(inp.device.type))
         if recipe.custom():
-            quantizers = self._custom_quantizers(recipe)
+            quantizers = _custom_linear.quantizers(self, recipe)
             if tp is not None:
-                return tp.linear_hp(inp, lambda x: _CustomLinear.apply(x, weight, bias,
-                                                                       quantizers))
-            return _CustomLinear.apply(inp, weight, bias, quantizers)
+                return tp.linear_hp(inp, lambda x: _custom_linear.apply(x, weight, bias,
+                                                                        quantizers))
+            return _custom_linear.apply(inp, weight, bias, quantizers)
         plan = self._plan(recipe)
         if tp is not None:
             tp.check_recipe(recipe, plan.key)

@@ -12,49 +12,12 @@ tests/test_compile_ops.py.
 import torch
 
 from . import _C, _compile_ops  # noqa: F401  (registers the tequant:: ops)
+from ._rng import checked_rng, rng_state
 from .quantized import COLUMNWISE, ROWWISE, QuantizedTensor
 
 __all__ = ["quantize", "dequantize", "gemm"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _rng_state(device, generator):
-    """Stochastic rounding's rng from `generator` or the device's default one, advancing it so
-    successive calls draw different bits (NUMERICS.md 3.2): (seed, offset), or, while a CUDA
-    graph is being captured, an int64 [2] device tensor of fresh (seed, offset) that the kernel
-    reads when it runs."""
-    if device.type == "cuda":
-        if torch.cuda.is_current_stream_capturing():
-            # A host draw would be frozen into the graph and every replay would round with the
-            # same bits. torch's Philox is graph-safe: each replay of this fill draws anew, and
-            # torch.manual_seed before the replays reproduces them.
-            return torch.empty(2, dtype=torch.int64, device=device).random_(generator=generator)
-        gen = generator or torch.cuda.default_generators[
-            device.index if device.index is not None else torch.cuda.current_device()]
-        offset = gen.get_offset()
-        gen.set_offset(offset + 4)
-        return gen.initial_seed(), offset
-    # The CPU generator (mt19937) has no Philox offset: draw the offset from it instead, which
-    # advances it and stays reproducible under torch.manual_seed.
-    gen = generator or torch.default_generator
-    offset = int(torch.randint(0, 2**62, (), generator=gen))
-    return gen.initial_seed(), offset
-
-
-def _checked_rng(rng, device):
-    if isinstance(rng, torch.Tensor):
-        if rng.dtype != torch.int64 or rng.numel() != 2 or rng.device != device:
-            raise ValueError("rng as a tensor must hold two int64 (seed, offset) on x's device "
-                             f"({device}); got {rng.dtype} {tuple(rng.shape)} on {rng.device}")
-        return rng.reshape(2).contiguous()
-    try:
-        seed, offset = (int(v) for v in rng)
-    except (TypeError, ValueError):
-        raise ValueError(f"rng must be a (seed, offset) pair of ints, got {rng!r}") from None
-    if not (0 <= seed < 2**64 and 0 <= offset < 2**64):
-        raise ValueError(f"rng=(seed, offset) must both be in [0, 2**64), got {rng!r}")
-    return seed, offset
 
 
 def quantize(x, recipe=None, role="input", rowwise=True, columnwise=False, *, scale=None,
@@ -141,15 +104,16 @@ def quantize(x, recipe=None, role="input", rowwise=True, columnwise=False, *, sc
     chosen = None  # the rng C reads: (seed, offset) or a device tensor
     if stochastic:
         if rng is not None:
-            chosen = _checked_rng(rng, x.device)
+            chosen = checked_rng(rng, x.device)
         elif not compiling:
-            chosen = _rng_state(x.device, generator)
+            chosen = rng_state(x.device, generator)
         elif generator is not None:
             raise ValueError("generator= cannot be traced by torch.compile: pass rng=(seed, "
                              "offset), or neither to draw from the device's default generator")
     if compiling:
-        return traced.quantize(x, recipe, recipe_id, role, usage, scale, amax_history, chosen,
-                               stochastic, present)
+        members = traced.quantize(x, recipe, recipe_id, role, usage, scale, amax_history,
+                                  chosen, stochastic, present)
+        return QuantizedTensor(None, x.shape, x.dtype, members, recipe, role)
     members = _C._quantize(x, config, usage, scale, amax_history, chosen, amax)
     return QuantizedTensor(config, x.shape, x.dtype, members, recipe, role)
 
@@ -162,9 +126,6 @@ def dequantize(q, dtype=torch.float32):
     if dtype not in _FLOATS:
         raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
     return q.dequantize(dtype)
-
-
-_ACCUMULATE, _FAST_ACCUM = 1, 2  # tq_gemm_flags
 
 
 def _operand(q, usage, name, compiling):
@@ -232,7 +193,8 @@ def gemm(a, b, *, transpose_a=False, transpose_b=False, out_dtype=None, bias=Non
             raise ValueError(f"out has shape {tuple(out.shape)}; the product is "
                              f"{tuple(lead) + (out.shape[-1],)}")
         out_2d = out.view(-1, out.shape[-1])
-    flags = (_ACCUMULATE if accumulate else 0) | (0 if use_split_accumulator else _FAST_ACCUM)
+    flags = ((_C.GEMM_ACCUMULATE if accumulate else 0)
+             | (0 if use_split_accumulator else _C.GEMM_FAST_ACCUM))
     if compiling:
         from . import _compile_trace
         result = _compile_trace.gemm(spec_a, spec_b, out_2d, out_dtype, bias, flags)

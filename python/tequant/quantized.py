@@ -13,7 +13,7 @@ import torch
 
 from . import _C
 
-ROWWISE, COLUMNWISE = 1, 2
+ROWWISE, COLUMNWISE = _C.USAGE_ROWWISE, _C.USAGE_COLUMNWISE  # tq_usage bits
 _MEMBERS = ("data", "scale_inv", "data_t", "scale_inv_t", "amax", "amax_t")
 _DIRECTIONS = {"rowwise": ROWWISE, "columnwise": COLUMNWISE}
 
