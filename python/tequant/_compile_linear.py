@@ -74,10 +74,14 @@ def _apply_update(histories, scales, recipe_id, direction, currents=None, group=
     """The roll and scale update of `currents` (default: the histories themselves) after the
     group's all-reduce, in one tequant::amax_update call, written into histories and scales."""
     currents = _reduced(list(histories) if currents is None else currents, recipe_id, group)
-    new = torch.ops.tequant.amax_update(currents, list(scales), recipe_id, direction)
+    history, scale = torch.ops.tequant.amax_update(currents, list(scales), recipe_id, direction)
+    start = 0
     with torch.no_grad():
-        for buffer, value in zip(list(histories) + list(scales), new):
-            buffer.copy_(value)
+        for h, s in zip(histories, scales):
+            width = s.shape[0]
+            h.copy_(history[:, start:start + width])
+            s.copy_(scale[start:start + width])
+            start += width
 
 
 @_compile.at_root_exit

@@ -256,22 +256,29 @@ def _linear_bwd_fake(dy, x_kept, w_kept, recipe_id, needs, inp_shape, x_dtype, w
     return result
 
 
+_SCALED_MAX = {}  # (recipe_id, direction) -> each column's scaled fmax (delayed.slots_of's)
+
+
 @op("tequant::amax_update", mutates_args=())
 def amax_update(histories: list[torch.Tensor], scales: list[torch.Tensor], recipe_id: str,
                 direction: str) -> list[torch.Tensor]:
-    """DelayedScaling's roll and scale update of n modules' [L, c] histories and [c] scales, in
-    one batch as eager's update runs (delayed.update_slots): [new histories..., new scales...]."""
-    histories = [h.clone() for h in histories]
-    scales = [s.clone() for s in scales]
+    """DelayedScaling's roll and scale update of n modules' [L, c] histories and [c] scales in
+    one batch, as eager's update runs (delayed.update_slots): [the new histories side by side
+    [L, n * c], the new scales [n * c]] (two fresh tensors: the traced caller copies each
+    module's columns back into its buffers)."""
     plan = _plan.of_id(recipe_id)
-    slots = []
-    for history, scale in zip(histories, scales):
-        slots += delayed.slots_of(plan, history, scale, direction)
-    delayed.update_slots(slots, plan.recipe, None)
-    return histories + scales
+    scaled = _SCALED_MAX.get((recipe_id, direction))
+    if scaled is None:
+        scaled = _SCALED_MAX[(recipe_id, direction)] = delayed.scaled_maxes(plan, direction)
+    history = torch.cat(histories, 1)  # fresh: the op mutates none of its inputs
+    scale = torch.cat(scales)
+    c = len(scaled)
+    delayed.update_slots([(history[:, j:j + 1], scale[j:j + 1], scaled[j % c])
+                          for j in range(history.shape[1])], plan.recipe, None)
+    return [history, scale]
 
 
 @fake("tequant::amax_update")
 def _amax_update_fake(histories, scales, recipe_id, direction):
-    return [torch.empty_like(t) for t in list(histories) + list(scales)]
-
+    return [torch.cat([torch.empty_like(h) for h in histories], 1),
+            torch.cat([torch.empty_like(s) for s in scales])]

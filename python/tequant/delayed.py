@@ -16,7 +16,7 @@ import torch
 from . import _C
 
 FORWARD, BACKWARD = "fwd", "bwd"
-_COLUMNS = {FORWARD: ("x", "w"), BACKWARD: ("dy",)}
+COLUMNS = {FORWARD: ("x", "w"), BACKWARD: ("dy",)}  # each direction's roles, in column order
 
 
 def ensure(module, length):
@@ -57,7 +57,7 @@ def slots(module, direction):
     scale = buffers[f"delayed_scale_{direction}"]
     return _kept(module, "_delayed_slots_" + direction, hist, scale, None,
                  lambda: tuple((scale[c:c + 1], hist[0, c:c + 1])
-                               for c in range(len(_COLUMNS[direction]))))
+                               for c in range(len(COLUMNS[direction]))))
 
 
 def replay_slots(scale_fwd):
@@ -79,14 +79,16 @@ def calibrate(module, length, inp):
             hist[0, column] = torch.maximum(hist[0, column], amax)
 
 
+def scaled_maxes(plan, direction):
+    """Per column of `direction`, the format's max divided by 2^margin (the scale's numerator)."""
+    return [getattr(plan, role).fmax * 2.0 ** -getattr(plan, role).margin
+            for role in COLUMNS[direction]]
+
+
 def slots_of(plan, hist, scale, direction):
     """The (history column, scale element, scaled fmax) slots of one module's buffers."""
-    slots = []
-    for column, role in enumerate(_COLUMNS[direction]):
-        config = getattr(plan, role)
-        scaled_max = config.fmax * 2.0 ** -config.margin
-        slots.append((hist[:, column:column + 1], scale[column:column + 1], scaled_max))
-    return slots
+    return [(hist[:, column:column + 1], scale[column:column + 1], scaled_max)
+            for column, scaled_max in enumerate(scaled_maxes(plan, direction))]
 
 
 def update_slots(slots, recipe, group):
