@@ -1,9 +1,9 @@
 """FSDP2 with te.Linear on one GPU (NCCL, world size 1): step time, peak memory, bytes gathered.
 
-A stack of GPT blocks (LayerNorm, te.Linear QKV / output projection / MLP 4x with GELU, torch's
-scaled_dot_product_attention), d_model --width, --layers layers, --tokens tokens per step in
-sequences of --seq, fp32 master weights. Per recipe, one fwd+bwd step (median of --iters after
---warmup) of:
+A stack of GPT blocks (distbench.Stack("gpt"): LayerNorm, te.Linear QKV / output projection / MLP
+4x with GELU, torch's scaled_dot_product_attention; [s, b, h] layout), d_model --width, --layers
+layers, --tokens tokens per step in sequences of --seq, fp32 master weights. Per recipe, one
+fwd+bwd step (median of --iters after --warmup) of:
 - FSDP2 with MixedPrecisionPolicy(param_dtype=bf16), te.autocast, quantized all-gather
   (tequant.distributed.enable_quantized_all_gather);
 - the same with the all-gather in high precision (bf16), to isolate what the all-gather saves;
@@ -27,44 +27,13 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import tequant as te
 import tequant.distributed  # noqa: F401
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchutil  # noqa: E402
-
-
-class Block(torch.nn.Module):
-    def __init__(self, d, heads, device):
-        super().__init__()
-        self.heads = heads
-        self.ln1 = torch.nn.LayerNorm(d, device=device)
-        self.ln2 = torch.nn.LayerNorm(d, device=device)
-        self.qkv = te.Linear(d, 3 * d, device=device)
-        self.proj = te.Linear(d, d, device=device)
-        self.fc1 = te.Linear(d, 4 * d, device=device)
-        self.fc2 = te.Linear(4 * d, d, device=device)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
-
-
-class Stack(torch.nn.Module):
-    def __init__(self, d, layers, device):
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(Block(d, d // 128, device) for _ in range(layers))
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x
+import distbench  # noqa: E402  (the stack and FSDP2 sharding, shared with bench_distributed.py)
 
 
 class Gathered:
@@ -93,15 +62,7 @@ class Gathered:
 
 
 def fsdp(base, *, quantized):
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    model = copy.deepcopy(base)
-    if quantized:
-        te.distributed.enable_quantized_all_gather(model)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-    for block in model.blocks:
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
-    return model
+    return distbench.fully_shard_stack(copy.deepcopy(base), quantized=quantized)
 
 
 def measure(model, recipe, x, counter, warmup, iters, plain_bytes=None):
@@ -153,9 +114,10 @@ def main():
     dist.init_process_group("nccl", rank=0, world_size=1)
     device = torch.device("cuda", 0)
     torch.manual_seed(0)
-    base = Stack(args.width, args.layers, device)
-    x = torch.randn(args.tokens // args.seq, args.seq, args.width, device=device,
-                    dtype=torch.bfloat16)
+    base = distbench.Stack("gpt", args.width, 4 * args.width, args.width // 128, args.layers,
+                           device)
+    x = torch.randn(args.seq, args.tokens // args.seq, args.width, device=device,
+                    dtype=torch.bfloat16)  # [s, b, h], TransformerEngine's layout
     counter = Gathered()
     plain = copy.deepcopy(base).to(torch.bfloat16)
     rows, failures = [], []

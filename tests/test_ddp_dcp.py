@@ -43,7 +43,8 @@ class MLP(torch.nn.Module):
 
 
 def data(rank, step, micro):
-    g = torch.Generator().manual_seed(10_000 * rank + 100 * step + micro)
+    g = torch.Generator(torch.get_default_device()).manual_seed(  # (NCCL: the rank's GPU)
+        10_000 * rank + 100 * step + micro)
     return torch.randn(3, 17, WIDTH, generator=g)
 
 

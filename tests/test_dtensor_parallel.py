@@ -113,7 +113,7 @@ def fwd_bwd(model, x, dy, recipe, seed):
 def styles_worker(rank, world, names):
     from torch.distributed.device_mesh import init_device_mesh
     from tequant.distributed import tensor_parallel
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(torch.get_default_device().type, (world,))  # (NCCL: cuda)
     whole = whole_pair()
     errors = {}
     for dim in (0, 1):
@@ -156,7 +156,8 @@ def fsdp_tp_worker(rank, world, name, quantized_gather):
     batch: forward bit-identical, gradients the mean over dp."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(torch.get_default_device().type, (2, 2),
+                            mesh_dim_names=("dp", "tp"))  # (NCCL: cuda)
     dp_rank, tp_rank = rank // 2, rank % 2
     recipe = RECIPES.get(name)
     whole = whole_pair()

@@ -169,7 +169,7 @@ def run_steps(rank, world, recipe, model, ref, *, autocast_steps, dtype, counter
     return sent
 
 
-def fsdp_worker(rank, world, names, configs, device_type):
+def fsdp_worker(rank, world, names, configs, device_type, width=256, hidden=512):
     device = torch.device(device_type, rank if device_type == "cuda" else 0)
     if device_type == "cuda":
         torch.cuda.set_device(device)
@@ -180,7 +180,7 @@ def fsdp_worker(rank, world, names, configs, device_type):
             recipe = RECIPES[name]
             for reshard, dtype, checkpointed in configs:
                 torch.manual_seed(0)
-                base = Model(device, checkpointed=checkpointed)
+                base = Model(device, width=width, hidden=hidden, checkpointed=checkpointed)
                 ref = copy.deepcopy(base).to(dtype) if dtype is not None else copy.deepcopy(base)
                 model = sharded(base, reshard=reshard, dtype=dtype)
                 check = None if reshard else (

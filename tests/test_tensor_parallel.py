@@ -237,7 +237,7 @@ def mlp_worker(rank, world, name):
     teacher = torch.randn(K, K) / K ** 0.5
     losses = []
     for step_ in range(20):
-        g = torch.Generator().manual_seed(step_)
+        g = torch.Generator(torch.get_default_device()).manual_seed(step_)  # (NCCL: a GPU)
         x = torch.randn(64, 2, K, generator=g)
         target = torch.tanh(x @ teacher)
         pair = []
@@ -330,7 +330,7 @@ def compile_worker(rank, world, configs):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import parallelize_module
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(torch.get_default_device().type, (world,))  # (NCCL: cuda)
     torch._dynamo.config.cache_size_limit = 64
     for name, sp, form in configs:
         recipe = RECIPES[name]
