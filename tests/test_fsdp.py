@@ -251,6 +251,48 @@ def test_fsdp_uneven_shards_three_ranks():
     assert sent["block"][1] == sent["block"][0]  # none of its weights can
 
 
+def compile_worker(rank, world, names):
+    """Each block compiled (nn.Module.compile; te.autocast around the model, outside the
+    compiled code) with the quantized all-gather: the te.Linear layers, whose gathered weight
+    Dynamo cannot trace, run eagerly at a graph break, so outputs and gradients equal the same
+    sharded model run eagerly, bit for bit. fullgraph=True refuses with the reason."""
+    for name in names:
+        recipe = RECIPES[name]
+        torch.manual_seed(0)
+        base = Model("cpu", width=64, hidden=128)
+        eager = sharded(base, reshard=True, dtype=None)
+        compiled = sharded(base, reshard=True, dtype=None)
+        for block in compiled.blocks:
+            block.compile(backend="aot_eager")
+        for step in range(2):
+            outs = []
+            for model in (eager, compiled):
+                torch.manual_seed(100 + 7 * step + rank)
+                x = torch.randn(2, 24, 64)
+                with te.autocast(recipe=recipe):
+                    y = model(x)
+                y.square().mean().backward()
+                outs.append(y.detach())
+            assert torch.equal(*outs), (name, step)
+        for (pname, p), q in zip(eager.named_parameters(), compiled.parameters()):
+            assert torch.equal(p.grad.to_local(), q.grad.to_local()), (name, pname)
+    torch._dynamo.reset()  # the layers' frames above may have reached the recompile limit
+    strict = sharded(base, reshard=True, dtype=None)
+    strict.blocks[0].compile(backend="aot_eager", fullgraph=True)
+    try:
+        with te.autocast(recipe=RECIPES[names[0]]):
+            strict(torch.randn(2, 24, 64))
+    except Exception as e:  # Dynamo's Unsupported, quoting the reason
+        assert "quantized all-gather" in str(e), str(e)[-2000:]
+    else:
+        raise AssertionError("fullgraph=True compiled a te.Linear on a quantized gathered weight")
+    return True
+
+
+def test_fsdp_compiled_blocks_with_quantized_gather():
+    assert run_ranks(compile_worker, 2, ["current", "delayed", "mxfp8"], timeout=300) == [True] * 2
+
+
 def fsdp_worker_cuda(rank, world, names, configs):
     return fsdp_worker(rank, world, names, configs, "cuda")
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _C, _compile, _custom_linear, _plan, delayed
-from ._operands import is_dtensor
+from ._operands import is_dtensor, quantized_weight
 from ._plan import KEEP_X_ROWWISE, NEED_DGRAD, NEED_WGRAD, PACKED, ROWWISE
 
 
@@ -113,10 +113,23 @@ def register_after_graph(entries):
         delayed.register_compiled(history, scale, _plan.of_id(recipe_id), group)
 
 
+def _eager_local(module, inp, weight, bias):
+    """Eager te.Linear's local linear (linear.py) on a weight FSDP2 gathered quantized, run
+    outside the graph under the eager te.autocast state."""
+    return module._compute(inp, weight, bias, None, None, None, False, None)
+
+
+_FSDP_GATHERED = ("te.Linear's weight arrived through FSDP2's quantized all-gather "
+                  "(tequant.distributed.enable_quantized_all_gather), whose gathered members "
+                  "Dynamo cannot trace: the layer runs eagerly. Compile without fullgraph=True, "
+                  "or gather in high precision")
+
+
 @_compile.when_dynamo_loads
 def _eager_only():
-    global register_after_graph
+    global register_after_graph, _eager_local
     register_after_graph = torch._dynamo.disable(register_after_graph)
+    _eager_local = torch._dynamo.disable(_eager_local, reason=_FSDP_GATHERED)
 
 
 class _CompiledLinear(torch.autograd.Function):
@@ -255,6 +268,11 @@ def _local(module, inp, weight, bias, is_first_microbatch):
         raise NotImplementedError("te.Linear(is_first_microbatch=...) caches the quantized weight "
                                   "between calls, which torch.compile does not trace; pass None "
                                   "(the default) inside compiled code")
+    if quantized_weight(weight) is not None:
+        # FSDP2 gathered W in the recipe's format (distributed/fsdp.py): its members are
+        # assembled in Python when first read, which Dynamo cannot trace, so this layer runs
+        # eagerly (a graph break; fullgraph=True refuses it), with eager's bits.
+        return _eager_local(module, inp, weight, bias)
     n, k = weight.shape
     if inp.shape[-1] != k:
         raise ValueError(f"input has {inp.shape[-1]} features in its last dim; this Linear "
