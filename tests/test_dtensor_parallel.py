@@ -153,7 +153,8 @@ def test_styles_match_transformer_engine_form(world):
 
 def fsdp_tp_worker(rank, world, name, quantized_gather):
     """FSDP2 over dp x TP styles on a 2x2 mesh against the TP-only pair on this dp rank's
-    batch: forward bit-identical, gradients the mean over dp."""
+    batch: forward bit-identical, gradients the mean over dp, also after the weights change
+    (each step's gather brings that step's weight)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     mesh = init_device_mesh(torch.get_default_device().type, (2, 2),
@@ -176,6 +177,10 @@ def fsdp_tp_worker(rank, world, name, quantized_gather):
     x_in = x[dp_rank].chunk(2, 0)[tp_rank].contiguous()
     dy_in = dy[dp_rank].chunk(2, 0)[tp_rank].contiguous()
     for s in range(2):
+        if s:  # new weights, as an optimizer step gives: the next gather must carry them
+            with torch.no_grad():
+                for p in (*model.parameters(), *reference.parameters()):
+                    p.mul_(1.5)
         got = fwd_bwd(model, x_in, dy_in, recipe, seed=80 + s)
         want = fwd_bwd(reference, x_in, dy_in, recipe, seed=80 + s)
         assert torch.equal(got[0], want[0]), (name, s, rel(got[0], want[0]))
@@ -193,7 +198,7 @@ def fsdp_tp_worker(rank, world, name, quantized_gather):
 
 @pytest.mark.parametrize("quantized_gather", [False, True])
 def test_fsdp2_over_tensor_parallel_2d_mesh(quantized_gather):
-    for name in ("current", "mxfp8"):
+    for name in ("current", "delayed", "mxfp8"):
         assert all(run_ranks(fsdp_tp_worker, 4, name, quantized_gather, timeout=300))
 
 

@@ -117,11 +117,8 @@ def test_dtensor_styles_and_2d_mesh_nccl(world):
     sizes = {} if world == 2 else {"TOKENS": 512}
     jobs = [("test_dtensor_parallel", "styles_worker", sizes, (["fp32", *NAMES],))]
     if world == 4:  # a (dp 2, tp 2) mesh; shards of 128 rows for FP8 blocks
-        # DelayedScaling with the quantized gather on this mesh is left out: its second step's
-        # output is wrong on CPU with gloo too (the weight's scale after the first update), a
-        # defect of the code, not of NCCL, that the gloo suite does not run yet.
         jobs += [("test_dtensor_parallel", "fsdp_tp_worker", {"K": 256, "N": 512}, (name, q))
-                 for name in NAMES for q in (False, True) if (name, q) != ("delayed", True)]
+                 for name in NAMES for q in (False, True)]
     for results in nccl(world, jobs):
         errors = results[0]  # torch's own styles against TE's form
         assert errors and all(err < 1e-6 for err in errors.values())

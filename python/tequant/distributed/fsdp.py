@@ -141,7 +141,12 @@ class ShardedWeight(torch.Tensor):
         outputs = tuple(all_gather_outputs) + tuple(local)
         held = _Held(plan, usage, outputs, n, k, world, factors, state, group, sharded)
         if out is not None:
-            out._held = held
+            # `out` is the unsharded parameter: on a 2-D mesh a DTensor around the GatheredWeight
+            # (setting an attribute on the wrapper left the weight computing with the previous
+            # gather's members). In place: an alias of it made earlier (to_local, detach) shares
+            # the _Held object.
+            gathered = out._local_tensor if is_dtensor(out) else out
+            gathered._held.take(held)
             return None
         return GatheredWeight(held, param_dtype), all_gather_outputs
 
@@ -254,6 +259,11 @@ class _Held:
         self.n, self.k, self.world, self.factors = n, k, world, factors
         self.state, self.group, self.sharded = state, group, sharded
         self.members = None
+
+    def take(self, other):
+        """Becomes `other` (a later all-gather into the same unsharded parameter)."""
+        for name in self.__slots__:
+            setattr(self, name, getattr(other, name))
 
 
 class GatheredWeight(torch.Tensor):
