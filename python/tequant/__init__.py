@@ -31,6 +31,9 @@ from ._C import (
 )
 from .quantized import QuantizedTensor
 from .linear import Linear, prepare_state
+from .norm import LayerNorm, RMSNorm
+from .layernorm_linear import LayerNormLinear
+from .layernorm_mlp import LayerNormMLP
 from .capability import (
     fp8_autocast,
     is_fp8_available,
@@ -60,7 +63,8 @@ def __getattr__(name):
 __all__ = [
     "Autocast", "convert", "CudaError", "ExecutionMode", "QuantizerConfig", "autocast", "autocast_depth", "build_info",
     "execution_mode", "fp8_autocast", "gemm_split_accumulator", "get_fp8_group", "get_fp8_recipe",
-    "is_first_fp8_module", "is_fp8_available", "Linear", "is_fp8_block_scaling_available",
+    "is_first_fp8_module", "is_fp8_available", "LayerNorm", "LayerNormLinear", "LayerNormMLP",
+    "Linear", "RMSNorm", "is_fp8_block_scaling_available",
     "is_fp8_calibration", "is_fp8_enabled", "is_mxfp8_available", "is_nvfp4_available",
     "ops", "prepare_state", "QuantizedTensor", "quantizer_config", "recipe", "recipe_key",
 ]

@@ -1,0 +1,145 @@
+"""te.LayerNormMLP: norm -> fc1 -> activation -> fc2, TransformerEngine's module with its arguments,
+activations and state_dict names (layer_norm_weight, layer_norm_bias, fc1_weight, fc1_bias,
+fc2_weight, fc2_bias), so a TE model's state_dict loads.
+
+fc1 and fc2 are te.Linear children (their GEMMs quantized inside te.autocast exactly as
+te.Linear's, every recipe; compile, CUDA graphs, activation checkpointing and FSDP2's quantized
+all-gather as te.Linear); state_dict and load_state_dict speak TE's flat names, and the
+attributes fc1_weight ... fc2_bias read the children's parameters. With set_parallel_mode=True
+fc1 is column- and fc2 row-parallel over tp_group (sequence_parallel: tokens sharded in and
+out), as TE. Activations as TE defines them (transformer_engine/common/util/math.h): gelu is the
+tanh approximation, qgelu x * sigmoid(1.702 x), srelu relu(x)^2; the gated ones (geglu, reglu,
+swiglu) split fc1's output in two halves along features, act(first) * second (fc1 has
+2 * ffn_hidden_size outputs; under tensor parallelism each rank's shard holds both halves of its
+part, as in TE). The norm and activation are torch's; their fused quantize kernels are the
+fused-modules issue's next step. Tests: tests/test_norm_modules.py.
+"""
+import torch
+import torch.nn.functional as F
+
+from . import norm
+from .linear import Linear
+
+__all__ = ["LayerNormMLP", "ACTIVATIONS"]
+
+
+def _qgelu(x):
+    return x * torch.sigmoid(1.702 * x)
+
+
+def _srelu(x):
+    return torch.square(F.relu(x))
+
+
+def _gelu(x):
+    return F.gelu(x, approximate="tanh")
+
+
+_ELEMENTWISE = {"gelu": _gelu, "relu": F.relu, "silu": F.silu, "qgelu": _qgelu, "srelu": _srelu}
+_GATED = {"geglu": _gelu, "reglu": F.relu, "swiglu": F.silu}
+ACTIVATIONS = tuple(_ELEMENTWISE) + tuple(_GATED)
+_TE_NAMES = {"fc1_weight": "fc1.weight", "fc1_bias": "fc1.bias", "fc2_weight": "fc2.weight",
+             "fc2_bias": "fc2.bias"}
+
+
+def activate(h, activation):
+    """TE's activation of fc1's output h (gated: act(first half) * second half)."""
+    if activation in _GATED:
+        a, b = h.chunk(2, dim=-1)
+        return _GATED[activation](a) * b
+    return _ELEMENTWISE[activation](h)
+
+
+def _to_te_names(module, state_dict, prefix, local_metadata):
+    for te_name, name in _TE_NAMES.items():
+        if prefix + name in state_dict:
+            state_dict[prefix + te_name] = state_dict.pop(prefix + name)
+
+
+def _from_te_names(state_dict, prefix, *args):
+    for te_name, name in _TE_NAMES.items():
+        if prefix + te_name in state_dict:
+            state_dict[prefix + name] = state_dict.pop(prefix + te_name)
+
+
+class LayerNormMLP(torch.nn.Module):
+    """y = fc2(act(fc1(norm(x)))), TE's LayerNormMLP.
+
+    Args (TE's names):
+        hidden_size, ffn_hidden_size: fc1 is [ffn (x2 gated), hidden], fc2 [hidden, ffn].
+        eps, normalization ("LayerNorm" | "RMSNorm"), zero_centered_gamma: the norm's.
+        activation: one of ACTIVATIONS (default "gelu").
+        bias: fc1 and fc2 biases; return_bias: forward returns fc2's bias unadded.
+        init_method / output_layer_init_method: fc1's / fc2's weight initialization.
+        params_dtype, device; return_layernorm_output: forward also returns the norm's output.
+        tp_group, tp_size, set_parallel_mode, sequence_parallel: TE's tensor parallelism.
+
+    forward(inp, is_first_microbatch=None) returns out, then fc2's bias with return_bias, then
+    the norm's output with return_layernorm_output.
+    """
+
+    def __init__(self, hidden_size, ffn_hidden_size, eps=1e-5, sequence_parallel=False,
+                 return_bias=False, *, tp_group=None, tp_size=1, init_method=None, bias=True,
+                 normalization="LayerNorm", output_layer_init_method=None, params_dtype=None,
+                 return_layernorm_output=False, set_parallel_mode=False,
+                 zero_centered_gamma=False, device=None, activation="gelu"):
+        super().__init__()
+        norm.check_size("hidden_size", hidden_size)
+        norm.check_size("ffn_hidden_size", ffn_hidden_size)
+        norm.check_normalization(normalization)
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, got "
+                             f"{activation!r}")
+        dtype = norm.params_dtype_of(params_dtype)
+        self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
+        self.eps, self.normalization = norm.check_eps(eps), normalization
+        self.zero_centered_gamma = bool(zero_centered_gamma)
+        self.activation = activation
+        self.return_bias = bool(return_bias)
+        self.return_layernorm_output = bool(return_layernorm_output)
+        norm.norm_parameters(self, "layer_norm_", hidden_size, normalization,
+                             self.zero_centered_gamma, bool(sequence_parallel), dtype, device)
+        parallel = {"tp_group": tp_group, "tp_size": tp_size,
+                    "sequence_parallel": sequence_parallel}
+        if not set_parallel_mode and (tp_group is not None or tp_size != 1 or sequence_parallel):
+            raise ValueError("LayerNormMLP: tp_group / tp_size / sequence_parallel take effect "
+                             "with set_parallel_mode=True (fc1 column-, fc2 row-parallel)")
+        fc1_out = ffn_hidden_size * (2 if activation in _GATED else 1)
+        self.fc1 = Linear(hidden_size, fc1_out, bias, device, params_dtype=dtype,
+                          init_method=init_method,
+                          **(dict(parallel, parallel_mode="column") if set_parallel_mode else {}))
+        self.fc2 = Linear(ffn_hidden_size, hidden_size, bias, device, params_dtype=dtype,
+                          init_method=output_layer_init_method, return_bias=self.return_bias,
+                          **(dict(parallel, parallel_mode="row") if set_parallel_mode else {}))
+        self._register_state_dict_hook(_to_te_names)
+        self._register_load_state_dict_pre_hook(_from_te_names)
+
+    fc1_weight = property(lambda self: self.fc1.weight)
+    fc1_bias = property(lambda self: self.fc1.bias)
+    fc2_weight = property(lambda self: self.fc2.weight)
+    fc2_bias = property(lambda self: self.fc2.bias)
+
+    def reset_parameters(self):
+        norm.reset_norm_parameters(self.layer_norm_weight, self.layer_norm_bias,
+                                   self.zero_centered_gamma)
+        self.fc1.reset_parameters()
+        self.fc2.reset_parameters()
+
+    def forward(self, inp, is_first_microbatch=None):
+        if not isinstance(inp, torch.Tensor):
+            raise TypeError(f"LayerNormMLP: inp must be a torch.Tensor, got "
+                            f"{type(inp).__name__}")
+        if inp.dim() == 0 or inp.shape[-1] != self.hidden_size:
+            raise ValueError(f"LayerNormMLP: inp has shape {tuple(inp.shape)}; expected "
+                             f"[..., {self.hidden_size}]")
+        ln_out = norm.normalize(inp, self.normalization, self.layer_norm_weight,
+                                self.layer_norm_bias, self.eps, self.zero_centered_gamma)
+        h = self.fc1(ln_out, is_first_microbatch)
+        out = self.fc2(activate(h, self.activation), is_first_microbatch)
+        if not self.return_layernorm_output:
+            return out
+        return (*out, ln_out) if self.return_bias else (out, ln_out)
+
+    def extra_repr(self):
+        return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
+                f"normalization={self.normalization}, activation={self.activation}")

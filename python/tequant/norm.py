@@ -1,0 +1,123 @@
+"""te.LayerNorm and te.RMSNorm: TransformerEngine's normalization modules (its arguments and
+parameter names), and the one normalization rule te.LayerNormLinear / te.LayerNormMLP apply.
+
+Both compute in high precision in every mode (TE's too: a norm's output is quantized only where a
+GEMM reads it, inside LayerNormLinear / LayerNormMLP). zero_centered_gamma stores gamma - 1 (the
+weight starts at 0 and the norm multiplies by 1 + weight), as TE does. sequence_parallel marks the
+parameters (`param.sequence_parallel = True`) so that reduce_sequence_parallel_grads sums their
+gradients over the tensor-parallel group, as Megatron-LM does for TE's modules.
+Tests: tests/test_norm_modules.py.
+"""
+import numbers
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["LayerNorm", "RMSNorm", "normalize", "NORMALIZATIONS"]
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+
+
+def normalize(x, normalization, weight, bias, eps, zero_centered_gamma):
+    """LayerNorm or RMSNorm of x over its last dim with gamma = weight (+ 1 when zero-centered)
+    and bias (LayerNorm only), computed in x's dtype by torch (its fp32 accumulation)."""
+    gamma = weight + 1 if zero_centered_gamma else weight
+    shape = (x.shape[-1],)
+    if normalization == "LayerNorm":
+        return F.layer_norm(x, shape, gamma.to(x.dtype), None if bias is None else
+                            bias.to(x.dtype), eps)
+    return F.rms_norm(x, shape, gamma.to(x.dtype), eps)
+
+
+def check_normalization(normalization):
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"normalization must be 'LayerNorm' or 'RMSNorm', got {normalization!r}")
+
+
+def check_eps(eps):
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps > 0:
+        raise ValueError(f"eps must be a positive number, got {eps!r}")
+    return float(eps)
+
+
+def params_dtype_of(params_dtype):
+    dtype = params_dtype if params_dtype is not None else torch.get_default_dtype()
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"params_dtype must be torch.float32, torch.bfloat16 or torch.float16, "
+                         f"got {dtype}")
+    return dtype
+
+
+def check_size(name, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def norm_parameters(module, prefix, hidden_size, normalization, zero_centered_gamma,
+                    sequence_parallel, dtype, device):
+    """Registers `<prefix>weight` (and `<prefix>bias` for LayerNorm) on module, initialized as
+    TE does (gamma 1, i.e. weight 0 when zero-centered; bias 0)."""
+    weight = torch.nn.Parameter(torch.empty(hidden_size, dtype=dtype, device=device))
+    module.register_parameter(prefix + "weight", weight)
+    bias = None
+    if normalization == "LayerNorm":
+        bias = torch.nn.Parameter(torch.empty(hidden_size, dtype=dtype, device=device))
+    module.register_parameter(prefix + "bias", bias)
+    reset_norm_parameters(weight, bias, zero_centered_gamma)
+    for p in (weight, bias):
+        if p is not None and sequence_parallel:
+            p.sequence_parallel = True
+
+
+def reset_norm_parameters(weight, bias, zero_centered_gamma):
+    with torch.no_grad():
+        (weight.zero_() if zero_centered_gamma else weight.fill_(1.0))
+        if bias is not None:
+            bias.zero_()
+
+
+class _Norm(torch.nn.Module):
+    normalization = None
+
+    def __init__(self, hidden_size, eps=1e-5, sequence_parallel=False, params_dtype=None,
+                 zero_centered_gamma=False, device=None):
+        super().__init__()
+        check_size("hidden_size", hidden_size)
+        self.hidden_size = hidden_size
+        self.eps = check_eps(eps)
+        self.zero_centered_gamma = bool(zero_centered_gamma)
+        self.sequence_parallel = bool(sequence_parallel)
+        norm_parameters(self, "", hidden_size, self.normalization, self.zero_centered_gamma,
+                        self.sequence_parallel, params_dtype_of(params_dtype), device)
+
+    def reset_parameters(self):
+        reset_norm_parameters(self.weight, self.bias, self.zero_centered_gamma)
+
+    def forward(self, inp):
+        if not isinstance(inp, torch.Tensor):
+            raise TypeError(f"{type(self).__name__}: inp must be a torch.Tensor, got "
+                            f"{type(inp).__name__}")
+        if inp.shape[-1:] != (self.hidden_size,):
+            raise ValueError(f"{type(self).__name__}: inp has {inp.shape[-1] if inp.dim() else 0}"
+                             f" features in its last dim; this norm takes {self.hidden_size}")
+        return normalize(inp, self.normalization, self.weight, self.bias, self.eps,
+                         self.zero_centered_gamma)
+
+    def extra_repr(self):
+        return (f"{self.hidden_size}, eps={self.eps}, "
+                f"zero_centered_gamma={self.zero_centered_gamma}")
+
+
+class LayerNorm(_Norm):
+    """y = (x - mean) / sqrt(var + eps) * gamma + beta over the last dim (TE's te.LayerNorm:
+    hidden_size, eps, sequence_parallel, params_dtype, zero_centered_gamma, device; parameters
+    `weight` and `bias`)."""
+
+    normalization = "LayerNorm"
+
+
+class RMSNorm(_Norm):
+    """y = x / sqrt(mean(x^2) + eps) * gamma over the last dim (TE's te.RMSNorm; parameter
+    `weight`)."""
+
+    normalization = "RMSNorm"
