@@ -171,3 +171,45 @@ def test_failed_calls_leave_no_pending_error():
         with pytest.raises(ValueError):
             bad()
         assert te.execution_mode(None, device="cpu").mode == "cpu-reference"
+
+
+# ---- wrong argument types in the module API: TypeError naming the argument ----------------------
+
+@pytest.mark.parametrize("inside_autocast", [False, True])
+@pytest.mark.parametrize("bad", ["x", 3, [1.0] * 32, None])
+def test_linear_forward_non_tensor_is_type_error(bad, inside_autocast):
+    m = te.Linear(32, 32)
+    with te.autocast(recipe=R.Float8CurrentScaling(), enabled=inside_autocast):
+        with pytest.raises(TypeError, match=f"Linear: inp must be a torch.Tensor, got "
+                                            f"{type(bad).__name__}"):
+            m(bad)
+    assert te.autocast_depth() == 0
+
+
+def test_linear_is_first_microbatch_must_be_bool_or_none():
+    with pytest.raises(TypeError, match="is_first_microbatch must be None, True or False, got str"):
+        te.Linear(32, 32)(torch.randn(2, 32), "a")
+
+
+@pytest.mark.parametrize("name", ["bias", "return_bias", "sequence_parallel"])
+def test_linear_flags_must_be_bools(name):
+    with pytest.raises(TypeError, match=f"{name} must be a bool, got str"):
+        te.Linear(4, 4, **{name: "yes"})
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: te.prepare_state("model", R.DelayedScaling()),
+     "te.prepare_state takes a torch.nn.Module, got str"),
+    (lambda: te.prepare_state(te.Linear(16, 16), "delayed"),
+     "recipe must be a tequant.recipe.Recipe, got str"),
+    (lambda: te.distributed.enable_quantized_all_gather("model"),
+     "enable_quantized_all_gather takes a torch.nn.Module, got str"),
+    (lambda: te.distributed.reduce_sequence_parallel_grads("model", None),
+     "reduce_sequence_parallel_grads takes a torch.nn.Module, got str"),
+    (lambda: te.LayerNorm(8)("x"), "LayerNorm: inp must be a torch.Tensor, got str"),
+    (lambda: te.LayerNormMLP(16, 16)(3), "LayerNormMLP: inp must be a torch.Tensor, got int"),
+])
+def test_module_helpers_name_the_wrong_argument(call, message):
+    import tequant.distributed  # noqa: F401
+    with pytest.raises(TypeError, match=message):
+        call()

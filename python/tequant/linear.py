@@ -25,6 +25,7 @@ import torch.autograd.forward_ad as _forward_ad
 import torch.nn.functional as F
 
 from . import _C, _compile_linear, _custom_linear, _operands, _plan, checkpoint, delayed
+from .recipe import Recipe
 from ._plan import (COLUMNWISE as _COLUMNWISE, KEEP_X_ROWWISE as _KEEP_X_ROWWISE,
                     NEED_DGRAD as _NEED_DGRAD, NEED_WGRAD as _NEED_WGRAD, PACKED as _PACKED,
                     ROWWISE as _ROWWISE)
@@ -238,6 +239,10 @@ class Linear(torch.nn.Linear):
         for name, v in (("in_features", in_features), ("out_features", out_features)):
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        for name, v in (("bias", bias), ("return_bias", return_bias),
+                        ("sequence_parallel", sequence_parallel)):
+            if type(v) is not bool:
+                raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
         if dtype is not None and params_dtype is not None and dtype != params_dtype:
             raise ValueError(f"dtype={dtype} and params_dtype={params_dtype} disagree; pass one")
         dtype = params_dtype if params_dtype is not None else dtype
@@ -359,6 +364,12 @@ class Linear(torch.nn.Linear):
         """y = inp W^T + b for inp [..., in_features]: quantized inside te.autocast, exactly
         F.linear outside. is_first_microbatch: see the class docstring. Returns y, or (y, bias)
         with return_bias=True."""
+        if not isinstance(inp, torch.Tensor):
+            raise TypeError(f"{type(self).__name__}: inp must be a torch.Tensor, got "
+                            f"{type(inp).__name__}")
+        if is_first_microbatch is not None and type(is_first_microbatch) is not bool:
+            raise TypeError(f"is_first_microbatch must be None, True or False, got "
+                            f"{type(is_first_microbatch).__name__}")
         if torch.compiler.is_compiling():
             out = _compile_linear.forward(self, inp, is_first_microbatch)
         else:
@@ -477,6 +488,10 @@ def prepare_state(model, recipe):
     first forward under the recipe would; returns model. A fresh model needs it before it loads a
     checkpoint through torch.distributed.checkpoint, which reads only the entries the model
     already has (torch.load'ed state_dicts need nothing: Linear creates the buffers they hold)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"te.prepare_state takes a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a tequant.recipe.Recipe, got {type(recipe).__name__}")
     for module in model.modules():
         if isinstance(module, Linear) and not recipe.custom():
             plan = module._plan(recipe)

@@ -363,6 +363,9 @@ def enable_quantized_all_gather(model):
     """Makes FSDP2 all-gather every te.Linear weight in `model` in the recipe's quantized format
     inside te.autocast (and in high precision outside). Call it before fully_shard and before
     building the optimizer: each weight becomes a new Parameter (a ShardedWeight). Returns model."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"enable_quantized_all_gather takes a torch.nn.Module, got "
+                        f"{type(model).__name__}")
     for module in model.modules():
         if not isinstance(module, Linear) or isinstance(module.weight, ShardedWeight):
             continue

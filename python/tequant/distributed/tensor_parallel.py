@@ -328,6 +328,9 @@ def reduce_sequence_parallel_grads(model, group):
     Call it between backward and the optimizer step. The biases are found through their modules
     (FSDP2 replaces parameter objects, and their attributes with them)."""
     from ..linear import Linear
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"reduce_sequence_parallel_grads takes a torch.nn.Module, got "
+                        f"{type(model).__name__}")
     params = {id(p): p for p in model.parameters() if getattr(p, "sequence_parallel", False)}
     for module in model.modules():
         tp = getattr(module, "_tp", None) if isinstance(module, Linear) else None
