@@ -1,12 +1,13 @@
 # tequant: each target does its own set-up on a fresh machine.
 #   make demo   set-up and build, then train a small GPT once per recipe and once in bf16
 #               (python -m tequant.demo $(DEMO_ARGS); table, loss.png, results.json in demo_out/)
-#   make test   install what is missing (torch 2.13 CPU if no torch; pytest, numpy, matplotlib,
-#               transformers and peft for tests/test_hf.py;
+#   make test   install what is missing (torch 2.13 CPU if no torch; pytest, numpy, hypothesis,
+#               matplotlib, transformers and peft for tests/test_hf.py;
 #               the nvidia-cublas wheel when nvcc exists but the CUDA install lacks cuBLAS),
 #               build, run pytest
 #   make build  the set-up and the build only
 #   make bench  the benchmarks in benchmarks/ (tables under docs/results/)
+#   make fuzz   the long property-based fuzz (tests/fuzz_tequant.py; docs/results/fuzz.md)
 # An existing torch is used as it is (the GPU machine has torch+CUDA and no network).
 
 PYTHON ?= python3
@@ -17,11 +18,11 @@ PYTEST_ARGS ?= -q
 # e.g. make demo DEMO_ARGS="--recipes bf16,mxfp8 --steps 300" (python -m tequant.demo --help)
 DEMO_ARGS ?=
 
-.PHONY: demo test build deps test-deps bench clean
+.PHONY: demo test build deps test-deps bench fuzz clean
 
 deps:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_SPEC)"
-	@$(PYTHON) -c "import pytest, numpy" 2>/dev/null || $(PIP) install pytest numpy
+	@$(PYTHON) -c "import pytest, numpy, hypothesis" 2>/dev/null || $(PIP) install pytest numpy hypothesis
 # matplotlib only draws the demo's loss.png: without it (no network) the demo still writes its
 # table and JSON and says what is missing, so a failed install does not stop make.
 	@$(PYTHON) -c "import matplotlib" 2>/dev/null || $(PIP) install matplotlib || \
@@ -60,6 +61,12 @@ bench: build
 		$(PYTHON) benchmarks/bench_overhead.py --device cpu && \
 		$(PYTHON) benchmarks/bench_linear.py --device cpu && \
 		$(PYTHON) benchmarks/bench_tp_overhead.py --device cpu --recipes current; fi
+
+# The long fuzz profile (the quick one runs in make test): FUZZ_EXAMPLES cases, summary appended
+# to docs/results/fuzz.md.
+FUZZ_EXAMPLES ?= 100000
+fuzz: build
+	$(PYTHON) tests/fuzz_tequant.py --examples $(FUZZ_EXAMPLES) --seed 7 --out docs/results/fuzz.md
 
 clean:
 	rm -rf build python/tequant/*.so *.egg-info python/*.egg-info

@@ -311,3 +311,19 @@ def test_activation_dtype_follows_torch_autocast(device):
     qw = te.ops.quantize(lin.weight.detach(), Float8CurrentScaling(), "weight")
     want = te.ops.gemm(qx, qw, transpose_b=True, out_dtype=torch.bfloat16, bias=lin.bias.detach())
     assert torch.equal(y.detach(), want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_zero_tokens_train_step(name, device):
+    """A batch with no tokens (x [0, 2, K]): empty y and dx, zero dW and db (wgrad has nothing to
+    contract; it raised 'GEMM with K=0' before)."""
+    lin = te.Linear(64, 32, device=device)
+    x = torch.randn(0, 2, 64, device=device, requires_grad=True)
+    with te.autocast(recipe=RECIPES[name]):
+        y = lin(x)
+    assert y.shape == (0, 2, 32)
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+    assert torch.equal(lin.weight.grad, torch.zeros_like(lin.weight))
+    assert torch.equal(lin.bias.grad, torch.zeros_like(lin.bias))

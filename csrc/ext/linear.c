@@ -544,7 +544,11 @@ PyObject *tqx_linear_backward(PyObject *module, PyObject *const *args, Py_ssize_
                           inp_shape, device)) == NULL)
             goto done;
     }
-    if (needs & TQX_NEED_WGRAD) { /* dW = dy^T . x: dy columnwise [N, M], x columnwise [K, M] */
+    if ((needs & TQX_NEED_WGRAD) && padded == 0) { /* no tokens: nothing to contract, dW = 0 */
+        void *data;
+        if ((dw = tqx_torch_new(st, n, k, (tq_dtype)w_dtype, device, 1, &data)) == NULL)
+            goto done;
+    } else if (needs & TQX_NEED_WGRAD) { /* dW = dy^T . x: dy col. [N, M], x col. [K, M] */
         tqx_operand a, b;
         if (operand(st, &qdy, &p.dy, padded, n, TQ_USAGE_COLUMNWISE, &a) < 0
             || tqx_operand_from_kept(st, &p.x, padded, k, qx, TQX_PART_COLUMNWISE,

@@ -56,6 +56,9 @@ def quantize(x, recipe=None, role="input", rowwise=True, columnwise=False, *, sc
     if x.dtype not in _FLOATS:
         raise ValueError(f"x has dtype {x.dtype}; expected torch.float32, torch.bfloat16 or "
                          "torch.float16")
+    if x.dim() == 0:
+        raise ValueError("x is a 0-d tensor; quantize takes [..., K] (at least one dim): "
+                         "x.reshape(1) for a scalar")
     if not (rowwise or columnwise):
         raise ValueError("rowwise and columnwise are both False: ask for at least one direction")
     usage = (ROWWISE if rowwise else 0) | (COLUMNWISE if columnwise else 0)
