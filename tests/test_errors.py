@@ -213,3 +213,8 @@ def test_module_helpers_name_the_wrong_argument(call, message):
     import tequant.distributed  # noqa: F401
     with pytest.raises(TypeError, match=message):
         call()
+
+
+def test_quantize_of_a_0d_tensor_is_value_error():
+    with pytest.raises(ValueError, match="0-d tensor; quantize takes"):
+        te.ops.quantize(torch.tensor(1.5))
