@@ -14,22 +14,18 @@ module layer; python/tequant/norm.py, layernorm_linear.py, layernorm_mlp.py).
 """
 import copy
 import math
+import os
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import tequant as te
-from tequant.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
-                            MXFP8BlockScaling, NVFP4BlockScaling)
 
-RECIPES = {
-    "delayed": DelayedScaling(amax_history_len=4),
-    "current": Float8CurrentScaling(),
-    "block": Float8BlockScaling(),
-    "mxfp8": MXFP8BlockScaling(),
-    "nvfp4": NVFP4BlockScaling(),
-}
+sys.path.insert(0, os.path.dirname(__file__))
+from test_compile import RECIPES  # noqa: E402  (DelayedScaling with a 4-row history)
+
 ERR = {"delayed": 0.08, "current": 0.08, "block": 0.08, "mxfp8": 0.08, "nvfp4": 0.35}
 ACT_REF = {
     "gelu": lambda x: 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3))),

@@ -12,8 +12,6 @@ on this rank's tokens, its output is gathered quantized). The normalization is t
 keeps this module's semantics.
 Tests: tests/test_norm_modules.py.
 """
-import torch
-
 from . import norm
 from .linear import Linear
 
@@ -66,14 +64,7 @@ class LayerNormLinear(Linear):
                                        self.zero_centered_gamma)
 
     def forward(self, inp, is_first_microbatch=None):
-        if not isinstance(inp, torch.Tensor):
-            raise TypeError(f"LayerNormLinear: inp must be a torch.Tensor, got "
-                            f"{type(inp).__name__}")
-        if inp.dim() == 0 or inp.shape[-1] != self.in_features:
-            raise ValueError(f"LayerNormLinear: inp has shape {tuple(inp.shape)}; expected "
-                             f"[..., {self.in_features}]")
-        ln_out = norm.normalize(inp, self.normalization, self.layer_norm_weight,
-                                self.layer_norm_bias, self.eps, self.zero_centered_gamma)
+        ln_out = norm.module_norm(self, inp, self.in_features)
         out = super().forward(ln_out, is_first_microbatch)
         if not self.return_layernorm_output:
             return out

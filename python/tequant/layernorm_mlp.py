@@ -126,14 +126,7 @@ class LayerNormMLP(torch.nn.Module):
         self.fc2.reset_parameters()
 
     def forward(self, inp, is_first_microbatch=None):
-        if not isinstance(inp, torch.Tensor):
-            raise TypeError(f"LayerNormMLP: inp must be a torch.Tensor, got "
-                            f"{type(inp).__name__}")
-        if inp.dim() == 0 or inp.shape[-1] != self.hidden_size:
-            raise ValueError(f"LayerNormMLP: inp has shape {tuple(inp.shape)}; expected "
-                             f"[..., {self.hidden_size}]")
-        ln_out = norm.normalize(inp, self.normalization, self.layer_norm_weight,
-                                self.layer_norm_bias, self.eps, self.zero_centered_gamma)
+        ln_out = norm.module_norm(self, inp, self.hidden_size)
         h = self.fc1(ln_out, is_first_microbatch)
         out = self.fc2(activate(h, self.activation), is_first_microbatch)
         if not self.return_layernorm_output:

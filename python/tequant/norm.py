@@ -29,6 +29,18 @@ def normalize(x, normalization, weight, bias, eps, zero_centered_gamma):
     return F.rms_norm(x, shape, gamma.to(x.dtype), eps)
 
 
+def module_norm(module, inp, features):
+    """The norm a LayerNormLinear / LayerNormMLP applies to its input (its layer_norm_weight,
+    layer_norm_bias, eps, normalization and zero_centered_gamma), after checking inp."""
+    name = type(module).__name__
+    if not isinstance(inp, torch.Tensor):
+        raise TypeError(f"{name}: inp must be a torch.Tensor, got {type(inp).__name__}")
+    if inp.dim() == 0 or inp.shape[-1] != features:
+        raise ValueError(f"{name}: inp has shape {tuple(inp.shape)}; expected [..., {features}]")
+    return normalize(inp, module.normalization, module.layer_norm_weight,
+                     module.layer_norm_bias, module.eps, module.zero_centered_gamma)
+
+
 def check_normalization(normalization):
     if normalization not in NORMALIZATIONS:
         raise ValueError(f"normalization must be 'LayerNorm' or 'RMSNorm', got {normalization!r}")
