@@ -81,7 +81,10 @@ def _checker(name):
     if name == "mxfp8":
         return lambda x, role, rw, cw: ref_mxfp8.check_against_reference(
             x, recipe, role, tuple(d for d, on in (("rowwise", rw), ("columnwise", cw)) if on))
-    return lambda x, role, rw, cw: ref_nvfp4.check_reference(x, rowwise=rw, columnwise=cw)
+    # its reference takes [M, K]: leading dims flattened, as te.ops.quantize flattens them
+    return lambda x, role, rw, cw: ref_nvfp4.check_reference(
+        x.reshape(-1, x.shape[-1]) if x.dim() > 2 and x.numel() else x, rowwise=rw,
+        columnwise=cw)
 
 
 def _must_succeed(x, role, rowwise, columnwise):
