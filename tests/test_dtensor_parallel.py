@@ -198,7 +198,9 @@ def fsdp_tp_worker(rank, world, name, quantized_gather):
 
 @pytest.mark.parametrize("quantized_gather", [False, True])
 def test_fsdp2_over_tensor_parallel_2d_mesh(quantized_gather):
-    for name in ("current", "delayed", "mxfp8"):
+    # DelayedScaling's scale changes between the steps: what caught a stale quantized gather
+    names = ("current", "delayed", "mxfp8") if quantized_gather else ("current", "mxfp8")
+    for name in names:
         assert all(run_ranks(fsdp_tp_worker, 4, name, quantized_gather, timeout=300))
 
 
