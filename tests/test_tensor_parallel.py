@@ -16,6 +16,8 @@ Gloo ranks on CPU (tests/dist_util.py, every join with a timeout), 2 and 4 ranks
 - with CUDA (two ranks on the GPU over gloo): the column, row and gather checks again;
 - torch.compile(fullgraph=True) with te.autocast inside, TE's form and tequant's DTensor styles:
   one graph (functional collectives), bit-identical to eager;
+- tp_comm_overlap: the input gradient's reduction, started between dgrad and wgrad, gives the
+  bits of the reduction after both;
 - deepcopy shares the process group; pickling says it cannot hold one;
 - clear errors: features not divisible by the group, sequence_parallel without tp_group, ranks
   running different recipes (raised on every rank, no hang).
@@ -148,6 +150,46 @@ def test_row_parallel_every_recipe(world):
     names = list(RECIPES) if world == 2 else ["delayed", "nvfp4"]  # 16 features each: not MXFP8
     for errors in run_ranks(row_worker, world, names, timeout=240):
         assert all(err > 0 for err in errors.values())  # quantized, not exact
+
+
+def overlap_worker(rank, world, names):
+    """tp_comm_overlap: a column-parallel layer's input-gradient reduction started between the
+    dgrad and wgrad GEMMs (once per backward, counted) gives the bits of the reduction run after
+    both."""
+    from tequant.distributed import tensor_parallel as tp
+    started = []
+    original = tp.TensorParallel.start_grad_input_reduction
+
+    def counted(self, dx):
+        started.append(dx.shape)
+        return original(self, dx)
+    tp.TensorParallel.start_grad_input_reduction = counted
+    torch.manual_seed(4)
+    x = torch.randn(TOKENS, 2, K)
+    dy = torch.randn(TOKENS, 2, N // world)
+    for name in names:
+        for sp in (False, True):
+            ref = full_layer()
+            on = tp_layer("column", sp, rank, world, ref)
+            off = copy.deepcopy(on)
+            off.tp_comm_overlap = False
+            assert on.tp_comm_overlap and not off.tp_comm_overlap
+            x_in = x.chunk(world, 0)[rank].contiguous() if sp else x
+            del started[:]
+            recipe = RECIPES[name] if name else None
+            a = step(on, x_in, dy, recipe, seed=70)
+            assert len(started) == 1, (name, sp, started)
+            b = step(off, x_in, dy, recipe, seed=70)
+            assert len(started) == 1, (name, sp, started)  # off: after both GEMMs, as before
+            for i, (u, v) in enumerate(zip(a, b)):
+                # outside te.autocast, off is F.linear's autograd: its products, other kernels
+                assert torch.equal(u, v) if name or i == 0 else rel(u, v) < 1e-6, (name, sp, i)
+    return True
+
+
+def test_input_gradient_reduction_overlaps_wgrad_with_the_same_bits():
+    names = ["current", "delayed", "mxfp8", None]  # None: high precision, no te.autocast
+    assert all(run_ranks(overlap_worker, 2, names, timeout=120))
 
 
 def gather_worker(rank, world):
@@ -306,6 +348,10 @@ def errors_worker(rank, world):
         assert torch.equal(twin(x), layer(x))
     with pytest.raises(TypeError, match="holds its process group, which cannot be pickled"):
         pickle.dumps(layer)
+    with pytest.raises(TypeError, match="tp_comm_overlap must be a bool, got str"):
+        te.Linear(K, N, tp_group=group, parallel_mode="column", tp_comm_overlap="yes")
+    with pytest.raises(TypeError, match="tp_comm_overlap must be a bool, got int"):
+        layer.tp_comm_overlap = 1
     layer = te.Linear(K, N, tp_group=group, parallel_mode="column")  # its first step
     recipe = RECIPES["current"] if rank == 0 else RECIPES["mxfp8"]
     with pytest.raises(RuntimeError, match="run different recipes"):

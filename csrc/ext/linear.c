@@ -3,8 +3,8 @@
  *
  *   linear_forward(plan, inp, weight, bias, needs, cache, first_microbatch, x_state, w_state)
  *       -> (out, saved)
- *   linear_backward(plan, saved, dy, needs, dy_state, input_shape, bias_dtype, pending)
- *       -> (dx, dw, db)
+ *   linear_backward(plan, saved, dy, needs, dy_state, input_shape, bias_dtype, pending
+ *                   [, after_dgrad]) -> (dx, dw, db)
  *
  * plan = (key, cfg_x, cfg_w, cfg_dy, align, flags_fprop, flags_dgrad, flags_wgrad, emulated):
  * the recipe's quantizer configs for input / weight / grad_output, the row multiple the format
@@ -483,8 +483,17 @@ done:
 }
 
 PyObject *tqx_linear_backward(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 8) {
-        PyErr_Format(PyExc_TypeError, "linear_backward takes 8 arguments (%zd given)", nargs);
+    if (nargs != 8 && nargs != 9) {
+        PyErr_Format(PyExc_TypeError, "linear_backward takes 8 or 9 arguments (%zd given)",
+                     nargs);
+        return NULL;
+    }
+    /* after_dgrad(dx), called once the dgrad GEMM is queued and before wgrad's, returns what
+     * stands for dx in the result: tensor parallelism starts dx's reduce-scatter there, so the
+     * collective runs beside the wgrad GEMM (tensor_parallel.py) */
+    PyObject *after_dgrad = nargs == 9 ? args[8] : Py_None;
+    if (after_dgrad != Py_None && !PyCallable_Check(after_dgrad)) {
+        PyErr_SetString(PyExc_TypeError, "linear_backward: after_dgrad must be callable or None");
         return NULL;
     }
     tqx_state *st = tqx_module_state(module);
@@ -543,6 +552,10 @@ PyObject *tqx_linear_backward(PyObject *module, PyObject *const *args, Py_ssize_
             || (dx = gemm(st, &p, &a, &b, (tq_dtype)x_dtype, Py_None, p.flags[1], rows, padded,
                           inp_shape, device)) == NULL)
             goto done;
+        if (after_dgrad != Py_None) {
+            Py_SETREF(dx, PyObject_CallOneArg(after_dgrad, dx));
+            if (dx == NULL) goto done;
+        }
     }
     if ((needs & TQX_NEED_WGRAD) && padded == 0) { /* no tokens: nothing to contract, dW = 0 */
         void *data;
@@ -588,6 +601,7 @@ PyMethodDef tqx_linear_methods[] = {
      "linear_forward(plan, inp, weight, bias, needs, cache, first_microbatch, x_state, w_state)"
      " -> (out, saved)\n\nte.Linear's quantized forward; see csrc/ext/linear.c."},
     {"linear_backward", (PyCFunction)(void (*)(void))tqx_linear_backward, METH_FASTCALL,
-     "linear_backward(plan, saved, dy, needs, dy_state, input_shape, bias_dtype, pending) -> "
+     "linear_backward(plan, saved, dy, needs, dy_state, input_shape, bias_dtype, pending"
+     "[, after_dgrad]) -> "
      "(dx, dw, db)\n\nte.Linear's quantized backward; see csrc/ext/linear.c."},
     {NULL, NULL, 0, NULL}};

@@ -29,7 +29,7 @@ class LayerNormLinear(Linear):
         zero_centered_gamma: the norm multiplies by 1 + layer_norm_weight (initialized to 0).
         return_layernorm_output: forward also returns the norm's output (last).
         bias, init_method, return_bias, params_dtype, device, tp_group, tp_size,
-        parallel_mode (None or "column"), sequence_parallel: as te.Linear.
+        parallel_mode (None or "column"), sequence_parallel, tp_comm_overlap: as te.Linear.
 
     forward(inp, is_first_microbatch=None) returns out, then the bias with return_bias, then
     the norm's output with return_layernorm_output.
@@ -39,7 +39,7 @@ class LayerNormLinear(Linear):
                  tp_group=None, tp_size=1, init_method=None, bias=True,
                  normalization="LayerNorm", return_bias=False, params_dtype=None,
                  parallel_mode=None, return_layernorm_output=False, zero_centered_gamma=False,
-                 device=None):
+                 device=None, tp_comm_overlap=True):
         norm.check_normalization(normalization)
         if parallel_mode not in (None, "column"):
             raise ValueError(f"LayerNormLinear's parallel_mode must be None or 'column' (a "
@@ -49,7 +49,7 @@ class LayerNormLinear(Linear):
         super().__init__(in_features, out_features, bias, device, params_dtype=params_dtype,
                          init_method=init_method, return_bias=return_bias, tp_group=tp_group,
                          tp_size=tp_size, parallel_mode=parallel_mode,
-                         sequence_parallel=sequence_parallel)
+                         sequence_parallel=sequence_parallel, tp_comm_overlap=tp_comm_overlap)
         self.eps, self.normalization = eps, normalization
         self.zero_centered_gamma = bool(zero_centered_gamma)
         self.return_layernorm_output = bool(return_layernorm_output)

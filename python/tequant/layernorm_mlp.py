@@ -72,7 +72,8 @@ class LayerNormMLP(torch.nn.Module):
         bias: fc1 and fc2 biases; return_bias: forward returns fc2's bias unadded.
         init_method / output_layer_init_method: fc1's / fc2's weight initialization.
         params_dtype, device; return_layernorm_output: forward also returns the norm's output.
-        tp_group, tp_size, set_parallel_mode, sequence_parallel: TE's tensor parallelism.
+        tp_group, tp_size, set_parallel_mode, sequence_parallel: TE's tensor parallelism;
+            tp_comm_overlap as te.Linear's.
 
     forward(inp, is_first_microbatch=None) returns out, then fc2's bias with return_bias, then
     the norm's output with return_layernorm_output.
@@ -82,7 +83,7 @@ class LayerNormMLP(torch.nn.Module):
                  return_bias=False, *, tp_group=None, tp_size=1, init_method=None, bias=True,
                  normalization="LayerNorm", output_layer_init_method=None, params_dtype=None,
                  return_layernorm_output=False, set_parallel_mode=False,
-                 zero_centered_gamma=False, device=None, activation="gelu"):
+                 zero_centered_gamma=False, device=None, activation="gelu", tp_comm_overlap=True):
         super().__init__()
         norm.check_size("hidden_size", hidden_size)
         norm.check_size("ffn_hidden_size", ffn_hidden_size)
@@ -100,7 +101,7 @@ class LayerNormMLP(torch.nn.Module):
         norm.norm_parameters(self, "layer_norm_", hidden_size, normalization,
                              self.zero_centered_gamma, bool(sequence_parallel), dtype, device)
         parallel = {"tp_group": tp_group, "tp_size": tp_size,
-                    "sequence_parallel": sequence_parallel}
+                    "sequence_parallel": sequence_parallel, "tp_comm_overlap": tp_comm_overlap}
         if not set_parallel_mode and (tp_group is not None or tp_size != 1 or sequence_parallel):
             raise ValueError("LayerNormMLP: tp_group / tp_size / sequence_parallel take effect "
                              "with set_parallel_mode=True (fc1 column-, fc2 row-parallel)")

@@ -91,8 +91,9 @@ class _QuantizedLinear(torch.autograd.Function):
             dx, dw, db = _high_precision_backward(ctx, saved, kept, dy.reshape(-1, dy.shape[-1]),
                                                   needs, bias_dtype)
         else:  # ctx.pending: first in forward, so last in backward: it updates them all
+            after_dgrad = None if tp is None else tp.grad_input_overlap(needs & _NEED_WGRAD)
             dx, dw, db = _C.linear_backward(plan.c_args, saved, dy, needs, state, ctx.shape,
-                                            bias_dtype, ctx.pending)
+                                            bias_dtype, ctx.pending, after_dgrad)
         if tp is not None:
             dx = tp.reduce_grad_input(dx)
         return dx, dw, db, None, None, None, None, None, None
@@ -213,6 +214,10 @@ class Linear(torch.nn.Linear):
             (default: torch.nn.Linear's Kaiming-uniform initialization). It is kept on the
             module, so pickling the module pickles it (a lambda cannot be).
         return_bias: forward returns (out, bias) and does not add the bias.
+        tp_group, tp_size, parallel_mode, sequence_parallel: TE's tensor parallelism
+            (distributed/tensor_parallel.py). tp_comm_overlap: a column-parallel layer starts
+            its input gradient's reduction as soon as dgrad is done, so it runs beside the wgrad
+            GEMM (default True; also a settable attribute).
 
     forward(inp, is_first_microbatch=None): inp is [..., in_features] on CPU (the C reference
     path) or CUDA. is_first_microbatch: True quantizes the weight and caches it, False reuses the
@@ -234,7 +239,7 @@ class Linear(torch.nn.Linear):
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *,
                  params_dtype=None, init_method=None, return_bias=False, tp_group=None,
-                 tp_size=1, parallel_mode=None, sequence_parallel=False):
+                 tp_size=1, parallel_mode=None, sequence_parallel=False, tp_comm_overlap=True):
         torch.nn.Module.__init__(self)  # not nn.Linear's: it would initialize twice
         for name, v in (("in_features", in_features), ("out_features", out_features)):
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
@@ -259,7 +264,7 @@ class Linear(torch.nn.Linear):
             from .distributed.tensor_parallel import TensorParallel
             tp, in_local, out_local = TensorParallel.make(in_features, out_features, tp_group,
                                                           tp_size, parallel_mode,
-                                                          sequence_parallel)
+                                                          sequence_parallel, tp_comm_overlap)
         factory = {"dtype": dtype, "device": device}
         self.weight = torch.nn.Parameter(torch.empty(out_local, in_local, **factory))
         if bias:  # row parallel: whole, added after the reduction; column: this rank's slice
@@ -289,6 +294,19 @@ class Linear(torch.nn.Linear):
     tp_size = property(lambda self: 1 if self._tp is None else self._tp.size)
     parallel_mode = property(lambda self: None if self._tp is None else self._tp.mode)
     sequence_parallel = property(lambda self: self._tp is not None and self._tp.sequence_parallel)
+
+    @property
+    def tp_comm_overlap(self):
+        """Whether the input gradient's reduction runs beside the wgrad GEMM (column parallel;
+        settable)."""
+        return self._tp is not None and self._tp.overlap
+
+    @tp_comm_overlap.setter
+    def tp_comm_overlap(self, value):
+        if type(value) is not bool:
+            raise TypeError(f"tp_comm_overlap must be a bool, got {type(value).__name__}")
+        if self._tp is not None:
+            self._tp.overlap = value
 
     def reset_parameters(self):
         """init_method(weight) (default: torch.nn.Linear's Kaiming-uniform) and a zero bias."""
@@ -430,7 +448,7 @@ class Linear(torch.nn.Linear):
             if _operands.quantized_weight(weight) is not None:
                 weight = _operands.dequantized(weight)
             if tp is not None:
-                return tp.linear_hp(inp, lambda x: F.linear(x, weight, bias))
+                return tp.linear_hp(inp, lambda x: F.linear(x, weight, bias), weight, bias)
             return F.linear(inp, weight, bias)
         if record is not None:
             record.recipe = recipe

@@ -28,6 +28,7 @@ import math
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
 
 from .. import _C, ops
 from .._operands import TQ_DTYPE
@@ -46,18 +47,21 @@ class TensorParallel:
     reduce_grad_input). A group of one rank has nothing to exchange: its hooks pass tensors
     through (as TransformerEngine's collectives do)."""
 
-    __slots__ = ("group", "size", "mode", "sequence_parallel", "dim", "checked", "dtensor")
+    __slots__ = ("group", "size", "mode", "sequence_parallel", "dim", "checked", "dtensor",
+                 "overlap")
 
-    def __init__(self, group, size, mode, sequence_parallel, dim=0):
+    def __init__(self, group, size, mode, sequence_parallel, dim=0, overlap=True):
         self.group, self.size, self.mode = group, size, mode
         self.sequence_parallel = sequence_parallel
         self.dim = dim  # the sequence dim sequence parallelism splits (0: TE's [s, b, h])
         self.checked = set()  # recipe keys whose agreement across the group was checked
         self.dtensor = False  # set by tequant's DTensor styles (dtensor.py): DTensor parameters
+        self.overlap = overlap  # te.Linear's tp_comm_overlap
 
     def __deepcopy__(self, memo):
         """A copied te.Linear shares the process group (a communicator is not copied)."""
-        tp = TensorParallel(self.group, self.size, self.mode, self.sequence_parallel, self.dim)
+        tp = TensorParallel(self.group, self.size, self.mode, self.sequence_parallel, self.dim,
+                            self.overlap)
         tp.checked, tp.dtensor = set(self.checked), self.dtensor
         return tp
 
@@ -67,9 +71,12 @@ class TensorParallel:
                         "DTensor parameters) and build the model again on load")
 
     @staticmethod
-    def make(in_features, out_features, tp_group, tp_size, parallel_mode, sequence_parallel):
+    def make(in_features, out_features, tp_group, tp_size, parallel_mode, sequence_parallel,
+             overlap=True):
         """The setting, validated, or None without tensor parallelism; and the shard's
         (in, out)."""
+        if not isinstance(overlap, bool):
+            raise TypeError(f"tp_comm_overlap must be a bool, got {type(overlap).__name__}")
         if parallel_mode not in (None, "column", "row"):
             raise ValueError(f"parallel_mode must be None, 'column' or 'row', got "
                              f"{parallel_mode!r}")
@@ -93,7 +100,7 @@ class TensorParallel:
         if dim % size:
             raise ValueError(f"{name}={dim} is not divisible by the {size} ranks of the "
                              f"tensor-parallel group ({parallel_mode} parallel splits it)")
-        tp = TensorParallel(tp_group, size, parallel_mode, bool(sequence_parallel))
+        tp = TensorParallel(tp_group, size, parallel_mode, bool(sequence_parallel), 0, overlap)
         if parallel_mode == "column":
             return tp, in_features, out_features // size
         return tp, in_features // size, out_features
@@ -117,10 +124,17 @@ class TensorParallel:
 
     # ---- high precision (no te.autocast, CustomRecipe) --------------------------------------
 
-    def linear_hp(self, inp, linear):
-        """linear(x) -> y of one rank with this setting's collectives as autograd Functions."""
+    def linear_hp(self, inp, linear, weight=None, bias=None):
+        """linear(x) -> y of one rank with this setting's collectives as autograd Functions.
+        Given the weight and bias of a plain F.linear, a column-parallel layer with
+        tp_comm_overlap overlaps its input gradient's reduction with the wgrad product, as the
+        quantized path does (not under torch.autocast, whose casts F.linear's autograd owns)."""
         if self.size == 1:
             return linear(inp)
+        if self.mode == "column" and weight is not None and self.overlap and not self.dtensor \
+                and not torch.compiler.is_compiling() \
+                and not torch.is_autocast_enabled(inp.device.type):
+            return _ColumnLinear.apply(inp, weight, bias, self)
         if self.mode == "column":
             x = (_GatherTokens.apply(inp, self.group, self.dim) if self.sequence_parallel
                  else _ReduceGrad.apply(inp, self.group, 0))
@@ -160,10 +174,42 @@ class TensorParallel:
         return _gather_quantized(dy, plan, "grad_output", usage, self, state)
 
     def reduce_grad_input(self, dx):
+        if type(dx) is _Reducing:  # started by start_grad_input_reduction
+            return dx.wait()
         if self.mode != "column" or dx is None or self.size == 1:
             return dx
         return _scatter_tokens(dx, self.group, self.dim) if self.sequence_parallel else \
             _all_reduce(dx, self.group)
+
+    def grad_input_overlap(self, wgrad):
+        """What linear_backward calls on dx between its dgrad and wgrad GEMMs
+        (start_grad_input_reduction: the reduction then runs beside the wgrad GEMM, as
+        TransformerEngine's bulk dgrad overlap), or None where nothing overlaps it (no wgrad,
+        tp_comm_overlap=False, or inside a compiled graph, whose collectives are functional)."""
+        if not self.overlap or not wgrad or self.mode != "column" or self.size == 1 \
+                or torch.compiler.is_compiling():
+            return None
+        return self.start_grad_input_reduction
+
+    def start_grad_input_reduction(self, dx):
+        """dx's reduce-scatter (sequence parallel) or all-reduce, started on the collective's
+        stream; reduce_grad_input waits for it."""
+        if self.sequence_parallel:
+            return _Reducing(*_scatter_tokens(dx, self.group, self.dim, async_op=True))
+        dx = dx.contiguous()
+        return _Reducing(dx, dist.all_reduce(dx, group=self.group, async_op=True))
+
+
+class _Reducing:
+    """A collective in flight: its output and its work handle."""
+    __slots__ = ("out", "work")
+
+    def __init__(self, out, work):
+        self.out, self.work = out, work
+
+    def wait(self):
+        self.work.wait()  # the current stream waits for the collective's
+        return self.out
 
 
 def _device(group):
@@ -200,8 +246,9 @@ def _gather_tokens(t, group, dim=0):
     return out.view((size,) + tuple(t.shape)).movedim(0, dim).reshape(shape)
 
 
-def _scatter_tokens(t, group, dim=0):
-    """The sum over the ranks of t, split along dim: this rank's part."""
+def _scatter_tokens(t, group, dim=0, async_op=False):
+    """The sum over the ranks of t, split along dim: this rank's part ((part, work) with
+    async_op)."""
     size, dim = dist.get_world_size(group), dim % t.dim()
     if t.shape[dim] % size:
         raise ValueError(f"sequence parallelism splits dim {dim} of a {list(t.shape)} tensor "
@@ -213,8 +260,8 @@ def _scatter_tokens(t, group, dim=0):
     if torch.compiler.is_compiling():
         return funcol.reduce_scatter_tensor(stacked, "sum", 0, group)
     out = t.new_empty(part)
-    dist.reduce_scatter_tensor(out, stacked, group=group)
-    return out
+    work = dist.reduce_scatter_tensor(out, stacked, group=group, async_op=async_op)
+    return (out, work) if async_op else out
 
 
 def _mirrored(name, forward_op, backward_op):
@@ -245,6 +292,31 @@ _ReduceOutput = _mirrored("_ReduceOutput", _reduced_copy, _identity)
 # sequence parallel: tokens gathered before a column layer, scattered after a row layer
 _GatherTokens = _mirrored("_GatherTokens", _gather_tokens, _scatter_tokens)
 _ScatterTokens = _mirrored("_ScatterTokens", _scatter_tokens, _gather_tokens)
+
+
+class _ColumnLinear(torch.autograd.Function):
+    """A column-parallel F.linear (the tokens all-gathered first under sequence parallelism)
+    whose backward starts the input gradient's reduction between the dgrad and wgrad products."""
+
+    @staticmethod
+    def forward(ctx, inp, weight, bias, tp):
+        x = _gather_tokens(inp, tp.group, tp.dim) if tp.sequence_parallel else inp
+        ctx.save_for_backward(x, weight)
+        ctx.tp, ctx.has_bias = tp, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = ctx.tp.start_grad_input_reduction(dy.matmul(weight))
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        if ctx.needs_input_grad[1]:
+            dw = dy2.t().matmul(x.reshape(-1, x.shape[-1]))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy2.sum(0)
+        return None if dx is None else dx.wait(), dw, db, None
 
 
 # ---- the quantized all-gather --------------------------------------------------------------------
