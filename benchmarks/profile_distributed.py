@@ -1,0 +1,218 @@
+"""Where a distributed training step's GPU time goes: torch.profiler over bench_distributed's
+configurations, kernels grouped by category, per rank 0's step.
+
+    python3 benchmarks/profile_distributed.py --gpus 4 --mode tp --model gpt --layers 2 \
+        --recipes current,delayed --overlap on,off --out prof.md
+
+For bf16 and each recipe, with te.Linear's tp_comm_overlap on and/or off (--overlap): build the
+configuration exactly as bench_distributed.py does (Rank.build, the same step: fwd+bwd of
+mean(y^2) under te.autocast with the amax reduction group), warm up, time --iters steps (the
+median, the slowest rank's: the `step` column), then profile --steps steps on every rank; rank 0 parses its Chrome trace and prints, in ms per step:
+the host step time, the kernel time per category (GEMM, tequant's quantize/amax/cast kernels,
+NCCL, attention, norm, elementwise/other), the time the compute streams were busy (the union of
+non-NCCL kernel intervals) and the time they sat idle (step - busy: exposed communication,
+host gaps, waits). Overlap = NCCL kernel time that ran while a compute kernel ran. The numbers
+explain bench_distributed's TP / FSDP rows; the test is tests/test_bench_distributed.py (CPU
+smoke of the profile on gloo ranks: the table is produced, categories sum to the kernel total).
+"""
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+                  NVSHMEM_DISABLE_NVLS="1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_distributed as bd  # noqa: E402
+
+# (category, substrings of a kernel's name), first match wins; the rest is "other"
+CATEGORIES = (
+    ("nccl", ("nccl",)),
+    ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "sm90_", "wgmma")),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
+    ("quantize", ("quantize_kernel", "cast_kernel", "amax_kernel", "amax_update_kernel",
+                  "codec_kernel", "dequantize_kernel", "pad_rows_kernel", "small_kernel",
+                  "small_current_kernel", "values_pair_kernel", "alpha_kernel")),
+    ("norm", ("layer_norm", "layernorm", "rms_norm", "rmsnorm")),
+)
+COLUMNS = ("step", "kernels", "gemm", "quantize", "nccl", "attention", "norm", "other", "busy",
+           "idle", "overlap")
+
+
+def category(name):
+    low = name.lower()
+    for cat, keys in CATEGORIES:
+        if any(k in low for k in keys):
+            return cat
+    return "other"
+
+
+def union_length(intervals):
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def summarize(trace_events, steps, step_ms):
+    """ms per step by category from a Chrome trace's kernel events."""
+    kernels = [e for e in trace_events if e.get("cat") == "kernel" and "dur" in e]
+    out = dict.fromkeys(COLUMNS, 0.0)
+    comm, compute = [], []
+    for e in kernels:
+        cat = category(e["name"])
+        out[cat] += e["dur"] / 1e3
+        out["kernels"] += e["dur"] / 1e3
+        (comm if cat == "nccl" else compute).append((e["ts"], e["ts"] + e["dur"]))
+    busy = union_length(compute) / 1e3
+    overlap = (busy + union_length(comm) / 1e3) - union_length(comm + compute) / 1e3
+    out.update(busy=busy, overlap=overlap)
+    out = {k: v / steps for k, v in out.items()}
+    out["step"] = step_ms
+    out["idle"] = max(0.0, step_ms - out["busy"])
+    return out
+
+
+def rank_main(rank, world, port, args, lines):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import tequant as te
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(1)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    me = bd.Rank(rank, world, args)
+    for recipe, overlap in [(r, o) for r in ["bf16"] + args.recipes for o in args.overlap]:
+        model, group, dp_rank, tp = me.build(args.model, args.mode, recipe, False)
+        for m in model.modules():
+            if isinstance(m, te.Linear):
+                m.tp_comm_overlap = overlap == "on"
+        gen = torch.Generator(me.device).manual_seed(1000 + dp_rank)
+        x = torch.randn(args.seq, args.batch, args.width, generator=gen, device=me.device,
+                        dtype=torch.bfloat16)
+        x = x.chunk(tp, 0)[dist.get_rank(group) if group is not None else 0].contiguous()
+        r = me.recipes.get(recipe)
+        amax_group = dist.group.WORLD if args.mode != "1gpu" else None
+
+        def step():
+            with te.autocast(recipe=r, amax_reduction_group=amax_group) if r is not None \
+                    else te.autocast(enabled=False):
+                loss = model(x).float().square().mean()
+            loss.backward()
+            if group is not None:
+                te.distributed.reduce_sequence_parallel_grads(model, group)
+            for p in model.parameters():
+                p.grad = None
+
+        for _ in range(args.warmup):
+            step()
+        times = []
+        for _ in range(args.iters):
+            me.sync()
+            t0 = time.perf_counter()
+            step()
+            me.sync()
+            times.append(time.perf_counter() - t0)
+        worst = torch.tensor([sorted(times)[len(times) // 2]], dtype=torch.float64,
+                             device=me.device)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        dist.barrier()
+        acts = [torch.profiler.ProfilerActivity.CPU] + \
+            ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(args.steps):
+                step()
+            me.sync()
+        step_ms = 1e3 * float(worst[0])
+        if rank == 0:
+            with tempfile.TemporaryDirectory() as folder:
+                path = os.path.join(folder, "trace.json")
+                prof.export_chrome_trace(path)
+                with open(path) as f:
+                    events = json.load(f)["traceEvents"]
+            row = summarize(events, args.steps, step_ms)
+            top = prof.key_averages().table(
+                sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=12)
+            with open(lines, "a") as f:
+                f.write(json.dumps({"recipe": recipe, "overlap": overlap, "row": row,
+                                    "top": top}) + "\n")
+        del model
+        dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", choices=("cuda", "cpu"),
+                    default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--gpus", type=int)
+    ap.add_argument("--model", default="gpt", choices=("gpt", "llama"))
+    ap.add_argument("--mode", default="tp", choices=bd.MODES)
+    ap.add_argument("--recipes", default="current,delayed")
+    ap.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks of fsdp-tp")
+    ap.add_argument("--overlap", default="on", help="tp_comm_overlap: on, off or on,off")
+    ap.add_argument("--steps", type=int, default=3, help="profiled steps")
+    ap.add_argument("--top", action="store_true", help="also print rank 0's top kernels")
+    ap.add_argument("--out")
+    for name in ("width", "ffn", "llama-ffn", "seq", "batch", "layers", "warmup", "iters"):
+        ap.add_argument("--" + name, type=int)
+    args = ap.parse_args()
+    names = ("width", "ffn", "llama_ffn", "seq", "batch", "layers", "warmup", "iters")
+    for name, default in zip(names, bd.SIZES[args.device]):
+        if getattr(args, name, None) is None:
+            setattr(args, name, default)
+    args.heads = max(1, args.width // 128) if args.device == "cuda" else 4
+    args.gpus = args.gpus or (torch.cuda.device_count() if args.device == "cuda" else 2)
+    args.modes = [args.mode]
+    args.recipes = [n for n, _ in bd.benchutil.make_recipes(args.recipes)]
+    args.overlap = [v.strip() for v in args.overlap.split(",")]
+    if not args.overlap or any(v not in ("on", "off") for v in args.overlap):
+        ap.error("--overlap: on, off or on,off")
+    args.time_limit = 0
+    with tempfile.TemporaryDirectory() as folder:
+        lines = os.path.join(folder, "rows.jsonl")
+        open(lines, "w").close()
+        import torch.multiprocessing as mp
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.start_processes(rank_main, args=(args.gpus, port, args, lines), nprocs=args.gpus,
+                           start_method="spawn")
+        with open(lines) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    head = (f"### profile: {args.model}, {args.mode}, {args.gpus} ranks, {args.layers} layers, "
+            f"d={args.width}, [s, b] = [{args.seq}, {args.batch}]; ms per step, rank 0")
+    text = [head, "", "| recipe | tp_comm_overlap | " + " | ".join(COLUMNS) + " |",
+            "|---|---|" + "---:|" * len(COLUMNS)]
+    for r in rows:
+        text.append(f"| {r['recipe']} | {r['overlap']} | "
+                    + " | ".join(f"{r['row'][c]:.2f}" for c in COLUMNS) + " |")
+    text += ["", "step: the median host step time of --iters steps, outside the profiler; "
+             "kernels: the sum of kernel times in the profiled steps (streams overlap); busy: "
+             "the union of non-NCCL kernels; idle: step - busy; overlap: NCCL time that ran "
+             "beside compute.", ""]
+    if args.top:
+        for r in rows:
+            text += [f"#### {r['recipe']}, overlap {r['overlap']}: top kernels", "```",
+                     r["top"], "```", ""]
+    out = "\n".join(text)
+    print(out)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(out + "\n")
+    return 0 if len(rows) == (1 + len(args.recipes)) * len(args.overlap) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
