@@ -8,6 +8,8 @@
 #   make build  the set-up and the build only
 #   make bench  the benchmarks in benchmarks/ (tables under docs/results/)
 #   make fuzz   the long property-based fuzz (tests/fuzz_tequant.py; docs/results/fuzz.md)
+#   make sanitize  the build, then tests/test_sanitize_kernels.py under compute-sanitizer's
+#               memcheck, racecheck, initcheck and synccheck (tools/sanitize.sh; docs/sanitize.md)
 # An existing torch is used as it is (the GPU machine has torch+CUDA and no network).
 
 PYTHON ?= python3
@@ -67,6 +69,12 @@ bench: build
 FUZZ_EXAMPLES ?= 100000
 fuzz: build
 	$(PYTHON) tests/fuzz_tequant.py --examples $(FUZZ_EXAMPLES) --seed 7 --out docs/results/fuzz.md
+
+# SANITIZE_* variables (tools/sanitize.sh) pass through the environment, e.g.
+# make sanitize SANITIZE_PARALLEL=1 (one tool per GPU)
+.PHONY: sanitize
+sanitize: build
+	PYTHON=$(PYTHON) bash tools/sanitize.sh
 
 clean:
 	rm -rf build python/tequant/*.so *.egg-info python/*.egg-info

@@ -1,0 +1,540 @@
+"""The CUDA selection that runs under compute-sanitizer (issue 25): every kernel of cuda/*.cu,
+for every recipe, at small shapes, plus one CUDA-graph capture and replay per recipe.
+
+Not a correctness test (tests/test_quantize_*.py, test_gemm.py and test_linear*.py compare bits
+and tolerances): here the point is to REACH each kernel, and each of its paths (vectorized and
+element-wise, small one-CTA and tiled, rowwise / columnwise / both, every input dtype), so that
+memcheck, racecheck, initcheck and synccheck see them. The checks are cheap (finite, close to x,
+equal to the aligned path) and every quantized member is read whole (_touch), so initcheck flags
+any byte a quantizer leaves unwritten. Inputs live in buffers whose padding is never written
+(torch.empty): a kernel reading past its view reads uninitialized memory.
+Runner: tools/sanitize.sh (make sanitize; docs/sanitize.md). GPU only; skipped without CUDA.
+
+Kernel (cuda/*.cu)                       launched by (test_... [case])
+amax.cu        amax_kernel<f32|bf16|f16,  amax_paths (all nine); FlatVec also quantize_dequantize
+               FlatVec|RowVec|Scalar>     [current-*] (an FP8 current x of more than 64K elements)
+amax_update.cu amax_update_kernel<max>    amax_update (600 slots: two launches), linear_step
+                                          [delayed-*], cuda_graph_step[delayed] (autocast exit,
+                                          end of backward)
+               amax_update_kernel<most_recent>  amax_update (with all-reduced amaxes)
+codec.cu       codec_kernel<10 codecs>    codecs
+gemm_alpha.cu  alpha_kernel               c_api_gemm_alpha_and_values (tq_gemm_alpha through
+                                          ctypes: the extension calls it for CPU operands only)
+pad.cu         pad_rows_kernel<uint4>     linear_step (51 tokens), cuda_graph_step (50 tokens)
+               pad_rows_kernel<uint8_t>   linear_step (third step: an input one element off a
+                                          16-byte boundary)
+quantize_fp8.cu small_current_kernel      quantize_dequantize[current-*] (<= 64K elements;
+                                          row / col / both), linear_step[current-*], graphs
+               cast_kernel<delayed=false> quantize_dequantize[current-*] (> 64K elements, after
+                                          the amax pass), quantize_given_amax[current-*]
+               cast_kernel<delayed=true>  quantize_dequantize[delayed-*], linear_step[delayed-*]
+               empty_kernel               quantize_empty[current|delayed]
+               dequantize_kernel          quantize_dequantize[current-*|delayed-*] (E4M3, E5M2;
+                                          f32/bf16/f16 out), dequantize_misaligned_out[current]
+quantize_fp8_block.cu quantize_kernel     quantize_dequantize[block-*] (1x128 and 128x128, E4M3
+                                          and E5M2, f32/bf16/f16, row / col / both), linear_step
+               dequantize_kernel          quantize_dequantize[block-*], dequantize_misaligned_out
+quantize_mxfp8.cu quantize_kernel         quantize_dequantize[mxfp8-*] (vectorized; element-wise
+                                          for the misaligned x; 1x32 and 32x32; E4M3 and E5M2)
+               dequantize_kernel          quantize_dequantize[mxfp8-*] (vectorized),
+                                          dequantize_misaligned_out[mxfp8] (element-wise)
+               values_pair_kernel         gemm[mxfp8] (vectorized; element-wise with a misaligned
+                                          operand), linear_step[mxfp8-*], cuda_graph_step[mxfp8]
+quantize_nvfp4.cu small_kernel            quantize_dequantize[nvfp4-*] (<= 64K elements: RHT,
+                                          2D, SR, 2D+SR, plain), linear_step[nvfp4-*]
+               amax_kernel<vec, rht>      quantize_dequantize[nvfp4-*] (> 64K: 16-byte loads,
+                                          4-byte loads with the RHT, element loads)
+               cast_kernel<rht, 2d, sr>   quantize_dequantize[nvfp4-*] (> 64K), quantize_given_
+                                          amax[nvfp4-*]; its rng-from-device-tensor path:
+                                          quantize_dequantize[nvfp4-grad] and cuda_graph_step[nvfp4]
+quantize_nvfp4_dequant.cu dequantize_kernel<values=false>  quantize_dequantize[nvfp4-*] (vec),
+                                          dequantize_misaligned_out[nvfp4] (element-wise)
+               dequantize_kernel<values=true>  c_api_gemm_alpha_and_values (tq_gemm_operand_values
+                                          through ctypes; the extension asks for it on CPU only)
+               values_pair_kernel         gemm[nvfp4] (+ misaligned operand), linear_step[nvfp4-*],
+                                          cuda_graph_step[nvfp4]
+Every __global__ function is reached. Template instances not reached: MXFP8 32x32 with E5M2 (the
+2D blocks are for weights, which every recipe quantizes to E4M3).
+"""
+import ctypes
+import os
+
+import pytest
+import torch
+
+import tequant as te
+from tequant import _C
+from tequant.quantized import COLUMNWISE, ROWWISE, QuantizedTensor
+from tequant.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format,
+                            MXFP8BlockScaling, NVFP4BlockScaling, QParams)
+
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device "
+                                 "(run it under compute-sanitizer with tools/sanitize.sh)"),
+              pytest.mark.gpu]
+
+DEVICE = torch.device("cuda")
+# torch's uncached allocator (set by tools/sanitize.sh for memcheck and initcheck) refuses to
+# allocate while a CUDA graph is captured; the script runs the graph tests in a pass of their own.
+NO_CACHING = os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "0") not in ("", "0")
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+MEMBERS = ("data", "scale_inv", "data_t", "scale_inv_t", "amax", "amax_t")
+
+RECIPES = {
+    "delayed": DelayedScaling(amax_history_len=4),
+    "current": Float8CurrentScaling(),
+    "block": Float8BlockScaling(),
+    "mxfp8": MXFP8BlockScaling(),
+    "nvfp4": NVFP4BlockScaling(),  # RHT on input / grad columnwise, 2D weights, SR on grads
+}
+
+# (recipe, role) per quantizer variant: every scaling, element format and flag combination.
+QCASES = {
+    "current-input": (RECIPES["current"], "input"),  # E4M3
+    "current-grad": (RECIPES["current"], "grad_output"),  # E5M2 (HYBRID)
+    "delayed-input": (RECIPES["delayed"], "input"),
+    "delayed-grad": (RECIPES["delayed"], "grad_output"),
+    "block-input": (RECIPES["block"], "input"),  # 1x128 E4M3
+    "block-weight": (RECIPES["block"], "weight"),  # 128x128 E4M3
+    "block-grad-e5m2": (Float8BlockScaling(fp8_format=Format.HYBRID), "grad_output"),
+    "block-grad-2d-e5m2": (Float8BlockScaling(fp8_format=Format.HYBRID, w_block_scaling_dim=1,
+                                              grad_block_scaling_dim=2), "grad_output"),
+    "mxfp8-input": (RECIPES["mxfp8"], "input"),
+    "mxfp8-weight-2d": (MXFP8BlockScaling(enable_2d_quantization=True), "weight"),
+    "mxfp8-grad-e5m2": (MXFP8BlockScaling(fp8_format=Format.HYBRID), "grad_output"),
+    "nvfp4-input": (RECIPES["nvfp4"], "input"),  # RHT
+    "nvfp4-weight": (RECIPES["nvfp4"], "weight"),  # 16x16
+    "nvfp4-grad": (RECIPES["nvfp4"], "grad_output"),  # RHT + SR
+    "nvfp4-plain-input": (NVFP4BlockScaling(disable_rht=True), "input"),  # neither
+    "nvfp4-plain-grad": (NVFP4BlockScaling(disable_rht=True), "grad_output"),  # SR alone
+    "nvfp4-weight-2d-sr": (NVFP4BlockScaling(fp4_quant_fwd_weight=QParams(
+        fp4_2d_quantization=True, stochastic_rounding=True)), "weight"),
+}
+
+# (M, K, dtype, layout, rowwise, columnwise) per family: small (the one-CTA kernels below 64K
+# elements) and large (tiled, after an amax pass), full and partial tiles, each dtype, each
+# direction alone and both, and each layout (see _layout).
+_BOTH, _ROW, _COL = (True, True), (True, False), (False, True)
+SHAPES = {
+    "fp8": [(64, 128, BF16, "contiguous", *_BOTH), (33, 72, F32, "strided", *_BOTH),
+            (257, 300, F16, "misaligned", *_BOTH), (256, 512, BF16, "contiguous", *_ROW),
+            (128, 256, F32, "contiguous", *_COL), (16, 48, F16, "contiguous", *_ROW)],
+    "mxfp8": [(64, 128, BF16, "contiguous", *_BOTH), (96, 160, F32, "strided", *_BOTH),
+              (160, 288, F16, "misaligned", *_BOTH), (256, 384, BF16, "contiguous", *_ROW),
+              (128, 64, F32, "contiguous", *_COL)],
+    "nvfp4": [(64, 128, BF16, "contiguous", *_BOTH), (48, 80, F32, "strided", *_BOTH),
+              (272, 320, F16, "misaligned", *_BOTH), (256, 512, BF16, "contiguous", *_BOTH),
+              (144, 480, F32, "misaligned", *_COL), (32, 64, BF16, "contiguous", *_ROW)],
+}
+FAMILY = {"delayed": "fp8", "current": "fp8", "block": "fp8", "mxfp8": "mxfp8", "nvfp4": "nvfp4"}
+# |dequantize(quantize(x)) - x| <= TOL * max|x|: loose bounds for a sanity check only
+TOL = {"E4M3": 0.07, "E5M2": 0.13, "E2M1": 0.4}
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+
+def _randn(*shape, dtype=F32, seed=0):
+    """Normal values made on the CPU (no torch RNG kernel under the sanitizer), on DEVICE."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(device=DEVICE, dtype=dtype)
+
+
+def _layout(x, layout):
+    """The values of contiguous 2-D x in `layout`: 'contiguous' (x), 'strided' (rows 16-byte
+    aligned, ld > K) or 'misaligned' (contiguous, one element past a 16-byte boundary: the
+    element-wise paths). The buffers' other elements are never written."""
+    m, k = x.shape
+    if layout == "contiguous":
+        return x
+    if layout == "strided":
+        buf = torch.empty(m, (k + 7) // 8 * 8 + 16, dtype=x.dtype, device=x.device)
+        view = buf[:, :k]
+    else:
+        buf = torch.empty(m * k + 16, dtype=x.dtype, device=x.device)
+        view = buf[1:1 + m * k].view(m, k)
+    view.copy_(x)
+    return view
+
+
+def _misaligned_bytes(t):
+    """A copy of a 1-byte-element tensor whose data starts one byte past a 16-byte boundary."""
+    n = t.numel()
+    buf = torch.empty(n + 16, dtype=torch.uint8, device=t.device)
+    view = buf[1:1 + n]
+    view.copy_(t.reshape(-1).view(torch.uint8))
+    return view.view(t.dtype).view(t.shape)
+
+
+def _touch(q):
+    """Reads every byte of every member of q (initcheck: a byte no kernel wrote is an error)."""
+    for name in MEMBERS:
+        t = getattr(q, name)
+        if t is not None and t.numel():
+            torch.sum(t.contiguous().view(torch.uint8), dtype=torch.int64)
+
+
+def _finite(*ts):
+    for t in ts:
+        assert bool(torch.isfinite(t).all()), "non-finite values"
+
+
+def _check_values(q, x, direction):
+    """The direction's values are finite and (unless RHT-transformed) close to x."""
+    v = q.dequantize_direction(direction, F32)
+    _finite(v)
+    if direction == "columnwise" and q.config.rht:
+        return
+    ref = x.float() if direction == "rowwise" else x.float().t()
+    err = float((v - ref).abs().max())
+    assert err <= TOL[q.config.format] * float(ref.abs().max()), (direction, err)
+
+
+def _extra(recipe, role, i):
+    """te.ops.quantize's extra arguments: DelayedScaling's scale and amax slot; for stochastic
+    rounding the default generator, a (seed, offset) pair or a device tensor in turn."""
+    cfg = te.quantizer_config(recipe, role)
+    if cfg.scaling == "delayed":
+        return {"scale": torch.full((1,), 0.5, device=DEVICE),
+                "amax_history": torch.zeros(1, device=DEVICE)}
+    if cfg.stochastic_rounding:
+        return [{}, {"rng": (7, 64 * i)},
+                {"rng": torch.tensor([3, 4 + i], dtype=torch.int64, device=DEVICE)}][i % 3]
+    return {}
+
+
+# ---- amax, codecs, amax update ----------------------------------------------------------------
+
+def test_amax_paths():
+    for dtype in (F32, BF16, F16):
+        x = _randn(39, 101, dtype=dtype, seed=1)  # 39 * 101: a tail after the 16-byte vectors
+        want = x.float().abs().max()
+        for layout in ("contiguous", "strided", "misaligned"):  # FlatVec, RowVec, Scalar
+            out = torch.empty(1, device=DEVICE)
+            _C._amax(_layout(x, layout), out)
+            assert torch.equal(out[0], want), (dtype, layout)
+    out = torch.empty(1, device=DEVICE)
+    _C._amax(torch.empty(0, 8, device=DEVICE), out)  # nothing to launch: the zeroed output
+    assert float(out) == 0.0
+
+
+CODECS = [("f32_to_e4m3", F32, torch.uint8), ("f32_to_e5m2", F32, torch.uint8),
+          ("f32_to_e2m1", F32, torch.uint8), ("f32_to_e8m0", F32, torch.uint8),
+          ("f32_to_bf16", F32, BF16), ("f32_to_f16", F32, F16),
+          ("e4m3_to_f32", torch.uint8, F32), ("e5m2_to_f32", torch.uint8, F32),
+          ("e2m1_to_f32", torch.uint8, F32), ("e8m0_to_f32", torch.uint8, F32)]
+
+
+def test_codecs():
+    values = _randn(24, 40, seed=2) * 10
+    codes = torch.arange(24 * 40, device=DEVICE).remainder(256).to(torch.uint8).view(24, 40)
+    for i, (name, src, dst) in enumerate(CODECS):
+        x = values if src == F32 else codes
+        x = _layout(x, "strided") if i % 2 else x  # row strides differ from the output's
+        out = torch.empty(x.shape, dtype=dst, device=DEVICE)
+        _C._codec(name, x, out)
+        if name in ("f32_to_bf16", "f32_to_f16"):
+            assert torch.equal(out, x.to(dst)), name
+        elif name in ("e4m3_to_f32", "e5m2_to_f32"):
+            fp8 = torch.float8_e4m3fn if name.startswith("e4m3") else torch.float8_e5m2
+            torch.testing.assert_close(out, x.contiguous().view(fp8).float(), rtol=0, atol=0,
+                                       equal_nan=True)
+        else:  # read it all (initcheck)
+            torch.sum(out.view(torch.uint8) if dst == torch.uint8 else out.nan_to_num())
+
+
+def test_amax_update():
+    n, length = 600, 4  # more slots than one launch takes (512)
+    hist = _randn(length, n, seed=3).abs()
+    scale = torch.ones(n, device=DEVICE)
+    slots = [(hist[:, j:j + 1], scale[j:j + 1], 448.0) for j in range(n)]
+    _C._amax_update(slots, length, "max", None)
+    reduced = torch.rand(3, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    _C._amax_update(slots[:3], length, "most_recent", reduced)
+    _finite(hist, scale)
+    assert bool((scale > 0).all())
+
+
+# ---- quantize / dequantize --------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(QCASES))
+def test_quantize_dequantize(name):
+    recipe, role = QCASES[name]
+    cfg = te.quantizer_config(recipe, role)
+    for i, (m, k, dtype, layout, rowwise, columnwise) in enumerate(SHAPES[FAMILY[cfg.scaling]]):
+        x = _randn(m, k, dtype=dtype, seed=100 + i)
+        q = te.ops.quantize(_layout(x, layout), recipe, role, rowwise=rowwise,
+                            columnwise=columnwise, **_extra(recipe, role, i))
+        _touch(q)
+        for direction, present in (("rowwise", rowwise), ("columnwise", columnwise)):
+            if not present:
+                continue
+            _check_values(q, x, direction)
+            if i == 0:  # the 16-bit outputs once per direction
+                _finite(q.dequantize_direction(direction, BF16),
+                        q.dequantize_direction(direction, F16))
+
+
+GIVEN = {"current-input": ("current", "input"), "current-grad": ("current", "grad_output"),
+         "nvfp4-input": ("nvfp4", "input"), "nvfp4-weight": ("nvfp4", "weight"),
+         "nvfp4-grad": ("nvfp4", "grad_output")}
+
+
+@pytest.mark.parametrize("name", list(GIVEN))
+def test_quantize_given_amax(name):
+    # a given amax skips the amax pass and the one-CTA kernel: the tiled cast alone
+    recipe, role = RECIPES[GIVEN[name][0]], GIVEN[name][1]
+    x = _randn(64, 128, dtype=BF16, seed=5)
+    kw = {"rng": (5, 6)} if te.quantizer_config(recipe, role).stochastic_rounding else {}
+    q = te.ops.quantize(x, recipe, role, rowwise=True, columnwise=True, **kw)
+    amax = q.amax.reshape(1)
+    if q.amax_t is not None:
+        amax = torch.cat([amax, q.amax_t.reshape(1)])
+    again = te.ops.quantize(x, recipe, role, rowwise=True, columnwise=True, amax=amax, **kw)
+    _touch(again)
+    for member in ("data", "data_t", "scale_inv", "scale_inv_t"):
+        a, b = getattr(q, member), getattr(again, member)
+        assert (a is None) == (b is None)
+        assert a is None or torch.equal(a.view(torch.uint8), b.view(torch.uint8)), member
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_quantize_empty(name):
+    recipe = RECIPES[name]
+    for shape in ((0, 64), (32, 0)):
+        x = torch.empty(shape, dtype=BF16, device=DEVICE)
+        q = te.ops.quantize(x, recipe, "input", rowwise=True, columnwise=True,
+                            **_extra(recipe, "input", 0))
+        _touch(q)
+        if q.scale_inv is not None and q.config.scaling in ("current", "delayed"):
+            _finite(q.scale_inv)
+
+
+MISALIGNED = {"current": ("current", "input"), "block-1d": ("block", "input"),
+              "block-2d": ("block", "weight"), "mxfp8": ("mxfp8", "input"),
+              "nvfp4": ("nvfp4", "input")}
+
+
+@pytest.mark.parametrize("name", list(MISALIGNED))
+def test_dequantize_misaligned_out(name):
+    # an output one element off a 16-byte boundary: the element-wise stores, same values
+    recipe, role = RECIPES[MISALIGNED[name][0]], MISALIGNED[name][1]
+    q = te.ops.quantize(_randn(64, 128, dtype=BF16, seed=6), recipe, role, rowwise=True,
+                        columnwise=True)
+    for direction, usage in (("rowwise", ROWWISE), ("columnwise", COLUMNWISE)):
+        shape = (q.rows, q.cols) if usage == ROWWISE else (q.cols, q.rows)
+        for dtype in (F32, BF16):
+            want = q.dequantize_direction(direction, dtype)
+            out = _layout(torch.zeros(shape, dtype=dtype, device=DEVICE), "misaligned")
+            _C._dequantize(q.config, q.rows, q.cols, q._members(), usage, out)
+            assert torch.equal(out, want), (direction, dtype)
+
+
+# ---- GEMMs ------------------------------------------------------------------------------------
+
+GEMM_SHAPES = {"delayed": (48, 128, 64), "current": (48, 128, 64), "block": (48, 128, 64),
+               "mxfp8": (64, 128, 96), "nvfp4": (48, 128, 80)}
+
+
+def _with_misaligned_data(q):
+    """q with its rowwise codes moved one byte off a 16-byte boundary."""
+    members = (_misaligned_bytes(q.data),) + tuple(q._members()[1:])
+    return QuantizedTensor(q.config, q.shape, q.dtype, members, q.recipe, q.role)
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_gemm(name):
+    recipe = RECIPES[name]
+    m, k, n = GEMM_SHAPES[name]
+    emulated = name in ("mxfp8", "nvfp4")
+    x, w = _randn(m, k, dtype=BF16, seed=7), _randn(n, k, dtype=BF16, seed=8)
+    dy, bias = _randn(m, n, dtype=BF16, seed=9), _randn(n, dtype=BF16, seed=10)
+    qx, qw, qdy = (te.ops.quantize(t, recipe, role, rowwise=True, columnwise=True)
+                   for t, role in ((x, "input"), (w, "weight"), (dy, "grad_output")))
+    y = te.ops.gemm(qx, qw, transpose_b=True, bias=bias, out_dtype=BF16)  # fprop
+    ref = qx.dequantize() @ qw.dequantize().t() + bias.float()
+    assert float((y.float() - ref).norm()) <= 0.02 * float(ref.norm())
+    dx = te.ops.gemm(qdy, qw, out_dtype=F32 if emulated else F16)  # dgrad
+    dw = torch.zeros(n, k, device=DEVICE)
+    te.ops.gemm(qdy, qx, transpose_a=True, out=dw, accumulate=True)  # wgrad, beta = 1
+    _finite(y, dx, dw)
+    if name == "block":  # M % 8 != 0: A and its scales padded in scratch, output copied back
+        qx44 = te.ops.quantize(x[:44], recipe, "input", rowwise=True)
+        qdy44 = te.ops.quantize(dy[:44], recipe, "grad_output", rowwise=True)
+        y44 = te.ops.gemm(qx44, qw, transpose_b=True, bias=bias, out_dtype=BF16)
+        dx44 = torch.zeros(44, k, device=DEVICE)
+        te.ops.gemm(qdy44, qw, out=dx44, accumulate=True)
+        _finite(y44, dx44)
+    if emulated:  # the dequantizing prologue's element-wise path: the same values and product
+        y_mis = te.ops.gemm(_with_misaligned_data(qx), qw, transpose_b=True, bias=bias,
+                            out_dtype=BF16)
+        torch.testing.assert_close(y_mis, y, rtol=1e-2, atol=1e-2)
+
+
+# ---- the C API through ctypes: kernels the extension reaches only on CPU -----------------------
+
+class _Tensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("rows", ctypes.c_int64), ("cols", ctypes.c_int64),
+                ("ld", ctypes.c_int64), ("dtype", ctypes.c_int), ("device", ctypes.c_int)]
+
+
+class _Config(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_size_t), ("scaling", ctypes.c_int),
+                ("elem_dtype", ctypes.c_int), ("scale_dtype", ctypes.c_int),
+                ("block_rows", ctypes.c_int32), ("block_cols", ctypes.c_int32),
+                ("flags", ctypes.c_uint32), ("fmax", ctypes.c_float),
+                ("amax_epsilon", ctypes.c_float), ("margin", ctypes.c_int32),
+                ("amax_history_len", ctypes.c_int32), ("amax_algo", ctypes.c_int)]
+
+
+class _QTensor(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_size_t), ("rows", ctypes.c_int64),
+                ("cols", ctypes.c_int64)] + [(name, _Tensor) for name in MEMBERS]
+
+
+class _Operand(ctypes.Structure):
+    _fields_ = [("config", ctypes.POINTER(_Config)), ("q", ctypes.POINTER(_QTensor)),
+                ("usage", ctypes.c_uint32)]
+
+
+# csrc/include/tequant/tequant.h's enums
+_SCALING = {"delayed": 1, "current": 2, "block": 3, "mxfp8": 4, "nvfp4": 5}
+_ELEM = {"E4M3": 3, "E5M2": 4, "E2M1": 5}
+_SCALE = {"float32": 0, "e4m3": 3, "e8m0": 6}
+_DTYPE = {F32: 0, BF16: 1, F16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4,
+          torch.float8_e8m0fnu: 6, torch.uint8: 7}
+
+
+def _lib():
+    lib = ctypes.CDLL(_C.__file__)  # the loaded extension: its tq_* C API is exported
+    lib.tq_last_error.restype = ctypes.c_char_p
+    return lib
+
+
+def _c_tensor(t, packed_e2m1=False):
+    if t is None:
+        return _Tensor()
+    ld = t.stride(0) if t.dim() == 2 else t.shape[-1]
+    rows, cols = (t.shape[0], t.shape[1]) if t.dim() == 2 else (1, t.numel())
+    dtype, scale = (5, 2) if packed_e2m1 else (_DTYPE[t.dtype], 1)  # two E2M1 codes per byte
+    device = -1 if t.device.type == "cpu" else t.device.index
+    return _Tensor(t.data_ptr(), rows, cols * scale, ld * scale, dtype, device)
+
+
+def _c_operand(q, usage, alive):
+    """The tq_gemm_operand of one direction of q; what keeps it valid (its structs, q's tensors)
+    goes into the list `alive`."""
+    c = q.config
+    block = c.block or (0, 0)
+    flags = ((1 if c.power_2_scale else 0) | (2 if c.rht else 0)
+             | (4 if c.stochastic_rounding else 0) | (8 if c.two_d else 0))
+    config = _Config(ctypes.sizeof(_Config), _SCALING[c.scaling], _ELEM[c.format],
+                     _SCALE[c.scale_dtype], block[0], block[1], flags, c.fmax, c.amax_epsilon,
+                     c.margin or 0, c.amax_history_len or 0, 0)
+    packed = c.format == "E2M1"
+    qt = _QTensor(ctypes.sizeof(_QTensor), q.rows, q.cols,
+                  *[_c_tensor(getattr(q, name), packed and name in ("data", "data_t"))
+                    for name in MEMBERS])
+    alive += [config, qt, q]
+    return _Operand(ctypes.pointer(config), ctypes.pointer(qt), usage)
+
+
+def _check_call(lib, fn, *args):
+    """lib.fn(*args by reference, the current stream of DEVICE) must return TQ_SUCCESS."""
+    stream = None
+    if DEVICE.type == "cuda":
+        stream = ctypes.c_void_p(torch.cuda.current_stream(DEVICE).cuda_stream)
+    status = getattr(lib, fn)(*[ctypes.byref(a) for a in args], stream)
+    assert status == 0, f"{fn}: {lib.tq_last_error().decode()}"
+
+
+def test_c_api_gemm_alpha_and_values():
+    lib = _lib()
+    nvfp4, current = RECIPES["nvfp4"], RECIPES["current"]
+    qx = te.ops.quantize(_randn(48, 128, dtype=BF16, seed=11), nvfp4, "input", rowwise=True,
+                         columnwise=True)
+    qw = te.ops.quantize(_randn(80, 128, dtype=BF16, seed=12), nvfp4, "weight")
+    alive = []
+    a, b = _c_operand(qx, ROWWISE, alive), _c_operand(qw, ROWWISE, alive)
+    alpha = torch.full((1, 1), -1.0, device=DEVICE)
+    alpha_c = _c_tensor(alpha)
+    _check_call(lib, "tq_gemm_alpha", a, b, alpha_c)
+    want = (qx.amax * qw.amax) * torch.tensor(1 / 7225344, device=DEVICE)
+    torch.testing.assert_close(alpha, want.reshape(1, 1), rtol=1e-6, atol=0)
+    # a per-tensor FP8 pair: alpha = 1 (the kernel's no-amax branch)
+    pa = _c_operand(te.ops.quantize(_randn(48, 128, seed=13), current, "input"), ROWWISE, alive)
+    pb = _c_operand(te.ops.quantize(_randn(64, 128, seed=14), current, "weight"), ROWWISE, alive)
+    _check_call(lib, "tq_gemm_alpha", pa, pb, alpha_c)
+    assert float(alpha) == 1.0
+    # NVFP4 GEMM values (e2m1 * s_b, no global factor): bf16 vectorized, fp32 element-wise
+    for direction, usage, amax in (("rowwise", ROWWISE, qx.amax),
+                                   ("columnwise", COLUMNWISE, qx.amax_t)):
+        op = _c_operand(qx, usage, alive)
+        deq = qx.dequantize_direction(direction, F32)
+        for dtype, layout in ((BF16, "contiguous"), (F32, "misaligned")):
+            out = _layout(torch.zeros(deq.shape, dtype=dtype, device=DEVICE), layout)
+            out_c = _c_tensor(out)
+            _check_call(lib, "tq_gemm_operand_values", op, out_c)
+            torch.testing.assert_close(out.float() * amax.reshape(()) / 2688, deq, rtol=1e-5,
+                                       atol=1e-30)
+
+
+# ---- te.Linear under te.autocast, and CUDA graphs ---------------------------------------------
+
+LINEAR = {"delayed-bf16": ("delayed", BF16), "current-bf16": ("current", BF16),
+          "current-f16": ("current", F16), "block-bf16": ("block", BF16),
+          "mxfp8-bf16": ("mxfp8", BF16), "mxfp8-f16": ("mxfp8", F16),
+          "nvfp4-bf16": ("nvfp4", BF16), "nvfp4-f32": ("nvfp4", F32)}
+
+
+@pytest.mark.parametrize("case", list(LINEAR))
+def test_linear_step(case):
+    name, dtype = LINEAR[case]
+    recipe = RECIPES[name]
+    torch.manual_seed(0)
+    layer = te.Linear(128, 96, bias=True, params_dtype=dtype, device=DEVICE)
+    # 51 tokens: padded to the format's multiple; the third input starts one element off a
+    # 16-byte boundary (the pad kernel's byte path); DelayedScaling updates after each step
+    for step, layout in enumerate(("contiguous", "contiguous", "misaligned")):
+        x = _layout(_randn(51, 128, dtype=dtype, seed=20 + step), layout)
+        x = x.view(3, 17, 128).detach().requires_grad_()
+        layer.zero_grad(set_to_none=True)
+        with te.autocast(recipe=recipe):
+            y = layer(x)
+        y.float().square().mean().backward()
+        assert y.shape == (3, 17, 96)
+        _finite(y, x.grad, layer.weight.grad, layer.bias.grad)
+    if name == "delayed":
+        _finite(layer.delayed_scale_fwd, layer.delayed_scale_bwd)
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_cuda_graph_step(name):
+    if NO_CACHING:
+        pytest.skip("torch's uncached allocator cannot allocate during a capture "
+                    "(tools/sanitize.sh runs the graph tests with caching on)")
+    recipe = RECIPES[name]  # NVFP4 with stochastic rounding: the rng is drawn inside the graph
+    torch.manual_seed(0)
+    layer = te.Linear(128, 64, params_dtype=BF16, device=DEVICE)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.01)
+    static_x = _randn(50, 128, dtype=BF16, seed=30)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with te.autocast(recipe=recipe):
+            y = layer(static_x)
+        y.float().square().mean().backward()
+        opt.step()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up steps
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for i in range(2):
+        static_x.copy_(_randn(50, 128, dtype=BF16, seed=31 + i))
+        graph.replay()
+    torch.cuda.synchronize()
+    _finite(*layer.parameters())
