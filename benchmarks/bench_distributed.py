@@ -10,6 +10,11 @@ lent machine's .git is stale: export TEQUANT_BENCH_COMMIT=<commit> too.
 
 The full run of the issue: --layers 8 --exec eager,compile (and no --time-limit).
 
+Against torchao (issue 26: tequant current / delayed >= 1.3x bf16 under FSDP2 at d=4096, and
+ahead of torchao's float8 training), with torchao's wheel carried in .whl/ (no network there):
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+  python3 benchmarks/bench_distributed.py --layers 8 --models gpt,llama --modes 1gpu,fsdp,fsdp-hp --recipes current,delayed,torchao --exec eager,compile --out "$OUT/bench_torchao.md" --json "$OUT/bench_torchao.json"
+
 Self-spawning: `python3 benchmarks/bench_distributed.py --gpus N` starts N ranks (one GPU each,
 NCCL; torch.multiprocessing, spawn) and gathers their results; no torchrun. Every rank measures,
 in one process group:
@@ -23,6 +28,16 @@ in one process group:
   fc2 / down row; bf16 parameters), bf16 and each recipe;
 - fsdp-tp: FSDP2 over dp = N / --tp on a (dp, tp) mesh around the tp layers (N >= 4, or when
   listed in --modes).
+Recipe "torchao" (in the default --recipes when torchao imports; asked for without it, its rows
+are skipped with the import error): torchao.float8's training, the same stack built from
+torch.nn.Linear on the same weights (distbench.torchao_stack) and convert_to_float8_training
+with Float8LinearConfig() (tensorwise dynamic scaling), run outside te.autocast. fsdp: FSDP2
+with its float8 weight all-gather (enable_fsdp_float8_all_gather=True; with no optimizer step
+in the bench, precompute_float8_dynamic_scale_for_fsdp is not called: each weight's
+pre-all-gather reduces its own amax); fsdp-hp and 1gpu: without it (bf16 gather); tp and
+fsdp-tp are not measured (torchao's tensor parallelism is its own Float8ColwiseParallel /
+Float8RowwiseParallel DTensor styles, not te.Linear's): skipped rows. Its `vs bf16` is against
+the same bf16 rows (te.Linear outside autocast: a plain bf16 GEMM).
 Models (distbench.py): a GPT block stack (LayerNorm, QKV / proj / 4x MLP with GELU, torch SDPA)
 and a Llama-style one (RMSNorm, SwiGLU gate / up / down), d=--width, --ffn (GPT) and
 --llama-ffn, [s, b, h] = [--seq, --batch, d] per data-parallel replica (a TP group splits its
@@ -33,15 +48,18 @@ A step is fwd+bwd of mean(y^2) (no optimizer; TP adds reduce_sequence_parallel_g
 the host with a synchronize, median of --iters after --warmup, the slowest rank's. Reported per
 configuration: tokens/s per GPU (the tokens of a rank's input / step time), step ms, peak GiB
 (max over ranks), bytes this rank puts into all-gathers per step (torch.distributed's
-all-gather functions wrapped: not those inside a compiled graph), the scaling efficiency
+all-gather functions wrapped: not those inside a compiled graph; FSDP2's gathers, the
+quantized ones and torchao's float8 one included: all go through dist.all_gather_single; the
+scale's amax all-reduce is no all-gather), the scaling efficiency
 (tokens/s/GPU / the 1gpu tokens/s of the same model, recipe and exec) and the speedup vs bf16
 in the same mode. Checked (exit status 1 otherwise): losses of the quantized against the bf16
-gather and of FSDP / TP against the 1gpu run, FSDP2's quantized gather below 0.6x of the bf16
-gather's bytes, every configuration reported.
+gather and of FSDP / TP against the 1gpu run, torchao's against bf16 in the same mode, FSDP2's
+quantized gather below 0.6x of the bf16 gather's bytes, every configuration reported.
 --time-limit S starts no configuration after S seconds (rank 0 decides, every rank follows) and
 kills the ranks at S + 60 s; results already measured are kept (a JSON line each).
 --device cpu is a smoke test (gloo, tiny sizes unless given, 2 ranks, 1 warmup + 2 steps):
-tests/test_bench_distributed.py. Markdown tables go to --out (appended), every number to --json.
+tests/test_bench_distributed.py (torchao too: torch._scaled_mm runs on CPU). Markdown tables go
+to --out (appended), every number to --json.
 
 Run: python3 benchmarks/bench_distributed.py [--gpus N] [--models gpt,llama]
          [--modes 1gpu,fsdp,fsdp-hp,tp,fsdp-tp] [--recipes ...] [--exec eager,compile]
@@ -69,6 +87,7 @@ import benchutil  # noqa: E402
 import distbench  # noqa: E402
 
 MODES = ("1gpu", "fsdp", "fsdp-hp", "tp", "fsdp-tp")
+TORCHAO = "torchao"  # the recipe name of torchao.float8's training (not a tequant recipe)
 GRACE = 60  # seconds after --time-limit before the ranks are killed (a hang, a slow compile)
 SIZES = {  # defaults by device: (width, ffn, llama ffn, seq, batch, layers, warmup, iters)
     "cuda": (4096, 16384, 14336, 2048, 4, 2, 3, 10),
@@ -82,7 +101,8 @@ def parse_args():
     ap.add_argument("--models", default="gpt,llama")
     ap.add_argument("--modes", help="comma list of " + ", ".join(MODES) +
                     " (default: all; fsdp-tp with 4+ ranks)")
-    ap.add_argument("--recipes", help="comma list of " + ", ".join(benchutil.RECIPE_NAMES))
+    ap.add_argument("--recipes", help="comma list of " + ", ".join(benchutil.RECIPE_NAMES) +
+                    f", {TORCHAO} (default: all; {TORCHAO} when it imports)")
     ap.add_argument("--exec", default="eager", help="eager, compile or eager,compile")
     for name in ("width", "ffn", "llama-ffn", "seq", "batch", "layers", "warmup", "iters"):
         ap.add_argument("--" + name, type=int)
@@ -108,8 +128,38 @@ def parse_args():
     if "fsdp-tp" in args.modes and (args.gpus % args.tp or args.gpus < 2 * args.tp) and \
             not (explicit and args.gpus % args.tp == 0):
         args.modes.remove("fsdp-tp")  # a 2-D mesh needs dp >= 2 unless asked for
-    args.recipes = [name for name, _ in benchutil.make_recipes(args.recipes)]
+    names = [v.strip() for v in (args.recipes or "").split(",") if v.strip()]
+    if not names:
+        names = list(benchutil.RECIPE_NAMES) + ([TORCHAO] if torchao_error() is None else [])
+    ours = tequant_recipes(names)
+    args.recipes = [n for n in names if n == TORCHAO or n in ours]
     return args
+
+
+def tequant_recipes(names):
+    """{name: recipe} of the tequant recipes among names (torchao's is none of them)."""
+    names = [n for n in names if n != TORCHAO]
+    return dict(benchutil.make_recipes(",".join(names))) if names else {}
+
+
+def torchao_error():
+    """None when torchao.float8's training imports, else why not (one line)."""
+    try:
+        from torchao.float8 import convert_to_float8_training  # noqa: F401
+    except Exception as e:  # ImportError, or an incompatible torch
+        return benchutil.one_line(benchutil.exc_text(e), 200)
+    return None
+
+
+def not_measured(mode, recipe):
+    """Why a configuration is skipped (None: it runs)."""
+    if recipe != TORCHAO:
+        return None
+    if mode in ("tp", "fsdp-tp"):
+        return ("not measured: torchao's TP needs its Float8ColwiseParallel / "
+                "Float8RowwiseParallel DTensor styles")
+    why = torchao_error()
+    return f"not measured: torchao does not import: {why}" if why else None
 
 
 def _listed(ap, flag, text, allowed):
@@ -143,7 +193,7 @@ class Rank:
         tp = args.tp if "fsdp-tp" in args.modes else 1
         self.mesh2d = init_device_mesh(self.device.type, (world // tp, tp),
                                        mesh_dim_names=("dp", "tp")) if tp > 1 else None
-        self.recipes = dict(benchutil.make_recipes(",".join(args.recipes)))
+        self.recipes = tequant_recipes(args.recipes)
 
     def sync(self):
         if self.device.type == "cuda":
@@ -157,7 +207,10 @@ class Rank:
         torch.manual_seed(0)  # every configuration starts from the same whole model
         whole = distbench.Stack(kind, a.width, ffn, a.heads, a.layers, dev)
         group, dp_rank, tp = None, self.rank, 1
-        if mode in ("tp", "fsdp-tp"):
+        if recipe == TORCHAO:  # nn.Linear on the same weights, float8 gather in fsdp only
+            model = distbench.torchao_stack(whole, kind, a.width, ffn, a.heads, a.layers,
+                                            float8_all_gather=mode == "fsdp")
+        elif mode in ("tp", "fsdp-tp"):
             group = dist.group.WORLD if mode == "tp" else self.mesh2d["tp"].get_group()
             tp = dist.get_world_size(group)
             dp_rank = 0 if mode == "tp" else self.mesh2d.get_coordinate()[0]
@@ -173,27 +226,25 @@ class Rank:
                 block.compile()
         if mode in ("fsdp", "fsdp-hp", "fsdp-tp"):
             mesh = self.mesh2d["dp"] if mode == "fsdp-tp" else None
-            quantized = mode != "fsdp-hp" and recipe != "bf16"
+            quantized = mode != "fsdp-hp" and recipe not in ("bf16", TORCHAO)
             distbench.fully_shard_stack(model, quantized=quantized, mesh=mesh)
         else:
             model.to(torch.bfloat16)
-        if recipe != "bf16":
+        if recipe in self.recipes:
             te.prepare_state(model, self.recipes[recipe])  # DelayedScaling's buffers, as a run
         return model, group, dp_rank, tp
 
-    def run(self, kind, ex, mode, recipe):
+    def step_of(self, model, mode, recipe, group, dp_rank, tp):
+        """(this rank's input, a training step of the configuration: fwd+bwd of mean(y^2)
+        under te.autocast with the amax reduction group, returning the loss)."""
         import tequant as te
-        from tequant.distributed import tensor_parallel
         a = self.args
-        if ex == "compile":
-            torch._dynamo.reset()
-        model, group, dp_rank, tp = self.build(kind, mode, recipe, ex == "compile")
         gen = torch.Generator(self.device).manual_seed(1000 + dp_rank)
         x = torch.randn(a.seq, a.batch, a.width, generator=gen, device=self.device,
                         dtype=torch.bfloat16)
         tp_rank = dist.get_rank(group) if group is not None else 0
         x = x.chunk(tp, 0)[tp_rank].contiguous()  # sequence parallel: this rank's tokens
-        r = self.recipes.get(recipe)
+        r = self.recipes.get(recipe)  # None: bf16 and torchao, outside te.autocast
         amax_group = dist.group.WORLD if mode != "1gpu" else None
 
         def step():
@@ -206,7 +257,16 @@ class Rank:
             for p in model.parameters():
                 p.grad = None
             return loss.detach()
+        return x, step
 
+    def run(self, kind, ex, mode, recipe):
+        import tequant as te
+        from tequant.distributed import tensor_parallel
+        a = self.args
+        if ex == "compile":
+            torch._dynamo.reset()
+        model, group, dp_rank, tp = self.build(kind, mode, recipe, ex == "compile")
+        x, step = self.step_of(model, mode, recipe, group, dp_rank, tp)
         before = (dict(te.distributed.fallbacks), dict(tensor_parallel.fallbacks))
         counter = distbench.AllGatherBytes()
         try:
@@ -266,8 +326,10 @@ def rank_main(rank, world, port, args, lines):
                            time.monotonic() - start < args.time_limit else 0.0],
                           device=me.device)
         dist.broadcast(go, 0)  # rank 0's clock decides for every rank
-        if not go.item():
-            result = dict(zip(("model", "exec", "mode", "recipe"), cfg), skipped="time limit")
+        why = not_measured(cfg[2], cfg[3])
+        if not go.item() or why:
+            result = dict(zip(("model", "exec", "mode", "recipe"), cfg),
+                          skipped=why or "time limit")
         else:
             try:
                 result = me.run(*cfg)
@@ -377,9 +439,10 @@ def row_text(r, done, cols):
 def checks(results):
     """Failures: a configuration that raised; losses apart (quantized vs bf16 gather: 5%;
     FSDP / TP vs the model alone: 2% in bf16, 10% with a recipe, whose scales differ with the
-    shards); FSDP2's quantized weight gather not below 0.6x of the bf16 one (unless some of
-    its tensors fell back to high precision: counted, and listed under the tables; fsdp-tp's
-    bytes hold the sequence-parallel gathers too)."""
+    shards; torchao vs bf16 in the same mode (fsdp-hp: fsdp's): 10%); FSDP2's quantized weight
+    gather not below 0.6x of the bf16 one (unless some of its tensors fell back to high
+    precision: counted, and listed under the tables; fsdp-tp's bytes hold the
+    sequence-parallel gathers too)."""
     done = {(r["model"], r["exec"], r["mode"], r["recipe"]): r for r in results
             if "step_ms" in r}
     failures = [f"{r['model']} {r['exec']} {r['mode']} {r['recipe']}: {r['error']}"
@@ -389,15 +452,18 @@ def checks(results):
         if not r["loss"] == r["loss"] or r["loss"] <= 0:
             failures.append(f"{what}: loss {r['loss']}")
             continue
-        pairs = []
+        pairs = []  # (mode, recipe, bound) of the loss to compare with
         if mode == "fsdp" and recipe != "bf16":
-            pairs.append(("fsdp-hp", 0.05))
+            pairs.append(("fsdp-hp", recipe, 0.05))
         if mode != "1gpu" and mode != "fsdp-hp":
-            pairs.append(("1gpu", 0.02 if recipe == "bf16" else 0.10))
-        for other, bound in pairs:
-            o = done.get((model, ex, other, recipe))
+            pairs.append(("1gpu", recipe, 0.02 if recipe == "bf16" else 0.10))
+        if recipe == TORCHAO:
+            pairs.append(("fsdp" if mode == "fsdp-hp" else mode, "bf16", 0.10))
+        for other, other_recipe, bound in pairs:
+            o = done.get((model, ex, other, other_recipe))
             if o and abs(r["loss"] - o["loss"]) > bound * abs(o["loss"]):
-                failures.append(f"{what}: loss {r['loss']:.6g}, {other} {o['loss']:.6g}")
+                failures.append(f"{what}: loss {r['loss']:.6g}, {other} {other_recipe} "
+                                f"{o['loss']:.6g}")
         bf16 = done.get((model, ex, mode, "bf16"))
         if mode == "fsdp" and recipe != "bf16" and bf16 and not r["fallbacks"] \
                 and not r["gathered_bytes"] < 0.6 * bf16["gathered_bytes"]:

@@ -3,7 +3,9 @@
 The block stacks they train (GPT and Llama-style, te.Linear for every GEMM, TransformerEngine's
 [s, b, h] layout), with TransformerEngine's tensor parallelism when given a group; copying a
 whole model's weights into a tensor-parallel one; FSDP2 sharding as both benchmarks do it; and a
-counter of the bytes a rank puts into torch.distributed's all-gathers. Not a model library: no
+counter of the bytes a rank puts into torch.distributed's all-gathers; the same stacks with
+torch.nn.Linear converted to torchao's float8 training (torchao_stack, bench_distributed.py's
+"torchao" recipe; torchao is optional and imported there only). Not a model library: no
 embeddings, head or rotary embeddings (they touch neither te.Linear nor the collectives), and the
 Llama stack has as many key/value heads as query heads. Exercised on CPU by
 tests/test_bench_distributed.py (bench_distributed.py --device cpu).
@@ -20,12 +22,12 @@ KINDS = ("gpt", "llama")
 class Attention(torch.nn.Module):
     """QKV (column parallel) -> causal SDPA over this rank's heads -> proj (row parallel)."""
 
-    def __init__(self, d, heads, bias, device, tp):
+    def __init__(self, d, heads, bias, device, tp, linear=te.Linear):
         super().__init__()
         self.heads = heads // tp.get("tp_size", 1)
         col, row = _modes(tp)
-        self.qkv = te.Linear(d, 3 * d, bias=bias, device=device, **col)
-        self.proj = te.Linear(d, d, bias=bias, device=device, **row)
+        self.qkv = linear(d, 3 * d, bias=bias, device=device, **col)
+        self.proj = linear(d, d, bias=bias, device=device, **row)
         self.qkv.regroup_heads = True  # load_whole: rows [q; k; v] of this rank's heads
 
     def forward(self, x):
@@ -40,21 +42,21 @@ class Block(torch.nn.Module):
     """GPT: LayerNorm, attention with biases, LayerNorm, fc1 -> GELU(tanh) -> fc2.
     Llama: RMSNorm, attention without biases, RMSNorm, SwiGLU (down(silu(gate) * up))."""
 
-    def __init__(self, kind, d, ffn, heads, device, tp):
+    def __init__(self, kind, d, ffn, heads, device, tp, linear=te.Linear):
         super().__init__()
         self.kind = kind
         gpt = kind == "gpt"
         norm = torch.nn.LayerNorm if gpt else torch.nn.RMSNorm
         self.norm1, self.norm2 = norm(d, device=device), norm(d, device=device)
-        self.attn = Attention(d, heads, gpt, device, tp)
+        self.attn = Attention(d, heads, gpt, device, tp, linear)
         col, row = _modes(tp)
         if gpt:
-            self.fc1 = te.Linear(d, ffn, device=device, **col)
-            self.fc2 = te.Linear(ffn, d, device=device, **row)
+            self.fc1 = linear(d, ffn, device=device, **col)
+            self.fc2 = linear(ffn, d, device=device, **row)
         else:
-            self.gate = te.Linear(d, ffn, bias=False, device=device, **col)
-            self.up = te.Linear(d, ffn, bias=False, device=device, **col)
-            self.down = te.Linear(ffn, d, bias=False, device=device, **row)
+            self.gate = linear(d, ffn, bias=False, device=device, **col)
+            self.up = linear(d, ffn, bias=False, device=device, **col)
+            self.down = linear(ffn, d, bias=False, device=device, **row)
         if tp.get("sequence_parallel"):  # replicated, applied to this rank's tokens
             for p in (*self.norm1.parameters(), *self.norm2.parameters()):
                 p.sequence_parallel = True  # summed by reduce_sequence_parallel_grads
@@ -75,20 +77,24 @@ def _modes(tp):
 
 class Stack(torch.nn.Module):
     """`layers` blocks of `kind` on [s, b, d] input; with tp_group, TransformerEngine's tensor
-    parallelism (sequence parallel: the input and output are this rank's tokens along dim 0)."""
+    parallelism (sequence parallel: the input and output are this rank's tokens along dim 0).
+    linear builds every GEMM layer, linear(in, out, bias=, device=): te.Linear, or
+    torch.nn.Linear (the same parameter names and shapes; no tp_group then)."""
 
     def __init__(self, kind, d, ffn, heads, layers, device, tp_group=None,
-                 sequence_parallel=True):
+                 sequence_parallel=True, linear=te.Linear):
         super().__init__()
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
         tp = {}
         if tp_group is not None:
+            if linear is not te.Linear:
+                raise ValueError("tensor parallelism is te.Linear's (tp_group, parallel_mode)")
             tp = {"tp_group": tp_group, "tp_size": dist.get_world_size(tp_group),
                   "sequence_parallel": sequence_parallel}
             if heads % tp["tp_size"]:
                 raise ValueError(f"{heads} heads do not split over {tp['tp_size']} ranks")
-        self.blocks = torch.nn.ModuleList(Block(kind, d, ffn, heads, device, tp)
+        self.blocks = torch.nn.ModuleList(Block(kind, d, ffn, heads, device, tp, linear)
                                           for _ in range(layers))
 
     def forward(self, x):
@@ -119,6 +125,20 @@ def load_whole(model, whole, rank, size):
                 mine.bias.copy_(b)
         elif isinstance(mine, (torch.nn.LayerNorm, torch.nn.RMSNorm)):
             mine.load_state_dict(full.state_dict())
+
+
+def torchao_stack(whole, kind, d, ffn, heads, layers, *, float8_all_gather):
+    """The Stack(kind, d, ffn, heads, layers) `whole` (not tensor parallel) rebuilt from
+    torch.nn.Linear on its very tensors (load_state_dict with assign: the same names, shapes and
+    storage), converted to torchao's float8 training: convert_to_float8_training with
+    Float8LinearConfig's defaults (tensorwise dynamic scaling, e4m3 forward, e5m2 gradients)
+    but enable_fsdp_float8_all_gather=float8_all_gather (FSDP2 then gathers the weights in
+    float8; off without FSDP2). Raises ImportError without torchao."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    model = Stack(kind, d, ffn, heads, layers, "meta", linear=torch.nn.Linear)
+    model.load_state_dict(whole.state_dict(), strict=True, assign=True)
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=float8_all_gather)
+    return convert_to_float8_training(model, config=config)
 
 
 def fully_shard_stack(model, *, quantized, mesh=None, param_dtype=torch.bfloat16):

@@ -96,22 +96,7 @@ def rank_main(rank, world, port, args, lines):
         for m in model.modules():
             if isinstance(m, te.Linear):
                 m.tp_comm_overlap = overlap == "on"
-        gen = torch.Generator(me.device).manual_seed(1000 + dp_rank)
-        x = torch.randn(args.seq, args.batch, args.width, generator=gen, device=me.device,
-                        dtype=torch.bfloat16)
-        x = x.chunk(tp, 0)[dist.get_rank(group) if group is not None else 0].contiguous()
-        r = me.recipes.get(recipe)
-        amax_group = dist.group.WORLD if args.mode != "1gpu" else None
-
-        def step():
-            with te.autocast(recipe=r, amax_reduction_group=amax_group) if r is not None \
-                    else te.autocast(enabled=False):
-                loss = model(x).float().square().mean()
-            loss.backward()
-            if group is not None:
-                te.distributed.reduce_sequence_parallel_grads(model, group)
-            for p in model.parameters():
-                p.grad = None
+        _, step = me.step_of(model, args.mode, recipe, group, dp_rank, tp)
 
         for _ in range(args.warmup):
             step()
@@ -160,7 +145,7 @@ def main():
     ap.add_argument("--mode", default="tp", choices=bd.MODES)
     ap.add_argument("--recipes", default="current,delayed")
     ap.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks of fsdp-tp")
-    ap.add_argument("--overlap", default="on", help="tp_comm_overlap: on, off or on,off")
+    ap.add_argument("--overlap", default="off", help="tp_comm_overlap: on, off or on,off")
     ap.add_argument("--steps", type=int, default=3, help="profiled steps")
     ap.add_argument("--top", action="store_true", help="also print rank 0's top kernels")
     ap.add_argument("--out")

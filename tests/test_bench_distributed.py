@@ -6,14 +6,21 @@ script's defaults): a subprocess with a timeout, so a hang fails the test. Its e
 carries the benchmark's own checks (losses of FSDP2 / TP against the model alone, the quantized
 gather's bytes below the bf16 gather's); the test reads the JSON and the Markdown it writes:
 every configuration ran, its numbers are positive, the quantized weight gather moves fewer bytes
-than the bf16 one, and the tables hold one row per configuration. The GPU run itself
-(issue 26) is the command in the benchmark's docstring.
+than the bf16 one, and the tables hold one row per configuration. With torchao installed
+(optional: not in the Makefile), its float8 training beside Float8CurrentScaling on the GPT
+stack (torch._scaled_mm runs on CPU); without it, or where it does not import, the clean skip
+of its rows. The GPU run itself (issue 26) is the command in the benchmark's docstring.
+benchmarks/profile_distributed.py: its kernel categories and interval arithmetic on a made-up
+trace, and a CPU smoke run (TP, tp_comm_overlap on and off).
 """
+import ast
 import json
 import os
 import re
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "bench_distributed.py")
@@ -62,3 +69,122 @@ def test_cpu_smoke_tables_and_numbers(tmp_path):
             if mode != "1gpu":  # scaling efficiency against the 1-GPU row
                 assert float(row.split("|")[10]) > 0, row
         assert re.search(r"\| FSDP2 dp=2 \| current \| quantized \| [\d,]+ \| [\d.]+x \|", table)
+
+
+def _run(tmp_path, args, env=None, timeout=150):
+    md, js = str(tmp_path / "bench.md"), str(tmp_path / "bench.json")
+    cmd = [sys.executable, SCRIPT, "--device", "cpu", "--warmup", "1", "--iters", "1",
+           "--out", md, "--json", js, *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.load(open(js))["results"], open(md).read()
+
+
+def test_cpu_smoke_torchao_against_current(tmp_path):
+    """torchao.float8 (convert_to_float8_training, tensorwise) beside Float8CurrentScaling on
+    the GPT stack: measured in 1gpu, fsdp (its float8 all-gather) and fsdp-hp, skipped with a
+    reason in tp and fsdp-tp; its loss near bf16's and current's, its float8 gather counted."""
+    pytest.importorskip("torchao.float8")
+    results, text = _run(tmp_path, ["--models", "gpt", "--modes", ",".join(MODES),
+                                    "--recipes", "current,torchao"])
+    got = {(r["mode"], r["recipe"]): r for r in results}
+    want = {(mode, rc) for mode in MODES for rc in ("bf16", "current", "torchao")
+            if not (mode == "fsdp-hp" and rc == "bf16")}
+    assert set(got) == want and len(results) == len(want), sorted(set(got) ^ want)
+    for key, r in got.items():
+        assert "error" not in r, (key, r)
+        if key[1] == "torchao" and key[0] in ("tp", "fsdp-tp"):
+            assert r["skipped"].startswith("not measured: torchao's TP"), r
+            continue
+        assert "skipped" not in r and r["step_ms"] > 0 and r["loss"] > 0, (key, r)
+    bf16 = got[("fsdp", "bf16")]["gathered_bytes"]
+    assert 0 < got[("fsdp", "torchao")]["gathered_bytes"] < 0.6 * bf16
+    assert got[("fsdp-hp", "torchao")]["gathered_bytes"] == bf16
+    assert got[("1gpu", "torchao")]["gathered_bytes"] == 0
+    for mode in ("1gpu", "fsdp", "fsdp-hp"):
+        loss = got[(mode, "torchao")]["loss"]
+        for other in (got[("fsdp" if mode == "fsdp-hp" else mode, "bf16")], got[(mode, "current")]):
+            assert abs(loss - other["loss"]) < 0.05 * other["loss"], (mode, loss, other)
+    table = text.split("### gpt, eager")[1]
+    assert re.search(r"\| FSDP2 dp=2 \| torchao \| quantized \| [\d,]+ \| [\d.]+x \|", table)
+    assert re.search(r"\| FSDP2 dp=2 \| torchao \| bf16 \| [\d,]+ \| [\d.]+x \|", table)
+    assert "| TP+SP | torchao | not measured: torchao's TP" in table
+
+
+def test_cpu_torchao_missing_is_skipped(tmp_path):
+    """--recipes torchao where torchao does not import: its rows are skipped with the import
+    error, the bf16 rows still run, exit status 0; not in the default recipes then."""
+    fake = tmp_path / "fake"
+    (fake / "torchao").mkdir(parents=True)
+    (fake / "torchao" / "__init__.py").write_text("raise ImportError('no torchao here')\n")
+    path = os.pathsep.join(p for p in (str(fake), os.environ.get("PYTHONPATH")) if p)
+    results, text = _run(tmp_path, ["--models", "gpt", "--modes", "1gpu,fsdp",
+                                    "--recipes", "torchao"], env={"PYTHONPATH": path})
+    got = {(r["mode"], r["recipe"]): r for r in results}
+    assert set(got) == {(m, rc) for m in ("1gpu", "fsdp") for rc in ("bf16", "torchao")}
+    for mode in ("1gpu", "fsdp"):
+        assert got[(mode, "bf16")]["step_ms"] > 0
+        why = got[(mode, "torchao")]["skipped"]
+        assert why.startswith("not measured: torchao does not import") and "no torchao" in why
+    assert "| 1 GPU alone | torchao | not measured: torchao does not import" in text
+    for env, has in (({"PYTHONPATH": path}, False), ({}, True)):  # the default recipes
+        code = ("import sys; sys.argv = ['b', '--device', 'cpu']; sys.path.insert(0, "
+                f"{os.path.join(ROOT, 'benchmarks')!r}); import bench_distributed as b; "
+                "print(b.parse_args().recipes)")
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=60, env=dict(os.environ, **env), cwd=ROOT)
+        assert done.returncode == 0, done.stderr[-2000:]
+        recipes = ast.literal_eval(done.stdout.strip().splitlines()[-1])
+        assert "current" in recipes and ("torchao" in recipes) == (has and _imports()), recipes
+
+
+def _imports():
+    try:
+        import torchao.float8  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+PROFILE = os.path.join(ROOT, "benchmarks", "profile_distributed.py")
+
+
+def test_profile_categories_and_intervals():
+    """profile_distributed's arithmetic on a made-up trace: kernel names to categories, the sum
+    per category equal to the kernel total, busy as the union of compute intervals, overlap as
+    the NCCL time beside compute."""
+    sys.path.insert(0, os.path.dirname(PROFILE))
+    import profile_distributed as prof
+    assert prof.category("ncclDevKernel_AllGather_RING_LL") == "nccl"
+    assert prof.category("nvjet_sm90_tst_256x128_64x4") == "gemm"
+    assert prof.category("void quantize_kernel<128>") == "quantize"
+    assert prof.category("void at::native::vectorized_layer_norm_kernel") == "norm"
+    assert prof.category("elementwise_kernel") == "other"
+    assert prof.union_length([(0, 10), (5, 12), (20, 25)]) == 17
+    events = [  # us: compute 0-100 and 150-200, NCCL 80-180 (50 us of it beside compute)
+        {"cat": "kernel", "name": "nvjet_gemm", "ts": 0, "dur": 100},
+        {"cat": "kernel", "name": "cast_kernel", "ts": 150, "dur": 50},
+        {"cat": "kernel", "name": "ncclDevKernel_ReduceScatter", "ts": 80, "dur": 100},
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 500},
+    ]
+    row = prof.summarize(events, steps=1, step_ms=0.3)
+    assert (row["gemm"], row["quantize"], row["nccl"]) == (0.1, 0.05, 0.1)
+    assert abs(row["kernels"] - sum(row[c] for c in ("gemm", "quantize", "nccl", "attention",
+                                                     "norm", "other"))) < 1e-12
+    assert abs(row["busy"] - 0.15) < 1e-12 and abs(row["idle"] - 0.15) < 1e-12
+    assert abs(row["overlap"] - 0.05) < 1e-12
+
+
+def test_profile_cpu_smoke(tmp_path):
+    """Two gloo ranks, TP, bf16 and current with tp_comm_overlap on and off: one row each."""
+    out = str(tmp_path / "prof.md")
+    cmd = [sys.executable, PROFILE, "--device", "cpu", "--mode", "tp", "--recipes", "current",
+           "--overlap", "on,off", "--steps", "1", "--warmup", "1", "--iters", "1", "--out", out]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [line for line in open(out).read().splitlines()
+            if re.match(r"\| (bf16|current) \| (on|off) \|", line)]
+    assert len(rows) == 4, rows
