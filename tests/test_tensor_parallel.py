@@ -170,9 +170,9 @@ def overlap_worker(rank, world, names):
     for name in names:
         for sp in (False, True):
             ref = full_layer()
-            on = tp_layer("column", sp, rank, world, ref)
-            off = copy.deepcopy(on)
-            off.tp_comm_overlap = False
+            off = tp_layer("column", sp, rank, world, ref)  # the default
+            on = copy.deepcopy(off)
+            on.tp_comm_overlap = True
             assert on.tp_comm_overlap and not off.tp_comm_overlap
             x_in = x.chunk(world, 0)[rank].contiguous() if sp else x
             del started[:]

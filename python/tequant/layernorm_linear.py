@@ -39,7 +39,7 @@ class LayerNormLinear(Linear):
                  tp_group=None, tp_size=1, init_method=None, bias=True,
                  normalization="LayerNorm", return_bias=False, params_dtype=None,
                  parallel_mode=None, return_layernorm_output=False, zero_centered_gamma=False,
-                 device=None, tp_comm_overlap=True):
+                 device=None, tp_comm_overlap=False):
         norm.check_normalization(normalization)
         if parallel_mode not in (None, "column"):
             raise ValueError(f"LayerNormLinear's parallel_mode must be None or 'column' (a "

@@ -83,7 +83,7 @@ class LayerNormMLP(torch.nn.Module):
                  return_bias=False, *, tp_group=None, tp_size=1, init_method=None, bias=True,
                  normalization="LayerNorm", output_layer_init_method=None, params_dtype=None,
                  return_layernorm_output=False, set_parallel_mode=False,
-                 zero_centered_gamma=False, device=None, activation="gelu", tp_comm_overlap=True):
+                 zero_centered_gamma=False, device=None, activation="gelu", tp_comm_overlap=False):
         super().__init__()
         norm.check_size("hidden_size", hidden_size)
         norm.check_size("ffn_hidden_size", ffn_hidden_size)

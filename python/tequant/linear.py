@@ -217,7 +217,9 @@ class Linear(torch.nn.Linear):
         tp_group, tp_size, parallel_mode, sequence_parallel: TE's tensor parallelism
             (distributed/tensor_parallel.py). tp_comm_overlap: a column-parallel layer starts
             its input gradient's reduction as soon as dgrad is done, so it runs beside the wgrad
-            GEMM (default True; also a settable attribute).
+            GEMM (also a settable attribute). Off by default: on 4 H100s (TP=4, d=4096) it
+            changed the step by -17% to +16% by recipe, within the run-to-run spread
+            (docs/results/profile_distributed.md).
 
     forward(inp, is_first_microbatch=None): inp is [..., in_features] on CPU (the C reference
     path) or CUDA. is_first_microbatch: True quantizes the weight and caches it, False reuses the
@@ -239,7 +241,7 @@ class Linear(torch.nn.Linear):
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *,
                  params_dtype=None, init_method=None, return_bias=False, tp_group=None,
-                 tp_size=1, parallel_mode=None, sequence_parallel=False, tp_comm_overlap=True):
+                 tp_size=1, parallel_mode=None, sequence_parallel=False, tp_comm_overlap=False):
         torch.nn.Module.__init__(self)  # not nn.Linear's: it would initialize twice
         for name, v in (("in_features", in_features), ("out_features", out_features)):
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:

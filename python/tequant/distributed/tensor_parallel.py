@@ -50,7 +50,7 @@ class TensorParallel:
     __slots__ = ("group", "size", "mode", "sequence_parallel", "dim", "checked", "dtensor",
                  "overlap")
 
-    def __init__(self, group, size, mode, sequence_parallel, dim=0, overlap=True):
+    def __init__(self, group, size, mode, sequence_parallel, dim=0, overlap=False):
         self.group, self.size, self.mode = group, size, mode
         self.sequence_parallel = sequence_parallel
         self.dim = dim  # the sequence dim sequence parallelism splits (0: TE's [s, b, h])
@@ -72,7 +72,7 @@ class TensorParallel:
 
     @staticmethod
     def make(in_features, out_features, tp_group, tp_size, parallel_mode, sequence_parallel,
-             overlap=True):
+             overlap=False):
         """The setting, validated, or None without tensor parallelism; and the shard's
         (in, out)."""
         if not isinstance(overlap, bool):
