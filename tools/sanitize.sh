@@ -122,7 +122,8 @@ run_tool() {
     fi
     passes=${#rcs[@]}
     awk -v tool="$tool" -v passes="$passes" -v rcs="${rcs[*]}" -v secs=$((SECONDS - start)) '
-        /ERROR SUMMARY: [0-9]+ error/ {
+        # (a second summary line, "N errors were not printed", repeats part of the first)
+        /ERROR SUMMARY: [0-9]+ error/ && !/were not printed/ {
             match($0, /ERROR SUMMARY: [0-9]+/); es += substr($0, RSTART + 15, RLENGTH - 15); ne++
         }
         /RACECHECK SUMMARY: [0-9]+ hazard/ {
