@@ -15,7 +15,10 @@ and without activation checkpointing:
 - outside te.autocast (before, between and after quantized steps) the gather is high precision
   and the outputs are those of the same model without enable_quantized_all_gather;
 - shards that would cut a format's blocks, and uneven shards, gather in high precision (counted)
-  or, for per-tensor FP8, quantized with a padded last shard; outputs stay exact.
+  or, for per-tensor FP8, quantized with a padded last shard; outputs stay exact;
+- the weights change between steps (doubled: a stale amax would saturate codes), and the
+  per-tensor recipes reduce the whole weights' amaxes with one all-reduce per fully_shard module
+  and forward, not one per weight.
 Code: python/tequant/distributed/fsdp.py, gather_layout.py; linear.py's quantized-weight path.
 """
 import copy
@@ -134,10 +137,27 @@ def check_gathered(model, ref, recipe, dtype):
                 assert torch.equal(a, b), (name, direction)
 
 
+class AllReduces:
+    """Counts torch.distributed.all_reduce calls."""
+
+    def __init__(self):
+        self.calls, self.saved = 0, dist.all_reduce
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return self.saved(*args, **kwargs)
+        dist.all_reduce = counted
+
+    def restore(self):
+        dist.all_reduce = self.saved
+
+
 def run_steps(rank, world, recipe, model, ref, *, autocast_steps, dtype, counter, check):
-    """Steps of model (sharded) and ref (whole) on this rank's data; returns the bytes gathered
-    in each step's forward."""
-    sent = []
+    """Steps of model (sharded) and ref (whole) on this rank's data, the weights of both doubled
+    after each step (a whole weight's amax moves; codes quantized with a stale one would
+    saturate); returns the bytes gathered in each step's forward and the all-reduces each
+    forward made."""
+    sent, reductions = [], []
     for step, quantized in enumerate(autocast_steps):
         torch.manual_seed(1000 + 17 * step + rank)
         x = torch.randn(2, 24, model.blocks[0].fc1.in_features, dtype=dtype or torch.float32,
@@ -146,12 +166,17 @@ def run_steps(rank, world, recipe, model, ref, *, autocast_steps, dtype, counter
         for m in (model, ref):
             torch.manual_seed(5000 + step)  # the same stochastic-rounding draws in both
             counter.sent = 0
-            with te.autocast(recipe=recipe) if quantized else te.autocast(enabled=False):
-                y = m(x)
-                if m is model and check is not None and quantized:
-                    check(m)  # before the exit moves DelayedScaling's scales
+            calls = AllReduces()
+            try:
+                with te.autocast(recipe=recipe) if quantized else te.autocast(enabled=False):
+                    y = m(x)
+                    if m is model and check is not None and quantized:
+                        check(m)  # before the exit moves DelayedScaling's scales
+            finally:
+                calls.restore()
             if m is model:
                 sent.append(counter.sent)
+                reductions.append(calls.calls)
             y.float().square().mean().backward()
             outs.append(y.detach())
             grads.append([p.grad for p in m.parameters()])
@@ -166,7 +191,10 @@ def run_steps(rank, world, recipe, model, ref, *, autocast_steps, dtype, counter
         for m in (model, ref):
             for p in m.parameters():
                 p.grad = None
-    return sent
+            with torch.no_grad():
+                for p in m.parameters():
+                    p.mul_(2.0)  # exact in every dtype: the sharded and whole weights stay equal
+    return sent, reductions
 
 
 def fsdp_worker(rank, world, names, configs, device_type, width=256, hidden=512):
@@ -185,9 +213,15 @@ def fsdp_worker(rank, world, names, configs, device_type, width=256, hidden=512)
                 model = sharded(base, reshard=reshard, dtype=dtype)
                 check = None if reshard else (
                     lambda m, r=ref: check_gathered(m, r, recipe, dtype or torch.float32))
-                sent = run_steps(rank, world, recipe, model, ref, dtype=dtype, counter=counter,
-                                 autocast_steps=(False, True, True, False, True), check=check)
+                sent, reductions = run_steps(
+                    rank, world, recipe, model, ref, dtype=dtype, counter=counter,
+                    autocast_steps=(False, True, True, False, True), check=check)
                 report[(name, reshard, str(dtype), checkpointed)] = sent
+                # the per-tensor recipes' whole-weight amaxes: one all-reduce per fully_shard
+                # module that gathers (the two blocks), none outside te.autocast or on one rank
+                per_tensor = name in ("delayed", "current", "nvfp4") and world > 1
+                want = [2 if per_tensor and q else 0 for q in (False, True, True, False, True)]
+                assert reductions == want, (name, reshard, dtype, reductions)
         report["fallbacks"] = dict(te.distributed.fallbacks)
     finally:
         counter.restore()
@@ -234,8 +268,8 @@ def uneven_worker(rank, world):
             base = Model("cpu", width=64, hidden=hidden)
             ref = copy.deepcopy(base)
             model = sharded(base, reshard=True, dtype=None)
-            sent[name] = run_steps(rank, world, RECIPES[name], model, ref, dtype=None,
-                                   counter=counter, autocast_steps=(False, True), check=None)
+            sent[name], _ = run_steps(rank, world, RECIPES[name], model, ref, dtype=None,
+                                      counter=counter, autocast_steps=(False, True), check=None)
     finally:
         counter.restore()
     return sent, dict(te.distributed.fallbacks)

@@ -123,6 +123,8 @@ class ShardedWeight(torch.Tensor):
         if plan is None:
             return (x,), ("hp",)
         group = mesh.get_group()
+        if not backward and plan.w.scaling in _PER_TENSOR_AMAX:
+            state.amax_global = _group_amax(fsdp_param, state, group, self._data)
         members = _quantize_shard(state, plan, x, usage, module, group, backward)
         inputs = gather_layout.shard_inputs(members, plan.w, usage)
         # One rank: FSDP2 copies the first input alone (its world-size-1 path); the others are
@@ -181,10 +183,10 @@ class _GatherState:
     """tequant's per-parameter state, kept on FSDP2's FSDPParam (its local tensor object can be
     replaced, the FSDPParam stays)."""
 
-    __slots__ = ("plan", "signature", "amax_global", "scale")
+    __slots__ = ("plan", "signature", "amax_global", "scale", "pending")
 
     def __init__(self):
-        self.plan = self.signature = self.amax_global = self.scale = None
+        self.plan = self.signature = self.amax_global = self.scale = self.pending = None
 
 
 def _calling_fsdp_param():
@@ -224,19 +226,85 @@ def _plan_for(module, rows, world):
     return plan
 
 
+_PER_TENSOR_AMAX = ("delayed", "current", "nvfp4")  # scalings whose W factor is its amax
+
+
+def _group_amax(fsdp_param, state, group, shard):
+    """The whole weight's amax ([1, 1] float32, of the shards in the gather's dtype) for this
+    parameter's forward gather. The weights FSDP2 gathers in one call (one fully_shard module)
+    get theirs from one MAX all-reduce: the first of them to quantize computes every one's shard
+    amax and reduces them together; the others take their value from that call. A collective per
+    weight, each holding its weight's quantize and gather back, cost 6-9 ms of idle GPU time per
+    step on 4 H100s (docs/results/profile_distributed.md)."""
+    caller = _gathering_call(fsdp_param)
+    if state.pending is not None and state.pending[0] is caller[0]:
+        amax, state.pending = state.pending[1], None
+        return amax
+    batch = [fsdp_param] + [p for p in caller[1] if p is not fsdp_param and _needs_amax(p)]
+    local = torch.zeros(len(batch), dtype=torch.float32, device=shard.device)
+    dtypes = []
+    for i, p in enumerate(batch):  # (offloaded to the CPU, a shard comes to the gather's device)
+        data = shard if i == 0 else p._sharded_local_tensor._data.to(shard.device)
+        if data.numel():
+            _C._amax(data, local[i:i + 1])
+        dtypes.append(p.param_dtype or data.dtype)
+    # The amax of the shard cast to the gather's dtype is the cast of its amax (rounding is
+    # monotonic and symmetric), so the high-precision shard is read once, with no cast copy.
+    for dtype in set(dtypes):
+        if dtype != torch.float32:
+            index = [i for i, d in enumerate(dtypes) if d == dtype]
+            local[index] = local[index].to(dtype).float()
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+    for i, p in enumerate(batch[1:], 1):
+        other = p.__dict__.setdefault("_tequant_gather", _GatherState())
+        other.pending = (caller[0], local[i:i + 1].view(1, 1))
+    return local[0:1].view(1, 1)
+
+
+def _gathering_call(fsdp_param):
+    """(a token of FSDP2's current gather call, the FSDPParams it gathers): the frame of
+    _get_param_all_gather_inputs(fsdp_params) above the hooks (or this parameter alone when
+    another caller gathers it). Holding the frame keeps it alive, so its identity names this
+    call and no later one."""
+    frame = sys._getframe(1)
+    for _ in range(8):
+        if frame is None:
+            break
+        params = frame.f_locals.get("fsdp_params")
+        if isinstance(params, list) and any(p is fsdp_param for p in params):
+            return frame, params
+        frame = frame.f_back
+    return object(), [fsdp_param]
+
+
+def _needs_amax(fsdp_param):
+    """Whether this FSDPParam's forward gather will quantize its weight with a per-tensor factor
+    (the same decision its fsdp_pre_all_gather makes)."""
+    if not hasattr(fsdp_param._sharded_local_tensor, "fsdp_pre_all_gather"):
+        return False
+    module = fsdp_param._module_info.module
+    if not isinstance(module, Linear) or not _C.is_fp8_enabled():
+        return False
+    recipe = _C.get_fp8_recipe()
+    if recipe.custom():
+        return False
+    n = fsdp_param._orig_size[0]
+    plan = module._plan(recipe)
+    world = fsdp_param.shard_mesh_from_root.size()
+    return (plan.w.scaling in _PER_TENSOR_AMAX
+            and gather_layout.fallback_reason(plan.w, n, world) is None)
+
+
 def _per_tensor_factors(state, plan, x, module, group, backward):
     """te.ops.quantize's scale (DelayedScaling) or amax (current, NVFP4) for this shard: the whole
-    weight's. A forward computes it (the shard amaxes all-reduced, MAX) and DelayedScaling records
-    the global W amax into the module's history; backward reuses the forward's."""
+    weight's, which the forward's _group_amax gave (DelayedScaling records it into the module's
+    history); backward reuses the forward's."""
     scaling = plan.w.scaling
-    if scaling not in ("delayed", "current", "nvfp4"):
+    if scaling not in _PER_TENSOR_AMAX:
         return {}
     if not backward:
-        local = torch.zeros(1, dtype=torch.float32, device=x.device)
-        _C._amax(x, local)
-        if dist.get_world_size(group) > 1:
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
-        state.amax_global = local.view(1, 1)
+        local = state.amax_global.view(1)
         if scaling == "delayed":
             delayed.ensure(module, plan.x.amax_history_len)
             hist = module.delayed_amax_history_fwd
