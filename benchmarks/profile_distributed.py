@@ -81,6 +81,21 @@ def summarize(trace_events, steps, step_ms):
     return out
 
 
+def top_kernels(trace_events, steps, limit=15):
+    """A table of the kernels with the most GPU time: ms and launches per step, category."""
+    per_name = {}
+    for e in trace_events:
+        if e.get("cat") == "kernel" and "dur" in e:
+            total, calls = per_name.get(e["name"], (0.0, 0))
+            per_name[e["name"]] = (total + e["dur"] / 1e3, calls + 1)
+    ranked = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:limit]
+    lines = [f"{'ms/step':>8} {'calls/step':>10}  {'category':<9} kernel"]
+    for name, (total, calls) in ranked:
+        lines.append(f"{total / steps:8.2f} {calls / steps:10.1f}  {category(name):<9} "
+                     f"{name[:110]}")
+    return "\n".join(lines)
+
+
 def rank_main(rank, world, port, args, lines):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import tequant as te
@@ -125,8 +140,8 @@ def rank_main(rank, world, port, args, lines):
                 with open(path) as f:
                     events = json.load(f)["traceEvents"]
             row = summarize(events, args.steps, step_ms)
-            top = prof.key_averages().table(
-                sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=12)
+            top = top_kernels(events, args.steps) if cuda else prof.key_averages().table(
+                sort_by="cpu_time_total", row_limit=12)
             with open(lines, "a") as f:
                 f.write(json.dumps({"recipe": recipe, "overlap": overlap, "row": row,
                                     "top": top}) + "\n")
@@ -147,7 +162,8 @@ def main():
     ap.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks of fsdp-tp")
     ap.add_argument("--overlap", default="off", help="tp_comm_overlap: on, off or on,off")
     ap.add_argument("--steps", type=int, default=3, help="profiled steps")
-    ap.add_argument("--top", action="store_true", help="also print rank 0's top kernels")
+    ap.add_argument("--top", action="store_true",
+                    help="also print rank 0's kernels with the most GPU time (CPU: ops)")
     ap.add_argument("--out")
     for name in ("width", "ffn", "llama-ffn", "seq", "batch", "layers", "warmup", "iters"):
         ap.add_argument("--" + name, type=int)

@@ -175,6 +175,9 @@ def test_profile_categories_and_intervals():
                                                      "norm", "other"))) < 1e-12
     assert abs(row["busy"] - 0.15) < 1e-12 and abs(row["idle"] - 0.15) < 1e-12
     assert abs(row["overlap"] - 0.05) < 1e-12
+    table = prof.top_kernels(events, steps=2).splitlines()
+    assert table[1].split()[:3] == ["0.05", "0.5", "gemm"], table  # the most GPU time first
+    assert len(table) == 4 and "aten::mm" not in "".join(table)  # kernels only
 
 
 def test_profile_cpu_smoke(tmp_path):
