@@ -308,16 +308,22 @@ class Rank:
                 "fallbacks": fallbacks}
 
 
-def rank_main(rank, world, port, args, lines):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def init_rank(rank, world, port, device):
+    """This rank's process group: NCCL on GPU `rank`, or gloo on one CPU thread."""
     import datetime
-    cuda = args.device == "cuda"
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cuda = device == "cuda"
     if cuda:
         torch.cuda.set_device(rank)
     else:
         torch.set_num_threads(1)
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
+    return cuda
+
+
+def rank_main(rank, world, port, args, lines):
+    cuda = init_rank(rank, world, port, args.device)
     torch._dynamo.config.cache_size_limit = 64
     me = Rank(rank, world, args)
     start = time.monotonic()
@@ -349,14 +355,16 @@ def rank_main(rank, world, port, args, lines):
     os._exit(0)  # gloo's threads can abort the interpreter's teardown after FSDP2
 
 
-def launch(args, lines):
-    """Runs the ranks; kills them at --time-limit + GRACE s. Returns an error text or None."""
+def launch(args, lines, main=None):
+    """Runs the ranks (main, default rank_main); kills them at --time-limit + GRACE s. Returns an
+    error text or None."""
     import torch.multiprocessing as mp
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.start_processes(rank_main, args=(args.gpus, port, args, lines), nprocs=args.gpus,
+    ctx = mp.start_processes(main or rank_main, args=(args.gpus, port, args, lines),
+                             nprocs=args.gpus,
                              join=False, start_method="spawn")
     deadline = time.monotonic() + args.time_limit + GRACE if args.time_limit else None
     try:

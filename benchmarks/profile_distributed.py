@@ -97,14 +97,8 @@ def top_kernels(trace_events, steps, limit=15):
 
 
 def rank_main(rank, world, port, args, lines):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import tequant as te
-    cuda = args.device == "cuda"
-    if cuda:
-        torch.cuda.set_device(rank)
-    else:
-        torch.set_num_threads(1)
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    cuda = bd.init_rank(rank, world, port, args.device)
     me = bd.Rank(rank, world, args)
     for recipe, overlap in [(r, o) for r in ["bf16"] + args.recipes for o in args.overlap]:
         model, group, dp_rank, tp = me.build(args.model, args.mode, recipe, False)
@@ -164,6 +158,8 @@ def main():
     ap.add_argument("--steps", type=int, default=3, help="profiled steps")
     ap.add_argument("--top", action="store_true",
                     help="also print rank 0's kernels with the most GPU time (CPU: ops)")
+    ap.add_argument("--time-limit", type=float, default=600.0,
+                    help="the ranks are killed this many seconds (plus 60) after the start")
     ap.add_argument("--out")
     for name in ("width", "ffn", "llama-ffn", "seq", "batch", "layers", "warmup", "iters"):
         ap.add_argument("--" + name, type=int)
@@ -179,17 +175,12 @@ def main():
     args.overlap = [v.strip() for v in args.overlap.split(",")]
     if not args.overlap or any(v not in ("on", "off") for v in args.overlap):
         ap.error("--overlap: on, off or on,off")
-    args.time_limit = 0
     with tempfile.TemporaryDirectory() as folder:
         lines = os.path.join(folder, "rows.jsonl")
         open(lines, "w").close()
-        import torch.multiprocessing as mp
-        import socket
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.start_processes(rank_main, args=(args.gpus, port, args, lines), nprocs=args.gpus,
-                           start_method="spawn")
+        error = bd.launch(args, lines, rank_main)  # ranks killed after --time-limit + 60 s
+        if error:
+            print(f"profile_distributed: {error}", file=sys.stderr)
         with open(lines) as f:
             rows = [json.loads(line) for line in f if line.strip()]
     head = (f"### profile: {args.model}, {args.mode}, {args.gpus} ranks, {args.layers} layers, "
