@@ -5,8 +5,16 @@ returns a picklable value; run_ranks returns them in rank order. A rank that rai
 with its traceback; ranks still running after `timeout` seconds are killed and the test fails,
 so a hang never stalls CI. Ranks leave through os._exit after destroying the process group:
 gloo's threads can abort the interpreter's own teardown (seen with plain FSDP2 too).
-Used by tests/test_fsdp.py and tests/test_ddp_dcp.py.
+On a machine without CUDA, ranks start from multiprocessing's fork server, which imports torch,
+torch.distributed and tequant once per pytest session (FORK_SERVER_PRELOAD): a rank then costs a
+fork instead of seconds of imports, the bulk of a small case on 2 CPU cores. The server is a
+fresh process, not a fork of pytest, so a rank sees nothing of the test session's state, as
+with spawn. Where CUDA is available (NCCL, or gloo ranks with CUDA tensors) each rank is spawned,
+a fresh interpreter: no rank is forked from a process that may have initialized CUDA.
+Used by the distributed test files (tests/test_fsdp.py, test_ddp_dcp.py, test_tensor_parallel.py,
+test_dtensor_parallel.py, test_multi_gpu.py, ...).
 """
+import multiprocessing
 import os
 import pickle
 import socket
@@ -17,6 +25,9 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+FORK_SERVER_PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp",
+                       "torch.distributed.tensor", "torch._dynamo", "tequant", "dist_util"]
 
 
 def free_port():
@@ -44,9 +55,12 @@ def _entry(rank, world, port, folder, backend, fn, args):
 def run_ranks(fn, world, *args, timeout=180, backend="gloo"):
     """fn(rank, world, *args) on `world` ranks of a `backend` group (gloo on CPU; nccl with one
     GPU per rank); their return values in rank order."""
+    method = "forkserver" if backend == "gloo" and not torch.cuda.is_available() else "spawn"
+    if method == "forkserver":  # read when the server starts (the first call), else ignored
+        multiprocessing.get_context("forkserver").set_forkserver_preload(FORK_SERVER_PRELOAD)
     with tempfile.TemporaryDirectory(prefix="tequant-ranks-") as folder:
         ctx = mp.start_processes(_entry, args=(world, free_port(), folder, backend, fn, args),
-                                 nprocs=world, join=False, start_method="spawn")
+                                 nprocs=world, join=False, start_method=method)
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=1.0):
             if time.monotonic() > deadline:

@@ -270,9 +270,17 @@ def test_outside_autocast_and_without_grad_checkpointing_is_plain():
         assert regions[-1] is None
 
 
+# Every recipe in non-reentrant mode; reentrant mode (which Dynamo traces into the same
+# checkpoint op, so the same graphs) with NVFP4 (stochastic rounding: the generator's replay)
+# and DelayedScaling (its own eager path). Each recipe's compiled step against eager:
+# tests/test_compile.py; each recipe under reentrant checkpointing in eager:
+# test_gradients_bit_identical_to_no_checkpointing above.
+COMPILED_CASES = [(name, "non_reentrant") for name in RECIPES] + [("nvfp4", "reentrant"),
+                                                                  ("delayed", "reentrant")]
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("mode", ["non_reentrant", "reentrant"])
-@pytest.mark.parametrize("name", list(RECIPES))
+@pytest.mark.parametrize("name, mode", COMPILED_CASES)
 def test_compiled_checkpointed_blocks(name, mode, device):
     """torch.compile over checkpointed blocks (Dynamo traces either mode as its checkpoint op)
     with te.autocast inside the compiled function: gradients and buffers bit-identical to the

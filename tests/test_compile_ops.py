@@ -3,9 +3,10 @@
 Every result of a compiled function is compared bit for bit with the same function run eagerly
 (te.ops' direct C path): QuantizedTensor codes, scales and members, dequantized values, and the
 three GEMMs of a linear layer (fprop / dgrad / wgrad, bias, out=, accumulate), for every recipe
-kind on CPU and, where available, CUDA. Also: no graph break (torch._dynamo.explain), a new
-recipe recompiles once and an equal one does not, DelayedScaling's history slot, stochastic
-rounding drawn at run time, and the eager errors. The ops are python/tequant/_compile_ops.py.
+kind on CPU and, where available, CUDA. Also: no graph break (fullgraph=True, and
+torch._dynamo.explain for NVFP4's step), a new recipe recompiles once and an equal one does not,
+DelayedScaling's history slot, stochastic rounding drawn at run time, and the eager errors. The
+ops are python/tequant/_compile_ops.py.
 """
 import os
 import re
@@ -132,8 +133,9 @@ def linear_args(device):
 def test_linear_step_is_bit_identical_and_has_no_graph_break(name, device):
     recipe = RECIPES[name]
     args = linear_args(device)
-    compile_and_compare(lambda *t: linear_step(*t, recipe), args)
-    assert graph_breaks(linear_step, *args(), recipe) == 0
+    compile_and_compare(lambda *t: linear_step(*t, recipe), args)  # fullgraph=True: no break
+    if name == "nvfp4":  # and counted by explain once (RHT, stochastic rounding, 2-D blocks)
+        assert graph_breaks(linear_step, *args(), recipe) == 0
 
 
 @pytest.mark.parametrize("backend,name", [("inductor", "current"), ("inductor", "mxfp8"),

@@ -1,6 +1,7 @@
 """DDP and distributed checkpoints with te.Linear (issue 21; DISTRIBUTED.md 1, 2, 5).
 
-Gloo ranks on CPU (tests/dist_util.py, every join with a timeout):
+Gloo ranks on CPU (tests/dist_util.py, every join with a timeout; one spawn of 2 ranks runs
+the 2-rank cases, the checkpoint's loads onto 3 ranks and 1 a spawn each):
 - DDP with no_sync gradient accumulation over two microbatches and is_first_microbatch (the
   cached quantized weight): each rank's outputs equal one process running the same model on
   that rank's data, bit for bit, and the gradients the ranks' mean of its accumulated ones;
@@ -18,6 +19,7 @@ import copy
 import os
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -97,8 +99,23 @@ class _null:
         return False
 
 
-def test_ddp_no_sync_microbatches_two_ranks():
-    results = run_ranks(ddp_worker, 2, timeout=180)
+def two_rank_cases(rank, world, folder):
+    """Every 2-rank case of this file in one spawn (starting the ranks, importing torch and
+    init_process_group cost more than a case): DDP, the DelayedScaling reduction, and the
+    checkpoint saved for the loads onto 3 ranks and 1 (which need spawns of their own)."""
+    return {"ddp": ddp_worker(rank, world),
+            "delayed": delayed_reduction_worker(rank, world),
+            "dcp_saved": dcp_save_worker(rank, world, folder)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("dcp") / "ckpt")
+    return folder, run_ranks(two_rank_cases, 2, folder, timeout=300)
+
+
+def test_ddp_no_sync_microbatches_two_ranks(two_ranks):
+    results = [r["ddp"] for r in two_ranks[1]]
     assert all(r == {"current": True, "nvfp4": True, "delayed": True} for r in results)
 
 
@@ -134,8 +151,8 @@ def delayed_reduction_worker(rank, world):
     return per_step, all(torch.equal(s, state) for s in every)
 
 
-def test_delayed_scaling_amax_reduction_one_collective_per_update():
-    for per_step, same in run_ranks(delayed_reduction_worker, 2, timeout=120):
+def test_delayed_scaling_amax_reduction_one_collective_per_update(two_ranks):
+    for per_step, same in (r["delayed"] for r in two_ranks[1]):
         assert same, "DelayedScaling state differs across ranks"
         # forward update: 6 modules x (x, w) = 12 amaxes; backward: 6 grad_output amaxes
         assert per_step == [[12, 6]] * 3, per_step
@@ -223,8 +240,8 @@ def dcp_load_worker(rank, world, folder, saved):
     return True
 
 
-def test_dcp_resume_bit_identical_and_other_world_sizes(tmp_path):
-    folder = str(tmp_path / "ckpt")
-    saved = run_ranks(dcp_save_worker, 2, folder, timeout=180)[0]
+def test_dcp_resume_bit_identical_and_other_world_sizes(two_ranks):
+    folder, results = two_ranks  # saved by dcp_save_worker, which checked the resume
+    saved = results[0]["dcp_saved"]
     for world in (3, 1):  # 3: uneven shards (64 and 256 rows over 3 ranks)
         assert all(run_ranks(dcp_load_worker, world, folder, saved, timeout=180))

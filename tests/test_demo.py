@@ -148,14 +148,21 @@ def test_demo_cuda_without_gpu(capsys):
     assert "no CUDA device" in capsys.readouterr().err
 
 
-def test_demo_sweep(tmp_path, one_thread, capsys):
+def test_demo_sweep(tmp_path, one_thread, capsys, monkeypatch):
     """--sweep times every (width, recipe) and writes the table, the numbers and the plot; the
-    points are measured (positive, and not all equal)."""
+    points are measured (positive, and not all equal). The sweep's step is made small here (2 x
+    64 tokens, one warm-up step instead of 32 x 256 and 5: what is checked is the sweep's loop
+    and outputs, not the throughput); its three timed windows stay."""
+    from tequant.demo import sweep
+    monkeypatch.setattr(sweep, "BATCH", 2)
+    monkeypatch.setattr(sweep, "SEQ", 64)
+    monkeypatch.setattr(sweep, "WARMUP", 1)
     status = demo.main(["--sweep", "--device", "cpu", "--widths", "128,64", "--sweep-steps", "1",
                         "--sweep-layers", "1", "--recipes", "bf16,current,nvfp4",
                         "--out", str(tmp_path)])
     assert status == 0
     result = json.loads((tmp_path / "sweep.json").read_text())
+    assert (result["config"]["batch"], result["config"]["seq_len"]) == (2, 64)
     points = result["points"]
     assert [(p["width"], p["recipe"]) for p in points] == [
         (w, r) for w in (64, 128) for r in ("bf16", "current", "nvfp4")]

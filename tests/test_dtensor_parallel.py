@@ -1,10 +1,12 @@
 """te.Linear under DTensor tensor parallelism: torch's styles and tequant's (issue 22 item 2).
 
-Gloo ranks on CPU (tests/dist_util.py, every join with a timeout). A column-then-row pair of
-te.Linear, parallelized with parallelize_module, against the same pair in TransformerEngine's
-form (te.Linear(tp_group, parallel_mode, sequence_parallel), itself tested against one process in
-tests/test_tensor_parallel.py), every recipe and high precision, with and without sequence
-parallelism along dim 0 ([s, b, h]) and dim 1 ([b, s, h]):
+Gloo ranks on CPU (tests/dist_util.py, every join with a timeout; one spawn of 2 ranks and one
+of 4 run every case of the file). A column-then-row pair of te.Linear, parallelized with
+parallelize_module, against the same pair in TransformerEngine's form (te.Linear(tp_group,
+parallel_mode, sequence_parallel), itself tested against one process in
+tests/test_tensor_parallel.py), every recipe and high precision, without sequence parallelism
+and with it along dim 0 ([s, b, h]) and dim 1 ([b, s, h]) (without it the sequence dim plays no
+part: tested once); two steps for DelayedScaling (the second on updated scales):
 - tequant's ColwiseParallel / RowwiseParallel: output, input gradient and every parameter
   gradient bit-identical (the same quantized collectives: codes + scales move);
 - torch's styles (their collectives in high precision, te.Linear on the local tensors): the same
@@ -111,6 +113,10 @@ def fwd_bwd(model, x, dy, recipe, seed):
 
 
 def styles_worker(rank, world, names):
+    """Per recipe: without sequence parallelism (the sequence dim plays no part there, so once,
+    [s, b, h]), and with it along dim 0 and along dim 1. Two steps for DelayedScaling (the
+    second uses the scales the first updated); the other recipes keep no state between steps
+    (the weights do not change here), so one."""
     from torch.distributed.device_mesh import init_device_mesh
     from tequant.distributed import tensor_parallel
     mesh = init_device_mesh(torch.get_default_device().type, (world,))  # (NCCL: cuda)
@@ -122,14 +128,14 @@ def styles_worker(rank, world, names):
         x, dy = torch.randn(shape), torch.randn(shape)
         for name in names:
             recipe = RECIPES.get(name)
-            for sp in (False, True):
+            for sp in ((False, True) if dim == 0 else (True,)):
                 x_in = x.chunk(world, dim)[rank].contiguous() if sp else x
                 dy_in = dy.chunk(world, dim)[rank].contiguous() if sp else dy
                 for styles in ("tequant", "torch"):
                     reference = te_mode_pair(whole, rank, world, sp, dim)
                     model = styled_pair(whole, mesh, styles, sp, dim)
                     before = sum(tensor_parallel.fallbacks.values())
-                    for s in range(2):  # DelayedScaling's second step uses updated scales
+                    for s in range(2 if name == "delayed" else 1):
                         got = fwd_bwd(model, x_in, dy_in, recipe, seed=70 + s)
                         want = fwd_bwd(reference, x_in, dy_in, recipe, seed=70 + s)
                         for i, (a, b) in enumerate(zip(got, want)):
@@ -145,10 +151,48 @@ def styles_worker(rank, world, names):
     return errors
 
 
+# ---- the spawns: one per world size -------------------------------------------------------
+# Starting the ranks (a process each, `import torch`, init_process_group) costs more than most
+# cases, so each world size is spawned once per session and runs every case of this file for
+# it, in order; the tests below check their parts of the results. A rank that raises fails each
+# test of its spawn with the rank's traceback (the assertion messages name the case).
+
+FOUR_RANK_FSDP = [("current", False), ("mxfp8", False),
+                  # DelayedScaling's scale changes between the steps: what caught a stale
+                  # quantized gather
+                  ("current", True), ("delayed", True), ("mxfp8", True)]
+
+
+def two_rank_cases(rank, world):
+    return {"styles": styles_worker(rank, world, ["fp32", *RECIPES]),
+            "sequence_parallel": sequence_parallel_worker(rank, world),
+            "fsdp_te_form": fsdp_te_form_worker(rank, world),
+            "errors": errors_worker(rank, world)}  # last: its cases leave modules half set up
+
+
+def four_rank_cases(rank, world):
+    results = {"styles": styles_worker(rank, world, ["current", "nvfp4"])}
+    for name, quantized_gather in FOUR_RANK_FSDP:
+        results[name, quantized_gather] = fsdp_tp_worker(rank, world, name, quantized_gather)
+    return results
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_ranks(two_rank_cases, 2, timeout=400)
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return run_ranks(four_rank_cases, 4, timeout=500)
+
+
 @pytest.mark.parametrize("world", [2, 4])
-def test_styles_match_transformer_engine_form(world):
-    names = ["fp32", *RECIPES] if world == 2 else ["current", "nvfp4"]
-    run_ranks(styles_worker, world, names, timeout=300)
+def test_styles_match_transformer_engine_form(world, request):
+    # every recipe and fp32 on 2 ranks; 4 ranks: shards of 64 tokens, current and nvfp4
+    for results in request.getfixturevalue("two_ranks" if world == 2 else "four_ranks"):
+        errors = results["styles"]  # torch's own styles against TE's form (tequant's: exact)
+        assert errors and all(err < 1e-6 for err in errors.values()), errors
 
 
 def fsdp_tp_worker(rank, world, name, quantized_gather):
@@ -197,11 +241,11 @@ def fsdp_tp_worker(rank, world, name, quantized_gather):
 
 
 @pytest.mark.parametrize("quantized_gather", [False, True])
-def test_fsdp2_over_tensor_parallel_2d_mesh(quantized_gather):
-    # DelayedScaling's scale changes between the steps: what caught a stale quantized gather
-    names = ("current", "delayed", "mxfp8") if quantized_gather else ("current", "mxfp8")
-    for name in names:
-        assert all(run_ranks(fsdp_tp_worker, 4, name, quantized_gather, timeout=300))
+def test_fsdp2_over_tensor_parallel_2d_mesh(quantized_gather, four_ranks):
+    cases = [(n, q) for n, q in FOUR_RANK_FSDP if q == quantized_gather]
+    assert len(cases) == (3 if quantized_gather else 2)
+    for results in four_ranks:
+        assert all(results[case] is True for case in cases), results
 
 
 def sequence_parallel_worker(rank, world):
@@ -230,8 +274,8 @@ def sequence_parallel_worker(rank, world):
     return True
 
 
-def test_torch_sequence_parallel_style():
-    assert all(run_ranks(sequence_parallel_worker, 2, timeout=120))
+def test_torch_sequence_parallel_style(two_ranks):
+    assert all(results["sequence_parallel"] is True for results in two_ranks)
 
 
 def fsdp_te_form_worker(rank, world):
@@ -254,8 +298,8 @@ def fsdp_te_form_worker(rank, world):
     return True
 
 
-def test_fsdp2_over_transformer_engine_form():
-    assert all(run_ranks(fsdp_te_form_worker, 2, timeout=120))
+def test_fsdp2_over_transformer_engine_form(two_ranks):
+    assert all(results["fsdp_te_form"] is True for results in two_ranks)
 
 
 def errors_worker(rank, world):
@@ -283,8 +327,8 @@ def errors_worker(rank, world):
     return raised
 
 
-def test_bad_styles_raise_clearly():
-    raised = run_ranks(errors_worker, 2, timeout=120)[0]
+def test_bad_styles_raise_clearly(two_ranks):
+    raised = two_ranks[0]["errors"]
     assert "parallelizes te.Linear, got Linear" in raised[0]
     assert "needs a 1-D mesh" in raised[1]
     assert "input_layouts must be Replicate() or Shard(d)" in raised[2]

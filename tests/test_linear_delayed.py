@@ -5,8 +5,9 @@ model of the rules: forward columns (input, weight) updated at the outermost aut
 backward column (grad_output) at the end of the backward of the module that ran first; each
 step's output is the GEMM of operands quantized with the scales of the previous update. Also:
 state_dict round trip mid-training gives identical next steps, calibration records amaxes
-without quantizing, a callable amax algorithm uses TE's unfused rule, and CustomRecipe quantizers
-drive all three GEMMs. CUDA cases are marked gpu.
+without quantizing, a callable amax algorithm uses TE's unfused rule, CustomRecipe quantizers
+drive all three GEMMs, and amax_reduction_group takes the MAX over two gloo ranks
+(tests/dist_util.py). CUDA cases are marked gpu.
 """
 import numpy as np
 import pytest
@@ -244,30 +245,27 @@ def test_custom_quantizer_without_the_protocol_is_a_type_error():
     assert te.autocast_depth() == 0
 
 
-def _reduction_worker(rank, world, init_file, results):
+def _reduction_worker(rank, world):
     import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
-    try:
-        torch.manual_seed(0)  # same weights on every rank
-        lin = te.Linear(16, 16)
-        x = torch.full((4, 16), float(rank + 1))  # rank r's input amax is r + 1
-        with te.autocast(recipe=DelayedScaling(amax_history_len=2),
-                         amax_reduction_group=dist.group.WORLD):
-            lin(x).sum().backward()
-        results[rank] = (lin.delayed_scale_fwd.tolist(),
-                         lin.delayed_amax_history_fwd[:, 0].tolist())
-    finally:
-        dist.destroy_process_group()
+    torch.manual_seed(0)  # same weights on every rank
+    lin = te.Linear(16, 16)
+    x = torch.full((4, 16), float(rank + 1))  # rank r's input amax is r + 1
+    with te.autocast(recipe=DelayedScaling(amax_history_len=2),
+                     amax_reduction_group=dist.group.WORLD):
+        lin(x).sum().backward()
+    return (lin.delayed_scale_fwd.tolist(), lin.delayed_amax_history_fwd[:, 0].tolist())
 
 
-def test_amaxes_are_all_reduced_over_the_group(tmp_path):
-    """Two gloo ranks with input amaxes 1 and 2: both take the MAX before the update."""
-    import torch.multiprocessing as mp
+def test_amaxes_are_all_reduced_over_the_group():
+    """Two gloo ranks (tests/dist_util.py) with input amaxes 1 and 2: both take the MAX before
+    the update."""
+    import os
+    import sys
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed is not available")
-    results = mp.get_context("spawn").Manager().dict()
-    mp.spawn(_reduction_worker, args=(2, str(tmp_path / "init"), results), nprocs=2)
+    sys.path.insert(0, os.path.dirname(__file__))
+    from dist_util import run_ranks
+    results = run_ranks(_reduction_worker, 2, timeout=120)
     assert results[0] == results[1]
     scales, history = results[0]
     assert scales[0] == float(np.float32(448.0) / np.float32(2.0))

@@ -1,6 +1,7 @@
 """Tensor and sequence parallelism inside te.Linear (issue 22; DISTRIBUTED.md 1, 3, 5).
 
-Gloo ranks on CPU (tests/dist_util.py, every join with a timeout), 2 and 4 ranks, every recipe:
+Gloo ranks on CPU (tests/dist_util.py, every join with a timeout; one spawn of 2 ranks and one
+of 4 run every case of the file), 2 and 4 ranks, every recipe:
 - column parallel, with and without sequence_parallel: each rank's output equals, bit for bit,
   one process's te.Linear holding that rank's weight shard on the whole input (the quantized
   all-gather of the token shards is te.ops.quantize of the whole input), and so does its weight
@@ -139,16 +140,55 @@ def row_worker(rank, world, names):
     return errors
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_column_parallel_every_recipe(world):
-    names = list(RECIPES) if world == 2 else ["current", "nvfp4"]
-    assert all(run_ranks(column_worker, world, names, timeout=240))
+# ---- the spawns: one per world size -------------------------------------------------------
+# Starting the ranks (a process each, `import torch`, init_process_group) costs more than most
+# cases, so each world size is spawned once per session and runs every case of this file for
+# it, in order; the tests check their parts of the results. A rank that raises fails each test
+# of its spawn with the rank's traceback (the assertion messages name the case).
+
+COMPILE_CONFIGS = [("current", True, "te"), ("mxfp8", True, "te"), ("delayed", False, "te"),
+                   ("nvfp4", True, "styles")]
+
+
+def two_rank_cases(rank, world):
+    names = list(RECIPES)
+    return {"column": column_worker(rank, world, names),
+            "row": row_worker(rank, world, names),
+            "overlap": overlap_worker(rank, world, ["current", "delayed", "mxfp8", None]),
+            "gather": gather_worker(rank, world),
+            "mlp": mlp_all_worker(rank, world),
+            "compile": compile_worker(rank, world, COMPILE_CONFIGS),
+            "errors": errors_worker(rank, world)}  # last: ends on a refused step
+
+
+def four_rank_cases(rank, world):
+    return {"column": column_worker(rank, world, ["current", "nvfp4"]),
+            # 16 features a rank: not MXFP8's 32-element blocks
+            "row": row_worker(rank, world, ["delayed", "nvfp4"])}
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_ranks(two_rank_cases, 2, timeout=500)
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return run_ranks(four_rank_cases, 4, timeout=300)
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_row_parallel_every_recipe(world):
-    names = list(RECIPES) if world == 2 else ["delayed", "nvfp4"]  # 16 features each: not MXFP8
-    for errors in run_ranks(row_worker, world, names, timeout=240):
+def test_column_parallel_every_recipe(world, request):
+    results = request.getfixturevalue("two_ranks" if world == 2 else "four_ranks")
+    assert all(r["column"] is True for r in results)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_row_parallel_every_recipe(world, request):
+    names = list(RECIPES) if world == 2 else ["delayed", "nvfp4"]
+    for r in request.getfixturevalue("two_ranks" if world == 2 else "four_ranks"):
+        errors = r["row"]
+        assert set(errors) == {(n, sp) for n in names for sp in (False, True)}, errors
         assert all(err > 0 for err in errors.values())  # quantized, not exact
 
 
@@ -164,32 +204,37 @@ def overlap_worker(rank, world, names):
         started.append(dx.shape)
         return original(self, dx)
     tp.TensorParallel.start_grad_input_reduction = counted
-    torch.manual_seed(4)
-    x = torch.randn(TOKENS, 2, K)
-    dy = torch.randn(TOKENS, 2, N // world)
-    for name in names:
-        for sp in (False, True):
-            ref = full_layer()
-            off = tp_layer("column", sp, rank, world, ref)  # the default
-            on = copy.deepcopy(off)
-            on.tp_comm_overlap = True
-            assert on.tp_comm_overlap and not off.tp_comm_overlap
-            x_in = x.chunk(world, 0)[rank].contiguous() if sp else x
-            del started[:]
-            recipe = RECIPES[name] if name else None
-            a = step(on, x_in, dy, recipe, seed=70)
-            assert len(started) == 1, (name, sp, started)
-            b = step(off, x_in, dy, recipe, seed=70)
-            assert len(started) == 1, (name, sp, started)  # off: after both GEMMs, as before
-            for i, (u, v) in enumerate(zip(a, b)):
-                # outside te.autocast, off is F.linear's autograd: its products, other kernels
-                assert torch.equal(u, v) if name or i == 0 else rel(u, v) < 1e-6, (name, sp, i)
+    try:
+        torch.manual_seed(4)
+        x = torch.randn(TOKENS, 2, K)
+        dy = torch.randn(TOKENS, 2, N // world)
+        for name in names:
+            for sp in (False, True):
+                ref = full_layer()
+                off = tp_layer("column", sp, rank, world, ref)  # the default
+                on = copy.deepcopy(off)
+                on.tp_comm_overlap = True
+                assert on.tp_comm_overlap and not off.tp_comm_overlap
+                x_in = x.chunk(world, 0)[rank].contiguous() if sp else x
+                del started[:]
+                recipe = RECIPES[name] if name else None
+                a = step(on, x_in, dy, recipe, seed=70)
+                assert len(started) == 1, (name, sp, started)
+                b = step(off, x_in, dy, recipe, seed=70)
+                assert len(started) == 1, (name, sp, started)  # off: after both GEMMs
+                for i, (u, v) in enumerate(zip(a, b)):
+                    # outside te.autocast, off is F.linear's autograd: its products, other
+                    # kernels
+                    assert torch.equal(u, v) if name or i == 0 else rel(u, v) < 1e-6, \
+                        (name, sp, i)
+    finally:
+        tp.TensorParallel.start_grad_input_reduction = original  # the spawn runs more cases
     return True
 
 
-def test_input_gradient_reduction_overlaps_wgrad_with_the_same_bits():
-    names = ["current", "delayed", "mxfp8", None]  # None: high precision, no te.autocast
-    assert all(run_ranks(overlap_worker, 2, names, timeout=120))
+def test_input_gradient_reduction_overlaps_wgrad_with_the_same_bits(two_ranks):
+    # current, delayed, mxfp8 and None (high precision, no te.autocast): two_rank_cases
+    assert all(r["overlap"] is True for r in two_ranks)
 
 
 def gather_worker(rank, world):
@@ -231,8 +276,8 @@ def gather_worker(rank, world):
     return dict(tp.fallbacks)
 
 
-def test_sequence_parallel_gathers_are_the_whole_tensors_quantization():
-    fallbacks = run_ranks(gather_worker, 2, timeout=120)[0]
+def test_sequence_parallel_gathers_are_the_whole_tensors_quantization(two_ranks):
+    fallbacks = two_ranks[0]["gather"]
     assert any("stochastic rounding" in reason for reason in fallbacks), fallbacks
 
 
@@ -319,8 +364,9 @@ def mlp_all_worker(rank, world):
     return {name: mlp_worker(rank, world, name) for name in MLP_BOUND}
 
 
-def test_mlp_with_sequence_parallelism_tracks_one_process():
-    for name, losses in run_ranks(mlp_all_worker, 2, timeout=300)[0].items():
+def test_mlp_with_sequence_parallelism_tracks_one_process(two_ranks):
+    assert set(two_ranks[0]["mlp"]) == set(MLP_BOUND)
+    for name, losses in two_ranks[0]["mlp"].items():
         first = losses[0][1]
         assert losses[-1][1] < 0.75 * first, (name, losses)  # the task is being learned
         worst = max(abs(tp_loss - one) / one for tp_loss, one in losses)
@@ -360,8 +406,8 @@ def errors_worker(rank, world):
     return raised
 
 
-def test_bad_configurations_raise_clearly():
-    raised = run_ranks(errors_worker, 2, timeout=120)[0]
+def test_bad_configurations_raise_clearly(two_ranks):
+    raised = two_ranks[0]["errors"]
     assert "not divisible by the 2 ranks" in raised[0] and "in_features=65" in raised[1]
     assert "sequence_parallel=True needs tp_group" in raised[2]
     assert "needs tp_group" in raised[3] and "parallel_mode must be" in raised[4]
@@ -416,7 +462,6 @@ def compile_worker(rank, world, configs):
     return True
 
 
-def test_compiled_tensor_parallel_is_bit_identical_to_eager():
-    configs = [("current", True, "te"), ("mxfp8", True, "te"), ("delayed", False, "te"),
-               ("nvfp4", True, "styles")]
-    assert all(run_ranks(compile_worker, 2, configs, timeout=400))
+def test_compiled_tensor_parallel_is_bit_identical_to_eager(two_ranks):
+    # COMPILE_CONFIGS: current, mxfp8 and delayed in TE's form, nvfp4 with tequant's styles
+    assert all(r["compile"] is True for r in two_ranks)
