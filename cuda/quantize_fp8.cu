@@ -21,6 +21,7 @@
 
 #include "internal_kernels.h"
 #include "launch.cuh"
+#include "tile_transpose.cuh"
 #include "tequant/formats.h"
 
 namespace {
@@ -57,16 +58,6 @@ __device__ __forceinline__ uint32_t cvt8x2(float lo, float hi) {
     if constexpr (kE5M2) asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
     else asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
     return r;
-}
-
-/* 4x4 byte transpose: w[i] holds byte j of row i; t[j] gets byte i of w[i] (8 PRMTs). */
-__device__ __forceinline__ void transpose4x4(const uint32_t (&w)[4], uint32_t (&t)[4]) {
-    const uint32_t a = __byte_perm(w[0], w[1], 0x5140), b = __byte_perm(w[0], w[1], 0x7362);
-    const uint32_t c = __byte_perm(w[2], w[3], 0x5140), d = __byte_perm(w[2], w[3], 0x7362);
-    t[0] = __byte_perm(a, c, 0x5410);
-    t[1] = __byte_perm(a, c, 0x7632);
-    t[2] = __byte_perm(b, d, 0x5410);
-    t[3] = __byte_perm(b, d, 0x7632);
 }
 
 template <typename T>
@@ -177,7 +168,7 @@ __device__ __forceinline__ void cast_tile(const CastParams &p, int64_t m0, int64
             for (int g = 0; g < kWords; g++) {
                 const uint32_t rows4[4] = {codes[0][g], codes[1][g], codes[2][g], codes[3][g]};
                 uint32_t cols4[4];
-                transpose4x4(rows4, cols4);
+                tq_tile::transpose4x4(rows4, cols4);
 #pragma unroll
                 for (int e = 0; e < 4; e++)
                     *reinterpret_cast<uint32_t *>(&tile_t[(c + 4 * g + e) * kTile + swizzled_m]) = cols4[e];

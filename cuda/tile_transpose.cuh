@@ -1,12 +1,15 @@
-/* tile_transpose.cuh: the columnwise half of the 128x128-tile quantizers (FP8 block scaling,
- * MXFP8), internal to cuda/: a tile held in registers as 16-byte chunks goes through a swizzled
+/* tile_transpose.cuh: byte transposes, internal to cuda/. transpose4x4: a 4 x 4-byte block held
+ * as 4 words, transposed in registers (per-tensor FP8's columnwise codes in quantize_fp8.cu, the
+ * byte transpose of transpose.cu). The rest: the columnwise half of the 128x128-tile quantizers
+ * (FP8 block scaling, MXFP8): a tile held in registers as 16-byte chunks goes through a swizzled
  * shared-memory copy, 256 bytes of each tile row per round, and comes back as columns.
  * In a pass, lane (g = lane / 8, c = lane % 8) of a warp reads word g of the warp's logical chunk
  * lc in rows 16c .. 16c + 15 (kPerWord columns x 16 rows), so 8 lanes cover a column's 128 rows.
  * The slot of chunk lc in row r is lc ^ ((r >> 4) & 7): the 8 lane groups of a pass read rows
  * 16 apart, whose chunks land in 8 different 4-bank groups, and the row writes (8 lanes per
  * 16-byte phase) stay conflict-free too.
- * Tests: tests/test_quantize_fp8_block.py, tests/test_quantize_mxfp8.py (GPU cases, bit for bit).
+ * Tests: tests/test_quantize_fp8.py, tests/test_transpose.py, tests/test_quantize_fp8_block.py,
+ * tests/test_quantize_mxfp8.py (GPU cases, bit for bit).
  */
 #ifndef TEQUANT_CUDA_TILE_TRANSPOSE_CUH_
 #define TEQUANT_CUDA_TILE_TRANSPOSE_CUH_
@@ -14,6 +17,17 @@
 #include <cuda_runtime.h>
 
 namespace tq_tile {
+
+/* w[i] holds row i of a 4 x 4-byte block (byte j = column j); t[j] gets column j (byte i of w[i]):
+ * 8 byte permutes. */
+__device__ __forceinline__ void transpose4x4(const uint32_t (&w)[4], uint32_t (&t)[4]) {
+    const uint32_t a = __byte_perm(w[0], w[1], 0x5140), b = __byte_perm(w[0], w[1], 0x7362);
+    const uint32_t c = __byte_perm(w[2], w[3], 0x5140), d = __byte_perm(w[2], w[3], 0x7362);
+    t[0] = __byte_perm(a, c, 0x5410);
+    t[1] = __byte_perm(a, c, 0x7632);
+    t[2] = __byte_perm(b, d, 0x5410);
+    t[3] = __byte_perm(b, d, 0x7632);
+}
 
 constexpr int kEdge = 128;      /* tile rows */
 constexpr int kSmemChunks = 16; /* 16-byte chunks per shared-memory row: 256 bytes */

@@ -47,6 +47,8 @@ quantize_nvfp4.cu small_kernel            quantize_dequantize[nvfp4-*] (<= 64K e
                cast_kernel<rht, 2d, sr>   quantize_dequantize[nvfp4-*] (> 64K), quantize_given_
                                           amax[nvfp4-*]; its rng-from-device-tensor path:
                                           quantize_dequantize[nvfp4-grad] and cuda_graph_step[nvfp4]
+transpose.cu   transpose_kernel           transpose (word path: aligned rows; byte path: rows
+                                          one byte off, an edge tile of odd width)
 quantize_nvfp4_dequant.cu dequantize_kernel<values=false>  quantize_dequantize[nvfp4-*] (vec),
                                           dequantize_misaligned_out[nvfp4] (element-wise)
                dequantize_kernel<values=true>  c_api_gemm_alpha_and_values (tq_gemm_operand_values
@@ -214,6 +216,17 @@ def test_amax_paths():
     out = torch.empty(1, device=DEVICE)
     _C._amax(torch.empty(0, 8, device=DEVICE), out)  # nothing to launch: the zeroed output
     assert float(out) == 0.0
+
+
+def test_transpose():
+    """Both paths of the byte transpose, into outputs whose bytes start uninitialized: every
+    byte of out must be written (initcheck), nothing outside the views touched (memcheck)."""
+    codes = torch.arange(131 * 300, device=DEVICE).remainder(251).to(torch.uint8).view(131, 300)
+    for layout in ("contiguous", "misaligned"):  # 4-byte words; bytes one off a word boundary
+        x = _layout(codes, layout)
+        out = torch.empty(x.shape[1], x.shape[0], dtype=torch.uint8, device=DEVICE)
+        _C._transpose(x, out)
+        assert torch.equal(out, x.t()), layout
 
 
 CODECS = [("f32_to_e4m3", F32, torch.uint8), ("f32_to_e5m2", F32, torch.uint8),

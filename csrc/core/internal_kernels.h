@@ -17,6 +17,9 @@ tq_status tq_amax_cuda(const tq_tensor *x, tq_tensor *amax, struct CUstream_st *
 tq_status tq_pad_rows_ref(const tq_tensor *x, tq_tensor *out, struct CUstream_st *stream);
 tq_status tq_pad_rows_cuda(const tq_tensor *x, tq_tensor *out, struct CUstream_st *stream);
 
+tq_status tq_transpose_ref(const tq_tensor *x, tq_tensor *out, struct CUstream_st *stream);
+tq_status tq_transpose_cuda(const tq_tensor *x, tq_tensor *out, struct CUstream_st *stream);
+
 tq_status tq_codec_ref(tq_codec codec, const tq_tensor *in, tq_tensor *out, struct CUstream_st *stream);
 tq_status tq_codec_cuda(tq_codec codec, const tq_tensor *in, tq_tensor *out, struct CUstream_st *stream);
 

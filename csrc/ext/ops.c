@@ -2,7 +2,7 @@
  * tensor_view.c, runs the core entry point on the tensors' current CUDA stream (or the CPU
  * reference), and maps a failing tq_status through errors.c. Outputs are allocated by the
  * caller with torch (the caching allocator), never with cudaMalloc.
- * Tests: tests/test_amax.py.
+ * Tests: tests/test_amax.py, tests/test_transpose.py.
  */
 #include "module.h"
 
@@ -27,8 +27,36 @@ static PyObject *py_amax(PyObject *module, PyObject *const *args, Py_ssize_t nar
     Py_RETURN_NONE;
 }
 
+#define BYTE_DTYPES \
+    ((1u << TQ_DTYPE_UINT8) | (1u << TQ_DTYPE_FLOAT8_E4M3) | (1u << TQ_DTYPE_FLOAT8_E5M2) \
+     | (1u << TQ_DTYPE_FLOAT8_E8M0))
+
+/* _transpose(x, out): out = x^T for one-byte codes, on x's device and current stream. */
+static PyObject *py_transpose(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "_transpose(x, out) takes 2 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    tqx_state *st = tqx_module_state(module);
+    tq_tensor x, out;
+    tqx_tensor_info info;
+    if (tqx_tensor_from_py(st, args[0], "x", BYTE_DTYPES, &x, &info) < 0
+        || tqx_tensor_from_py(st, args[1], "out", BYTE_DTYPES, &out, NULL) < 0)
+        return NULL;
+    tq_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = tq_transpose(&x, &out, (struct CUstream_st *)info.stream);
+    Py_END_ALLOW_THREADS
+    if (s != TQ_SUCCESS) return tqx_raise_status(st, s);
+    Py_RETURN_NONE;
+}
+
 PyMethodDef tqx_ops_methods[] = {
     {"_amax", (PyCFunction)(void (*)(void))py_amax, METH_FASTCALL,
      "_amax(x, out)\n\nout[0] = max |x| over all elements, NaN ignored (float32/bfloat16/float16 "
      "x; float32 out of one element on x's device)."},
+    {"_transpose", (PyCFunction)(void (*)(void))py_transpose, METH_FASTCALL,
+     "_transpose(x, out)\n\nout = x.t() for 2-D tensors of one-byte codes (uint8, float8_e4m3fn, "
+     "float8_e5m2, float8_e8m0fnu): out is [x.shape[1], x.shape[0]] of x's dtype and device, "
+     "written on x's current stream."},
     {NULL, NULL, 0, NULL}};

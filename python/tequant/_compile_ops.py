@@ -1,5 +1,6 @@
 """The tequant:: custom ops that torch.compile traces: quantize / dequantize / gemm / gemm_out
-(te.ops) and linear_fwd / linear_bwd / amax_update (te.Linear).
+(te.ops), linear_fwd / linear_bwd / amax_update (te.Linear) and transpose_codes (the quantized
+gathers' columnwise codes).
 
 Dynamo cannot trace te.ops' C calls, so under torch.compile each one runs as a torch.library
 custom op: its real implementation is the same C call as eager (the same bits), its fake
@@ -183,6 +184,24 @@ def _gemm_out_fake(a, a_recipe_id, a_role, a_rows, a_cols, a_usage, b, b_recipe_
 
 
 # ---- te.Linear ---------------------------------------------------------------------------------
+@op("tequant::transpose_codes", mutates_args=())
+def transpose_codes(x: torch.Tensor) -> torch.Tensor:
+    """x.t().contiguous() for a 2-D tensor of one-byte codes (uint8, float8_e4m3fn, float8_e5m2,
+    float8_e8m0fnu), in one tiled pass (tq_transpose): the columnwise codes of a gathered
+    per-tensor FP8 or 2-D-block operand (distributed/gather_layout.py). An op, not a C call,
+    so that traced code (the quantized sequence-parallel gather under torch.compile) reaches it."""
+    out = _transposed_like(x)
+    _C._transpose(x, out)
+    return out
+
+
+@fake("tequant::transpose_codes")
+def _transposed_like(x):
+    if x.dim() != 2:
+        raise ValueError(f"transpose_codes: x must be 2-D, got shape {tuple(x.shape)}")
+    return x.new_empty((x.shape[1], x.shape[0]))
+
+
 # The compiled te.Linear (_compile_linear.py) runs linear.c's forward and backward as these ops,
 # whose kernels are C functions of tequant._C (csrc/ext/linear_ops.c): the dispatcher calls them
 # with no Python frame in between. linear_ops.c asks for a recipe id's plan tuple once.

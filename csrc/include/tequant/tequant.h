@@ -96,6 +96,13 @@ TQ_API tq_status tq_tensor_check(const tq_tensor *t, const char *name);
  * queued on `stream` (an async 2-D copy and memset), on the CPU done on return. */
 TQ_API tq_status tq_pad_rows(const tq_tensor *x, tq_tensor *out, struct CUstream_st *stream);
 
+/* out = x^T for one-byte elements (FP8 E4M3 / E5M2 codes, E8M0 scales, uint8): out[c][r] =
+ * x[r][c], an exact copy of the bytes. out is [x.cols, x.rows] of x's dtype and device; either may
+ * have ld > cols. The columnwise codes of per-tensor FP8 and of 2-D blocks are the rowwise ones
+ * transposed (NUMERICS 3), so a gathered rowwise weight or input gets its columnwise copy this way.
+ * On CUDA queued on `stream`; on the CPU done on return. */
+TQ_API tq_status tq_transpose(const tq_tensor *x, tq_tensor *out, struct CUstream_st *stream);
+
 /* ---------------------------------------------------------------------------------------------
  * Quantizer configuration
  *

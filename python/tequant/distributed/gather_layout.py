@@ -11,7 +11,8 @@ data [K, M], block-major scales [K/32, M]) is the whole tensor's after one permu
 
 Formats whose columnwise copy is the rowwise one transposed (per-tensor FP8; the 2-D weight
 blocks: same scales, same codes) gather rowwise only and derive the columnwise members when
-backward reads them (derive_columnwise). Shards must not cut a block: fallback_reason says when a
+backward reads them (derive_columnwise: a tiled byte transpose, tequant::transpose_codes, which
+torch's strided copy of one-byte elements is many times slower than). Shards must not cut a block: fallback_reason says when a
 tensor travels in high precision instead (the per-tensor format alone takes FSDP2's zero-padded
 uneven shards: its one input has the padded shard's shape). Used by fsdp.py and
 tensor_parallel.py; tests: tests/test_fsdp.py, tests/test_tensor_parallel.py.
@@ -131,9 +132,9 @@ def derive_columnwise(config, members, n, k):
     data, scale_inv = members[0], members[1]
     out = list(members)
     if config.scaling in PER_TENSOR:
-        out[2] = data.t().contiguous()
+        out[2] = torch.ops.tequant.transpose_codes(data)
     elif config.scaling == "block":
-        out[2] = data.t().contiguous()
+        out[2] = torch.ops.tequant.transpose_codes(data)
         nb, kb = math.ceil(n / 128), math.ceil(k / 128)
         scale_t = scale_inv.new_zeros(kb, -(-nb // 4) * 4)
         scale_t[:, :nb] = scale_inv[:nb, :kb].t()
