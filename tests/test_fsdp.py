@@ -343,6 +343,37 @@ def test_fsdp_cuda_nccl_one_rank():
     assert all(sent == [0] * 5 for sent in report.values())  # one rank: FSDP2 gathers nothing
 
 
+def no_sync_worker(rank, world, names):
+    """Training steps of a bf16 model with the quantized gather under CUDA's sync debug mode
+    "error": a host-device synchronization anywhere in the forward and backward (an .item(), a
+    copy from pageable memory, a list index) raises, naming the op. A sync per module stalls
+    FSDP2's prefetch pipeline: the GPU idles while the host queues the next work."""
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    for name in names:
+        torch.manual_seed(0)
+        model = sharded(Model(device, width=256, hidden=512), reshard=True, dtype=torch.bfloat16)
+        x = torch.randn(64, 256, device=device)
+        for step in range(3):  # the first step sets up (plans, buffers) and may synchronize
+            torch.cuda.set_sync_debug_mode("error" if step else "default")
+            try:
+                with te.autocast(recipe=RECIPES[name]):
+                    loss = model(x).float().pow(2).mean()
+                loss.backward()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            for p in model.parameters():
+                p.grad = None
+    return True
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_quantized_gather_steps_never_synchronize_the_host():
+    assert run_ranks(no_sync_worker, 1, ["current", "delayed", "block"], timeout=300,
+                     backend="nccl") == [True]
+
+
 def test_fsdp_one_rank_cpu():
     """World size 1 on CPU: FSDP2 copies the first all-gather input alone; the quantized
     payload's other members travel in the metadata."""
