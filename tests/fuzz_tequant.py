@@ -14,6 +14,11 @@ Properties, on CPU (the C reference):
   within the recipe's error of F.linear; wrong inputs raise TypeError / ValueError.
 - te.autocast: random nesting of enter / exit with recipes, enabled flags and exceptions inside:
   the state readers always agree with a model of the stack, and the depth returns to 0.
+- the distributed helpers on a one-rank gloo group: te.Linear's tensor-parallel arguments
+  (tp_group, tp_size, parallel_mode, sequence_parallel, features), enable_quantized_all_gather
+  and reduce_sequence_parallel_grads, with valid and wrong values: a valid configuration trains
+  (forward + backward, the output within the recipe's error of F.linear; on one rank the shard is
+  the whole weight), anything else raises TypeError / ValueError / NotImplementedError.
 Run: python3 tests/fuzz_tequant.py [--examples N] [--seed S] [--out FILE]. tests/test_fuzz.py runs a
 quick profile inside `make test`; `make fuzz` the long one (docs/results/fuzz.md).
 """
@@ -201,8 +206,69 @@ def autocast_property(ops):
     OUTCOMES["autocast: consistent"] += 1
 
 
+_GROUP = []  # the one-rank gloo group, made by main() before the properties run
+
+
+# weighted toward valid configurations (about half the cases train), the wrong values still drawn
+@given(mode=st.sampled_from((None, "column", "row") * 3 + ("diagonal", 1)),
+       group=st.sampled_from(("group",) * 8 + (None, "str")),
+       tp_size=st.sampled_from((None,) * 6 + (1, 2, 0, "1")),
+       sp=st.sampled_from((False, True) * 4 + ("yes",)),
+       features=st.sampled_from(((64, 32),) * 6 + ((48, 32), (64, 65))),
+       helper=st.sampled_from(("none", "reduce", "enable") * 3 + ("reduce_bad", "enable_bad")),
+       name=st.sampled_from(tuple(RECIPES)), data=st.integers(0, 2**31))
+def distributed_property(mode, group, tp_size, sp, features, helper, name, data):
+    torch.manual_seed(data)
+    pg = {"group": _GROUP[0], None: None, "str": "group"}[group]
+    kwargs = {"parallel_mode": mode, "tp_group": pg, "sequence_parallel": sp}
+    if tp_size is not None:
+        kwargs["tp_size"] = tp_size
+    valid = (mode is None and group == "group" and sp is False and tp_size in (None, 1)
+             or mode in ("column", "row") and group == "group" and isinstance(sp, bool)
+             and tp_size in (None, 1))
+    valid = valid and features != (64, 65) and (name != "mxfp8" or features == (64, 32))
+    try:
+        m = te.Linear(*features, **kwargs)
+        x = torch.randn(4, 8, features[0], requires_grad=True)
+        with te.autocast(recipe=RECIPES[name]):
+            y = m(x)
+        y.float().square().sum().backward()
+        if helper == "reduce":
+            te.distributed.reduce_sequence_parallel_grads(m, _GROUP[0])
+        elif helper == "enable":
+            te.distributed.enable_quantized_all_gather(m)
+        elif helper == "reduce_bad":
+            te.distributed.reduce_sequence_parallel_grads("model", _GROUP[0])
+        elif helper == "enable_bad":
+            te.distributed.enable_quantized_all_gather([m])
+    except CLEAR as e:
+        assert str(e), type(e)
+        assert not valid or helper.endswith("_bad"), (kwargs, features, name, helper, e)
+        OUTCOMES[f"distributed: {type(e).__name__}"] += 1
+        return
+    finally:
+        assert te.autocast_depth() == 0
+    assert not helper.endswith("_bad"), helper
+    want = torch.nn.functional.linear(x, m.weight, m.bias)
+    err = ((y.double() - want.double()).norm() / want.double().norm()).item()
+    assert err < 0.3, (kwargs, name, err)
+    OUTCOMES["distributed: matches"] += 1
+
+
+def one_rank_group():
+    """A gloo process group of this process alone (the distributed property's)."""
+    import tempfile
+    import torch.distributed as dist
+    store = tempfile.NamedTemporaryFile(prefix="tequant-fuzz-", delete=False)
+    store.close()
+    os.unlink(store.name)
+    dist.init_process_group("gloo", init_method=f"file://{store.name}", rank=0, world_size=1)
+    return dist.group.WORLD
+
+
 PROPERTIES = {"quantize": (quantize_property, 6), "gemm": (gemm_property, 1),
-              "linear": (linear_property, 2), "autocast": (autocast_property, 1)}
+              "linear": (linear_property, 2), "autocast": (autocast_property, 1),
+              "distributed": (distributed_property, 1)}
 
 
 def main():
@@ -212,6 +278,7 @@ def main():
     ap.add_argument("--out", help="append the summary table (Markdown) to this file")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    _GROUP.append(one_rank_group())
     weights = sum(w for _, w in PROPERTIES.values())
     start = time.perf_counter()
     for name, (prop, weight) in PROPERTIES.items():

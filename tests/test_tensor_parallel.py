@@ -465,3 +465,13 @@ def compile_worker(rank, world, configs):
 def test_compiled_tensor_parallel_is_bit_identical_to_eager(two_ranks):
     # COMPILE_CONFIGS: current, mxfp8 and delayed in TE's form, nvfp4 with tequant's styles
     assert all(r["compile"] is True for r in two_ranks)
+
+
+def test_wrong_argument_types_are_type_errors():
+    """No process group needed: the types are checked before any collective (found by the
+    fuzz's distributed property: a str tp_group was an AttributeError inside torch)."""
+    with pytest.raises(TypeError, match="tp_group must be a torch.distributed.ProcessGroup"):
+        te.Linear(64, 32, tp_group="tp", parallel_mode="column")
+    with pytest.raises(TypeError, match="sequence_parallel must be a bool, got str"):
+        te.Linear(64, 32, parallel_mode="column", sequence_parallel="yes")
+

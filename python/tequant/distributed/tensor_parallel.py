@@ -80,6 +80,12 @@ class TensorParallel:
         if parallel_mode not in (None, "column", "row"):
             raise ValueError(f"parallel_mode must be None, 'column' or 'row', got "
                              f"{parallel_mode!r}")
+        if not isinstance(sequence_parallel, bool):
+            raise TypeError(f"sequence_parallel must be a bool, got "
+                            f"{type(sequence_parallel).__name__}")
+        if tp_group is not None and not isinstance(tp_group, dist.ProcessGroup):
+            raise TypeError(f"tp_group must be a torch.distributed.ProcessGroup (or None), got "
+                            f"{type(tp_group).__name__}")
         if tp_group is not None:
             size = dist.get_world_size(tp_group)
             if tp_size not in (1, size):
