@@ -11,7 +11,9 @@ median, the slowest rank's: the `step` column), then profile --steps steps on ev
 the host step time, the kernel time per category (GEMM, tequant's quantize/amax/cast kernels,
 NCCL, attention, norm, elementwise/other), the time the compute streams were busy (the union of
 non-NCCL kernel intervals) and the time they sat idle (step - busy: exposed communication,
-host gaps, waits). Overlap = NCCL kernel time that ran while a compute kernel ran. The numbers
+host gaps, waits). Overlap = NCCL kernel time that ran while a compute kernel ran. --waits puts
+each idle gap down to a cause (idle_waits: the host, or the other stream's work it waited for).
+The numbers
 explain bench_distributed's TP / FSDP rows; the test is tests/test_bench_distributed.py (CPU
 smoke of the profile on gloo ranks: the table is produced, categories sum to the kernel total).
 """
@@ -96,6 +98,48 @@ def top_kernels(trace_events, steps, limit=15):
     return "\n".join(lines)
 
 
+def _short(name):
+    """A kernel's name without its template and argument lists."""
+    return name.split("(")[0].split("<")[0].replace("void ", "")[:60]
+
+
+def idle_waits(trace_events, steps, limit=10):
+    """Why the compute streams sat idle: each gap in the union of non-NCCL kernels, up to the
+    compute kernel that ends it, is put down to the host when that kernel was launched (its
+    cudaLaunchKernel, matched by correlation id) after the gap began, else to the GPU work on
+    another stream that finished last before it started (the event it most likely waited for).
+    A table of ms and gaps per step per cause."""
+    work = [e for e in trace_events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+            and "dur" in e]
+    launches = {e["args"]["correlation"]: e["ts"] for e in trace_events
+                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    compute = sorted((e for e in work if e.get("cat") == "kernel"
+                      and category(e["name"]) != "nccl"), key=lambda e: e["ts"])
+    causes, end = {}, None
+    for k in compute:
+        start = k["ts"]
+        if end is not None and start > end:
+            launched = launches.get(k.get("args", {}).get("correlation"))
+            if launched is not None and launched > end:
+                cause = "host: launched during the gap"
+            else:
+                stream = k.get("args", {}).get("stream")
+                before = [e for e in work if e.get("args", {}).get("stream") != stream
+                          and end < e["ts"] + e["dur"] <= start]
+                last = max(before, key=lambda e: e["ts"] + e["dur"], default=None)
+                cause = ("no other GPU work ended in the gap" if last is None else
+                         f"after {category(last['name']) if last.get('cat') == 'kernel' else last['cat']}: "
+                         f"{_short(last['name'])}")
+            total, count = causes.get(cause, (0.0, 0))
+            causes[cause] = (total + (start - end) / 1e3, count + 1)
+        end = start + k["dur"] if end is None else max(end, start + k["dur"])
+    ranked = sorted(causes.items(), key=lambda kv: -kv[1][0])[:limit]
+    lines = [f"{'ms/step':>8} {'gaps/step':>9}  cause"]
+    for cause, (total, count) in ranked:
+        lines.append(f"{total / steps:8.2f} {count / steps:9.1f}  {cause}")
+    return "\n".join(lines)
+
+
 def rank_main(rank, world, port, args, lines):
     import tequant as te
     cuda = bd.init_rank(rank, world, port, args.device)
@@ -136,9 +180,10 @@ def rank_main(rank, world, port, args, lines):
             row = summarize(events, args.steps, step_ms)
             top = top_kernels(events, args.steps) if cuda else prof.key_averages().table(
                 sort_by="cpu_time_total", row_limit=12)
+            waits = idle_waits(events, args.steps)
             with open(lines, "a") as f:
                 f.write(json.dumps({"recipe": recipe, "overlap": overlap, "row": row,
-                                    "top": top}) + "\n")
+                                    "top": top, "waits": waits}) + "\n")
         del model
         dist.barrier()
     dist.destroy_process_group()
@@ -158,6 +203,8 @@ def main():
     ap.add_argument("--steps", type=int, default=3, help="profiled steps")
     ap.add_argument("--top", action="store_true",
                     help="also print rank 0's kernels with the most GPU time (CPU: ops)")
+    ap.add_argument("--waits", action="store_true",
+                    help="also print why rank 0's compute streams sat idle (idle_waits)")
     ap.add_argument("--time-limit", type=float, default=600.0,
                     help="the ranks are killed this many seconds (plus 60) after the start")
     ap.add_argument("--out")
@@ -198,6 +245,10 @@ def main():
         for r in rows:
             text += [f"#### {r['recipe']}, overlap {r['overlap']}: top kernels", "```",
                      r["top"], "```", ""]
+    if args.waits:
+        for r in rows:
+            text += [f"#### {r['recipe']}, overlap {r['overlap']}: idle gaps of the compute "
+                     "streams by cause", "```", r["waits"], "```", ""]
     out = "\n".join(text)
     print(out)
     if args.out:

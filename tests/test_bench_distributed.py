@@ -189,11 +189,40 @@ def test_profile_categories_and_intervals():
     assert len(table) == 4 and "aten::mm" not in "".join(table)  # kernels only
 
 
+def test_profile_idle_waits():
+    """idle_waits on a made-up trace: a gap whose kernel was launched late is the host's, one
+    whose kernel was queued earlier is put down to the other stream's work that ended last
+    before it (an all-gather here), and a gap with nothing ending in it says so."""
+    sys.path.insert(0, os.path.dirname(PROFILE))
+    import profile_distributed as prof
+
+    def kernel(name, ts, dur, stream, corr):
+        return {"cat": "kernel", "name": name, "ts": ts, "dur": dur,
+                "args": {"stream": stream, "correlation": corr}}
+
+    def launch(ts, corr):
+        return {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 2,
+                "args": {"correlation": corr}}
+    events = [  # us; compute on stream 7, NCCL on stream 20
+        kernel("nvjet_a", 0, 100, 7, 1), launch(0, 1),
+        kernel("ncclDevKernel_AllGather_RING_LL(x)", 50, 100, 20, 2), launch(40, 2),
+        kernel("void cast_kernel<1>(p)", 160, 40, 7, 3), launch(10, 3),  # waited: 100 -> 160
+        kernel("nvjet_b", 230, 20, 7, 4), launch(225, 4),  # launched late: 200 -> 230
+        kernel("nvjet_c", 300, 10, 7, 5), launch(240, 5),  # 250 -> 300, nothing ended
+    ]
+    table = prof.idle_waits(events, steps=1).splitlines()
+    assert table[1].split()[:2] == ["0.06", "1.0"] and "nccl: ncclDevKernel_AllGather" in table[1]
+    assert table[2].split()[:2] == ["0.05", "1.0"] and "no other GPU work" in table[2]
+    assert table[3].split()[:2] == ["0.03", "1.0"] and "host" in table[3]
+    assert len(table) == 4
+
+
 def test_profile_cpu_smoke(tmp_path):
     """Two gloo ranks, TP, bf16 and current with tp_comm_overlap on and off: one row each."""
     out = str(tmp_path / "prof.md")
     cmd = [sys.executable, PROFILE, "--device", "cpu", "--mode", "tp", "--recipes", "current",
-           "--overlap", "on,off", "--steps", "1", "--warmup", "1", "--iters", "1", "--out", out]
+           "--overlap", "on,off", "--steps", "1", "--warmup", "1", "--iters", "1", "--waits",
+           "--out", out]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
