@@ -4,15 +4,16 @@
  * Rule (tequant.h): every step is an internal_norm.h helper (one RN operation, no FMA); the two
  * row sums (of RN(dyg * xhat) and of dyg) follow tequant's order S, scheduled by norm_rows.cuh;
  * the column sums follow the fixed chunk order: rows in chunks of R(M, K) rows
- * (tq_norm_partial_rows), one CTA per chunk adding its rows in order into per-column partials
- * (shared memory, or the workspace itself when 2 * K floats do not fit), written to the
- * workspace; then column_sum_kernel sums each column's partials in groups of 32 chunks and the
- * group sums in order. So every output equals csrc/ref/norm_backward_ref.c bit for bit.
- * Layout: a CTA of kT threads (the least of 32, 64, 128, 256 with K <= 32 * kT) works on one row
- * at a time; thread t owns the columns of the chunks c = t mod kT (their partials need no sync)
- * and keeps its (at most 4) chunks of x and dy and of gamma in registers; longer rows are read
- * again for the second pass (kT = 256). No sync, no allocation: the caller's workspace holds the
- * partials.
+ * (tq_norm_partial_rows), each chunk's per-column partial adding its rows in order, written to
+ * the workspace; then column_sum_kernel sums each column's partials in groups of 32 chunks and
+ * the group sums in order. So every output equals csrc/ref/norm_backward_ref.c bit for bit.
+ * Layout: one CTA per row chunk, kT threads (the least of 32, 64, 128, 256 with K <= 32 * kT) on
+ * one row at a time; thread t owns the chunks c = t mod kT and keeps them (at most 4, of x, dy
+ * and gamma) in registers, and their columns' partials in shared memory (no sync: nobody else
+ * touches them). Rows longer than 8192 elements: the CTA (kT = 256) reads the row again for dx
+ * and leaves the partials to column_partial_kernel (a thread per chunk of 8 columns and row
+ * chunk, reading x and dy once more), since 2 * K FP32 partials in shared memory would leave one
+ * CTA per SM. No sync, no allocation: the caller's workspace holds the partials.
  * Tests: tests/test_norm_kernels.py (GPU cases: bit-exact against the CPU reference).
  */
 #include <cuda_runtime.h>
@@ -45,25 +46,26 @@ struct BwdParams {
     float *partials; /* [plane][p_count][cols]: dgamma's, then dbeta's (LayerNorm) */
     int64_t r_chunk, p_count;
     int planes;      /* partials accumulated: 1 (dgamma) or 2 (and dbeta) */
-    int acc_smem;    /* accumulate in dynamic shared memory [plane][8][nchunks], else in place */
     int dy_vec, x_vec, dx_vec, w_vec;
 };
 
-/* Where column 8c + e of `plane` accumulates. */
+/* The fused kernel's column partials in shared memory, [plane][e][chunk] (a warp's threads hold
+ * consecutive chunks: no bank conflicts). */
 struct ColAcc {
     float *base;
-    int64_t plane_stride, c_stride, e_stride;
+    int64_t nchunks;
     __device__ __forceinline__ float &at(int plane, int64_t c, int e) const {
-        return base[plane * plane_stride + c * c_stride + e * e_stride];
+        return base[(plane * kChunk + e) * nchunks + c];
     }
 };
 
-/* One chunk's pass 1: the row sums' terms into acc (its lane slot) and the column partials. */
-template <int kSlots>
-__device__ __forceinline__ void pass1_chunk(const BwdParams &p, const ColAcc &col, float (&acc)[2][kSlots],
-                                            int slot, int64_t c, int n, const float (&xv)[kChunk],
-                                            const float (&dyv)[kChunk], const float (&g)[kChunk],
-                                            float mean, float rstd) {
+/* One chunk's pass 1: the row sums' terms into acc (its lane slot) and, kCols, the column
+ * partials. */
+template <int kSlots, bool kCols>
+__device__ __forceinline__ void pass1_chunk(const BwdParams &p, const ColAcc &col,
+                                            float (&acc)[2][kSlots], int slot, int64_t c, int n,
+                                            const float (&xv)[kChunk], const float (&dyv)[kChunk],
+                                            const float (&g)[kChunk], float mean, float rstd) {
 #pragma unroll
     for (int e = 0; e < kChunk; e++) {
         if (e >= n) continue;
@@ -71,11 +73,13 @@ __device__ __forceinline__ void pass1_chunk(const BwdParams &p, const ColAcc &co
         const float dyg = tq_nmul(dyv[e], g[e]);
         acc[0][slot] = tq_nadd(acc[0][slot], tq_nmul(dyg, xhat));
         acc[1][slot] = tq_nadd(acc[1][slot], dyg);
-        float &pg = col.at(0, c, e);
-        pg = tq_nadd(pg, tq_nmul(dyv[e], xhat));
-        if (p.planes == 2) {
-            float &pb = col.at(1, c, e);
-            pb = tq_nadd(pb, dyv[e]);
+        if constexpr (kCols) {
+            float &pg = col.at(0, c, e);
+            pg = tq_nadd(pg, tq_nmul(dyv[e], xhat));
+            if (p.planes == 2) {
+                float &pb = col.at(1, c, e);
+                pb = tq_nadd(pb, dyv[e]);
+            }
         }
     }
 }
@@ -108,12 +112,15 @@ __device__ __forceinline__ void load_row_chunk(const BwdParams &p, int64_t row, 
     }
 }
 
-__device__ __forceinline__ void gamma_chunk(const BwdParams &p, int64_t c, int n, float (&g)[kChunk]) {
+__device__ __forceinline__ void gamma_chunk(const BwdParams &p, int64_t c, int n,
+                                            float (&g)[kChunk]) {
     tq_norm::load_w(g, p.gamma, p.w_dtype, c, n, p.w_vec);
 #pragma unroll
     for (int e = 0; e < kChunk; e++) g[e] = tq_norm_gamma(g[e], p.zero_centered);
 }
 
+/* kCache (K <= 8192): the row's chunks in registers and the column partials in shared memory;
+ * else (kT = 256) the row read again for dx, and no partials (column_partial_kernel's). */
 template <typename T, int kT, bool kCache>
 __global__ void __launch_bounds__(kT) norm_backward_kernel(const BwdParams p) {
     constexpr int kSlots = kLanes / kT, kJ = kCache ? kCached : 1;
@@ -123,21 +130,17 @@ __global__ void __launch_bounds__(kT) norm_backward_kernel(const BwdParams p) {
     const int64_t chunk_p = blockIdx.x;
     const int64_t r_begin = chunk_p * p.r_chunk;
     const int64_t r_end = r_begin + p.r_chunk < p.rows ? r_begin + p.r_chunk : p.rows;
-    ColAcc col;
-    if (p.acc_smem) col = {acc_shared, (int64_t)kChunk * p.nchunks, 1, p.nchunks};
-    else col = {p.partials + chunk_p * p.cols, p.p_count * p.cols, kChunk, 1};
-    for (int64_t c = t; c < p.nchunks; c += kT) {
-        const int n = chunk_len(c, p.cols);
-        for (int plane = 0; plane < p.planes; plane++)
-            for (int e = 0; e < n; e++) col.at(plane, c, e) = 0.0f;
-    }
+    const ColAcc col = {acc_shared, p.nchunks};
     float g[kJ][kChunk];
     if constexpr (kCache) {
 #pragma unroll
         for (int j = 0; j < kJ; j++) {
             const int64_t c = t + (int64_t)j * kT;
             const int n = chunk_len(c, p.cols);
-            if (n > 0) gamma_chunk(p, c, n, g[j]);
+            if (n == 0) continue;
+            gamma_chunk(p, c, n, g[j]);
+            for (int plane = 0; plane < p.planes; plane++)
+                for (int e = 0; e < n; e++) col.at(plane, c, e) = 0.0f;
         }
     }
     int buf = 0;
@@ -154,14 +157,15 @@ __global__ void __launch_bounds__(kT) norm_backward_kernel(const BwdParams p) {
                 const int n = chunk_len(c, p.cols);
                 if (n == 0) continue;
                 load_row_chunk<T>(p, row, c, n, xv[j], dyv[j]);
-                pass1_chunk<kSlots>(p, col, acc, j % kSlots, c, n, xv[j], dyv[j], g[j], mean, rstd);
+                pass1_chunk<kSlots, true>(p, col, acc, j % kSlots, c, n, xv[j], dyv[j], g[j],
+                                          mean, rstd);
             }
         } else { /* kT == 256: one lane per thread */
             for (int64_t c = t; c < p.nchunks; c += kT) {
                 const int n = chunk_len(c, p.cols);
                 gamma_chunk(p, c, n, g[0]);
                 load_row_chunk<T>(p, row, c, n, xv[0], dyv[0]);
-                pass1_chunk<kSlots>(p, col, acc, 0, c, n, xv[0], dyv[0], g[0], mean, rstd);
+                pass1_chunk<kSlots, false>(p, col, acc, 0, c, n, xv[0], dyv[0], g[0], mean, rstd);
             }
         }
         float sums[2];
@@ -185,14 +189,47 @@ __global__ void __launch_bounds__(kT) norm_backward_kernel(const BwdParams p) {
             }
         }
     }
-    if (p.acc_smem) { /* this thread's columns only: no sync needed */
-        for (int64_t c = t; c < p.nchunks; c += kT) {
+    if constexpr (kCache) { /* this thread's columns only: no sync needed */
+#pragma unroll
+        for (int j = 0; j < kJ; j++) {
+            const int64_t c = t + (int64_t)j * kT;
             const int n = chunk_len(c, p.cols);
             for (int plane = 0; plane < p.planes; plane++)
                 for (int e = 0; e < n; e++)
-                    p.partials[(plane * p.p_count + chunk_p) * p.cols + kChunk * c + e] = col.at(plane, c, e);
+                    p.partials[(plane * p.p_count + chunk_p) * p.cols + kChunk * c + e] =
+                        col.at(plane, c, e);
         }
     }
+}
+
+/* The partials of long rows (K > 8192), in the fused kernel's order: thread = one chunk of 8
+ * columns of one row chunk (blockIdx.y), adding the chunk's rows in order. */
+template <typename T>
+__global__ void __launch_bounds__(256) column_partial_kernel(const BwdParams p) {
+    const int64_t c = (int64_t)blockIdx.x * 256 + threadIdx.x;
+    const int64_t chunk_p = blockIdx.y;
+    const int n = chunk_len(c, p.cols);
+    if (n == 0) return;
+    const int64_t r_begin = chunk_p * p.r_chunk;
+    const int64_t r_end = r_begin + p.r_chunk < p.rows ? r_begin + p.r_chunk : p.rows;
+    float pg[kChunk], pb[kChunk];
+#pragma unroll
+    for (int e = 0; e < kChunk; e++) pg[e] = pb[e] = 0.0f;
+#pragma unroll 4
+    for (int64_t row = r_begin; row < r_end; row++) {
+        const float mean = p.rms ? 0.0f : p.mean[row], rstd = p.rstd[row];
+        float xv[kChunk], dyv[kChunk];
+        load_row_chunk<T>(p, row, c, n, xv, dyv);
+#pragma unroll
+        for (int e = 0; e < kChunk; e++) {
+            pg[e] = tq_nadd(pg[e], tq_nmul(dyv[e], tq_norm_xhat(xv[e], mean, rstd, p.rms)));
+            pb[e] = tq_nadd(pb[e], dyv[e]);
+        }
+    }
+    float *out = p.partials + chunk_p * p.cols + kChunk * c;
+    for (int e = 0; e < n; e++) out[e] = pg[e];
+    if (p.planes == 2)
+        for (int e = 0; e < n; e++) out[p.p_count * p.cols + e] = pb[e];
 }
 
 /* dgamma[j] (and dbeta[j]): column j's p_count partials, in groups of 32 chunks (thread row ty
@@ -208,16 +245,18 @@ __global__ void __launch_bounds__(1024) column_sum_kernel(const float *__restric
         if (out == nullptr) continue; /* uniform */
         const float *part = partials + plane * p_count * cols;
         float s = 0.0f;
-        const int64_t p_end = (ty + 1) * TQ_NORM_GROUP < p_count ? (ty + 1) * TQ_NORM_GROUP : p_count;
+        const int64_t p_begin = (int64_t)ty * TQ_NORM_GROUP;
+        const int64_t p_end = p_begin + TQ_NORM_GROUP < p_count ? p_begin + TQ_NORM_GROUP : p_count;
         if (j < cols) {
 #pragma unroll 8
-            for (int64_t q = (int64_t)ty * TQ_NORM_GROUP; q < p_end; q++) s = tq_nadd(s, part[q * cols + j]);
+            for (int64_t q = p_begin; q < p_end; q++) s = tq_nadd(s, part[q * cols + j]);
         }
         group_sum[ty][tx] = s;
         __syncthreads();
         if (ty == 0 && j < cols) {
             float total = 0.0f;
-            for (int64_t grp = 0; grp * TQ_NORM_GROUP < p_count; grp++) total = tq_nadd(total, group_sum[grp][tx]);
+            for (int64_t grp = 0; grp * TQ_NORM_GROUP < p_count; grp++)
+                total = tq_nadd(total, group_sum[grp][tx]);
             out[j] = tq_norm_canon(total);
         }
         __syncthreads();
@@ -225,31 +264,31 @@ __global__ void __launch_bounds__(1024) column_sum_kernel(const float *__restric
 }
 
 template <typename T, int kT, bool kCache>
-cudaError_t launch_as(BwdParams p, int device, cudaStream_t s) {
-    const size_t smem = (size_t)p.planes * kChunk * (size_t)p.nchunks * sizeof(float);
-    int optin = 0;
-    cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-    /* the static fold scratch (4 * kT floats) and a margin share the CTA's limit */
-    p.acc_smem = smem + 4 * kT * sizeof(float) + 1024 <= (size_t)optin;
-    const size_t dyn = p.acc_smem ? smem : 0;
-    if (dyn > 48 * 1024) {
+cudaError_t launch_as(const BwdParams &p, cudaStream_t s) {
+    /* the partials in shared memory: at most 2 * 8192 floats (64 KiB) */
+    const size_t smem = kCache ? (size_t)p.planes * kChunk * (size_t)p.nchunks * sizeof(float) : 0;
+    if (smem > 48 * 1024) {
         const cudaError_t err = cudaFuncSetAttribute(norm_backward_kernel<T, kT, kCache>,
                                                      cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                     (int)dyn);
+                                                     (int)smem);
         if (err != cudaSuccess) return err;
     }
-    norm_backward_kernel<T, kT, kCache><<<(unsigned)p.p_count, kT, dyn, s>>>(p);
+    norm_backward_kernel<T, kT, kCache><<<(unsigned)p.p_count, kT, smem, s>>>(p);
+    if (!kCache) {
+        const dim3 grid((unsigned)((p.nchunks + 255) / 256), (unsigned)p.p_count);
+        column_partial_kernel<T><<<grid, 256, 0, s>>>(p);
+    }
     return cudaPeekAtLastError();
 }
 
 template <typename T>
-cudaError_t launch(const BwdParams &p, int device, cudaStream_t s) {
+cudaError_t launch(const BwdParams &p, cudaStream_t s) {
     const int64_t per_thread = kCached;
-    if (p.nchunks <= per_thread * 32) return launch_as<T, 32, true>(p, device, s);
-    if (p.nchunks <= per_thread * 64) return launch_as<T, 64, true>(p, device, s);
-    if (p.nchunks <= per_thread * 128) return launch_as<T, 128, true>(p, device, s);
-    if (p.nchunks <= per_thread * 256) return launch_as<T, 256, true>(p, device, s);
-    return launch_as<T, 256, false>(p, device, s);
+    if (p.nchunks <= per_thread * 32) return launch_as<T, 32, true>(p, s);
+    if (p.nchunks <= per_thread * 64) return launch_as<T, 64, true>(p, s);
+    if (p.nchunks <= per_thread * 128) return launch_as<T, 128, true>(p, s);
+    if (p.nchunks <= per_thread * 256) return launch_as<T, 256, true>(p, s);
+    return launch_as<T, 256, false>(p, s);
 }
 
 }  // namespace
@@ -289,9 +328,9 @@ extern "C" tq_status tq_norm_backward_cuda(const tq_tensor *dy, const tq_tensor 
     if (p.p_count > 0) {
         cudaError_t err;
         switch (x->dtype) {
-            case TQ_DTYPE_FLOAT32: err = launch<float>(p, x->device, s); break;
-            case TQ_DTYPE_BFLOAT16: err = launch<Bf16>(p, x->device, s); break;
-            default: err = launch<Half>(p, x->device, s); break;
+            case TQ_DTYPE_FLOAT32: err = launch<float>(p, s); break;
+            case TQ_DTYPE_BFLOAT16: err = launch<Bf16>(p, s); break;
+            default: err = launch<Half>(p, s); break;
         }
         if (err != cudaSuccess) return cuda_failed("norm backward kernel launch", err);
     }

@@ -3,8 +3,9 @@
  *
  * Rule (tequant.h, NUMERICS.md 2 for the cast): every step is an internal_norm.h helper (one RN
  * operation, no FMA); the two row sums follow tequant's order S, scheduled by norm_rows.cuh;
- * codes are cvt8(tq_mul(y, scale)) through formats.h's tq_f32_to_fp8, the CPU reference's own
- * codec; amax is fmaxf(|y|) (NaN ignored) per CTA, then one atomicMax on the slot's signed bits
+ * codes are cvt8(tq_mul(y, scale)) by the hardware's cvt.rn.satfinite, as quantize_fp8.cu casts
+ * (the rule of formats.h's codec, which the CPU reference uses); y_hp is rounded by cvt.rn too
+ * (formats.h's rule); amax is fmaxf(|y|) (NaN ignored) per CTA, then one atomicMax on the slot's signed bits
  * (quantize_fp8.cu's history-slot rule). So every output equals csrc/ref/norm_forward_ref.c bit
  * for bit, whatever the launch shape.
  * Layout: a CTA of 256 threads works on 256 / kT rows at a time, kT threads per row (the least
@@ -49,12 +50,12 @@ struct FwdParams {
     const float *scale;   /* DELAYED */
     const float *amax_in; /* CURRENT */
     float fmax, amax_eps;
-    int pow2, e5m2;
+    int quantize, pow2, e5m2; /* quantize: a config was given (y_q may be empty: M = 0) */
     int x_vec, y_vec, q_vec, w_vec; /* 16-byte rows of x, y_hp, gamma / beta; 8-byte rows of y_q */
 };
 
 __device__ __forceinline__ float cast_scale(const FwdParams &p) {
-    if (p.y_q == nullptr) return 1.0f;
+    if (!p.quantize) return 1.0f;
     if (p.scale != nullptr) return *p.scale;
     return tq_scale_from_amax(*p.amax_in, p.fmax, p.amax_eps, p.pow2, TQ_FLT_MAX);
 }
@@ -79,11 +80,12 @@ __device__ __forceinline__ void write_chunk(const FwdParams &p, const Chunk<T> &
         for (int e = 0; e < kChunk; e++) out[e] = tq_norm_canon(y[e]);
         tq_norm::store_chunk(static_cast<T *>(p.y_hp) + row * p.ld_y, c, out, n, p.y_vec);
     }
-    if (p.y_q != nullptr) {
-        uint32_t w[2] = {0u, 0u};
+    if (p.quantize) {
+        float scaled[kChunk];
+        uint32_t w[2];
 #pragma unroll
-        for (int e = 0; e < kChunk; e++)
-            w[e / 4] |= (uint32_t)tq_f32_to_fp8(tq_mul(y[e], scale), p.e5m2) << (8 * (e % 4));
+        for (int e = 0; e < kChunk; e++) scaled[e] = tq_mul(y[e], scale);
+        tq_norm::cvt8x8(scaled, p.e5m2, w);
         uint8_t *dst = p.y_q + row * p.ld_q + (int64_t)kChunk * c;
         if (p.q_vec && n == kChunk) {
             *reinterpret_cast<uint2 *>(dst) = make_uint2(w[0], w[1]);
@@ -113,7 +115,7 @@ __global__ void __launch_bounds__(kThreads) norm_forward_kernel(const FwdParams 
     const int t = threadIdx.x % kT, group = threadIdx.x / kT;
     const T *x = static_cast<const T *>(p.x);
     const float scale = cast_scale(p);
-    if (blockIdx.x == 0 && threadIdx.x == 0 && p.y_q != nullptr) *p.scale_inv = tq_rcp(scale);
+    if (blockIdx.x == 0 && threadIdx.x == 0 && p.quantize) *p.scale_inv = tq_rcp(scale);
     float amax = 0.0f;
     int buf = 0;
     for (int64_t row0 = (int64_t)blockIdx.x * kRows; row0 < p.rows;
@@ -248,6 +250,7 @@ extern "C" tq_status tq_norm_forward_cuda(const tq_tensor *x, const tq_norm_forw
     p.w_vec = tq_norm::aligned(p.gamma, 16) && (!p.has_beta || tq_norm::aligned(p.beta, 16));
     if (a->config != nullptr) {
         const tq_quant_config *c = a->config;
+        p.quantize = 1;
         p.y_q = static_cast<uint8_t *>(a->y_q.data);
         p.ld_q = a->y_q.ld;
         p.q_vec = tq_norm::aligned(p.y_q, 8) && p.ld_q % 8 == 0;

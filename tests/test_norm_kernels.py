@@ -119,7 +119,8 @@ def test_cpu_reference_close_to_torch_float64(dtype, norm, zc):
         got = forward(x, gamma, norm, beta=beta, zc=zc)
         y64, mean64, rstd64 = torch_forward64(x, gamma, beta, norm, zc)
         rtol, atol = TOL[dtype]
-        torch.testing.assert_close(got["y_hp"].double(), y64.to(dtype).double(), rtol=rtol, atol=atol)
+        torch.testing.assert_close(got["y_hp"].double(), y64.to(dtype).double(), rtol=rtol,
+                                   atol=atol)
         torch.testing.assert_close(got["rstd"].double(), rstd64, rtol=1e-5, atol=0)
         if mean64 is not None:
             torch.testing.assert_close(got["mean"].double(), mean64, rtol=1e-5, atol=1e-6)
@@ -306,6 +307,18 @@ def test_fp8_codes_match_quantize_of_torch_norm(dtype, norm, scaling):
         assert len(torch.unique(got["y_q"])) > 50
 
 
+def test_empty_x_still_writes_scale_inv_and_amax():
+    """M = 0: no row, but scale_inv is RN(1 / scale) and the slot takes max(slot, 0)."""
+    x, gamma, _, _ = make(0, 24, torch.float32)
+    got = forward(x, gamma, "RMSNorm", cfg=CFG_E4M3, scale=torch.tensor([4.0]), amax0=-2.0)
+    assert float(got["scale_inv"]) == 0.25 and float(got["amax"]) == 0.0
+    cur = forward(x, gamma, "RMSNorm", cfg=(Float8CurrentScaling(), "input"),
+                  amax_in=torch.tensor([3.5]), want=())
+    assert float(cur["scale_inv"]) == float(torch.tensor(1.0) / (torch.tensor(448.0) / 3.5))
+    b = backward(x, x, gamma, "RMSNorm", None, got["rstd"])
+    assert b["dx"].shape == (0, 24) and torch.equal(b["dgamma"], torch.zeros(24))
+
+
 def test_fp8_codes_and_amax_of_delayed_scaling_in_one_pass():
     """Delayed scaling: the codes, scale_inv and the history slot's amax in the same call; the
     slot max-accumulates (a larger old value stays, a smaller one is replaced)."""
@@ -343,8 +356,8 @@ def misaligned(t):
 
 LAYOUTS = {"contiguous": lambda t: t, "strided": strided, "misaligned": misaligned}
 # K per kernel variant: forward kT = 32 / 64 / 128 / 256 in registers, then 256 re-reading the
-# row (K > 16384); backward kT = 32 .. 256 (K <= 1024 .. 8192), re-reading past 8192, and its
-# column partials in global memory past ~28000 (LayerNorm); odd K and K < 8 throughout.
+# row (K > 16384); backward kT = 32 .. 256 (K <= 1024 .. 8192), past 8192 re-reading the row with
+# the partials from column_partial_kernel; odd K and K < 8 throughout.
 GPU_SHAPES = [(0, 64), (1, 1), (3, 7), (5, 1000), (17, 1031), (6, 2048), (4, 3001), (3, 6000),
               (2, 12007), (2, 16384), (2, 17001), (70, 100), (300, 33)]
 
@@ -389,8 +402,8 @@ def test_cuda_forward_matches_cpu_reference(dtype, norm, layout):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_cuda_backward_matches_cpu_reference(dtype, norm, layout):
     # plus: several column chunks and groups (M = 3000: R = 16, 188 partials), R > 16
-    # (M = 40000, K = 40: 1250 chunks of 32 would pass 1024), partials in global memory (K = 30000)
-    shapes = GPU_SHAPES + [(3000, 40), (40000, 40), (5, 30001)]
+    # (M = 40000, K = 40: 1250 chunks of 32 would pass 1024), long rows over several chunks
+    shapes = GPU_SHAPES + [(3000, 40), (40000, 40), (5, 30001), (40, 9001)]
     for i, (m, k) in enumerate(shapes):
         zc = i % 2 == 0
         x, gamma, beta, dy = gpu_case(m, k, dtype, norm, zc, layout, [None, torch.float16,
@@ -406,11 +419,12 @@ def test_cuda_backward_matches_cpu_reference(dtype, norm, layout):
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("norm", NORMS)
-def test_cuda_nan_inputs_and_amax(norm):
+def test_cuda_nan_inputs_and_amax(dtype, norm):
     """Rows holding NaN / Inf: NaN outputs are the canonical +NaN on both sides, and amax ignores
     them (the finite rows' max, accumulated into the slot)."""
-    x, gamma, beta, dy = make(40, 300, torch.bfloat16, seed=9)
+    x, gamma, beta, dy = make(40, 300, dtype, seed=9)
     x[3, 7] = float("nan")
     x[10, :] = float("nan")
     x[20, 5] = float("inf")

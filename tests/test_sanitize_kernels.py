@@ -21,9 +21,9 @@ codec.cu       codec_kernel<10 codecs>    codecs
 gemm_alpha.cu  alpha_kernel               c_api_gemm_alpha_and_values (tq_gemm_alpha through
                                           ctypes: the extension calls it for CPU operands only)
 norm_backward.cu norm_backward_kernel<f32|bf16|f16, kT 32|64|128|256 in registers, 256 re-reading>
-                                          norm_kernels (K = 1000 / 2000 / 4000 / 8000, 9000;
-                                          partials in shared memory, in global memory at
-                                          K = 30001; aligned and misaligned rows)
+                                          norm_kernels (K = 1000 / 2000 / 4000 / 8000, 9000 and
+                                          30001; aligned and misaligned rows)
+               column_partial_kernel<f32|bf16|f16>  norm_kernels (K = 9000, 30001)
                column_sum_kernel          norm_kernels
 norm_forward.cu norm_forward_kernel<f32|bf16|f16, kT 32|64|128|256 in registers, 256 re-reading>
                                           norm_kernels (K = 1000 / 3000 / 6000 / 12000, 17001;

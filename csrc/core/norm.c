@@ -82,7 +82,8 @@ static tq_status not_for(const char *fn, const char *name, const char *what) {
 
 /* The quantized output: a DELAYED or CURRENT FP8 config, y_q and scale_inv, and the scale
  * (DELAYED) or the amax it comes from (CURRENT). */
-static tq_status check_quantized(const char *fn, const tq_tensor *x, const tq_norm_forward_args *a) {
+static tq_status check_quantized(const char *fn, const tq_tensor *x,
+                                 const tq_norm_forward_args *a) {
     const tq_quant_config *c = a->config;
     if (c == NULL) {
         const tq_tensor *ts[] = {&a->y_q, &a->scale_inv, &a->scale, &a->amax_in};
@@ -97,7 +98,8 @@ static tq_status check_quantized(const char *fn, const tq_tensor *x, const tq_no
         return tq_fail(TQ_ERROR_NOT_SUPPORTED, "%s: the fused norm writes per-tensor FP8 (delayed "
                        "or current scaling); this config's scaling is %d: quantize y_hp with "
                        "tq_quantize instead", fn, (int)c->scaling);
-    if (!given(&a->y_q) || !given(&a->scale_inv))
+    /* an empty y_q (M = 0) may have no data pointer (CUDA's empty tensors have none) */
+    if ((!given(&a->y_q) && x->rows > 0) || !given(&a->scale_inv))
         return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "%s: a config needs both y_q and scale_inv",
                        fn);
     st = check_matrix(fn, &a->y_q, "y_q", x, c->elem_dtype);
@@ -152,9 +154,11 @@ tq_status tq_norm_forward(const tq_tensor *x, const tq_norm_forward_args *a,
         if ((st = check_vector(fn, &a->mean, "mean", m, F32_MASK, x->device)) != TQ_SUCCESS)
             return st;
     }
-    if (given(&a->rstd) && (st = check_vector(fn, &a->rstd, "rstd", m, F32_MASK, x->device)) != TQ_SUCCESS)
+    if (given(&a->rstd)
+        && (st = check_vector(fn, &a->rstd, "rstd", m, F32_MASK, x->device)) != TQ_SUCCESS)
         return st;
-    if (given(&a->amax) && (st = check_vector(fn, &a->amax, "amax", 1, F32_MASK, x->device)) != TQ_SUCCESS)
+    if (given(&a->amax)
+        && (st = check_vector(fn, &a->amax, "amax", 1, F32_MASK, x->device)) != TQ_SUCCESS)
         return st;
     st = check_quantized(fn, x, a);
     if (st != TQ_SUCCESS) return st;
@@ -197,16 +201,18 @@ tq_status tq_norm_backward(const tq_tensor *dy, const tq_tensor *x,
     const int ln = a->norm == TQ_NORM_LAYERNORM;
     st = check_vector(fn, &a->gamma, "gamma", k, FLOAT_MASK, x->device);
     if (st != TQ_SUCCESS) return st;
-    if (ln && !given(&a->mean))
+    /* M = 0: the [0] and [0, K] tensors may have no data pointer */
+    const int rows_given = m > 0;
+    if (ln && !given(&a->mean) && rows_given)
         return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "%s: LayerNorm needs the forward's mean", fn);
     if (!ln && given(&a->mean)) return not_for(fn, "mean", "RMSNorm has no mean");
     if (!ln && given(&a->dbeta)) return not_for(fn, "dbeta", "RMSNorm has no beta");
     if (ln && (st = check_vector(fn, &a->mean, "mean", m, F32_MASK, x->device)) != TQ_SUCCESS)
         return st;
-    if (!given(&a->rstd))
+    if (!given(&a->rstd) && rows_given)
         return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "%s: rstd (the forward's) is required", fn);
     if ((st = check_vector(fn, &a->rstd, "rstd", m, F32_MASK, x->device)) != TQ_SUCCESS) return st;
-    if (!given(&a->dx) || !given(&a->dgamma))
+    if ((!given(&a->dx) && rows_given) || !given(&a->dgamma))
         return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "%s: dx and dgamma are required outputs", fn);
     if ((st = check_matrix(fn, &a->dx, "dx", x, x->dtype)) != TQ_SUCCESS) return st;
     if ((st = check_vector(fn, &a->dgamma, "dgamma", k, F32_MASK, x->device)) != TQ_SUCCESS)
@@ -222,7 +228,8 @@ tq_status tq_norm_backward(const tq_tensor *dy, const tq_tensor *x,
         st = tq_tensor_check(w, "workspace");
         if (st != TQ_SUCCESS) return st;
         const int contiguous = w->rows <= 1 || w->ld == w->cols;
-        const size_t have = contiguous ? (size_t)(w->rows * w->cols) * (size_t)(tq_dtype_bits(w->dtype) / 8) : 0;
+        const size_t elem = (size_t)(tq_dtype_bits(w->dtype) / 8);
+        const size_t have = contiguous ? (size_t)(w->rows * w->cols) * elem : 0;
         if (w->data == NULL || have < need || ((uintptr_t)w->data & 3u) != 0)
             return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "%s: workspace has %zu contiguous bytes at "
                            "%p; %s [%lld, %lld] needs %zu, 4-byte aligned "
