@@ -265,20 +265,23 @@ __global__ void __launch_bounds__(1024) column_sum_kernel(const float *__restric
 
 template <typename T, int kT, bool kCache>
 cudaError_t launch_as(const BwdParams &p, cudaStream_t s) {
-    /* the partials in shared memory: at most 2 * 8192 floats (64 KiB) */
+    /* the partials in shared memory: at most 2 * 8192 floats (64 KiB); with the static fold
+     * scratch (4 * kT floats) past 48 KiB the kernel must opt in to more dynamic memory */
     const size_t smem = kCache ? (size_t)p.planes * kChunk * (size_t)p.nchunks * sizeof(float) : 0;
-    if (smem > 48 * 1024) {
+    if (smem + 4 * kT * sizeof(float) > 48 * 1024) {
         const cudaError_t err = cudaFuncSetAttribute(norm_backward_kernel<T, kT, kCache>,
                                                      cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                      (int)smem);
         if (err != cudaSuccess) return err;
     }
     norm_backward_kernel<T, kT, kCache><<<(unsigned)p.p_count, kT, smem, s>>>(p);
-    if (!kCache) {
+    cudaError_t err = cudaGetLastError(); /* cleared: a failure must not poison later calls */
+    if (err == cudaSuccess && !kCache) {
         const dim3 grid((unsigned)((p.nchunks + 255) / 256), (unsigned)p.p_count);
         column_partial_kernel<T><<<grid, 256, 0, s>>>(p);
+        err = cudaGetLastError();
     }
-    return cudaPeekAtLastError();
+    return err;
 }
 
 template <typename T>
@@ -338,7 +341,7 @@ extern "C" tq_status tq_norm_backward_cuda(const tq_tensor *dy, const tq_tensor 
     column_sum_kernel<<<(unsigned)((x->cols + 31) / 32), block, 0, s>>>(
         p.partials, p.p_count, p.cols, static_cast<float *>(a->dgamma.data),
         static_cast<float *>(a->dbeta.data));
-    const cudaError_t err = cudaPeekAtLastError();
+    const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return cuda_failed("norm backward column-sum kernel launch", err);
     return TQ_SUCCESS;
 }

@@ -269,7 +269,7 @@ extern "C" tq_status tq_norm_forward_cuda(const tq_tensor *x, const tq_norm_forw
         case TQ_DTYPE_BFLOAT16: launch<Bf16>(p, sms, s); break;
         default: launch<Half>(p, sms, s); break;
     }
-    const cudaError_t err = cudaPeekAtLastError();
+    const cudaError_t err = cudaGetLastError(); /* cleared: must not poison later calls */
     if (err != cudaSuccess) return cuda_failed("norm forward kernel launch", err);
     return TQ_SUCCESS;
 }
