@@ -20,6 +20,14 @@ amax_update.cu amax_update_kernel<max>    amax_update (600 slots: two launches),
 codec.cu       codec_kernel<10 codecs>    codecs
 gemm_alpha.cu  alpha_kernel               c_api_gemm_alpha_and_values (tq_gemm_alpha through
                                           ctypes: the extension calls it for CPU operands only)
+norm_backward.cu norm_backward_kernel<f32|bf16|f16, kT 32|64|128|256 in registers, 256 re-reading>
+                                          norm_kernels (K = 1000 / 2000 / 4000 / 8000, 9000 and
+                                          30001; aligned and misaligned rows)
+               column_partial_kernel<f32|bf16|f16>  norm_kernels (K = 9000, 30001)
+               column_sum_kernel          norm_kernels
+norm_forward.cu norm_forward_kernel<f32|bf16|f16, kT 32|64|128|256 in registers, 256 re-reading>
+                                          norm_kernels (K = 1000 / 3000 / 6000 / 12000, 17001;
+                                          M = 0 too: the one-CTA scale_inv / amax launch)
 pad.cu         pad_rows_kernel<uint4>     linear_step (51 tokens), cuda_graph_step (50 tokens)
                pad_rows_kernel<uint8_t>   linear_step (third step: an input one element off a
                                           16-byte boundary)
@@ -264,6 +272,36 @@ def test_amax_update():
     _C._amax_update(slots[:3], length, "most_recent", reduced)
     _finite(hist, scale)
     assert bool((scale > 0).all())
+
+
+# ---- normalization ---------------------------------------------------------------------------
+
+def test_norm_kernels():
+    """Every variant of the fused norm kernels (tests/test_norm_kernels.py checks their bits)."""
+    cfg = te.quantizer_config(DelayedScaling(), "input")
+    fwd_k, bwd_k = [1000, 3000, 6000, 12000, 17001], [1000, 2000, 4000, 8000, 9000, 30001]
+    cases = [(k, d) for k in sorted(set(fwd_k + bwd_k)) for d in (F32, BF16, F16)]
+    for i, (k, dtype) in enumerate(cases):
+        m = 0 if i == 0 else (40 if k == 1000 else 3)  # 40 rows: three column chunks
+        norm = "RMSNorm" if i % 4 == 3 else "LayerNorm"
+        ln = norm == "LayerNorm"
+        x = _layout(_randn(m, k, dtype=dtype, seed=40 + i), "misaligned" if i % 2 else "contiguous")
+        dy = _layout(_randn(m, k, dtype=dtype, seed=41 + i), "strided" if i % 3 else "contiguous")
+        gamma, beta = _randn(k, seed=42 + i) + 1, _randn(k, dtype=BF16, seed=43 + i)
+        mean, rstd = torch.empty(m, device=DEVICE), torch.empty(m, device=DEVICE)
+        y, amax = torch.empty(m, k, dtype=dtype, device=DEVICE), torch.zeros(1, device=DEVICE)
+        y_q = torch.empty(m, k, dtype=torch.uint8, device=DEVICE)
+        scale_inv = torch.empty(1, device=DEVICE)
+        _C._norm_forward(x, gamma, norm, zero_centered_gamma=i % 2 == 0,
+                         beta=beta.float() if ln else None, y_hp=y, mean=mean if ln else None,
+                         rstd=rstd, amax=amax, config=cfg, y_q=y_q, scale_inv=scale_inv,
+                         scale=torch.ones(1, device=DEVICE))
+        dx, dgamma = torch.empty_like(x), torch.empty(k, device=DEVICE)
+        dbeta = torch.empty(k, device=DEVICE) if ln else None
+        _C._norm_backward(dy, x, gamma, norm, rstd=rstd, dx=dx, dgamma=dgamma,
+                          mean=mean if ln else None, dbeta=dbeta)
+        _finite(y, rstd, amax, scale_inv, dx, dgamma, *([mean, dbeta] if ln else []))
+        torch.sum(y_q, dtype=torch.int64)  # read it all (initcheck)
 
 
 # ---- quantize / dequantize --------------------------------------------------------------------

@@ -64,6 +64,18 @@ TQ_DECLARE_QUANTIZER(fp8_block)
 TQ_DECLARE_QUANTIZER(mxfp8)
 TQ_DECLARE_QUANTIZER(nvfp4)
 
+/* Normalization (csrc/core/norm.c checks, csrc/ref/norm_{forward,backward}_ref.c,
+ * cuda/norm_{forward,backward}.cu): every tensor is on x's device with the shapes and dtypes
+ * tequant.h names; K >= 1; the backward workspace is large enough. */
+tq_status tq_norm_forward_ref(const tq_tensor *x, const tq_norm_forward_args *args,
+                              struct CUstream_st *stream);
+tq_status tq_norm_forward_cuda(const tq_tensor *x, const tq_norm_forward_args *args,
+                               struct CUstream_st *stream);
+tq_status tq_norm_backward_ref(const tq_tensor *dy, const tq_tensor *x,
+                               const tq_norm_backward_args *args, struct CUstream_st *stream);
+tq_status tq_norm_backward_cuda(const tq_tensor *dy, const tq_tensor *x,
+                                const tq_norm_backward_args *args, struct CUstream_st *stream);
+
 #ifdef __cplusplus
 }
 #endif

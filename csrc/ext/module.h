@@ -180,6 +180,9 @@ extern PyMethodDef tqx_ops_methods[];
 /* codec.c: _C._codec, the elementwise codecs for tests */
 extern PyMethodDef tqx_codec_methods[];
 
+/* norm.c: _C._norm_forward, _C._norm_backward (the fused normalization kernels) */
+extern PyMethodDef tqx_norm_methods[];
+
 /* torch_calls.c: torch functions the extension calls (allocation, dtypes), imported once. */
 int tqx_torch_import(tqx_state *st); /* -1 with an exception */
 PyObject *tqx_torch_dtype_of(tqx_state *st, tq_dtype d); /* borrowed; packed E2M1 -> uint8 */

@@ -46,6 +46,8 @@ const tq_test_api *tq_test_header_api(void) {
 int tq_test_header_use(void) {
     tq_quant_config config = TQ_QUANT_CONFIG_INIT;
     tq_build_info info = TQ_BUILD_INFO_INIT;
+    tq_norm_forward_args norm_fwd = TQ_NORM_FORWARD_ARGS_INIT;
+    tq_norm_backward_args norm_bwd = TQ_NORM_BACKWARD_ARGS_INIT;
     unsigned char byte = 0;
     tq_tensor t;
     struct CUstream_st *stream = NULL; /* launching calls take this; declared by the header */
@@ -65,5 +67,8 @@ int tq_test_header_use(void) {
     config.amax_algo = TQ_AMAX_ALGO_MOST_RECENT;
     return (int)(config.struct_size == sizeof(tq_quant_config))
            + (int)(info.struct_size == sizeof(tq_build_info)) + (int)(t.rows * t.cols)
-           + (int)(stream == NULL) + (int)config.block_cols;
+           + (int)(stream == NULL) + (int)config.block_cols
+           + (int)(norm_fwd.struct_size == sizeof(tq_norm_forward_args) && norm_fwd.config == NULL)
+           + (int)(norm_bwd.struct_size == sizeof(tq_norm_backward_args)
+                   && norm_bwd.norm == TQ_NORM_LAYERNORM);
 }

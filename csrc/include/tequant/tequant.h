@@ -425,6 +425,124 @@ TQ_API tq_status tq_gemm_plan_cache_clear(void);
 TQ_API tq_status tq_stream_is_capturing(struct CUstream_st *stream, int *capturing);
 
 /* ---------------------------------------------------------------------------------------------
+ * Normalization: LayerNorm and RMSNorm over the last dim of x [M, K], with the per-tensor FP8
+ * GEMM operand of the output written in the same pass (the norm of te.LayerNormLinear /
+ * te.LayerNormMLP), and their backward.
+ *
+ * Forward, per row (v = x widened exactly to FP32, g = gamma, or RN(1 + gamma) with
+ * TQ_NORM_ZERO_CENTERED_GAMMA; every step one FP32 RN operation, no fused multiply-add):
+ *   LayerNorm  mean = RN(S(v) / K), d = RN(v - mean), var = RN(S(d * d) / K),
+ *              rstd = RN(1 / RN(sqrt(RN(var + eps)))), y = RN(RN(RN(d * rstd) * g) + beta)
+ *              (without beta: y = RN(RN(d * rstd) * g));
+ *   RMSNorm    rstd = RN(1 / RN(sqrt(RN(RN(S(v * v) / K) + eps)))), y = RN(RN(v * rstd) * g).
+ * S is tequant's fixed summation order over a row, defined by K alone (not by a launch shape),
+ * so the CPU reference and the kernels agree bit for bit: the row is cut into chunks of 8
+ * consecutive elements (the last may be shorter); chunk c belongs to lane c mod 256; each lane
+ * adds its chunks' elements in index order onto +0 (one RN add each); then the 256 lanes fold in
+ * halves, for s = 128, 64, ..., 1: lane[l] = RN(lane[l] + lane[l + s]) for l < s; S = lane[0].
+ * Stored FP32 NaNs (mean, rstd, y before its rounding, dx, dgamma, dbeta) are the canonical
+ * +NaN 0x7FFFFFFF on every device.
+ * Outputs, each optional: y_hp = y rounded to x's dtype (RNE); mean and rstd (for backward);
+ * amax = max |y| over the FP32 y (NaN ignored, as tq_amax), MAX-ACCUMULATED into the caller's
+ * value like a DelayedScaling history slot (the larger as signed int32 bits, tq_quantize's rule):
+ * zero it for a fresh amax; and the rowwise per-tensor FP8 codes y_q = cvt8(RN(y * scale)) of
+ * the FP32 y (the cast of tq_quantize, formats.h's codec) with scale_inv = RN(1 / scale):
+ *   DELAYED  scale is the given `scale` (the slot's); amax (the history slot) fills in the same
+ *            pass. One launch.
+ *   CURRENT  scale = the current-scaling rule of the given `amax_in` (tq_quantize's, with the
+ *            config's fmax, epsilon and pow2), which needs every row's y first: run the forward
+ *            once with amax (zeroed; all-reduce it where the rows are a shard), then again with
+ *            amax_in = that amax and y_q (mean, rstd and y_hp may come from either run).
+ * The columnwise copy of per-tensor FP8 is the rowwise codes transposed (tq_transpose).
+ * ------------------------------------------------------------------------------------------- */
+
+typedef enum tq_norm_type {
+    TQ_NORM_LAYERNORM = 0, /* (x - mean) * rstd * gamma + beta */
+    TQ_NORM_RMSNORM = 1    /* x * rstd * gamma */
+} tq_norm_type;
+
+typedef enum tq_norm_flags {
+    TQ_NORM_ZERO_CENTERED_GAMMA = 1u << 0 /* multiply by RN(1 + gamma): gamma holds weight - 1 */
+} tq_norm_flags;
+
+/* A vector argument (gamma, beta, mean, rstd, dgamma, dbeta) is a tq_tensor holding exactly n
+ * contiguous elements: [1, n] or [n, 1] (a 1-D torch tensor is [1, n]). */
+typedef struct tq_norm_forward_args {
+    size_t struct_size;    /* sizeof(tq_norm_forward_args), set by TQ_NORM_FORWARD_ARGS_INIT */
+    tq_norm_type norm;
+    uint32_t flags;        /* tq_norm_flags */
+    float eps;             /* added to the variance (mean square); >= 0 */
+    tq_tensor gamma;       /* K elements, FLOAT32 / BFLOAT16 / FLOAT16 (any of them, not tied
+                              to x's dtype), on x's device */
+    tq_tensor beta;        /* LayerNorm, optional: K elements of gamma's dtype */
+    /* outputs: data == NULL means not wanted */
+    tq_tensor y_hp;        /* [M, K] of x's dtype, ld >= K */
+    tq_tensor mean;        /* LayerNorm: M FLOAT32 */
+    tq_tensor rstd;        /* M FLOAT32 */
+    tq_tensor amax;        /* one FLOAT32, max-accumulated (see above) */
+    const tq_quant_config *config; /* NULL: no y_q; else DELAYED or CURRENT (E4M3 or E5M2) */
+    tq_tensor y_q;         /* [M, K] codes, the config's FP8 dtype or UINT8, ld >= K */
+    tq_tensor scale_inv;   /* one FLOAT32 = RN(1 / scale) */
+    tq_tensor scale;       /* DELAYED: one FLOAT32, the scale to cast with */
+    tq_tensor amax_in;     /* CURRENT: one FLOAT32, the amax the scale comes from (not `amax`) */
+} tq_norm_forward_args;
+
+/* A descriptor that names no tensor: an optional argument not given. */
+#define TQ_TENSOR_NONE {NULL, 0, 0, 0, TQ_DTYPE_FLOAT32, TQ_DEVICE_CPU}
+
+#define TQ_NORM_FORWARD_ARGS_INIT \
+    {sizeof(tq_norm_forward_args), TQ_NORM_LAYERNORM, 0u, 1e-5f, TQ_TENSOR_NONE, TQ_TENSOR_NONE, \
+     TQ_TENSOR_NONE, TQ_TENSOR_NONE, TQ_TENSOR_NONE, TQ_TENSOR_NONE, NULL, TQ_TENSOR_NONE, \
+     TQ_TENSOR_NONE, TQ_TENSOR_NONE, TQ_TENSOR_NONE}
+
+/* The norm of x [M, K] (FLOAT32, BFLOAT16 or FLOAT16; ld >= K; K >= 1, M >= 0) into the outputs
+ * args names. CPU tensors run the C reference, CUDA tensors the kernels on `stream` (no sync,
+ * no allocation). */
+TQ_API tq_status tq_norm_forward(const tq_tensor *x, const tq_norm_forward_args *args,
+                                 struct CUstream_st *stream);
+
+/* Backward, per row, with xhat = RN(d * rstd) (LayerNorm) or RN(v * rstd) (RMSNorm) from the
+ * forward's saved mean and rstd, dyg = RN(dy * g), and c1 = RN(S(RN(dyg * xhat)) / K),
+ * c2 = RN(S(dyg) / K) (S as in the forward):
+ *   LayerNorm  dx = RN(RN(dyg - RN(RN(xhat * c1) + c2)) * rstd);
+ *   RMSNorm    dx = RN(RN(dyg - RN(xhat * c1)) * rstd).
+ * dgamma[j] = sum over rows of RN(dy * xhat) and dbeta[j] = sum over rows of dy, in this fixed
+ * order: the rows are cut into P = ceil(M / R) chunks of R consecutive rows (R is a function of
+ * M and K: the smallest power of two >= 16 with P <= 1024 and P * K <= 2^22, or R >= M); a
+ * chunk's partial sum adds its rows in order onto +0; partials are then summed in groups of 32
+ * consecutive chunks (in order, onto +0), and the group sums in order onto +0. The partials live
+ * in the caller's workspace. M = 0 gives dgamma = dbeta = 0. */
+typedef struct tq_norm_backward_args {
+    size_t struct_size;  /* sizeof(tq_norm_backward_args), set by TQ_NORM_BACKWARD_ARGS_INIT */
+    tq_norm_type norm;
+    uint32_t flags;      /* tq_norm_flags, as in the forward */
+    tq_tensor gamma;     /* K elements, as in the forward */
+    tq_tensor mean;      /* LayerNorm: M FLOAT32 from the forward */
+    tq_tensor rstd;      /* M FLOAT32 from the forward */
+    /* outputs */
+    tq_tensor dx;        /* [M, K] of x's dtype, ld >= K */
+    tq_tensor dgamma;    /* K FLOAT32 */
+    tq_tensor dbeta;     /* LayerNorm, optional (data NULL: not wanted): K FLOAT32 */
+    tq_tensor workspace; /* UINT8, at least tq_norm_backward_workspace_size() bytes, on x's
+                            device; its contents on return are scratch */
+} tq_norm_backward_args;
+
+#define TQ_NORM_BACKWARD_ARGS_INIT \
+    {sizeof(tq_norm_backward_args), TQ_NORM_LAYERNORM, 0u, TQ_TENSOR_NONE, TQ_TENSOR_NONE, \
+     TQ_TENSOR_NONE, TQ_TENSOR_NONE, TQ_TENSOR_NONE, TQ_TENSOR_NONE, TQ_TENSOR_NONE}
+
+/* The workspace bytes tq_norm_backward needs for `norm` over an [rows, cols] x (4-byte aligned
+ * FP32 partial sums; 0 when rows is 0). */
+TQ_API tq_status tq_norm_backward_workspace_size(tq_norm_type norm, int64_t rows, int64_t cols,
+                                                 size_t *bytes);
+
+/* dx, dgamma (and dbeta) of the norm, from dy [M, K] (the gradient of the norm's FP32 output,
+ * stored in x's dtype; ld >= K) and x [M, K]. CPU: the C reference; CUDA: two launches on
+ * `stream` (the rows, then the column sums), no sync, no allocation. */
+TQ_API tq_status tq_norm_backward(const tq_tensor *dy, const tq_tensor *x,
+                                  const tq_norm_backward_args *args, struct CUstream_st *stream);
+
+/* ---------------------------------------------------------------------------------------------
  * Scalar codecs, elementwise (the rules of formats.h on whole tensors; used to test the codecs
  * exhaustively on CPU and CUDA, and handy for inspecting formats)
  * ------------------------------------------------------------------------------------------- */

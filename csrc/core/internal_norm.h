@@ -1,0 +1,124 @@
+/* internal_norm.h: the arithmetic of tq_norm_forward / tq_norm_backward that the C references
+ * (csrc/ref/norm_forward_ref.c, norm_backward_ref.c) and the kernels (cuda/norm_forward.cu,
+ * norm_backward.cu) share, so both round the same values the same way (tequant.h states the
+ * formulas and the summation orders; this file holds their constants and each per-element step).
+ *
+ * Every step is one IEEE single operation with round-to-nearest-even: on the device through the
+ * _rn intrinsics (never contracted into an FMA, correctly rounded division and square root
+ * whatever -fmad / -prec-div / -prec-sqrt say), on the host plain C operators (the build has
+ * -ffp-contract=off; x86-64 evaluates float in SSE, and sqrtf is IEEE's correctly rounded sqrt).
+ * What differs between the two sides is only HOW the sums are scheduled, never their order.
+ * Tests: tests/test_norm_kernels.py.
+ */
+#ifndef TEQUANT_CORE_INTERNAL_NORM_H_
+#define TEQUANT_CORE_INTERNAL_NORM_H_
+
+#include <math.h>
+
+#include "tequant/formats.h"
+#include "tequant/tequant.h"
+
+#define TQ_NORM_CHUNK 8        /* consecutive elements per chunk of a row sum */
+#define TQ_NORM_LANES 256      /* chunk c adds into lane c mod 256; the lanes then fold in halves */
+#define TQ_NORM_GROUP 32       /* backward: column partials summed in groups of 32 chunks */
+#define TQ_NORM_MAX_PARTIALS 1024 /* backward: at most 1024 row chunks (32 groups) */
+#define TQ_NORM_PARTIAL_ELEMS ((int64_t)1 << 22) /* backward: P * K bound of the workspace */
+
+#if defined(__CUDA_ARCH__)
+#define TQ_NORM_HD __device__ __forceinline__
+TQ_NORM_HD float tq_nadd(float a, float b) { return __fadd_rn(a, b); }
+TQ_NORM_HD float tq_nsub(float a, float b) { return __fsub_rn(a, b); }
+TQ_NORM_HD float tq_nmul(float a, float b) { return __fmul_rn(a, b); }
+TQ_NORM_HD float tq_ndiv(float a, float b) { return __fdiv_rn(a, b); }
+TQ_NORM_HD float tq_nsqrt(float a) { return __fsqrt_rn(a); }
+TQ_NORM_HD float tq_nfloat(int64_t k) { return __ll2float_rn((long long)k); }
+#else
+#define TQ_NORM_HD static inline
+TQ_NORM_HD float tq_nadd(float a, float b) { return a + b; }
+TQ_NORM_HD float tq_nsub(float a, float b) { return a - b; }
+TQ_NORM_HD float tq_nmul(float a, float b) { return a * b; }
+TQ_NORM_HD float tq_ndiv(float a, float b) { return a / b; }
+TQ_NORM_HD float tq_nsqrt(float a) { return sqrtf(a); }
+TQ_NORM_HD float tq_nfloat(int64_t k) { return (float)k; }
+#endif
+
+/* A stored FP32 value: any NaN becomes the canonical +NaN (the GPU's arithmetic NaN; x86 keeps
+ * an operand's sign and payload), so NaN outputs have the same bits on both sides. */
+TQ_NORM_HD float tq_norm_canon(float v) {
+    return tq_isnan(v) ? tq_f32_from_bits(0x7FFFFFFFu) : v;
+}
+
+/* gamma as the norm multiplies by it */
+TQ_NORM_HD float tq_norm_gamma(float w, int zero_centered) {
+    return zero_centered ? tq_nadd(1.0f, w) : w;
+}
+
+/* mean = RN(sum / K) */
+TQ_NORM_HD float tq_norm_mean(float sum, int64_t k) { return tq_ndiv(sum, tq_nfloat(k)); }
+
+/* rstd = RN(1 / RN(sqrt(RN(RN(sum_sq / K) + eps)))) */
+TQ_NORM_HD float tq_norm_rstd(float sum_sq, int64_t k, float eps) {
+    return tq_ndiv(1.0f, tq_nsqrt(tq_nadd(tq_ndiv(sum_sq, tq_nfloat(k)), eps)));
+}
+
+/* xhat = RN(RN(v - mean) * rstd) (LayerNorm) or RN(v * rstd) (RMSNorm) */
+TQ_NORM_HD float tq_norm_xhat(float v, float mean, float rstd, int rms) {
+    return rms ? tq_nmul(v, rstd) : tq_nmul(tq_nsub(v, mean), rstd);
+}
+
+/* y = RN(RN(xhat * g) + b), or RN(xhat * g) without beta (no add: -0 stays -0) */
+TQ_NORM_HD float tq_norm_y(float xhat, float g, float b, int has_beta) {
+    const float y = tq_nmul(xhat, g);
+    return has_beta ? tq_nadd(y, b) : y;
+}
+
+/* dx = RN(RN(dyg - RN(RN(xhat * c1) + c2)) * rstd) (LayerNorm), RN(RN(dyg - RN(xhat * c1)) *
+ * rstd) (RMSNorm) */
+TQ_NORM_HD float tq_norm_dx(float dyg, float xhat, float c1, float c2, float rstd, int rms) {
+    const float t = tq_nmul(xhat, c1);
+    return tq_nmul(tq_nsub(dyg, rms ? t : tq_nadd(t, c2)), rstd);
+}
+
+/* Backward: the rows per column-partial chunk, R(M, K) (tequant.h): the smallest power of two
+ * >= 16 with ceil(M / R) <= 1024 and ceil(M / R) * K <= 2^22, or R >= M. */
+static inline int64_t tq_norm_partial_rows(int64_t rows, int64_t cols) {
+    int64_t r = 16;
+    while (r < rows) {
+        const int64_t p = (rows + r - 1) / r;
+        if (p <= TQ_NORM_MAX_PARTIALS && p * cols <= TQ_NORM_PARTIAL_ELEMS) break;
+        r *= 2;
+    }
+    return r;
+}
+
+static inline int64_t tq_norm_partials(int64_t rows, int64_t cols) {
+    const int64_t r = tq_norm_partial_rows(rows, cols);
+    return (rows + r - 1) / r;
+}
+
+/* FP32 planes of partials: dgamma's, and dbeta's for LayerNorm */
+static inline int tq_norm_planes(tq_norm_type norm) { return norm == TQ_NORM_LAYERNORM ? 2 : 1; }
+
+#if !defined(__CUDACC__)
+/* S (tequant.h) written plainly, for the C references: v[0..n) into 256 lanes by chunk of 8,
+ * each lane in index order onto +0, then the halving fold. lanes: scratch of TQ_NORM_LANES. */
+static inline float tq_norm_sum_ref(const float *v, int64_t n, float *lanes) {
+    for (int l = 0; l < TQ_NORM_LANES; l++) lanes[l] = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        const int l = (int)((i / TQ_NORM_CHUNK) % TQ_NORM_LANES);
+        lanes[l] = tq_nadd(lanes[l], v[i]);
+    }
+    for (int s = TQ_NORM_LANES / 2; s >= 1; s /= 2)
+        for (int l = 0; l < s; l++) lanes[l] = tq_nadd(lanes[l], lanes[l + s]);
+    return lanes[0];
+}
+
+/* Element i of a checked vector argument (n contiguous elements), widened exactly. */
+static inline float tq_norm_vec_load(const tq_tensor *t, int64_t i) {
+    if (t->dtype == TQ_DTYPE_FLOAT32) return ((const float *)t->data)[i];
+    if (t->dtype == TQ_DTYPE_BFLOAT16) return tq_bf16_to_f32(((const uint16_t *)t->data)[i]);
+    return tq_f16_to_f32(((const uint16_t *)t->data)[i]);
+}
+#endif
+
+#endif /* TEQUANT_CORE_INTERNAL_NORM_H_ */

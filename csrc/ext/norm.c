@@ -1,0 +1,170 @@
+/* norm.c: the extension's calls into the fused normalization kernels, _C._norm_forward and
+ * _C._norm_backward (tq_norm_forward / tq_norm_backward, tequant.h). Tensors come in through
+ * tensor_view.c; every output is a tensor the caller allocated with torch; the backward's
+ * workspace is scratch of torch's caching allocator for the call (tqx_scratch). Each runs on
+ * x's current CUDA stream (or the CPU reference) with the GIL released.
+ * Not wired into te.LayerNorm / LayerNormLinear / LayerNormMLP yet (python/tequant/norm.py).
+ * Tests: tests/test_norm_kernels.py.
+ */
+#include <string.h>
+
+#include "module.h"
+
+#define F32 (1u << TQ_DTYPE_FLOAT32)
+#define CODES ((1u << TQ_DTYPE_FLOAT8_E4M3) | (1u << TQ_DTYPE_FLOAT8_E5M2) | (1u << TQ_DTYPE_UINT8))
+
+/* "LayerNorm" / "RMSNorm" (te's normalization names) -> the C enum; -1 with ValueError. */
+static int norm_from_py(PyObject *name, tq_norm_type *out) {
+    const char *s = PyUnicode_AsUTF8(name);
+    if (s == NULL) return -1;
+    if (strcmp(s, "LayerNorm") == 0) return *out = TQ_NORM_LAYERNORM, 0;
+    if (strcmp(s, "RMSNorm") == 0) return *out = TQ_NORM_RMSNORM, 0;
+    PyErr_Format(PyExc_ValueError, "norm must be 'LayerNorm' or 'RMSNorm', got %R", name);
+    return -1;
+}
+
+/* An optional tensor argument: None leaves t empty (data NULL: not given). */
+static int optional_tensor(tqx_state *st, PyObject *obj, const char *name, uint32_t mask,
+                           tq_tensor *t) {
+    const tq_tensor none = {0};
+    *t = none;
+    if (obj == NULL || obj == Py_None) return 0;
+    return tqx_tensor_from_py(st, obj, name, mask, t, NULL);
+}
+
+static int required(PyObject *obj, const char *fn, const char *name) {
+    if (obj != NULL && obj != Py_None) return 0;
+    PyErr_Format(PyExc_TypeError, "%s() missing required keyword argument '%s' (a tensor)", fn,
+                 name);
+    return -1;
+}
+
+static PyObject *py_norm_forward(PyObject *module, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"x", "gamma", "norm", "eps", "zero_centered_gamma", "beta", "y_hp",
+                             "mean", "rstd", "amax", "config", "y_q", "scale_inv", "scale",
+                             "amax_in", NULL};
+    PyObject *x_obj, *gamma, *norm_name, *beta = NULL, *y_hp = NULL, *mean = NULL, *rstd = NULL;
+    PyObject *amax = NULL, *config = NULL, *y_q = NULL, *scale_inv = NULL, *scale = NULL;
+    PyObject *amax_in = NULL;
+    double eps = 1e-5;
+    int zero_centered = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOU|$dpOOOOOOOOOO:_norm_forward", kwlist,
+                                     &x_obj, &gamma, &norm_name, &eps, &zero_centered, &beta,
+                                     &y_hp, &mean, &rstd, &amax, &config, &y_q, &scale_inv,
+                                     &scale, &amax_in))
+        return NULL;
+    tqx_state *st = tqx_module_state(module);
+    tq_norm_forward_args a = TQ_NORM_FORWARD_ARGS_INIT;
+    if (norm_from_py(norm_name, &a.norm) < 0) return NULL;
+    a.eps = (float)eps;
+    a.flags = zero_centered ? TQ_NORM_ZERO_CENTERED_GAMMA : 0u;
+    tq_tensor x;
+    tqx_tensor_info info;
+    tq_quant_config cfg;
+    if (tqx_tensor_from_py(st, x_obj, "x", TQX_FLOAT_DTYPES, &x, &info) < 0
+        || tqx_tensor_from_py(st, gamma, "gamma", TQX_FLOAT_DTYPES, &a.gamma, NULL) < 0
+        || optional_tensor(st, beta, "beta", TQX_FLOAT_DTYPES, &a.beta) < 0
+        || optional_tensor(st, y_hp, "y_hp", TQX_FLOAT_DTYPES, &a.y_hp) < 0
+        || optional_tensor(st, mean, "mean", F32, &a.mean) < 0
+        || optional_tensor(st, rstd, "rstd", F32, &a.rstd) < 0
+        || optional_tensor(st, amax, "amax", F32, &a.amax) < 0
+        || optional_tensor(st, y_q, "y_q", CODES, &a.y_q) < 0
+        || optional_tensor(st, scale_inv, "scale_inv", F32, &a.scale_inv) < 0
+        || optional_tensor(st, scale, "scale", F32, &a.scale) < 0
+        || optional_tensor(st, amax_in, "amax_in", F32, &a.amax_in) < 0)
+        return NULL;
+    if (config != NULL && config != Py_None) {
+        if (tqx_config_from_py(st, config, &cfg) < 0) return NULL;
+        a.config = &cfg;
+    }
+    tq_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = tq_norm_forward(&x, &a, (struct CUstream_st *)info.stream);
+    Py_END_ALLOW_THREADS
+    if (s != TQ_SUCCESS) return tqx_raise_status(st, s);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_norm_backward(PyObject *module, PyObject *args, PyObject *kwargs) {
+    static const char fn[] = "_norm_backward";
+    static char *kwlist[] = {"dy", "x", "gamma", "norm", "rstd", "dx", "dgamma", "mean", "dbeta",
+                             "zero_centered_gamma", NULL};
+    PyObject *dy_obj, *x_obj, *gamma, *norm_name, *rstd = NULL, *dx = NULL, *dgamma = NULL;
+    PyObject *mean = NULL, *dbeta = NULL;
+    int zero_centered = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOU|$OOOOOp:_norm_backward", kwlist,
+                                     &dy_obj, &x_obj, &gamma, &norm_name, &rstd, &dx, &dgamma,
+                                     &mean, &dbeta, &zero_centered))
+        return NULL;
+    if (required(rstd, fn, "rstd") < 0 || required(dx, fn, "dx") < 0
+        || required(dgamma, fn, "dgamma") < 0)
+        return NULL;
+    tqx_state *st = tqx_module_state(module);
+    tq_norm_backward_args a = TQ_NORM_BACKWARD_ARGS_INIT;
+    if (norm_from_py(norm_name, &a.norm) < 0) return NULL;
+    a.flags = zero_centered ? TQ_NORM_ZERO_CENTERED_GAMMA : 0u;
+    tq_tensor dy, x;
+    tqx_tensor_info info;
+    if (tqx_tensor_from_py(st, dy_obj, "dy", TQX_FLOAT_DTYPES, &dy, NULL) < 0
+        || tqx_tensor_from_py(st, x_obj, "x", TQX_FLOAT_DTYPES, &x, &info) < 0
+        || tqx_tensor_from_py(st, gamma, "gamma", TQX_FLOAT_DTYPES, &a.gamma, NULL) < 0
+        || optional_tensor(st, mean, "mean", F32, &a.mean) < 0
+        || tqx_tensor_from_py(st, rstd, "rstd", F32, &a.rstd, NULL) < 0
+        || tqx_tensor_from_py(st, dx, "dx", TQX_FLOAT_DTYPES, &a.dx, NULL) < 0
+        || tqx_tensor_from_py(st, dgamma, "dgamma", F32, &a.dgamma, NULL) < 0
+        || optional_tensor(st, dbeta, "dbeta", F32, &a.dbeta) < 0)
+        return NULL;
+    size_t bytes = 0; /* a shape the core refuses gets its message from tq_norm_backward */
+    if (x.cols < 1 || tq_norm_backward_workspace_size(a.norm, x.rows, x.cols, &bytes) != TQ_SUCCESS)
+        bytes = 0;
+    PyObject *device = PyObject_GetAttrString(x_obj, "device");
+    if (device == NULL) return NULL;
+    tqx_scratch ws = TQX_SCRATCH_INIT;
+    const int ok = tqx_scratch_alloc(st, bytes, x.device, device, info.stream, &ws) == 0;
+    Py_DECREF(device);
+    if (!ok) return NULL;
+    a.workspace.data = ws.data;
+    a.workspace.rows = 1;
+    a.workspace.cols = a.workspace.ld = (int64_t)bytes;
+    a.workspace.dtype = TQ_DTYPE_UINT8;
+    a.workspace.device = x.device;
+    tq_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = tq_norm_backward(&dy, &x, &a, (struct CUstream_st *)info.stream);
+    Py_END_ALLOW_THREADS
+    tqx_scratch_release(st, &ws); /* the kernels are queued; the allocator orders reuse */
+    if (s != TQ_SUCCESS) return tqx_raise_status(st, s);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_norm_workspace_size(PyObject *module, PyObject *args) {
+    PyObject *norm_name;
+    long long rows, cols;
+    if (!PyArg_ParseTuple(args, "ULL:_norm_backward_workspace_size", &norm_name, &rows, &cols))
+        return NULL;
+    tq_norm_type norm;
+    if (norm_from_py(norm_name, &norm) < 0) return NULL;
+    size_t bytes;
+    tq_status s = tq_norm_backward_workspace_size(norm, rows, cols, &bytes);
+    if (s != TQ_SUCCESS) return tqx_raise_status(tqx_module_state(module), s);
+    return PyLong_FromSize_t(bytes);
+}
+
+PyMethodDef tqx_norm_methods[] = {
+    {"_norm_forward", (PyCFunction)(void (*)(void))py_norm_forward, METH_VARARGS | METH_KEYWORDS,
+     "_norm_forward(x, gamma, norm, *, eps=1e-5, zero_centered_gamma=False, beta=None, "
+     "y_hp=None, mean=None, rstd=None, amax=None, config=None, y_q=None, scale_inv=None, "
+     "scale=None, amax_in=None)\n\nLayerNorm / RMSNorm ('LayerNorm' or 'RMSNorm') of x over its "
+     "last dim into the outputs given (tequant.h tq_norm_forward): y_hp (x's dtype), mean and "
+     "rstd (float32 [M]), amax (float32 [1], max-accumulated), and with a DELAYED or CURRENT "
+     "QuantizerConfig the FP8 codes y_q and scale_inv, cast with scale (delayed) or the scale of "
+     "amax_in (current)."},
+    {"_norm_backward", (PyCFunction)(void (*)(void))py_norm_backward, METH_VARARGS | METH_KEYWORDS,
+     "_norm_backward(dy, x, gamma, norm, *, rstd, dx, dgamma, mean=None, dbeta=None, "
+     "zero_centered_gamma=False)\n\ndx (x's dtype), dgamma and dbeta (float32 [K]) of the norm "
+     "from the forward's mean (LayerNorm) and rstd (tequant.h tq_norm_backward)."},
+    {"_norm_backward_workspace_size", (PyCFunction)(void (*)(void))py_norm_workspace_size,
+     METH_VARARGS,
+     "_norm_backward_workspace_size(norm, rows, cols) -> int\n\nBytes of FP32 column partials "
+     "the backward of an [rows, cols] x uses (allocated by _norm_backward itself)."},
+    {NULL, NULL, 0, NULL}};

@@ -1,0 +1,347 @@
+/* norm_backward.cu: tq_norm_backward on CUDA: dx, dgamma and dbeta of LayerNorm / RMSNorm from
+ * the forward's mean and rstd.
+ *
+ * Rule (tequant.h): every step is an internal_norm.h helper (one RN operation, no FMA); the two
+ * row sums (of RN(dyg * xhat) and of dyg) follow tequant's order S, scheduled by norm_rows.cuh;
+ * the column sums follow the fixed chunk order: rows in chunks of R(M, K) rows
+ * (tq_norm_partial_rows), each chunk's per-column partial adding its rows in order, written to
+ * the workspace; then column_sum_kernel sums each column's partials in groups of 32 chunks and
+ * the group sums in order. So every output equals csrc/ref/norm_backward_ref.c bit for bit.
+ * Layout: one CTA per row chunk, kT threads (the least of 32, 64, 128, 256 with K <= 32 * kT) on
+ * one row at a time; thread t owns the chunks c = t mod kT and keeps them (at most 4, of x, dy
+ * and gamma) in registers, and their columns' partials in shared memory (no sync: nobody else
+ * touches them). Rows longer than 8192 elements: the CTA (kT = 256) reads the row again for dx
+ * and leaves the partials to column_partial_kernel (a thread per chunk of 8 columns and row
+ * chunk, reading x and dy once more), since 2 * K FP32 partials in shared memory would leave one
+ * CTA per SM. No sync, no allocation: the caller's workspace holds the partials.
+ * Tests: tests/test_norm_kernels.py (GPU cases: bit-exact against the CPU reference).
+ */
+#include <cuda_runtime.h>
+
+#include "internal_kernels.h"
+#include "launch.cuh"
+#include "norm_rows.cuh"
+
+namespace {
+
+using tq_cuda::DeviceGuard;
+using tq_cuda::cuda_failed;
+using tq_norm::Bf16;
+using tq_norm::Chunk;
+using tq_norm::Half;
+using tq_norm::chunk_len;
+using tq_norm::kChunk;
+using tq_norm::kLanes;
+
+constexpr int kCached = 4; /* chunks per thread held in registers across the two passes */
+
+struct BwdParams {
+    const void *dy, *x;
+    int64_t rows, cols, ld_dy, ld_x, nchunks;
+    const void *gamma;
+    int w_dtype, zero_centered, rms;
+    const float *mean, *rstd;
+    void *dx;
+    int64_t ld_dx;
+    float *partials; /* [plane][p_count][cols]: dgamma's, then dbeta's (LayerNorm) */
+    int64_t r_chunk, p_count;
+    int planes;      /* partials accumulated: 1 (dgamma) or 2 (and dbeta) */
+    int dy_vec, x_vec, dx_vec, w_vec;
+};
+
+/* The fused kernel's column partials in shared memory, [plane][e][chunk] (a warp's threads hold
+ * consecutive chunks: no bank conflicts). */
+struct ColAcc {
+    float *base;
+    int64_t nchunks;
+    __device__ __forceinline__ float &at(int plane, int64_t c, int e) const {
+        return base[(plane * kChunk + e) * nchunks + c];
+    }
+};
+
+/* One chunk's pass 1: the row sums' terms into acc (its lane slot) and, kCols, the column
+ * partials. */
+template <int kSlots, bool kCols>
+__device__ __forceinline__ void pass1_chunk(const BwdParams &p, const ColAcc &col,
+                                            float (&acc)[2][kSlots], int slot, int64_t c, int n,
+                                            const float (&xv)[kChunk], const float (&dyv)[kChunk],
+                                            const float (&g)[kChunk], float mean, float rstd) {
+#pragma unroll
+    for (int e = 0; e < kChunk; e++) {
+        if (e >= n) continue;
+        const float xhat = tq_norm_xhat(xv[e], mean, rstd, p.rms);
+        const float dyg = tq_nmul(dyv[e], g[e]);
+        acc[0][slot] = tq_nadd(acc[0][slot], tq_nmul(dyg, xhat));
+        acc[1][slot] = tq_nadd(acc[1][slot], dyg);
+        if constexpr (kCols) {
+            float &pg = col.at(0, c, e);
+            pg = tq_nadd(pg, tq_nmul(dyv[e], xhat));
+            if (p.planes == 2) {
+                float &pb = col.at(1, c, e);
+                pb = tq_nadd(pb, dyv[e]);
+            }
+        }
+    }
+}
+
+/* One chunk's pass 2: dx. */
+template <typename T>
+__device__ __forceinline__ void dx_chunk(const BwdParams &p, int64_t row, int64_t c, int n,
+                                         const float (&xv)[kChunk], const float (&dyv)[kChunk],
+                                         const float (&g)[kChunk], float mean, float rstd,
+                                         float c1, float c2) {
+    float dx[kChunk];
+#pragma unroll
+    for (int e = 0; e < kChunk; e++) {
+        const float xhat = tq_norm_xhat(xv[e], mean, rstd, p.rms);
+        dx[e] = tq_norm_canon(tq_norm_dx(tq_nmul(dyv[e], g[e]), xhat, c1, c2, rstd, p.rms));
+    }
+    tq_norm::store_chunk(static_cast<T *>(p.dx) + row * p.ld_dx, c, dx, n, p.dx_vec);
+}
+
+template <typename T>
+__device__ __forceinline__ void load_row_chunk(const BwdParams &p, int64_t row, int64_t c, int n,
+                                               float (&xv)[kChunk], float (&dyv)[kChunk]) {
+    Chunk<T> cx, cdy;
+    tq_norm::load_chunk(cx, static_cast<const T *>(p.x) + row * p.ld_x, c, n, p.x_vec);
+    tq_norm::load_chunk(cdy, static_cast<const T *>(p.dy) + row * p.ld_dy, c, n, p.dy_vec);
+#pragma unroll
+    for (int e = 0; e < kChunk; e++) {
+        xv[e] = tq_norm::widen(cx.t[e]);
+        dyv[e] = tq_norm::widen(cdy.t[e]);
+    }
+}
+
+__device__ __forceinline__ void gamma_chunk(const BwdParams &p, int64_t c, int n,
+                                            float (&g)[kChunk]) {
+    tq_norm::load_w(g, p.gamma, p.w_dtype, c, n, p.w_vec);
+#pragma unroll
+    for (int e = 0; e < kChunk; e++) g[e] = tq_norm_gamma(g[e], p.zero_centered);
+}
+
+/* kCache (K <= 8192): the row's chunks in registers and the column partials in shared memory;
+ * else (kT = 256) the row read again for dx, and no partials (column_partial_kernel's). */
+template <typename T, int kT, bool kCache>
+__global__ void __launch_bounds__(kT) norm_backward_kernel(const BwdParams p) {
+    constexpr int kSlots = kLanes / kT, kJ = kCache ? kCached : 1;
+    extern __shared__ float acc_shared[];
+    __shared__ float red[2][2 * kT]; /* fold scratch, alternate buffers */
+    const int t = threadIdx.x;
+    const int64_t chunk_p = blockIdx.x;
+    const int64_t r_begin = chunk_p * p.r_chunk;
+    const int64_t r_end = r_begin + p.r_chunk < p.rows ? r_begin + p.r_chunk : p.rows;
+    const ColAcc col = {acc_shared, p.nchunks};
+    float g[kJ][kChunk];
+    if constexpr (kCache) {
+#pragma unroll
+        for (int j = 0; j < kJ; j++) {
+            const int64_t c = t + (int64_t)j * kT;
+            const int n = chunk_len(c, p.cols);
+            if (n == 0) continue;
+            gamma_chunk(p, c, n, g[j]);
+            for (int plane = 0; plane < p.planes; plane++)
+                for (int e = 0; e < n; e++) col.at(plane, c, e) = 0.0f;
+        }
+    }
+    int buf = 0;
+    for (int64_t row = r_begin; row < r_end; row++) {
+        const float mean = p.rms ? 0.0f : p.mean[row], rstd = p.rstd[row];
+        float xv[kJ][kChunk], dyv[kJ][kChunk];
+        float acc[2][kSlots];
+#pragma unroll
+        for (int k = 0; k < kSlots; k++) acc[0][k] = acc[1][k] = 0.0f;
+        if constexpr (kCache) {
+#pragma unroll
+            for (int j = 0; j < kJ; j++) {
+                const int64_t c = t + (int64_t)j * kT;
+                const int n = chunk_len(c, p.cols);
+                if (n == 0) continue;
+                load_row_chunk<T>(p, row, c, n, xv[j], dyv[j]);
+                pass1_chunk<kSlots, true>(p, col, acc, j % kSlots, c, n, xv[j], dyv[j], g[j],
+                                          mean, rstd);
+            }
+        } else { /* kT == 256: one lane per thread */
+            for (int64_t c = t; c < p.nchunks; c += kT) {
+                const int n = chunk_len(c, p.cols);
+                gamma_chunk(p, c, n, g[0]);
+                load_row_chunk<T>(p, row, c, n, xv[0], dyv[0]);
+                pass1_chunk<kSlots, false>(p, col, acc, 0, c, n, xv[0], dyv[0], g[0], mean, rstd);
+            }
+        }
+        float sums[2];
+        tq_norm::fold<kT, 2>(acc, red[buf], t, sums);
+        buf ^= 1;
+        const float c1 = tq_norm_mean(sums[0], p.cols);
+        const float c2 = p.rms ? 0.0f : tq_norm_mean(sums[1], p.cols);
+        if constexpr (kCache) {
+#pragma unroll
+            for (int j = 0; j < kJ; j++) {
+                const int64_t c = t + (int64_t)j * kT;
+                const int n = chunk_len(c, p.cols);
+                if (n > 0) dx_chunk<T>(p, row, c, n, xv[j], dyv[j], g[j], mean, rstd, c1, c2);
+            }
+        } else {
+            for (int64_t c = t; c < p.nchunks; c += kT) {
+                const int n = chunk_len(c, p.cols);
+                gamma_chunk(p, c, n, g[0]);
+                load_row_chunk<T>(p, row, c, n, xv[0], dyv[0]);
+                dx_chunk<T>(p, row, c, n, xv[0], dyv[0], g[0], mean, rstd, c1, c2);
+            }
+        }
+    }
+    if constexpr (kCache) { /* this thread's columns only: no sync needed */
+#pragma unroll
+        for (int j = 0; j < kJ; j++) {
+            const int64_t c = t + (int64_t)j * kT;
+            const int n = chunk_len(c, p.cols);
+            for (int plane = 0; plane < p.planes; plane++)
+                for (int e = 0; e < n; e++)
+                    p.partials[(plane * p.p_count + chunk_p) * p.cols + kChunk * c + e] =
+                        col.at(plane, c, e);
+        }
+    }
+}
+
+/* The partials of long rows (K > 8192), in the fused kernel's order: thread = one chunk of 8
+ * columns of one row chunk (blockIdx.y), adding the chunk's rows in order. */
+template <typename T>
+__global__ void __launch_bounds__(256) column_partial_kernel(const BwdParams p) {
+    const int64_t c = (int64_t)blockIdx.x * 256 + threadIdx.x;
+    const int64_t chunk_p = blockIdx.y;
+    const int n = chunk_len(c, p.cols);
+    if (n == 0) return;
+    const int64_t r_begin = chunk_p * p.r_chunk;
+    const int64_t r_end = r_begin + p.r_chunk < p.rows ? r_begin + p.r_chunk : p.rows;
+    float pg[kChunk], pb[kChunk];
+#pragma unroll
+    for (int e = 0; e < kChunk; e++) pg[e] = pb[e] = 0.0f;
+#pragma unroll 4
+    for (int64_t row = r_begin; row < r_end; row++) {
+        const float mean = p.rms ? 0.0f : p.mean[row], rstd = p.rstd[row];
+        float xv[kChunk], dyv[kChunk];
+        load_row_chunk<T>(p, row, c, n, xv, dyv);
+#pragma unroll
+        for (int e = 0; e < kChunk; e++) {
+            pg[e] = tq_nadd(pg[e], tq_nmul(dyv[e], tq_norm_xhat(xv[e], mean, rstd, p.rms)));
+            pb[e] = tq_nadd(pb[e], dyv[e]);
+        }
+    }
+    float *out = p.partials + chunk_p * p.cols + kChunk * c;
+    for (int e = 0; e < n; e++) out[e] = pg[e];
+    if (p.planes == 2)
+        for (int e = 0; e < n; e++) out[p.p_count * p.cols + e] = pb[e];
+}
+
+/* dgamma[j] (and dbeta[j]): column j's p_count partials, in groups of 32 chunks (thread row ty
+ * sums group ty in order), then the group sums in order (thread row 0). */
+__global__ void __launch_bounds__(1024) column_sum_kernel(const float *__restrict__ partials,
+                                                          int64_t p_count, int64_t cols,
+                                                          float *dgamma, float *dbeta) {
+    __shared__ float group_sum[TQ_NORM_GROUP][33];
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    const int64_t j = (int64_t)blockIdx.x * 32 + tx;
+    for (int plane = 0; plane < 2; plane++) {
+        float *out = plane == 0 ? dgamma : dbeta;
+        if (out == nullptr) continue; /* uniform */
+        const float *part = partials + plane * p_count * cols;
+        float s = 0.0f;
+        const int64_t p_begin = (int64_t)ty * TQ_NORM_GROUP;
+        const int64_t p_end = p_begin + TQ_NORM_GROUP < p_count ? p_begin + TQ_NORM_GROUP : p_count;
+        if (j < cols) {
+#pragma unroll 8
+            for (int64_t q = p_begin; q < p_end; q++) s = tq_nadd(s, part[q * cols + j]);
+        }
+        group_sum[ty][tx] = s;
+        __syncthreads();
+        if (ty == 0 && j < cols) {
+            float total = 0.0f;
+            for (int64_t grp = 0; grp * TQ_NORM_GROUP < p_count; grp++)
+                total = tq_nadd(total, group_sum[grp][tx]);
+            out[j] = tq_norm_canon(total);
+        }
+        __syncthreads();
+    }
+}
+
+template <typename T, int kT, bool kCache>
+cudaError_t launch_as(const BwdParams &p, cudaStream_t s) {
+    /* the partials in shared memory: at most 2 * 8192 floats (64 KiB); with the static fold
+     * scratch (4 * kT floats) past 48 KiB the kernel must opt in to more dynamic memory */
+    const size_t smem = kCache ? (size_t)p.planes * kChunk * (size_t)p.nchunks * sizeof(float) : 0;
+    if (smem + 4 * kT * sizeof(float) > 48 * 1024) {
+        const cudaError_t err = cudaFuncSetAttribute(norm_backward_kernel<T, kT, kCache>,
+                                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                     (int)smem);
+        if (err != cudaSuccess) return err;
+    }
+    norm_backward_kernel<T, kT, kCache><<<(unsigned)p.p_count, kT, smem, s>>>(p);
+    cudaError_t err = cudaGetLastError(); /* cleared: a failure must not poison later calls */
+    if (err == cudaSuccess && !kCache) {
+        const dim3 grid((unsigned)((p.nchunks + 255) / 256), (unsigned)p.p_count);
+        column_partial_kernel<T><<<grid, 256, 0, s>>>(p);
+        err = cudaGetLastError();
+    }
+    return err;
+}
+
+template <typename T>
+cudaError_t launch(const BwdParams &p, cudaStream_t s) {
+    const int64_t per_thread = kCached;
+    if (p.nchunks <= per_thread * 32) return launch_as<T, 32, true>(p, s);
+    if (p.nchunks <= per_thread * 64) return launch_as<T, 64, true>(p, s);
+    if (p.nchunks <= per_thread * 128) return launch_as<T, 128, true>(p, s);
+    if (p.nchunks <= per_thread * 256) return launch_as<T, 256, true>(p, s);
+    return launch_as<T, 256, false>(p, s);
+}
+
+}  // namespace
+
+extern "C" tq_status tq_norm_backward_cuda(const tq_tensor *dy, const tq_tensor *x,
+                                           const tq_norm_backward_args *a,
+                                           struct CUstream_st *stream) {
+    DeviceGuard guard(x->device);
+    if (guard.status != cudaSuccess)
+        return cuda_failed("norm backward: making x's device current", guard.status);
+    cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+    const size_t elem = x->dtype == TQ_DTYPE_FLOAT32 ? 4 : 2;
+    BwdParams p = {};
+    p.dy = dy->data;
+    p.x = x->data;
+    p.rows = x->rows;
+    p.cols = x->cols;
+    p.ld_dy = dy->ld;
+    p.ld_x = x->ld;
+    p.nchunks = (x->cols + kChunk - 1) / kChunk;
+    p.gamma = a->gamma.data;
+    p.w_dtype = (int)a->gamma.dtype;
+    p.zero_centered = (a->flags & TQ_NORM_ZERO_CENTERED_GAMMA) != 0;
+    p.rms = a->norm == TQ_NORM_RMSNORM;
+    p.mean = static_cast<const float *>(a->mean.data);
+    p.rstd = static_cast<const float *>(a->rstd.data);
+    p.dx = a->dx.data;
+    p.ld_dx = a->dx.ld;
+    p.partials = static_cast<float *>(a->workspace.data);
+    p.r_chunk = tq_norm_partial_rows(x->rows, x->cols);
+    p.p_count = x->rows == 0 ? 0 : (x->rows + p.r_chunk - 1) / p.r_chunk;
+    p.planes = a->dbeta.data != nullptr ? 2 : 1;
+    p.dy_vec = tq_norm::rows_aligned16(dy->data, dy->ld, elem);
+    p.x_vec = tq_norm::rows_aligned16(x->data, x->ld, elem);
+    p.dx_vec = tq_norm::rows_aligned16(p.dx, p.ld_dx, elem);
+    p.w_vec = tq_norm::aligned(p.gamma, 16);
+    if (p.p_count > 0) {
+        cudaError_t err;
+        switch (x->dtype) {
+            case TQ_DTYPE_FLOAT32: err = launch<float>(p, s); break;
+            case TQ_DTYPE_BFLOAT16: err = launch<Bf16>(p, s); break;
+            default: err = launch<Half>(p, s); break;
+        }
+        if (err != cudaSuccess) return cuda_failed("norm backward kernel launch", err);
+    }
+    const dim3 block(32, TQ_NORM_GROUP);
+    column_sum_kernel<<<(unsigned)((x->cols + 31) / 32), block, 0, s>>>(
+        p.partials, p.p_count, p.cols, static_cast<float *>(a->dgamma.data),
+        static_cast<float *>(a->dbeta.data));
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return cuda_failed("norm backward column-sum kernel launch", err);
+    return TQ_SUCCESS;
+}

@@ -1,0 +1,209 @@
+/* norm_rows.cuh: what the normalization kernels (norm_forward.cu, norm_backward.cu) share, internal
+ * to cuda/: chunk loads and stores, and tequant's row sum S (tequant.h) scheduled over a group
+ * of kT threads without changing its order.
+ *
+ * A row is cut into chunks of 8 elements; chunk c belongs to lane c mod 256. A group of kT threads
+ * (kT in 32, 64, 128, 256) works on one row: thread t owns the lanes t + k*kT (k < 256/kT), hence
+ * the chunks c with c mod kT == t, which it visits in increasing c, so each lane still adds its
+ * elements in index order (one accumulator per owned lane, acc[k]). The halving fold of the 256
+ * lanes (for s = 128 ... 1: lane[l] += lane[l + s], l < s) then runs as: strides s >= kT inside
+ * each thread (lanes t + k*kT and t + (k + s/kT)*kT are both its own); strides 32 <= s < kT
+ * through shared memory, where every warp reads the group's kT values and folds them itself;
+ * strides 16 ... 1 as an XOR butterfly, after which every thread of the group holds the sum
+ * (lanes l and l ^ s hold the same value after each step, and lane l < s holds lane[l] +
+ * lane[l + s] exactly as the fold defines it; IEEE addition is commutative).
+ * The reference is tq_norm_sum_ref (csrc/core/internal_norm.h). Tests: tests/test_norm_kernels.py.
+ */
+#ifndef TEQUANT_CUDA_NORM_ROWS_CUH_
+#define TEQUANT_CUDA_NORM_ROWS_CUH_
+
+#include <cuda_runtime.h>
+
+#include "internal_norm.h"
+#include "tequant/formats.h"
+
+namespace tq_norm {
+
+constexpr int kChunk = TQ_NORM_CHUNK;
+constexpr int kLanes = TQ_NORM_LANES;
+
+struct Bf16 {
+    uint16_t bits;
+};
+struct Half {
+    uint16_t bits;
+};
+
+__device__ __forceinline__ float widen(float v) { return v; }
+__device__ __forceinline__ float widen(Bf16 v) { return tq_bf16_to_f32(v.bits); }
+__device__ __forceinline__ float widen(Half v) { return tq_f16_to_f32(v.bits); }
+
+__device__ __forceinline__ void narrow(float v, float *out) { *out = v; }
+__device__ __forceinline__ void narrow(float v, Bf16 *out) { out->bits = tq_f32_to_bf16(v); }
+__device__ __forceinline__ void narrow(float v, Half *out) { out->bits = tq_f32_to_f16(v); }
+
+/* One chunk of 8 elements in registers: 16 bytes of bf16 / fp16, 32 bytes of fp32. */
+template <typename T>
+union Chunk {
+    uint4 u[sizeof(T) / 2];
+    T t[kChunk];
+};
+
+/* The n <= 8 valid elements of chunk c of `row` (the rest zero): 16-byte loads when vec (the
+ * row's base 16-byte aligned) and the chunk is whole, else element loads. */
+template <typename T>
+__device__ __forceinline__ void load_chunk(Chunk<T> &ch, const T *__restrict__ row, int64_t c,
+                                           int n, bool vec) {
+    const T *p = row + (int64_t)kChunk * c;
+    if (vec && n == kChunk) {
+#pragma unroll
+        for (int i = 0; i < (int)(sizeof(T) / 2); i++)
+            ch.u[i] = __ldg(reinterpret_cast<const uint4 *>(p) + i);
+    } else {
+#pragma unroll
+        for (int e = 0; e < kChunk; e++) ch.t[e] = e < n ? p[e] : T{0};
+    }
+}
+
+/* Two values rounded to bf16 / fp16 (RNE, fp16 overflowing to Inf) in one instruction, `lo` in
+ * the low half: the rule of formats.h's tq_f32_to_bf16 / tq_f32_to_f16, which the C reference
+ * uses (the GPU tests compare the two bit for bit; the stored values' NaNs are canonical first,
+ * 0x7FFFFFFF, which both turn into 0x7FFF). */
+__device__ __forceinline__ uint32_t narrow2(float lo, float hi, const Bf16 *) {
+    uint32_t r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+__device__ __forceinline__ uint32_t narrow2(float lo, float hi, const Half *) {
+    uint32_t r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+/* Eight values cast to FP8 codes (little-endian in w[0], w[1]): cvt8(v) by the hardware's
+ * cvt.rn.satfinite, as quantize_fp8.cu's cvt8x2 does: RNE saturating to +-fmax (Inf too), NaN
+ * -> 0x7F, the rule of formats.h's tq_f32_to_e4m3 / tq_f32_to_e5m2 (the C reference's codec;
+ * tests/test_quantize_fp8.py checks the two agree on every bf16 pattern and an fp32 sweep). One
+ * instruction per pair where the software codec costs ~20 per element. */
+__device__ __forceinline__ void cvt8x8(const float (&v)[kChunk], bool e5m2, uint32_t (&w)[2]) {
+    uint16_t r[4];
+    if (e5m2) {
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r[i]) : "f"(v[2 * i + 1]), "f"(v[2 * i]));
+    } else {
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r[i]) : "f"(v[2 * i + 1]), "f"(v[2 * i]));
+    }
+    w[0] = (uint32_t)r[0] | (uint32_t)r[1] << 16;
+    w[1] = (uint32_t)r[2] | (uint32_t)r[3] << 16;
+}
+
+/* The 8 values of chunk c rounded to T (element e < n only). */
+template <typename T>
+__device__ __forceinline__ void store_chunk(T *__restrict__ row, int64_t c,
+                                            const float (&v)[kChunk], int n, bool vec) {
+    Chunk<T> ch;
+    if constexpr (sizeof(T) == 2) {
+        const T *tag = nullptr;
+        ch.u[0] = make_uint4(narrow2(v[0], v[1], tag), narrow2(v[2], v[3], tag),
+                             narrow2(v[4], v[5], tag), narrow2(v[6], v[7], tag));
+    } else {
+#pragma unroll
+        for (int e = 0; e < kChunk; e++) narrow(v[e], &ch.t[e]);
+    }
+    T *p = row + (int64_t)kChunk * c;
+    if (vec && n == kChunk) {
+#pragma unroll
+        for (int i = 0; i < (int)(sizeof(T) / 2); i++) reinterpret_cast<uint4 *>(p)[i] = ch.u[i];
+    } else {
+#pragma unroll
+        for (int e = 0; e < kChunk; e++)
+            if (e < n) p[e] = ch.t[e];
+    }
+}
+
+/* gamma (or beta), whose dtype is a run-time value (any float dtype, not tied to x's): the chunk's
+ * values widened to FP32 (0 past n). vec: the vector's base is 16-byte aligned. */
+template <typename W>
+__device__ __forceinline__ void load_w_as(float (&out)[kChunk], const void *w, int64_t c, int n,
+                                          bool vec) {
+    Chunk<W> ch;
+    load_chunk(ch, static_cast<const W *>(w), c, n, vec);
+#pragma unroll
+    for (int e = 0; e < kChunk; e++) out[e] = widen(ch.t[e]);
+}
+
+__device__ __forceinline__ void load_w(float (&out)[kChunk], const void *w, int dtype, int64_t c,
+                                       int n, bool vec) {
+    if (dtype == TQ_DTYPE_FLOAT32) load_w_as<float>(out, w, c, n, vec);
+    else if (dtype == TQ_DTYPE_BFLOAT16) load_w_as<Bf16>(out, w, c, n, vec);
+    else load_w_as<Half>(out, w, c, n, vec);
+}
+
+/* Valid elements of chunk c of a row of k elements (0 when c is past the row). */
+__device__ __forceinline__ int chunk_len(int64_t c, int64_t k) {
+    const int64_t left = k - (int64_t)kChunk * c;
+    return left <= 0 ? 0 : (left >= kChunk ? kChunk : (int)left);
+}
+
+/* The fold of kN sums at once (the backward folds two). acc[i][k] is thread t's lane t + k*kT of
+ * sum i; red is this group's shared scratch of kN * kT floats, used alternately by consecutive
+ * calls (the caller passes buffer 0, 1, 0, ...; the __syncthreads inside each call orders the
+ * previous call's reads before the next writes), and every thread of the CTA must make the same
+ * calls. Returns with out[i] = S of sum i in every thread of the group. t: the thread's index in
+ * its group, lane: its index in its warp. */
+template <int kT, int kN>
+__device__ __forceinline__ void fold(float (&acc)[kN][kLanes / kT], float *red, int t,
+                                     float (&out)[kN]) {
+#pragma unroll
+    for (int s = kLanes / 2; s >= kT; s /= 2) {
+#pragma unroll
+        for (int k = 0; k < s / kT; k++)
+#pragma unroll
+            for (int i = 0; i < kN; i++) acc[i][k] = tq_nadd(acc[i][k], acc[i][k + s / kT]);
+    }
+    float v[kN];
+#pragma unroll
+    for (int i = 0; i < kN; i++) v[i] = acc[i][0]; /* lane t after the in-thread strides */
+    if constexpr (kT > 32) {
+#pragma unroll
+        for (int i = 0; i < kN; i++) red[i * kT + t] = v[i];
+        __syncthreads();
+        const int l = t & 31;
+        float w[kN][kT / 32]; /* lanes l + 32q of the group */
+#pragma unroll
+        for (int q = 0; q < kT / 32; q++)
+#pragma unroll
+            for (int i = 0; i < kN; i++) w[i][q] = red[i * kT + l + 32 * q];
+#pragma unroll
+        for (int s = kT / 2; s >= 32; s /= 2) {
+#pragma unroll
+            for (int q = 0; q < s / 32; q++)
+#pragma unroll
+                for (int i = 0; i < kN; i++) w[i][q] = tq_nadd(w[i][q], w[i][q + s / 32]);
+        }
+#pragma unroll
+        for (int i = 0; i < kN; i++) v[i] = w[i][0];
+    }
+#pragma unroll
+    for (int s = (kT < 32 ? kT : 32) / 2; s >= 1; s /= 2)
+#pragma unroll
+        for (int i = 0; i < kN; i++) v[i] = tq_nadd(v[i], __shfl_xor_sync(0xffffffffu, v[i], s));
+#pragma unroll
+    for (int i = 0; i < kN; i++) out[i] = v[i];
+}
+
+inline bool aligned(const void *p, unsigned bytes) {
+    return (reinterpret_cast<uintptr_t>(p) & (uintptr_t)(bytes - 1)) == 0;
+}
+
+/* A matrix's rows all start 16-byte aligned. */
+inline bool rows_aligned16(const void *p, int64_t ld, size_t elem) {
+    return aligned(p, 16) && ((uint64_t)ld * elem) % 16 == 0;
+}
+
+}  // namespace tq_norm
+
+#endif  // TEQUANT_CUDA_NORM_ROWS_CUH_
