@@ -6,7 +6,9 @@
 # out: run them alone (docs/GPU.md). Each shard logs to $GPU_TESTS_OUT/shard<i>.log; the script
 # prints each shard's pytest summary line and exits 1 if any shard failed or timed out.
 #
-#   GPU_TESTS_SHARDS   shards (default: the number of GPUs nvidia-smi lists)
+#   GPU_TESTS_SHARDS   shards (default: the number of GPUs nvidia-smi lists); more shards than
+#                      GPUs put shard i on GPU i mod GPUs (two pytest processes per GPU even
+#                      out the files' unequal times: one shard of four ran 540+ s, another 242 s)
 #   GPU_TESTS_OUT      log folder (default gpu_tests_out)
 #   GPU_TESTS_TIMEOUT  seconds per shard (default 3000)
 #   GPU_TESTS_ARGS     more pytest arguments (default -q)
@@ -14,11 +16,13 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 OUT=${GPU_TESTS_OUT:-gpu_tests_out}
-SHARDS=${GPU_TESTS_SHARDS:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')}
+GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+SHARDS=${GPU_TESTS_SHARDS:-$GPUS}
 if [ "${SHARDS:-0}" -lt 1 ]; then
     echo "gpu_tests: no GPU listed by nvidia-smi (set GPU_TESTS_SHARDS)" >&2
     exit 1
 fi
+if [ "${GPUS:-0}" -lt 1 ]; then GPUS=$SHARDS; fi  # nvidia-smi missing: one device per shard
 mkdir -p "$OUT"
 mapfile -t files < <(ls -S tests/test_*.py | grep -v '^tests/test_multi_gpu.py$')
 declare -a shard_files shard_bytes
@@ -34,7 +38,7 @@ done
 pids=()
 for ((i = 0; i < SHARDS; i++)); do
     # shellcheck disable=SC2086  # the file list and the arguments split on spaces
-    CUDA_VISIBLE_DEVICES=$i timeout "${GPU_TESTS_TIMEOUT:-3000}" "$PYTHON" -m pytest \
+    CUDA_VISIBLE_DEVICES=$((i % GPUS)) timeout "${GPU_TESTS_TIMEOUT:-3000}" "$PYTHON" -m pytest \
         ${GPU_TESTS_ARGS:--q} -p no:cacheprovider ${shard_files[i]} >"$OUT/shard$i.log" 2>&1 &
     pids+=($!)
 done
@@ -43,7 +47,7 @@ for ((i = 0; i < SHARDS; i++)); do
     wait "${pids[i]}"
     rc=$?
     summary=$(grep -E '(passed|failed|error)' "$OUT/shard$i.log" | tail -1)
-    echo "shard $i (GPU $i, rc $rc):${shard_files[i]}"
+    echo "shard $i (GPU $((i % GPUS)), rc $rc):${shard_files[i]}"
     echo "    ${summary:-no summary line}"
     if [ "$rc" -ne 0 ]; then status=1; fi
 done
