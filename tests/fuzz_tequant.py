@@ -282,7 +282,7 @@ def main():
     weights = sum(w for _, w in PROPERTIES.values())
     start = time.perf_counter()
     for name, (prop, weight) in PROPERTIES.items():
-        n = max(1, args.examples * weight // weights)
+        n = max(1, -(-args.examples * weight // weights))  # rounded up: at least --examples
         run = settings(max_examples=n, deadline=None, database=None, derandomize=False,
                        suppress_health_check=list(HealthCheck))(prop)
         seed(args.seed)(run)()
