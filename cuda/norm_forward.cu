@@ -227,7 +227,7 @@ __global__ void __launch_bounds__(kThreads) norm_forward_kernel(const FwdParams 
     }
 }
 
-/* ---- fast_kernel: whole chunks, aligned rows, K <= 16384 (see the header) ---------------------- */
+/* ---- fast_kernel: whole chunks, aligned rows, K <= 16384 (see the header) ------------------ */
 
 constexpr int kFastMaxChunks = 2048; /* K <= 16384 */
 
@@ -353,8 +353,9 @@ __device__ __forceinline__ void fast_write(const FwdParams &p, const uint4 (&raw
         uint4 *dst = reinterpret_cast<uint4 *>(yrow) + kVecs<T> * c;
         if constexpr (kVecs<T> == 1) {
             const T *tag = nullptr;
-            dst[0] = make_uint4(tq_norm::narrow2(o[0], o[1], tag), tq_norm::narrow2(o[2], o[3], tag),
-                                tq_norm::narrow2(o[4], o[5], tag), tq_norm::narrow2(o[6], o[7], tag));
+            dst[0] = make_uint4(
+                tq_norm::narrow2(o[0], o[1], tag), tq_norm::narrow2(o[2], o[3], tag),
+                tq_norm::narrow2(o[4], o[5], tag), tq_norm::narrow2(o[6], o[7], tag));
         } else {
             dst[0] = make_uint4(__float_as_uint(o[0]), __float_as_uint(o[1]), __float_as_uint(o[2]),
                                 __float_as_uint(o[3]));
@@ -383,7 +384,8 @@ __device__ __forceinline__ void fast_write_row(const FwdParams &p,
     for (int j = 0; j < kC; j++) {
         const int c = t + j * kT;
         if (kFull || c < nch)
-            fast_write<T, kRms, kMode>(p, raw[j], c, g, b, nch, mean, rstd, scale, yrow, qrow, amax);
+            fast_write<T, kRms, kMode>(p, raw[j], c, g, b, nch, mean, rstd, scale, yrow, qrow,
+                                       amax);
     }
 }
 
@@ -424,7 +426,8 @@ __global__ void __launch_bounds__(kCta, (kC * kVecs<T> <= 8 ? 1024 : 512) / kCta
     int buf = 0;
     for (int64_t row = (int64_t)blockIdx.x * kGroups + group; row < p.rows;
          row += (int64_t)gridDim.x * kGroups) {
-        const uint4 *xr = reinterpret_cast<const uint4 *>(static_cast<const T *>(p.x) + row * p.ld_x);
+        const uint4 *xr =
+            reinterpret_cast<const uint4 *>(static_cast<const T *>(p.x) + row * p.ld_x);
         uint4 raw[kC][kV];
 #pragma unroll
         for (int j = 0; j < kC; j++) {
@@ -522,7 +525,8 @@ cudaError_t launch_fast_kernel(const FwdParams &p, int sms, cudaStream_t s) {
 
 template <typename T, int kT, int kC, bool kRms, int kCta>
 cudaError_t launch_fast_as(const FwdParams &p, int sms, cudaStream_t s) {
-    if (p.nchunks == (int64_t)kT * kC) return launch_fast_kernel<T, kT, kC, kRms, true, kCta>(p, sms, s);
+    if (p.nchunks == (int64_t)kT * kC)
+        return launch_fast_kernel<T, kT, kC, kRms, true, kCta>(p, sms, s);
     return launch_fast_kernel<T, kT, kC, kRms, false, kCta>(p, sms, s);
 }
 
@@ -621,13 +625,16 @@ extern "C" tq_status tq_norm_forward_cuda(const tq_tensor *x, const tq_norm_forw
     if (fast_fits(p)) {
         switch (x->dtype) {
             case TQ_DTYPE_FLOAT32:
-                err = p.rms ? launch_fast<float, true>(p, sms, s) : launch_fast<float, false>(p, sms, s);
+                err = p.rms ? launch_fast<float, true>(p, sms, s)
+                            : launch_fast<float, false>(p, sms, s);
                 break;
             case TQ_DTYPE_BFLOAT16:
-                err = p.rms ? launch_fast<Bf16, true>(p, sms, s) : launch_fast<Bf16, false>(p, sms, s);
+                err = p.rms ? launch_fast<Bf16, true>(p, sms, s)
+                            : launch_fast<Bf16, false>(p, sms, s);
                 break;
             default:
-                err = p.rms ? launch_fast<Half, true>(p, sms, s) : launch_fast<Half, false>(p, sms, s);
+                err = p.rms ? launch_fast<Half, true>(p, sms, s)
+                            : launch_fast<Half, false>(p, sms, s);
                 break;
         }
     } else {

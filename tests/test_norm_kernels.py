@@ -456,8 +456,8 @@ def fast_case(m, k, dtype, norm, i):
     """Inputs with edge values: gamma of both signs; row 1 constant (LayerNorm: 1.0, so d = +0
     exactly; RMSNorm: zeros), so y is a signed zero (the fast kernel adds -0 where there is no
     beta); row 2 with -0 inputs; row 3 with subnormal values; row 4 with a NaN."""
-    x, gamma, beta, _ = make(m, k, dtype, seed=100 + i,
-                             gamma_dtype=[None, torch.float32, torch.bfloat16, torch.float16][i % 4])
+    gamma_dtype = [None, torch.float32, torch.bfloat16, torch.float16][i % 4]
+    x, gamma, beta, _ = make(m, k, dtype, seed=100 + i, gamma_dtype=gamma_dtype)
     sign = torch.where(torch.arange(k) % 3 == 0, -1.0, 1.0).to(gamma.dtype)
     gamma = gamma * sign
     if m > 1:
