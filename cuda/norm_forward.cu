@@ -11,8 +11,9 @@
  *
  * Two kernels:
  * - fast_kernel (the common case: M > 0, K % 8 == 0, K <= 16384, x's rows 16-byte aligned, y_hp's
- *   too and y_q's 8-byte aligned when given). A CTA of kCta threads is kCta / kT independent
- *   groups of kT threads (kT = 32 .. 256), each on its own rows (grid-striding): a group's
+ *   too and y_q's 8-byte aligned when given, and the GPU holds one of its CTAs; else the other
+ *   kernel runs). A CTA of kCta threads is kCta / kT independent groups of kT threads
+ *   (kT = 32 .. 256), each on its own rows (grid-striding): a group's
  *   barriers are named ones (bar.sync 1 + group, kT), so a group waiting on its fold never holds
  *   up the others, and a warp-wide group (kT = 32) has no barrier at all. A thread loads its
  *   kC (4 or 8) whole chunks of the row once (16-byte loads, a warp reading 512 contiguous
@@ -499,32 +500,38 @@ __global__ void __launch_bounds__(kCta, (kC * kVecs<T> <= 8 ? 1024 : 512) / kCta
     }
 }
 
+/* Launches fast_kernel; false (nothing launched, no error left pending) where this GPU cannot
+ * hold one of its CTAs (shared memory: 136 KiB for LayerNorm at K = 16384; GPUs that JIT the
+ * PTX may have less), and the caller runs the general kernel instead. */
 template <typename T, int kT, int kC, bool kRms, bool kFull, int kCta>
-cudaError_t launch_fast_kernel(const FwdParams &p, int sms, cudaStream_t s) {
+bool launch_fast_kernel(const FwdParams &p, int sms, cudaStream_t s) {
     constexpr int kGroups = kCta / kT;
     const auto kernel = fast_kernel<T, kT, kC, kRms, kFull, kCta>;
     /* FP32 gamma (and beta): K floats each, at most 128 KiB; with the static fold scratch past
      * 48 KiB the kernel must opt in to more dynamic memory */
     const size_t smem = (kRms ? 1 : 2) * (size_t)p.cols * sizeof(float);
-    if (smem + sizeof(float) * (2 * kCta + kCta / 32) > 48 * 1024) {
-        const cudaError_t err =
-            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-        if (err != cudaSuccess) return err;
+    if (smem + sizeof(float) * (2 * kCta + kCta / 32) > 48 * 1024
+        && cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)
+               != cudaSuccess) {
+        (void)cudaGetLastError();
+        return false;
     }
     /* one wave of CTAs striding over the rows (each stages gamma once) */
     int per_sm = 0;
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kCta, smem) != cudaSuccess
-        || per_sm < 1)
-        per_sm = 2048 / kCta; /* an upper bound: CTAs past what fits run as a later wave */
+        || per_sm < 1) {
+        (void)cudaGetLastError();
+        return false;
+    }
     int64_t grid = (p.rows + kGroups - 1) / kGroups;
     const int64_t cap = (int64_t)sms * per_sm;
     if (grid > cap) grid = cap;
     kernel<<<(unsigned)grid, kCta, smem, s>>>(p);
-    return cudaSuccess;
+    return true;
 }
 
 template <typename T, int kT, int kC, bool kRms, int kCta>
-cudaError_t launch_fast_as(const FwdParams &p, int sms, cudaStream_t s) {
+bool launch_fast_as(const FwdParams &p, int sms, cudaStream_t s) {
     if (p.nchunks == (int64_t)kT * kC)
         return launch_fast_kernel<T, kT, kC, kRms, true, kCta>(p, sms, s);
     return launch_fast_kernel<T, kT, kC, kRms, false, kCta>(p, sms, s);
@@ -533,7 +540,7 @@ cudaError_t launch_fast_as(const FwdParams &p, int sms, cudaStream_t s) {
 /* kT and kC by row length: the fewest threads per row that hold it in kC <= 8 (16-bit) or
  * kC <= 4 (FP32; 8 for K > 8192) chunks of registers. */
 template <typename T, bool kRms>
-cudaError_t launch_fast(const FwdParams &p, int sms, cudaStream_t s) {
+bool launch_fast(const FwdParams &p, int sms, cudaStream_t s) {
     const int64_t n = p.nchunks;
     if (n <= 128) return launch_fast_as<T, 32, 4, kRms, 512>(p, sms, s);
     if constexpr (sizeof(T) == 2) {
@@ -621,31 +628,31 @@ extern "C" tq_status tq_norm_forward_cuda(const tq_tensor *x, const tq_norm_forw
     }
     int sms = 132;
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, x->device);
-    cudaError_t err = cudaSuccess;
+    bool launched = false;
     if (fast_fits(p)) {
         switch (x->dtype) {
             case TQ_DTYPE_FLOAT32:
-                err = p.rms ? launch_fast<float, true>(p, sms, s)
-                            : launch_fast<float, false>(p, sms, s);
+                launched = p.rms ? launch_fast<float, true>(p, sms, s)
+                                 : launch_fast<float, false>(p, sms, s);
                 break;
             case TQ_DTYPE_BFLOAT16:
-                err = p.rms ? launch_fast<Bf16, true>(p, sms, s)
-                            : launch_fast<Bf16, false>(p, sms, s);
+                launched = p.rms ? launch_fast<Bf16, true>(p, sms, s)
+                                 : launch_fast<Bf16, false>(p, sms, s);
                 break;
             default:
-                err = p.rms ? launch_fast<Half, true>(p, sms, s)
-                            : launch_fast<Half, false>(p, sms, s);
+                launched = p.rms ? launch_fast<Half, true>(p, sms, s)
+                                 : launch_fast<Half, false>(p, sms, s);
                 break;
         }
-    } else {
+    }
+    if (!launched) {
         switch (x->dtype) {
             case TQ_DTYPE_FLOAT32: launch<float>(p, sms, s); break;
             case TQ_DTYPE_BFLOAT16: launch<Bf16>(p, sms, s); break;
             default: launch<Half>(p, sms, s); break;
         }
     }
-    const cudaError_t launch_err = cudaGetLastError(); /* cleared: must not poison later calls */
-    if (err == cudaSuccess) err = launch_err;
+    const cudaError_t err = cudaGetLastError(); /* cleared: must not poison later calls */
     if (err != cudaSuccess) return cuda_failed("norm forward kernel launch", err);
     return TQ_SUCCESS;
 }
