@@ -9,7 +9,8 @@ codes against te.ops.quantize of torch's float32 layer_norm / rms_norm output wi
 equal except rare one-code differences exactly where torch's float32 output differs from ours;
 (d) argument errors. GPU (marked, skipped without CUDA): (c) the kernels (cuda/norm_forward.cu,
 norm_backward.cu) against the CPU reference bit for bit: every dtype, both norms, zero-centered
-gamma, odd K, ld > K, misaligned rows, M = 0, every kernel variant, NaN inputs.
+gamma, odd K, ld > K, misaligned rows, M = 0, every kernel variant (the forward's fast kernel in each
+of its output modes too), NaN, signed-zero and subnormal inputs.
 """
 import numpy as np
 import pytest
@@ -415,6 +416,95 @@ def test_cuda_backward_matches_cpu_reference(dtype, norm, layout):
         got = backward(LAYOUTS[layout](dy.cuda()), LAYOUTS[layout](x.cuda()), gamma.cuda(), norm,
                        cuda.get("mean"), cuda["rstd"], zc=zc, want_dbeta=i % 3 != 2)
         assert_same_bits(got, want, (m, k, layout))
+
+
+# cuda/norm_forward.cu's fast_kernel takes K % 8 == 0, K <= 16384 with aligned rows; its variants by
+# K (16-bit x: kT / kC = 32 / 4 up to K = 1024, 32 / 8 to 2048, 64 / 8 to 4096, 128 / 8 to 8192,
+# 256 / 8 to 16384; FP32: 32 / 4, 64 / 4, 128 / 4, 256 / 4, 256 / 8 at the same bounds), each at its
+# bound (every row exactly kT * kC chunks: the kernel without bounds checks) and below it (some of
+# a thread's chunks past the row).
+FAST_K = [8, 1000, 1024, 1536, 2048, 3072, 4096, 6000, 8192, 12288, 16384]
+
+
+def fast_modes(x, gamma, norm, beta, zc):
+    """(label, kwargs of forward) for each output mode of fast_kernel: everything (its generic
+    mode), delayed scaling's E4M3 codes with the slot's amax (with and without mean / rstd),
+    current scaling's amax run and its cast run (codes alone), E5M2 codes without y_hp (generic)."""
+    common = dict(beta=beta, zc=zc)
+    amax = forward(x.cpu(), gamma.cpu(), norm, beta=None if beta is None else beta.cpu(), zc=zc,
+                   want=("amax",))["amax"]
+    current = (Float8CurrentScaling(), "input")
+    return [
+        ("all", dict(common, amax0=0.5)),
+        ("all+codes", dict(common, cfg=CFG_E4M3, scale=torch.tensor([20.0]), amax0=0.5)),
+        ("delayed", dict(common, cfg=CFG_E4M3, scale=torch.tensor([20.0]), amax0=0.5,
+                         want=("amax",))),
+        ("delayed+stats", dict(common, cfg=CFG_E4M3, scale=torch.tensor([3.0]),
+                               want=("mean", "rstd", "amax"))),
+        ("current amax", dict(common, want=("amax",), amax0=-1.0)),
+        ("current cast", dict(common, cfg=current, amax_in=amax, want=())),
+        ("current cast+rstd", dict(common, cfg=current, amax_in=amax, want=("rstd",))),
+        ("e5m2", dict(common, cfg=CFG_E5M2, scale=torch.tensor([900.0]), want=("rstd",))),
+    ]
+
+
+def to_cuda(kw):
+    return {n: (v.cuda() if isinstance(v, torch.Tensor) else v) for n, v in kw.items()}
+
+
+def fast_case(m, k, dtype, norm, i):
+    """Inputs with edge values: gamma of both signs; row 1 constant (LayerNorm: 1.0, so d = +0
+    exactly; RMSNorm: zeros), so y is a signed zero (the fast kernel adds -0 where there is no
+    beta); row 2 with -0 inputs; row 3 with subnormal values; row 4 with a NaN."""
+    gamma_dtype = [None, torch.float32, torch.bfloat16, torch.float16][i % 4]
+    x, gamma, beta, _ = make(m, k, dtype, seed=100 + i, gamma_dtype=gamma_dtype)
+    sign = torch.where(torch.arange(k) % 3 == 0, -1.0, 1.0).to(gamma.dtype)
+    gamma = gamma * sign
+    if m > 1:
+        x[1] = 1.0 if norm == "LayerNorm" else 0.0
+    if m > 2:
+        x[2, ::2] = -0.0
+    if m > 3:
+        tiny = torch.tensor([2.0 ** -20, -2.0 ** -24, 2.0 ** -130, -2.0 ** -140])[:k]
+        x[3, :len(tiny)] = tiny.to(dtype)
+    if m > 4:
+        x[4, k // 2] = float("nan")
+    beta = beta if norm == "LayerNorm" and i % 2 == 0 else None
+    return x, gamma, beta
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm", NORMS)
+def test_cuda_fast_kernel_matches_cpu_reference(dtype, norm):
+    """Every fast_kernel variant (FAST_K) in every output mode, bit for bit against the C
+    reference, with and without beta, zero-centered gamma, every gamma dtype."""
+    for i, k in enumerate(FAST_K):
+        zc = i % 3 == 2
+        x, gamma, beta = fast_case(6, k, dtype, norm, i)
+        for label, kw in fast_modes(x, gamma, norm, beta, zc):
+            want = forward(x, gamma, norm, **kw)
+            got = forward(x.cuda(), gamma.cuda(), norm, **to_cuda(kw))
+            assert_same_bits(got, want, (k, label))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, k, dtype, norm", [(9000, 1024, torch.bfloat16, "LayerNorm"),
+                                               (3000, 4096, torch.float16, "RMSNorm"),
+                                               (1200, 8192, torch.float32, "RMSNorm"),
+                                               (600, 16384, torch.float32, "LayerNorm")])
+def test_cuda_fast_kernel_several_rows_per_group(m, k, dtype, norm):
+    """More rows than the grid has row groups (on 132 SMs: 4224 warps of 32 for K = 1024, 2112
+    groups of 64 for 4096, 528 of 256 for FP32 8192, 264 for FP32 16384), so every group runs
+    several rows: its fold buffers and named barrier are reused from row to row."""
+    x, gamma, beta = fast_case(m, k, dtype, norm, 0)
+    for label, kw in fast_modes(x, gamma, norm, beta, False):
+        if label in ("all", "delayed", "current cast"):
+            want = forward(x, gamma, norm, **kw)
+            got = forward(x.cuda(), gamma.cuda(), norm, **to_cuda(kw))
+            assert_same_bits(got, want, (m, k, label))
 
 
 @gpu

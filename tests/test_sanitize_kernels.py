@@ -28,6 +28,9 @@ norm_backward.cu norm_backward_kernel<f32|bf16|f16, kT 32|64|128|256 in register
 norm_forward.cu norm_forward_kernel<f32|bf16|f16, kT 32|64|128|256 in registers, 256 re-reading>
                                           norm_kernels (K = 1000 / 3000 / 6000 / 12000, 17001;
                                           M = 0 too: the one-CTA scale_inv / amax launch)
+               fast_kernel<f32|bf16|f16, kT/kC, norm, full or not>  norm_forward_fast (every
+                                          variant in each output mode; three shapes with several
+                                          rows per row group: named barriers reused)
 pad.cu         pad_rows_kernel<uint4>     linear_step (51 tokens), cuda_graph_step (50 tokens)
                pad_rows_kernel<uint8_t>   linear_step (third step: an input one element off a
                                           16-byte boundary)
@@ -302,6 +305,44 @@ def test_norm_kernels():
                           mean=mean if ln else None, dbeta=dbeta)
         _finite(y, rstd, amax, scale_inv, dx, dgamma, *([mean, dbeta] if ln else []))
         torch.sum(y_q, dtype=torch.int64)  # read it all (initcheck)
+
+
+def test_norm_forward_fast():
+    """norm_forward.cu's fast_kernel (K % 8 == 0, K <= 16384, aligned rows): every variant (K at
+    and below each kT / kC bound, FP32 and 16-bit x, both norms) in each output mode (everything;
+    delayed codes + amax; current scaling's amax run and cast run), and three shapes with more
+    rows than the grid has row groups on 132 SMs, so each group's fold buffers and named barrier
+    are reused from row to row (racecheck / synccheck)."""
+    delayed = te.quantizer_config(DelayedScaling(), "input")
+    current = te.quantizer_config(Float8CurrentScaling(), "input")
+    ks = [8, 1000, 1024, 1536, 2048, 3072, 4096, 6000, 8192, 12288, 16384]
+    cases = [(3, k, d, n) for k in ks for d in (F32, BF16, F16) for n in ("LayerNorm", "RMSNorm")]
+    cases += [(600, 16384, F32, "LayerNorm"), (2200, 8192, BF16, "RMSNorm"),
+              (1100, 16384, F16, "LayerNorm")]
+    for i, (m, k, dtype, norm) in enumerate(cases):
+        ln = norm == "LayerNorm"
+        x = _layout(_randn(m, k, dtype=dtype, seed=60 + i),
+                    "strided" if i % 3 == 1 else "contiguous")
+        gamma = _randn(k, dtype=(F32, BF16, F16)[i % 3], seed=61 + i) + 1
+        beta = _randn(k, dtype=gamma.dtype, seed=62 + i) if ln and i % 2 == 0 else None
+        stats = dict(rstd=torch.empty(m, device=DEVICE))
+        if ln:
+            stats["mean"] = torch.empty(m, device=DEVICE)
+        y, amax = torch.empty(m, k, dtype=dtype, device=DEVICE), torch.zeros(1, device=DEVICE)
+        y_q = torch.empty(m, k, dtype=torch.uint8, device=DEVICE)
+        scale_inv = torch.empty(1, device=DEVICE)
+        common = dict(zero_centered_gamma=i % 4 == 1, beta=beta)
+        _C._norm_forward(x, gamma, norm, y_hp=y, amax=amax, **stats, **common)  # everything
+        _finite(y, amax, *stats.values())
+        _C._norm_forward(x, gamma, norm, config=delayed, y_q=y_q, scale_inv=scale_inv,
+                         scale=torch.ones(1, device=DEVICE), amax=amax, **common)
+        torch.sum(y_q, dtype=torch.int64)  # read it all (initcheck)
+        first = torch.zeros(1, device=DEVICE)
+        _C._norm_forward(x, gamma, norm, amax=first, **common)  # current: the amax run
+        _C._norm_forward(x, gamma, norm, config=current, y_q=y_q, scale_inv=scale_inv,
+                         amax_in=first, **stats, **common)  # and the cast run
+        _finite(first, scale_inv, *stats.values())
+        torch.sum(y_q, dtype=torch.int64)
 
 
 # ---- quantize / dequantize --------------------------------------------------------------------
