@@ -143,8 +143,10 @@ def check(x, gamma, beta, norm, fused, device, check_rows):
         for name in want:
             diff = int((bits(got[name]) != bits(want[name])).sum())
             assert diff == 0, f"{name}: {diff} elements differ between CUDA and the C reference"
+        # current scaling's scale comes from the whole tensor's amax, so its codes of the
+        # first rows alone differ from the full run's; delayed codes share one scale
         for name in want:
-            if "codes" in name or "mean" in name or "rstd" in name:
+            if name == "delayed codes" or "mean" in name or "rstd" in name:
                 a, b = bits(full[name][:check_rows]), bits(want[name])
                 assert torch.equal(a, b), f"{name}: the full-size run's first rows differ"
     # the codes against torch's float32 norm (both scalings)
