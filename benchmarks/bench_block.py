@@ -519,7 +519,6 @@ def configurations(args):
 
 def main(argv=None):
     args = parse_args(argv)
-    torch._dynamo.config.cache_size_limit = 64
     results, refs, weights, start = [], {}, {}, time.monotonic()
     for model, d, ex, kind, name, recipe in configurations(args):
         row = {"model": model, "d": d, "exec": ex, "block": kind, "recipe": name}

@@ -113,7 +113,6 @@ def test_a_wrong_fused_block_fails_the_run(monkeypatch, capsys):
             block.mlp.activation = "relu"  # GELU in the te.Linear block
         return block
     monkeypatch.setattr(bench_block, "build", wrong)
-    torch.set_num_threads(1)
     status = bench_block.main(["--device", "cpu", "--models", "gpt", "--recipes", "current",
                                "--steps", "1", "--warmup", "0"])
     out = capsys.readouterr()
