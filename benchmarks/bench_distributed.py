@@ -121,10 +121,10 @@ def parse_args():
         args.gpus = torch.cuda.device_count() if args.device == "cuda" else 2
     if args.device == "cuda" and not 1 <= args.gpus <= torch.cuda.device_count():
         ap.error(f"--gpus {args.gpus}: {torch.cuda.device_count()} GPUs here")
-    args.models = _listed(ap, "--models", args.models, distbench.KINDS)
-    args.exec = _listed(ap, "--exec", args.exec, ("eager", "compile"))
+    args.models = benchutil.listed(ap, "--models", args.models, distbench.KINDS)
+    args.exec = benchutil.listed(ap, "--exec", args.exec, ("eager", "compile"))
     explicit = args.modes is not None
-    args.modes = _listed(ap, "--modes", args.modes or ",".join(MODES), MODES)
+    args.modes = benchutil.listed(ap, "--modes", args.modes or ",".join(MODES), MODES)
     if "fsdp-tp" in args.modes and (args.gpus % args.tp or args.gpus < 2 * args.tp) and \
             not (explicit and args.gpus % args.tp == 0):
         args.modes.remove("fsdp-tp")  # a 2-D mesh needs dp >= 2 unless asked for
@@ -160,14 +160,6 @@ def not_measured(mode, recipe):
                 "Float8RowwiseParallel DTensor styles")
     why = torchao_error()
     return f"not measured: torchao does not import: {why}" if why else None
-
-
-def _listed(ap, flag, text, allowed):
-    items = [v.strip() for v in text.split(",") if v.strip()]
-    bad = [v for v in items if v not in allowed]
-    if bad:
-        ap.error(f"{flag}: unknown {', '.join(bad)}; choose from {', '.join(allowed)}")
-    return items
 
 
 def configurations(args):

@@ -4,8 +4,8 @@ bench_overhead.py): `import benchutil`.
 Timing (CUDA events behind a sleep kernel, or time.perf_counter on CPU) over rotated buffers sized
 against L2, host time per call in interleaved loops, the environment header (GPU, driver, CUDA,
 torch, Python, commit, date), PERFORMANCE.md's GEMM shapes, the recipes by short name, the
-relative error used by the checks, Markdown table text, clearing a step's grads, and the
---device / --out / exit-status plumbing.
+relative error used by the checks, kernel names sorted into categories (the profiles), Markdown
+table text, clearing a step's grads, and the --device / comma-list / --out / exit-status plumbing.
 """
 import argparse
 import datetime
@@ -152,6 +152,16 @@ def make_recipes(text=None):
     return [(name, kinds[name]()) for name in names]
 
 
+def category(name, categories, default="other"):
+    """The first category of `categories`, (category, lowercase substrings) pairs, with a
+    substring in name (case-insensitive), else default: how the profilers sort kernel names."""
+    low = name.lower()
+    for cat, keys in categories:
+        if any(k in low for k in keys):
+            return cat
+    return default
+
+
 def rel_err(y, ref, *, dtype=torch.float64):
     """Relative Frobenius error |y - ref| / |ref|, computed in dtype."""
     y, ref = y.detach().to(dtype), ref.detach().to(dtype)
@@ -242,6 +252,15 @@ def parser(doc):
     ap.add_argument("--device", choices=("cuda", "cpu"),
                     default="cuda" if torch.cuda.is_available() else "cpu")
     return ap
+
+
+def listed(ap, flag, text, allowed):
+    """The items of a comma list given to flag, each one of allowed (else ap.error)."""
+    items = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in items if v not in allowed]
+    if bad:
+        ap.error(f"{flag}: unknown {', '.join(bad)}; choose from {', '.join(allowed)}")
+    return items
 
 
 def parse(ap):

@@ -32,6 +32,7 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_distributed as bd  # noqa: E402
+import benchutil  # noqa: E402
 
 # (category, substrings of a kernel's name), first match wins; the rest is "other"
 CATEGORIES = (
@@ -48,11 +49,7 @@ COLUMNS = ("step", "kernels", "gemm", "quantize", "nccl", "attention", "norm", "
 
 
 def category(name):
-    low = name.lower()
-    for cat, keys in CATEGORIES:
-        if any(k in low for k in keys):
-            return cat
-    return "other"
+    return benchutil.category(name, CATEGORIES)
 
 
 def union_length(intervals):
