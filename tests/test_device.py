@@ -254,3 +254,37 @@ def test_gpu_ordinal_past_the_last_device_is_value_error():
 def test_hopper_availability(fn):
     assert fn() is True
     assert fn(return_reason=True) == (True, "")
+
+
+# _C._sanitizer_mark_written (csrc/core/sanitizer_marks.c): marks for compute-sanitizer's initcheck.
+# Their effect is checked under the tool (tests/test_sanitize_kernels.py, the control test); here
+# the entry point's contract: a no-op on CPU and on empty tensors, clear errors otherwise.
+
+def test_sanitizer_mark_written_is_a_no_op_on_cpu():
+    from tequant import _C
+    x = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    assert _C._sanitizer_mark_written(x) is None
+    assert _C._sanitizer_mark_written(x[:, :2]) is None  # row-strided view
+    assert _C._sanitizer_mark_written(torch.empty(0, 5, dtype=torch.bfloat16)) is None
+    assert torch.equal(x, torch.arange(12, dtype=torch.float32).reshape(3, 4))
+
+
+def test_sanitizer_mark_written_rejects_bad_arguments():
+    from tequant import _C
+    with pytest.raises(TypeError, match="t"):
+        _C._sanitizer_mark_written("not a tensor")
+    with pytest.raises(ValueError, match="t has dtype"):
+        _C._sanitizer_mark_written(torch.zeros(4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="t has shape"):
+        _C._sanitizer_mark_written(torch.zeros(4, 6).t())  # last dim not contiguous
+
+
+@needs_cuda
+def test_sanitizer_mark_written_on_cuda_leaves_the_tensor_alone():
+    from tequant import _C
+    x = torch.randn(64, 48, device="cuda", dtype=torch.bfloat16)
+    before = x.clone()
+    _C._sanitizer_mark_written(x)
+    _C._sanitizer_mark_written(x[:, 8:40])  # pitched: one range per row
+    _C._sanitizer_mark_written(x.view(torch.uint8))
+    assert torch.equal(x, before)

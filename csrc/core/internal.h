@@ -25,6 +25,12 @@ const char *tq_device_str(int device, char *buf);
 /* Formats the message into this thread's last-error buffer and returns status. */
 tq_status tq_fail(tq_status status, const char *fmt, ...) TQ_PRINTF_LIKE(2, 3);
 
+struct CUstream_st;
+/* Marks `rows` rows of row_bytes each, pitch_bytes apart from base, as written for
+ * compute-sanitizer's initcheck (sanitizer_marks.c): for stores the tool cannot see. */
+void tq_mark_written(const void *base, int64_t rows, size_t row_bytes, size_t pitch_bytes,
+                     struct CUstream_st *stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -2,7 +2,7 @@
  * tensor_view.c, runs the core entry point on the tensors' current CUDA stream (or the CPU
  * reference), and maps a failing tq_status through errors.c. Outputs are allocated by the
  * caller with torch (the caching allocator), never with cudaMalloc.
- * Tests: tests/test_amax.py, tests/test_transpose.py.
+ * Tests: tests/test_amax.py, tests/test_transpose.py, tests/test_device.py (_sanitizer_mark_written).
  */
 #include "module.h"
 
@@ -51,6 +51,19 @@ static PyObject *py_transpose(PyObject *module, PyObject *const *args, Py_ssize_
     Py_RETURN_NONE;
 }
 
+/* _sanitizer_mark_written(t): t's elements marked as written for compute-sanitizer's initcheck
+ * (tq_sanitizer_mark_written), on t's current stream. */
+static PyObject *py_sanitizer_mark_written(PyObject *module, PyObject *arg) {
+    tqx_state *st = tqx_module_state(module);
+    tq_tensor t;
+    tqx_tensor_info info;
+    if (tqx_tensor_from_py(st, arg, "t", TQX_FLOAT_DTYPES | BYTE_DTYPES, &t, &info) < 0)
+        return NULL;
+    tq_status s = tq_sanitizer_mark_written(&t, (struct CUstream_st *)info.stream);
+    if (s != TQ_SUCCESS) return tqx_raise_status(st, s);
+    Py_RETURN_NONE;
+}
+
 PyMethodDef tqx_ops_methods[] = {
     {"_amax", (PyCFunction)(void (*)(void))py_amax, METH_FASTCALL,
      "_amax(x, out)\n\nout[0] = max |x| over all elements, NaN ignored (float32/bfloat16/float16 "
@@ -59,4 +72,8 @@ PyMethodDef tqx_ops_methods[] = {
      "_transpose(x, out)\n\nout = x.t() for 2-D tensors of one-byte codes (uint8, float8_e4m3fn, "
      "float8_e5m2, float8_e8m0fnu): out is [x.shape[1], x.shape[0]] of x's dtype and device, "
      "written on x's current stream."},
+    {"_sanitizer_mark_written", (PyCFunction)py_sanitizer_mark_written, METH_O,
+     "_sanitizer_mark_written(t)\n\nMarks t's elements as written for compute-sanitizer's "
+     "initcheck (NVTX memory API), for a tensor written by stores the tool cannot see (cuBLAS's "
+     "on Hopper, e.g. torch.mm's output); no effect on CPU or without a tool attached."},
     {NULL, NULL, 0, NULL}};

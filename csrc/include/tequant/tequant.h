@@ -424,6 +424,14 @@ TQ_API tq_status tq_gemm_plan_cache_clear(void);
  * kept past the call. */
 TQ_API tq_status tq_stream_is_capturing(struct CUstream_st *stream, int *capturing);
 
+/* Marks t's elements (not the padding between rows when ld > cols) as written, for
+ * compute-sanitizer's initcheck, through NVTX's memory API, on `stream`: for memory a kernel
+ * wrote with stores the tool cannot observe (cuBLAS's bulk-copy stores on Hopper). tequant marks
+ * its own cuBLASLt outputs after each GEMM; this is for a caller's tensors written by another
+ * library (torch.mm). No effect on CPU tensors, without CUDA, or when no tool implementing NVTX
+ * is attached (compute-sanitizer --nvtx yes). Sub-byte dtypes are refused. */
+TQ_API tq_status tq_sanitizer_mark_written(const tq_tensor *t, struct CUstream_st *stream);
+
 /* ---------------------------------------------------------------------------------------------
  * Normalization: LayerNorm and RMSNorm over the last dim of x [M, K], with the per-tensor FP8
  * GEMM operand of the output written in the same pass (the norm of te.LayerNormLinear /
