@@ -15,6 +15,9 @@ and the backward are one C call each (csrc/ext/linear.c); this file is the autog
 the module and the recipe plans around them. With no graph to record (torch.no_grad,
 inference_mode, nothing requiring grad) forward is the C call alone, without the Function.
 Copies and pickles rebuild the plans and carry the cached weight (Linear.__getstate__).
+te.LayerNormLinear (and te.LayerNormMLP's fc1) hand forward a _norm_fn.NormInput, x before its
+norm: _compute runs the norm, writing x's FP8 codes itself where the recipe is per-tensor
+(NormInput.fusable; the Function then multiplies those codes, `given`), else its output.
 Tests: tests/test_linear.py, tests/test_linear_module.py, tests/test_linear_delayed.py,
 tests/test_checkpoint.py, tests/test_copy.py.
 """
