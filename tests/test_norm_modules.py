@@ -1,14 +1,15 @@
 """te.LayerNorm, te.RMSNorm, te.LayerNormLinear and te.LayerNormMLP (the fused-modules issue's
 module layer; python/tequant/norm.py, layernorm_linear.py, layernorm_mlp.py).
 
-- The norms against the formulas written out here in fp32 torch math (not F.layer_norm /
-  F.rms_norm, which the modules call), zero-centered gamma included; TE's parameter names.
+- The norms against the formulas written out here in fp64 torch math (the modules run the norm
+  kernels), zero-centered gamma included; TE's parameter names.
 - LayerNormLinear / LayerNormMLP outside te.autocast: the exact high-precision composition
   (the norm, the activation written out here as TE defines it, F.linear).
 - Inside te.autocast, every recipe: outputs and gradients bit-identical to the composition of
   the norm, te.Linear and the activation with the same parameters (the modules add no
-  arithmetic of their own), and within the recipe's quantization error of the high-precision
-  module.
+  arithmetic of their own; float32 inputs, so the per-tensor FP8 recipes' fused codes, cast from
+  the FP32 norm output, are te.Linear's own: tests/test_fused_norm_modules.py covers bfloat16),
+  and within the recipe's quantization error of the high-precision module.
 - TE's state_dict names, a TE-named state_dict loads; returns in TE's order; bad arguments
   raise; torch.compile bit-identical to eager.
 - LayerNormMLP with set_parallel_mode and sequence parallelism on 2 gloo ranks (one spawn for

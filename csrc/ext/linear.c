@@ -18,7 +18,8 @@
  * six members, or a packed pair) is used as it is (FSDP2's quantized all-gather,
  * python/tequant/distributed/fsdp.py); w_state and the cache are then unused. Likewise inp
  * (forward) and dy (backward) may come quantized as (six members, shape, tq dtype), their rows
- * a multiple of the format's (tensor / sequence parallelism's quantized all-gathers); x_state /
+ * a multiple of the format's (tensor / sequence parallelism's quantized all-gathers; a quantized
+ * x may also hold its rows zero-padded to that multiple: the fused norm's codes); x_state /
  * dy_state are then unused, and a quantized dy gives no bias gradient.
  * Forward quantizes x rowwise (+ columnwise for wgrad) and W in both directions, runs fprop with
  * the bias in the epilogue, and saves the columnwise x and W for backward (TE_REFERENCE 7.3-7.5).
@@ -338,9 +339,11 @@ static PyObject *bias_grad(tqx_state *st, PyObject *dy, int ndim, tq_dtype dy_dt
 
 /* An operand handed in already quantized, (members, shape, tq dtype of its high-precision
  * values): *z holds the six members, *t the [prod(shape[:-1]), shape[-1]] descriptor (its data
- * is the members', never read). Returns the shape (borrowed), or NULL with an exception. */
+ * is the members', never read) and *member_rows the rows its members hold (the rowwise data's
+ * rows, or the columnwise data's columns): shape's rows, or more where they were zero-padded.
+ * Returns the shape (borrowed), or NULL with an exception. */
 static PyObject *given_operand(tqx_state *st, PyObject *obj, const char *name, tq_tensor *t,
-                               quantized *z) {
+                               quantized *z, int64_t *member_rows) {
     PyObject *members, *shape;
     int dtype;
     if (!PyArg_ParseTuple(obj, "OOi", &members, &shape, &dtype)) return NULL;
@@ -356,9 +359,10 @@ static PyObject *given_operand(tqx_state *st, PyObject *obj, const char *name, t
         rows *= PyLong_AsLongLong(PyTuple_GET_ITEM(shape, i));
     const int64_t cols = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, PyTuple_GET_SIZE(shape) - 1));
     if (PyErr_Occurred()) return NULL;
-    PyObject *first = PyTuple_GET_ITEM(members, 0) != Py_None ? PyTuple_GET_ITEM(members, 0)
-                                                                 : PyTuple_GET_ITEM(members, 2);
+    const int rowwise = PyTuple_GET_ITEM(members, 0) != Py_None;
+    PyObject *first = PyTuple_GET_ITEM(members, rowwise ? 0 : 2);
     if (tqx_tensor_from_py(st, first, name, ~0u, t, NULL) < 0) return NULL;
+    *member_rows = rowwise ? t->rows : t->cols;
     t->rows = rows, t->cols = t->ld = cols, t->dtype = (tq_dtype)dtype;
     z->members = Py_NewRef(members);
     z->source = first;
@@ -408,17 +412,29 @@ PyObject *tqx_linear_forward(PyObject *module, PyObject *const *args, Py_ssize_t
     tq_tensor x, xp;
     tqx_tensor_info x_info;
     /* x may come quantized too, (members, shape, dtype): tensor parallelism's all-gathered
-     * input (python/tequant/distributed/tensor_parallel.py); its rows are the format's multiple */
+     * input (python/tequant/distributed/tensor_parallel.py), its rows the format's multiple, or
+     * the fused norm's codes (python/tequant/_norm_fn.py), whose members hold the rows
+     * zero-padded to that multiple as te.Linear pads x (zero codes), so backward pads dy alike */
     if (PyTuple_Check(inp)) {
-        if ((x_shape = given_operand(st, inp, "input", &x, &qx)) == NULL) goto done;
+        int64_t member_rows;
+        if ((x_shape = given_operand(st, inp, "input", &x, &qx, &member_rows)) == NULL) goto done;
         Py_INCREF(x_shape);
-        if (x.rows % p.align) {
+        const int64_t want = (x.rows + p.align - 1) / p.align * p.align;
+        if (member_rows != x.rows && member_rows != want) {
+            PyErr_Format(PyExc_ValueError, "a quantized input of %lld rows needs members of "
+                         "%lld rows (or %lld: zero-padded to the format's multiple %lld); got "
+                         "%lld", (long long)x.rows, (long long)x.rows, (long long)want,
+                         (long long)p.align, (long long)member_rows);
+            goto done;
+        }
+        if (member_rows % p.align) {
             PyErr_Format(PyExc_ValueError, "a quantized input needs rows a multiple of %lld; got "
-                         "%lld", (long long)p.align, (long long)x.rows);
+                         "%lld", (long long)p.align, (long long)member_rows);
             goto done;
         }
         device = PyObject_GetAttrString(qx.source, "device");
         xp = x;
+        xp.rows = member_rows;
     } else {
         x_shape = PyObject_GetAttrString(inp, "shape");
         device = PyObject_GetAttrString(inp, "device");
@@ -519,7 +535,13 @@ PyObject *tqx_linear_backward(PyObject *module, PyObject *const *args, Py_ssize_
      * grad_output; its bias gradient is then the caller's */
     const int dy_given = PyTuple_Check(dy);
     if (dy_given) {
-        if (given_operand(st, dy, "grad_output", &d, &qdy) == NULL) goto done;
+        int64_t member_rows;
+        if (given_operand(st, dy, "grad_output", &d, &qdy, &member_rows) == NULL) goto done;
+        if (member_rows != d.rows) {
+            PyErr_Format(PyExc_ValueError, "a quantized grad_output of %lld rows has members of "
+                         "%lld rows", (long long)d.rows, (long long)member_rows);
+            goto done;
+        }
         if (bias_dtype != Py_None) {
             PyErr_SetString(PyExc_ValueError, "a quantized grad_output gives no bias gradient: "
                             "pass bias_dtype None");

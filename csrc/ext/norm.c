@@ -3,8 +3,8 @@
  * tensor_view.c; every output is a tensor the caller allocated with torch; the backward's
  * workspace is scratch of torch's caching allocator for the call (tqx_scratch). Each runs on
  * x's current CUDA stream (or the CPU reference) with the GIL released.
- * Not wired into te.LayerNorm / LayerNormLinear / LayerNormMLP yet (python/tequant/norm.py).
- * Tests: tests/test_norm_kernels.py.
+ * te.LayerNorm / RMSNorm / LayerNormLinear / LayerNormMLP call them through
+ * python/tequant/_norm_fn.py. Tests: tests/test_norm_kernels.py, tests/test_fused_norm_modules.py.
  */
 #include <string.h>
 

@@ -14,14 +14,19 @@ the backward update of a module runs at the end of its own backward, which gives
 values whenever each module runs once per autocast (the case te.Linear supports under compile).
 Traced updates all-reduce row 0 over the autocast's amax_reduction_group first (a functional
 collective in the graph), as delayed.py's eager update does.
-Tests: tests/test_compile.py.
+A te.LayerNormLinear (or LayerNormMLP's fc1) hands its input as a _norm_fn.NormInput: where eager
+fuses (NormInput.fusable, the same rule), its norm runs as tequant::norm_fwd writing x's codes
+and the Function multiplies them through tequant::linear_fwd_given / linear_bwd_given (eager's
+bits); elsewhere the norm's output goes through the path above.
+Tests: tests/test_compile.py, tests/test_fused_norm_compile.py.
 """
 import weakref
 
 import torch
 import torch.nn.functional as F
 
-from . import _C, _compile, _custom_linear, _plan, delayed
+from . import _C, _compile, _custom_linear, _norm_fn, _plan, delayed
+from ._norm_fn import NormInput
 from ._operands import is_dtensor, quantized_weight
 from ._plan import KEEP_X_ROWWISE, NEED_DGRAD, NEED_WGRAD, PACKED, ROWWISE
 
@@ -137,10 +142,15 @@ class _CompiledLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, inp, weight, bias, scale_fwd, hist_fwd, scale_bwd, hist_bwd, recipe_id,
-                group):
+                group, x_data=None, x_scale_inv=None, x_amax=None):
         needs = ((NEED_DGRAD if ctx.needs_input_grad[0] else 0)
                  | (NEED_WGRAD if ctx.needs_input_grad[1] else 0))
         scaling, align, is_delayed, override, _, x_kept, w_kept, _ = info(recipe_id, needs)
+        ctx.given = x_data is not None
+        if ctx.given:
+            return _given_forward(ctx, needs, inp, weight, bias, scale_fwd, hist_fwd, scale_bwd,
+                                  hist_bwd, recipe_id, group, is_delayed, x_data, x_scale_inv,
+                                  x_amax)
         if override == "dequantized":  # its backward reads the members of x and W
             c_needs = KEEP_X_ROWWISE
             x_kept = info(recipe_id, c_needs)[5]
@@ -166,6 +176,8 @@ class _CompiledLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        if ctx.given:
+            return _given_backward(ctx, dy)
         saved = ctx.saved_tensors
         needs, n_x = ctx.needs, ctx.n_x
         bias_dtype = ctx.bias_dtype if ctx.needs_input_grad[2] else None
@@ -173,11 +185,11 @@ class _CompiledLinear(torch.autograd.Function):
             inp, weight = saved
             dx, dw, db = _high_precision(dy, inp.reshape(-1, inp.shape[-1]), weight, needs,
                                          bias_dtype, ctx)
-            return dx, dw, db, None, None, None, None, None, None
+            return dx, dw, db, None, None, None, None, None, None, None, None, None
         if ctx.override == "dequantized":  # the dequantized forward operands, as in eager
             x2d, weight = _dequantized_operands(ctx, saved, dy.dtype)
             dx, dw, db = _high_precision(dy, x2d, weight, needs, bias_dtype, ctx)
-            return dx, dw, db, None, None, None, None, None, None
+            return dx, dw, db, None, None, None, None, None, None, None, None, None
         if ctx.is_delayed:
             scale_bwd, hist_bwd = saved[-2:]
             saved = saved[:-2]
@@ -187,15 +199,59 @@ class _CompiledLinear(torch.autograd.Function):
         outs = torch.ops.tequant.linear_bwd(dy, x_kept, saved[n_x], ctx.recipe_id, needs,
                                             list(ctx.shape), ctx.x_dtype, ctx.w_dtype, bias_dtype,
                                             scale_bwd)
-        it = iter(outs)
-        dx = next(it) if needs & NEED_DGRAD else None
-        dw = next(it) if needs & NEED_WGRAD else None
-        db = next(it) if bias_dtype is not None else None
-        if ctx.is_delayed:
-            # One write per buffer: AOT's partitioner refuses a buffer written twice in backward.
-            _apply_update((hist_bwd,), (scale_bwd,), ctx.recipe_id, delayed.BACKWARD,
-                          [_accumulated(hist_bwd, next(it))], ctx.group)
-        return dx, dw, db, None, None, None, None, None, None
+        return _grads(ctx, outs, bias_dtype, scale_bwd, hist_bwd)
+
+
+def _grads(ctx, outs, bias_dtype, scale_bwd, hist_bwd):
+    """_CompiledLinear.backward's result from a backward op's [dx?, dW?, db?, amax dy?], after
+    DelayedScaling's backward update of the module."""
+    it = iter(outs)
+    dx = next(it) if ctx.needs & NEED_DGRAD else None
+    dw = next(it) if ctx.needs & NEED_WGRAD else None
+    db = next(it) if bias_dtype is not None else None
+    if ctx.is_delayed:
+        # One write per buffer: AOT's partitioner refuses a buffer written twice in backward.
+        _apply_update((hist_bwd,), (scale_bwd,), ctx.recipe_id, delayed.BACKWARD,
+                      [_accumulated(hist_bwd, next(it))], ctx.group)
+    return dx, dw, db, None, None, None, None, None, None, None, None, None
+
+
+def _given_forward(ctx, needs, inp, weight, bias, scale_fwd, hist_fwd, scale_bwd, hist_bwd,
+                   recipe_id, group, is_delayed, x_data, x_scale_inv, x_amax):
+    """_CompiledLinear's forward for an x given as the fused norm's rowwise codes (x_data
+    [padded rows, K], x_scale_inv, x_amax: DelayedScaling's amax of this x, accumulated here
+    with W's into the history; inp carries only the gradient). Backward keeps x's columnwise
+    codes (transposed here, as eager's with_columnwise) and W's packed buffer."""
+    members = [x_data, x_scale_inv, None, None, x_amax, None]
+    outs = torch.ops.tequant.linear_fwd_given(members, list(inp.shape), inp.dtype, weight, bias,
+                                              recipe_id, needs, scale_fwd)
+    if is_delayed:
+        _accumulate(hist_fwd, torch.cat((x_amax.view(1, 1), outs[2].view(1, 1))))
+    x_kept = ()
+    if needs & NEED_WGRAD:
+        x_kept = (torch.ops.tequant.transpose_codes(x_data), x_scale_inv, x_amax)
+    ctx.recipe_id, ctx.needs, ctx.group, ctx.is_delayed = recipe_id, needs, group, is_delayed
+    ctx.shape, ctx.x_dtype, ctx.w_dtype = tuple(inp.shape), inp.dtype, weight.dtype
+    ctx.bias_dtype = bias.dtype if bias is not None else None
+    ctx.save_for_backward(*x_kept, outs[1], *((scale_bwd, hist_bwd) if is_delayed else ()))
+    return outs[0]
+
+
+def _given_backward(ctx, dy):
+    saved = ctx.saved_tensors
+    needs = ctx.needs
+    x_members = [None] * 6
+    if needs & NEED_WGRAD:
+        x_members[2], x_members[1], x_members[4] = saved[:3]
+        saved = saved[3:]
+    scale_bwd = hist_bwd = None
+    if ctx.is_delayed:
+        scale_bwd, hist_bwd = saved[1:3]
+    bias_dtype = ctx.bias_dtype if ctx.needs_input_grad[2] else None
+    outs = torch.ops.tequant.linear_bwd_given(dy, x_members, saved[0], ctx.recipe_id, needs,
+                                              list(ctx.shape), ctx.x_dtype, ctx.w_dtype,
+                                              bias_dtype, scale_bwd)
+    return _grads(ctx, outs, bias_dtype, scale_bwd, hist_bwd)
 
 
 def _dequantized_operands(ctx, saved, dtype):
@@ -234,6 +290,8 @@ def forward(module, inp, is_first_microbatch):
     rank then quantizes the whole tensor: the eager quantized gather's bits)."""
     weight, bias = module.weight, None if module.return_bias else module.bias
     tp = module._tp
+    if tp is not None and (tp.size > 1 or is_dtensor(weight)):
+        inp = _norm_fn.resolved(inp)  # (eager's rule: NormInput.fusable, linear.py _run)
     if tp is None:
         if is_dtensor(weight):
             raise NotImplementedError(
@@ -260,6 +318,13 @@ def _local(module, inp, weight, bias, is_first_microbatch):
     """The linear on this rank's tensors (all of a non-parallel layer's)."""
     state = _compile.current()
     recipe_id = state.recipe_id
+    norm_in = None  # a NormInput whose norm writes x's codes (te.LayerNormLinear's)
+    if type(inp) is NormInput:
+        if state.enabled and not state.recipe.custom() and inp.fusable(
+                info(recipe_id, 0)[0], info(recipe_id, 0)[3], module._tp):
+            norm_in = inp
+        else:
+            inp = inp.high_precision()
     if not state.enabled:
         if state.calibrating and info(recipe_id, 0)[2]:
             delayed.calibrate(module, info(recipe_id, 0)[4], inp)
@@ -271,13 +336,14 @@ def _local(module, inp, weight, bias, is_first_microbatch):
     if quantized_weight(weight) is not None:
         # FSDP2 gathered W in the recipe's format (distributed/fsdp.py): its members are
         # assembled in Python when first read, which Dynamo cannot trace, so this layer runs
-        # eagerly (a graph break; fullgraph=True refuses it), with eager's bits.
-        return _eager_local(module, inp, weight, bias)
+        # eagerly (a graph break; fullgraph=True refuses it), with eager's bits (but a fused
+        # norm's: its output in high precision, then te.Linear's own quantization).
+        return _eager_local(module, _norm_fn.resolved(inp), weight, bias)
     n, k = weight.shape
     if inp.shape[-1] != k:
         raise ValueError(f"input has {inp.shape[-1]} features in its last dim; this Linear "
                          f"takes {k}")
-    if torch.is_autocast_enabled(inp.device.type):
+    if norm_in is None and torch.is_autocast_enabled(inp.device.type):
         inp = inp.to(torch.get_autocast_dtype(inp.device.type))
     if state.recipe.custom():
         return _custom_linear.apply(inp, weight, bias,
@@ -303,8 +369,13 @@ def _local(module, inp, weight, bias, is_first_microbatch):
         scale_bwd, hist_bwd = module.delayed_scale_bwd, module.delayed_amax_history_bwd
         if torch.is_grad_enabled():
             _register_delayed(module, state, hist_fwd, scale_fwd, recipe_id)
+    group = state.group if is_delayed else None
+    if norm_in is not None:  # x's codes from the norm (a fresh amax: accumulated with W's)
+        carrier, x = norm_in.fused(recipe_id, align, scale_fwd[0:1] if is_delayed else None, None)
+        return _CompiledLinear.apply(carrier, weight, bias, scale_fwd, hist_fwd, scale_bwd,
+                                     hist_bwd, recipe_id, group, x[0], x[1], x[4])
     return _CompiledLinear.apply(inp, weight, bias, scale_fwd, hist_fwd, scale_bwd,
-                                 hist_bwd, recipe_id, state.group if is_delayed else None)
+                                 hist_bwd, recipe_id, group)
 
 
 @_compile.constant

@@ -1,6 +1,7 @@
 """The tequant:: custom ops that torch.compile traces: quantize / dequantize / gemm / gemm_out
-(te.ops), linear_fwd / linear_bwd / amax_update (te.Linear) and transpose_codes (the quantized
-gathers' columnwise codes).
+(te.ops), linear_fwd / linear_bwd / amax_update (te.Linear), linear_fwd_given / linear_bwd_given
+(te.Linear on the fused norm's codes) and transpose_codes (the quantized gathers' columnwise
+codes). The norm's own ops, norm_fwd / norm_bwd, are in _norm_fn.py, beside their Function.
 
 Dynamo cannot trace te.ops' C calls, so under torch.compile each one runs as a torch.library
 custom op: its real implementation is the same C call as eager (the same bits), its fake
@@ -25,6 +26,7 @@ from typing import Optional
 import torch
 
 from . import _C, _plan, _rng, delayed
+from ._operands import TQ_DTYPE as _TQ_DTYPE
 from ._plan import COLUMNWISE, NEED_DGRAD, NEED_WGRAD, PACKED, ROWWISE
 
 _CONFIGS = {}  # (recipe_id, role) -> QuantizerConfig
@@ -273,6 +275,71 @@ def _linear_bwd_fake(dy, x_kept, w_kept, recipe_id, needs, inp_shape, x_dtype, w
     if _plan.of_id(recipe_id).delayed:
         result.append(dy.new_empty((1, 1), dtype=torch.float32))
     return result
+
+
+# The fused norm's codes (_norm_fn.NormInput) reach te.Linear already quantized: these two run
+# linear.c's calls on such an x (its six members, rows zero-padded to the format's multiple), the
+# eager calls' bits. Python kernels: the fused path's op pair, beside the C-kernel linear_fwd /
+# linear_bwd of a high-precision x.
+
+@op("tequant::linear_fwd_given", mutates_args=())
+def linear_fwd_given(x_members: list[Optional[torch.Tensor]], x_shape: list[int],
+                     x_dtype: torch.dtype, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                     recipe_id: str, needs: int, scale_fwd: Optional[torch.Tensor]
+                     ) -> list[torch.Tensor]:
+    """[y, W's packed buffer] (+ [amax W] for DelayedScaling) of y = x W^T + b for x given as
+    its members (needs: linear.c's bits, packed; x's own members are not returned: the caller
+    holds them)."""
+    plan = _plan.of_id(recipe_id)
+    w_state = None
+    if plan.delayed:  # x's amax came with its codes; W's goes to a fresh slot
+        w_state = (scale_fwd[1:2], weight.new_zeros((1, 1), dtype=torch.float32))
+    x = (tuple(x_members), tuple(x_shape), _TQ_DTYPE[x_dtype])
+    with graph_safe_workspace():
+        out, saved = _C.linear_forward(plan.c_args, x, weight, bias, needs | PACKED, [], None,
+                                       None, w_state)
+    return [out, saved[1][0]] + ([w_state[1]] if plan.delayed else [])
+
+
+@fake("tequant::linear_fwd_given")
+def _linear_fwd_given_fake(x_members, x_shape, x_dtype, weight, bias, recipe_id, needs,
+                           scale_fwd):
+    plan = _plan.of_id(recipe_id)
+    n, k = weight.shape
+    like = weight if x_members[0] is None else x_members[0]
+    result = [like.new_empty(tuple(x_shape[:-1]) + (n,), dtype=x_dtype),
+              _fake_buffer(plan.w, n, k, ROWWISE | COLUMNWISE, like)]
+    if plan.delayed:
+        result.append(like.new_empty((1, 1), dtype=torch.float32))
+    return result
+
+
+@op("tequant::linear_bwd_given", mutates_args=())
+def linear_bwd_given(dy: torch.Tensor, x_members: list[Optional[torch.Tensor]],
+                     w_kept: torch.Tensor, recipe_id: str, needs: int, inp_shape: list[int],
+                     x_dtype: torch.dtype, w_dtype: torch.dtype, bias_dtype: torch.dtype | None,
+                     scale_bwd: torch.Tensor | None) -> list[torch.Tensor]:
+    """linear_bwd for an x that came as members (x_members: its six, the columnwise ones for
+    wgrad) and W's packed buffer: [dx if dgrad, dW if wgrad, db if bias_dtype] (+ [amax dy])."""
+    plan = _plan.of_id(recipe_id)
+    rows, k = _rows_cols(inp_shape)
+    state = None
+    if plan.delayed:
+        state = (scale_bwd[0:1], dy.new_zeros((1, 1), dtype=torch.float32))
+    saved = (tuple(x_members), (w_kept, state[1] if state else None), rows,
+             _plan.padded(rows, plan.align), dy.shape[-1], k, _TQ_DTYPE[x_dtype],
+             _TQ_DTYPE[w_dtype])
+    with graph_safe_workspace():
+        grads = _C.linear_backward(plan.c_args, saved, dy.contiguous(), needs, state,
+                                   tuple(inp_shape), bias_dtype, None)
+    return [g for g in grads if g is not None] + ([state[1]] if state else [])
+
+
+@fake("tequant::linear_bwd_given")
+def _linear_bwd_given_fake(dy, x_members, w_kept, recipe_id, needs, inp_shape, x_dtype, w_dtype,
+                           bias_dtype, scale_bwd):
+    return _linear_bwd_fake(dy, None, w_kept, recipe_id, needs, inp_shape, x_dtype, w_dtype,
+                            bias_dtype, scale_bwd)
 
 
 _SCALED_MAX = {}  # (recipe_id, direction) -> each column's scaled fmax (delayed.slots_of's)

@@ -14,6 +14,7 @@ Tests: tests/test_fsdp.py, tests/test_dtensor_parallel.py, tests/test_tensor_par
 import sys
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
 from . import _C
 
@@ -45,6 +46,15 @@ def is_dtensor(weight):
     """Without importing torch.distributed.tensor (nothing made a DTensor before it loads)."""
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(weight, module.DTensor)
+
+
+def transformed():
+    """Inside a forward-AD dual level or a functorch transform (vmap, grad, ...): such inputs
+    must reach te.Linear's Function, which refuses them clearly (no jvp, no setup_context), not
+    its Function-free no-graph path, which would drop a tangent or get a wrapped tensor; the
+    norm kernels' Function leaves them to torch's norm (_norm_fn.refusal)."""
+    return (getattr(_forward_ad, "_current_level", 0) >= 0
+            or torch._C._are_functorch_transforms_active())
 
 
 def waited(t):

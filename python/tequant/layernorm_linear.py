@@ -2,15 +2,22 @@
 (its arguments and parameter names: layer_norm_weight, layer_norm_bias, weight, bias), so a TE
 model's state_dict loads.
 
-It is a te.Linear (a torch.nn.Linear) whose forward normalizes first: inside te.autocast the
-GEMMs are quantized exactly as te.Linear's (the normalized input is what the input quantizer
-reads), outside it is the exact high-precision composition. Everything te.Linear supports
-carries over: every recipe, torch.compile, CUDA graphs, activation checkpointing, FSDP2's
-quantized weight all-gather, column tensor parallelism with sequence parallelism (the norm runs
-on this rank's tokens, its output is gathered quantized). The normalization is torch's
-(norm.normalize); a fused norm + quantize kernel is the fused-modules issue's next step and
-keeps this module's semantics.
-Tests: tests/test_norm_modules.py.
+It is a te.Linear (a torch.nn.Linear) whose forward normalizes first, through the norm kernels
+(norm.py states their numerics): outside te.autocast it is the exact high-precision composition
+of that norm and F.linear. Inside te.autocast with a per-tensor FP8 recipe (DelayedScaling,
+Float8CurrentScaling) the norm kernel writes the GEMM's rowwise FP8 input codes itself
+(_norm_fn.NormInput.fused; the columnwise copy for wgrad is their transpose): these are the cast
+of the FP32 norm output y, where te.LayerNorm + te.Linear cast y rounded to x's dtype, so with
+bfloat16 / float16 inputs a code can differ by one where that rounding moves y across a rounding
+boundary (float32 inputs: the same bits). DelayedScaling records amax(y) in the input's history
+slot where te.Linear records its input's amax. The high-precision norm output is written only
+for return_layernorm_output. Other recipes quantize the norm's output as te.Linear does; tensor
+parallelism over several ranks, backward_override, torch.autocast and inputs the kernels refuse
+take that route too. Everything te.Linear supports carries over: every recipe, torch.compile,
+CUDA graphs, activation checkpointing, FSDP2's quantized weight all-gather, column tensor
+parallelism with sequence parallelism (the norm runs on this rank's tokens, its output is
+gathered quantized).
+Tests: tests/test_norm_modules.py, tests/test_fused_norm_modules.py.
 """
 from . import norm
 from .linear import Linear
@@ -64,11 +71,11 @@ class LayerNormLinear(Linear):
                                        self.zero_centered_gamma)
 
     def forward(self, inp, is_first_microbatch=None):
-        ln_out = norm.module_norm(self, inp, self.in_features)
-        out = super().forward(ln_out, is_first_microbatch)
+        x = norm.module_input(self, inp, self.in_features)
+        out = super().forward(x, is_first_microbatch)  # te.Linear runs the norm (NormInput)
         if not self.return_layernorm_output:
             return out
-        return (*out, ln_out) if self.return_bias else (out, ln_out)
+        return (*out, x.output) if self.return_bias else (out, x.output)
 
     def extra_repr(self):
         return (f"{super().extra_repr()}, normalization={self.normalization}, eps={self.eps}, "

@@ -4,15 +4,18 @@ fc2_weight, fc2_bias), so a TE model's state_dict loads.
 
 fc1 and fc2 are te.Linear children (their GEMMs quantized inside te.autocast exactly as
 te.Linear's, every recipe; compile, CUDA graphs, activation checkpointing and FSDP2's quantized
-all-gather as te.Linear); state_dict and load_state_dict speak TE's flat names, and the
+all-gather as te.Linear). The norm runs through the norm kernels and, for per-tensor FP8 recipes,
+writes fc1's input codes itself, as in te.LayerNormLinear (whose docstring states those bits);
+fc1 gets the norm's input (_norm_fn.NormInput) while it is a plain te.Linear without hooks
+(FSDP2's fully_shard of fc1 alone, a wrapper or a hook get the norm's output instead); state_dict and load_state_dict speak TE's flat names, and the
 attributes fc1_weight ... fc2_bias read the children's parameters. With set_parallel_mode=True
 fc1 is column- and fc2 row-parallel over tp_group (sequence_parallel: tokens sharded in and
 out), as TE. Activations as TE defines them (transformer_engine/common/util/math.h): gelu is the
 tanh approximation, qgelu x * sigmoid(1.702 x), srelu relu(x)^2; the gated ones (geglu, reglu,
 swiglu) split fc1's output in two halves along features, act(first) * second (fc1 has
 2 * ffn_hidden_size outputs; under tensor parallelism each rank's shard holds both halves of its
-part, as in TE). The norm and activation are torch's; their fused quantize kernels are the
-fused-modules issue's next step. Tests: tests/test_norm_modules.py.
+part, as in TE). The activation is torch's; its fused quantize kernel is the fused-modules
+issue's next step. Tests: tests/test_norm_modules.py, tests/test_fused_norm_modules.py.
 """
 import torch
 import torch.nn.functional as F
@@ -48,6 +51,18 @@ def activate(h, activation):
         a, b = h.chunk(2, dim=-1)
         return _GATED[activation](a) * b
     return _ELEMENTWISE[activation](h)
+
+
+def _plain(module):
+    """module is a te.Linear called without hooks (module.__call__ is its forward), which runs a
+    NormInput; a hook, a subclass (FSDP2's) or a wrapper expects a tensor."""
+    return (type(module) is Linear and not module._forward_pre_hooks
+            and not module._forward_hooks and not _global_hooks())
+
+
+def _global_hooks():
+    hooks = torch.nn.modules.module
+    return bool(hooks._global_forward_pre_hooks or hooks._global_forward_hooks)
 
 
 def _to_te_names(module, state_dict, prefix, local_metadata):
@@ -127,12 +142,12 @@ class LayerNormMLP(torch.nn.Module):
         self.fc2.reset_parameters()
 
     def forward(self, inp, is_first_microbatch=None):
-        ln_out = norm.module_norm(self, inp, self.hidden_size)
-        h = self.fc1(ln_out, is_first_microbatch)
+        x = norm.module_input(self, inp, self.hidden_size)
+        h = self.fc1(x if _plain(self.fc1) else x.high_precision(), is_first_microbatch)
         out = self.fc2(activate(h, self.activation), is_first_microbatch)
         if not self.return_layernorm_output:
             return out
-        return (*out, ln_out) if self.return_bias else (out, ln_out)
+        return (*out, x.output) if self.return_bias else (out, x.output)
 
     def extra_repr(self):
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "

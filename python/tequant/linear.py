@@ -15,16 +15,19 @@ and the backward are one C call each (csrc/ext/linear.c); this file is the autog
 the module and the recipe plans around them. With no graph to record (torch.no_grad,
 inference_mode, nothing requiring grad) forward is the C call alone, without the Function.
 Copies and pickles rebuild the plans and carry the cached weight (Linear.__getstate__).
+te.LayerNormLinear (and te.LayerNormMLP's fc1) hand forward a _norm_fn.NormInput, x before its
+norm: _compute runs the norm, writing x's FP8 codes itself where the recipe is per-tensor
+(NormInput.fusable; the Function then multiplies those codes, `given`), else its output.
 Tests: tests/test_linear.py, tests/test_linear_module.py, tests/test_linear_delayed.py,
 tests/test_checkpoint.py, tests/test_copy.py.
 """
 import math
 
 import torch
-import torch.autograd.forward_ad as _forward_ad
 import torch.nn.functional as F
 
-from . import _C, _compile_linear, _custom_linear, _operands, _plan, checkpoint, delayed
+from . import _C, _compile_linear, _custom_linear, _norm_fn, _operands, _plan, checkpoint, delayed
+from ._norm_fn import NormInput
 from .recipe import Recipe
 from ._plan import (COLUMNWISE as _COLUMNWISE, KEEP_X_ROWWISE as _KEEP_X_ROWWISE,
                     NEED_DGRAD as _NEED_DGRAD, NEED_WGRAD as _NEED_WGRAD, PACKED as _PACKED,
@@ -38,7 +41,8 @@ class _QuantizedLinear(torch.autograd.Function):
     linear_forward), one backward (linear_backward)."""
 
     @staticmethod
-    def forward(ctx, inp, weight, bias, module, plan, is_first_microbatch, pending, states, tp):
+    def forward(ctx, inp, weight, bias, module, plan, is_first_microbatch, pending, states, tp,
+                given=None):
         needs = ((_NEED_DGRAD if ctx.needs_input_grad[0] else 0)
                  | (_NEED_WGRAD if ctx.needs_input_grad[1] else 0))
         override = plan.backward_override
@@ -46,7 +50,11 @@ class _QuantizedLinear(torch.autograd.Function):
         # (few allocations); "dequantized" reads the member tensors of x and W in Python instead
         c_needs = (needs | _PACKED if override is None
                    else _KEEP_X_ROWWISE if override == "dequantized" else _PACKED)
-        inp = inp.contiguous()
+        if given is None:
+            inp = inp.contiguous()
+        else:  # the fused norm's codes of x (_norm_fn.NormInput): inp only carries the gradient
+            inp = (_norm_fn.with_columnwise(given) if needs & _NEED_WGRAD else given,
+                   tuple(inp.shape), _operands.TQ_DTYPE[inp.dtype])
         ctx.tp = tp
         if tp is not None:  # tensor parallelism: the collectives around the C calls
             if plan.delayed and states is None:
@@ -96,7 +104,7 @@ class _QuantizedLinear(torch.autograd.Function):
                                             bias_dtype, ctx.pending, after_dgrad)
         if tp is not None:
             dx = tp.reduce_grad_input(dx)
-        return dx, dw, db, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None
 
 
 def _split(kept):
@@ -140,14 +148,6 @@ def _forward(inp, weight, bias, module, plan, is_first_microbatch, c_needs, stat
             weight = getattr(weight, "tq_data", weight)
     return _C.linear_forward(plan.c_args, inp, weight, bias, c_needs, module._weight_cache,
                              is_first_microbatch, x_state, w_state)
-
-
-def _transformed():
-    """Inside a forward-AD dual level or a functorch transform (vmap, grad, ...): such inputs
-    must reach the Function, which refuses them clearly (no jvp, no setup_context), not the
-    Function-free no-graph path, which would drop a tangent or get a wrapped tensor."""
-    return (getattr(_forward_ad, "_current_level", 0) >= 0
-            or torch._C._are_functorch_transforms_active())
 
 
 def _fast_apply(function):
@@ -384,7 +384,7 @@ class Linear(torch.nn.Linear):
         """y = inp W^T + b for inp [..., in_features]: quantized inside te.autocast, exactly
         F.linear outside. is_first_microbatch: see the class docstring. Returns y, or (y, bias)
         with return_bias=True."""
-        if not isinstance(inp, torch.Tensor):
+        if not isinstance(inp, torch.Tensor) and type(inp) is not NormInput:
             raise TypeError(f"{type(self).__name__}: inp must be a torch.Tensor, got "
                             f"{type(inp).__name__}")
         if is_first_microbatch is not None and type(is_first_microbatch) is not bool:
@@ -421,6 +421,7 @@ class Linear(torch.nn.Linear):
         if (type(weight) is not torch.nn.Parameter and type(weight) is not torch.Tensor
                 and _operands.is_dtensor(weight)):
             from .distributed import dtensor
+            inp = _norm_fn.resolved(inp)  # (the DTensor face runs the norm's output)
             return dtensor.run(self, inp, weight, bias, lambda x, w, b: self._local(
                 x, w, b, is_first_microbatch, record, replay, trains))
         return self._local(inp, weight, bias, is_first_microbatch, record, replay, trains)
@@ -445,7 +446,15 @@ class Linear(torch.nn.Linear):
             if _C.is_fp8_calibration():
                 plan = self._plan(_C.get_fp8_recipe())
                 if plan.delayed:
+                    inp = _norm_fn.resolved(inp)
                     delayed.calibrate(self, plan.x.amax_history_len, inp)
+        norm_in = None  # a NormInput whose norm writes x's codes (te.LayerNormLinear's)
+        if type(inp) is NormInput:
+            plan = None if recipe is None or recipe.custom() else self._plan(recipe)
+            if plan is not None and inp.fusable(plan.x.scaling, plan.backward_override, tp):
+                norm_in = inp
+            else:
+                inp = inp.high_precision()
         if recipe is None:
             if _operands.quantized_weight(weight) is not None:
                 weight = _operands.dequantized(weight)
@@ -457,9 +466,10 @@ class Linear(torch.nn.Linear):
         if inp.shape[-1] != weight.shape[1]:
             raise ValueError(f"input has {inp.shape[-1]} features in its last dim; this "
                              f"Linear takes {weight.shape[1]}")
-        inp = _operands.waited(inp)  # a collective's output, not yet waited on
-        if torch.is_autocast_enabled(inp.device.type):
-            inp = inp.to(torch.get_autocast_dtype(inp.device.type))
+        if norm_in is None:  # (fused: a plain tensor's norm, no torch.autocast)
+            inp = _operands.waited(inp)  # a collective's output, not yet waited on
+            if torch.is_autocast_enabled(inp.device.type):
+                inp = inp.to(torch.get_autocast_dtype(inp.device.type))
         if recipe.custom():
             quantizers = _custom_linear.quantizers(self, recipe)
             if tp is not None:
@@ -483,13 +493,20 @@ class Linear(torch.nn.Linear):
                 if record is not None:
                     record.pending = pending
                     record.scale_fwd = self._buffers["delayed_scale_fwd"].clone()
+        given = None
+        if norm_in is not None:  # x's codes from the norm, its amax in x's slot (DelayedScaling)
+            x_state = (states or delayed.slots(self, delayed.FORWARD))[0] if plan.delayed \
+                else (None, None)
+            inp, given = norm_in.fused(plan.recipe._tequant_id, plan.align, *x_state)
         if (torch.is_grad_enabled() and (inp.requires_grad or weight.requires_grad or (
-                bias is not None and bias.requires_grad))) or _transformed() or tp is not None:
+                bias is not None and bias.requires_grad))) or _operands.transformed() \
+                or tp is not None:
             return _quantized_linear(inp, weight, bias, self, plan, is_first_microbatch, pending,
-                                     states, tp)
+                                     states, tp, given)
         # no graph to record (eval, inference): the C forward alone, x rowwise only
-        return _forward(inp.contiguous(), weight, bias, self, plan, is_first_microbatch, _PACKED,
-                        states)[0]
+        x = inp.contiguous() if given is None else (given, tuple(inp.shape),
+                                                    _operands.TQ_DTYPE[inp.dtype])
+        return _forward(x, weight, bias, self, plan, is_first_microbatch, _PACKED, states)[0]
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # DelayedScaling buffers exist once a module quantized with it: create them from a

@@ -1,44 +1,46 @@
 """te.LayerNorm and te.RMSNorm: TransformerEngine's normalization modules (its arguments and
-parameter names), and the one normalization rule te.LayerNormLinear / te.LayerNormMLP apply.
+parameter names), and the norm input te.LayerNormLinear / te.LayerNormMLP hand their te.Linear.
 
 Both compute in high precision in every mode (TE's too: a norm's output is quantized only where a
-GEMM reads it, inside LayerNormLinear / LayerNormMLP). zero_centered_gamma stores gamma - 1 (the
-weight starts at 0 and the norm multiplies by 1 + weight), as TE does. sequence_parallel marks the
-parameters (`param.sequence_parallel = True`) so that reduce_sequence_parallel_grads sums their
-gradients over the tensor-parallel group, as Megatron-LM does for TE's modules.
-Tests: tests/test_norm_modules.py.
+GEMM reads it, inside LayerNormLinear / LayerNormMLP), through the norm kernels
+(tq_norm_forward / tq_norm_backward via _norm_fn.NormFunction: one forward pass writing y, mean
+and rstd, one backward pass for dx, dgamma and dbeta), or torch's norm where the kernels do not
+run (_norm_fn.refusal: float64, torch.autocast, forward AD / functorch, DTensors, other devices).
+Numerics: the kernels compute each row in FP32 with a fixed summation order (tequant.h), then
+round y to x's dtype once; torch's norm sums in another order, so the two agree to a few FP32
+ulps before that rounding (an output of x's dtype differs by at most one of its ulps, at rare
+elements; float32 outputs by a few ulps). gamma is read in its own dtype (torch's path casts it to
+x's first) and RN(1 + gamma) is formed in FP32 for zero_centered_gamma; dgamma and dbeta are FP32
+sums (the kernel's fixed order) rounded once to the parameters' dtype. The kernel results are
+bit-identical across eager, torch.compile and CUDA graphs, and CPU equals CUDA.
+zero_centered_gamma stores gamma - 1 (the weight starts at 0 and the norm multiplies by
+1 + weight), as TE does. sequence_parallel marks the parameters (`param.sequence_parallel = True`)
+so that reduce_sequence_parallel_grads sums their gradients over the tensor-parallel group, as
+Megatron-LM does for TE's modules.
+Tests: tests/test_norm_modules.py, tests/test_fused_norm_modules.py.
 """
 import numbers
 
 import torch
-import torch.nn.functional as F
+
+from ._norm_fn import NormInput, normalize
 
 __all__ = ["LayerNorm", "RMSNorm", "normalize", "NORMALIZATIONS"]
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
 
-def normalize(x, normalization, weight, bias, eps, zero_centered_gamma):
-    """LayerNorm or RMSNorm of x over its last dim with gamma = weight (+ 1 when zero-centered)
-    and bias (LayerNorm only), computed in x's dtype by torch (its fp32 accumulation)."""
-    gamma = weight + 1 if zero_centered_gamma else weight
-    shape = (x.shape[-1],)
-    if normalization == "LayerNorm":
-        return F.layer_norm(x, shape, gamma.to(x.dtype), None if bias is None else
-                            bias.to(x.dtype), eps)
-    return F.rms_norm(x, shape, gamma.to(x.dtype), eps)
-
-
-def module_norm(module, inp, features):
-    """The norm a LayerNormLinear / LayerNormMLP applies to its input (its layer_norm_weight,
-    layer_norm_bias, eps, normalization and zero_centered_gamma), after checking inp."""
+def module_input(module, inp, features):
+    """The input of a LayerNormLinear / LayerNormMLP (after checking inp) with the norm it
+    applies first (its layer_norm_weight, layer_norm_bias, eps, normalization,
+    zero_centered_gamma), for its te.Linear to run (_norm_fn.NormInput)."""
     name = type(module).__name__
     if not isinstance(inp, torch.Tensor):
         raise TypeError(f"{name}: inp must be a torch.Tensor, got {type(inp).__name__}")
     if inp.dim() == 0 or inp.shape[-1] != features:
         raise ValueError(f"{name}: inp has shape {tuple(inp.shape)}; expected [..., {features}]")
-    return normalize(inp, module.normalization, module.layer_norm_weight,
-                     module.layer_norm_bias, module.eps, module.zero_centered_gamma)
+    return NormInput(inp, module.layer_norm_weight, module.layer_norm_bias, module.normalization,
+                     module.eps, module.zero_centered_gamma, module.return_layernorm_output)
 
 
 def check_normalization(normalization):

@@ -1,0 +1,306 @@
+"""The normalization as torch runs it: one autograd Function over the norm kernels
+(tq_norm_forward / tq_norm_backward, csrc/include/tequant/tequant.h), their tequant::norm_fwd /
+tequant::norm_bwd ops for torch.compile, and NormInput, the not yet normalized input that
+te.LayerNormLinear and te.LayerNormMLP hand their te.Linear.
+
+One definition serves eager and compiled code: NormFunction calls the ops' implementations
+directly in eager mode and the ops (opaque to Dynamo, with fake kernels) while compiling, so both
+run the same C calls and give the same bits. The Function flattens any leading dims to [M, K],
+saves x, gamma, mean and rstd, and its backward returns dx in x's dtype and dgamma / dbeta (the
+kernel's FP32 sums) in the parameters' dtypes. Not a kernel: forward-mode AD, functorch
+transforms, torch.autocast (which sets a norm's output dtype: float32 for layer_norm), dtypes
+other than float32 / bfloat16 / float16, tensor subclasses (DTensor), devices other than CPU and
+CUDA and a CUDA tensor in a CPU-only build run torch's norm instead (`refusal` says why).
+Fused (NormInput.fused, per-tensor FP8 recipes): the forward also writes te.Linear's rowwise FP8
+codes of the FP32 norm output y (not of y rounded to x's dtype), zero-padded to the format's row
+multiple as te.Linear pads its input; DelayedScaling casts with the module's scale and
+max-accumulates amax(y) into the module's input history slot, as te.Linear's own input
+quantization does; Float8CurrentScaling runs an amax pass, then the cast pass.
+Tests: tests/test_fused_norm_modules.py, tests/test_fused_norm_compile.py,
+tests/test_norm_modules.py.
+"""
+from typing import Optional
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from . import _C, _operands, _plan
+from ._compile_ops import config_of, fake, op
+
+__all__ = ["NormFunction", "NormInput", "normalize", "refusal"]
+
+_WITH_CUDA = bool(_C.build_info()["with_cuda"])
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+PER_TENSOR = ("delayed", "current")
+
+
+def refusal(x, weight, bias):
+    """Why the norm kernels do not compute this norm, so torch's norm does (None: they do)."""
+    for name, t in (("input", x), ("weight", weight), ("bias", bias)):
+        if t is None:
+            continue
+        if type(t) not in _PLAIN:
+            return f"the {name} is a {type(t).__name__}, not a plain tensor"
+        if t.dtype not in _FLOATS:
+            return f"the {name} is {t.dtype}; the kernels read float32, bfloat16 and float16"
+        if t.device != x.device:  # torch's norm raises its own error
+            return f"the {name} is on {t.device}, the input on {x.device}"
+    if bias is not None and bias.dtype != weight.dtype:
+        return f"bias is {bias.dtype} and weight {weight.dtype}; the kernels read one dtype"
+    device = x.device.type
+    if device == "cuda" and not _WITH_CUDA:
+        return "tequant was built without CUDA"
+    if device not in ("cpu", "cuda"):
+        return f"a {device} tensor (the kernels run on CPU and CUDA)"
+    if torch.is_autocast_enabled(device):
+        return "torch.autocast is on: it sets the norm's output dtype (float32 for layer_norm)"
+    if not torch.compiler.is_compiling() and _operands.transformed():
+        return "forward-mode AD or a functorch transform (the Function has no jvp or vmap rule)"
+    return None
+
+
+def torch_normalize(x, normalization, weight, bias, eps, zero_centered_gamma):
+    """torch's norm of x over its last dim, in x's dtype (gamma and beta cast to it): where the
+    kernels do not run (refusal)."""
+    gamma = weight + 1 if zero_centered_gamma else weight
+    shape = (x.shape[-1],)
+    if normalization == "LayerNorm":
+        return torch.nn.functional.layer_norm(x, shape, gamma.to(x.dtype), None if bias is None
+                                              else bias.to(x.dtype), eps)
+    return torch.nn.functional.rms_norm(x, shape, gamma.to(x.dtype), eps)
+
+
+def normalize(x, normalization, weight, bias, eps, zero_centered_gamma):
+    """LayerNorm ("LayerNorm") or RMSNorm ("RMSNorm") of x over its last dim with gamma = weight
+    (1 + weight when zero-centered) and beta = bias (LayerNorm; may be None), in x's dtype: the
+    norm kernels through NormFunction, or torch's norm where they do not run (refusal)."""
+    if refusal(x, weight, bias) is not None:
+        return torch_normalize(x, normalization, weight, bias, eps, zero_centered_gamma)
+    return NormFunction.apply(x, weight, bias, None, None, normalization, eps,
+                              zero_centered_gamma, True, None, 0)
+
+
+# ---- the kernels' calls, eager implementations of the ops -----------------------------------
+
+def _forward_into(x, gamma, beta, normalization, eps, zero_centered, want_hp, want_stats,
+                  recipe_id, scale, padded, amax):
+    """[y_hp if want_hp, mean (LayerNorm) and rstd if want_stats] + with recipe_id (a per-tensor
+    FP8 recipe: its "input" quantizer) [codes [padded, K] (rows past M zero), scale_inv, amax]
+    for x [M, K]. amax: the tensor to max-accumulate amax(y) into (DelayedScaling's history slot,
+    eager), or None for a fresh one."""
+    m, k = x.shape
+    outs = []
+    y_hp = mean = rstd = None
+    if want_hp:
+        y_hp = torch.empty_like(x)
+        outs.append(y_hp)
+    if want_stats:
+        if normalization == "LayerNorm":
+            mean = x.new_empty((m,), dtype=torch.float32)
+            outs.append(mean)
+        rstd = x.new_empty((m,), dtype=torch.float32)
+        outs.append(rstd)
+    kw = dict(eps=eps, zero_centered_gamma=zero_centered, beta=beta, y_hp=y_hp, mean=mean,
+              rstd=rstd)
+    if recipe_id is None:
+        _C._norm_forward(x, gamma, normalization, **kw)
+        return outs
+    config = config_of(recipe_id, "input")
+    (_, _, dtype), (sr, sc, _) = _C._quantize_layout(config, padded, k, _plan.ROWWISE)[:2]
+    data = x.new_empty((padded, k), dtype=dtype)
+    if padded > m:  # te.Linear zero-pads x to the row multiple: zero codes (+0 is code 0)
+        data[m:].view(torch.uint8).zero_()
+    scale_inv = x.new_empty((sr, sc), dtype=torch.float32)
+    if amax is None:
+        amax = x.new_zeros((1, 1), dtype=torch.float32)
+    if config.scaling == "delayed":  # one pass: cast with the module's scale, amax alongside
+        _C._norm_forward(x, gamma, normalization, amax=amax, config=config, y_q=data[:m],
+                         scale_inv=scale_inv, scale=scale, **kw)
+    else:  # current scaling: the cast needs the whole tensor's amax first
+        _C._norm_forward(x, gamma, normalization, amax=amax, **kw)
+        _C._norm_forward(x, gamma, normalization, eps=eps, zero_centered_gamma=zero_centered,
+                         beta=beta, config=config, y_q=data[:m], scale_inv=scale_inv,
+                         amax_in=amax)
+    return outs + [data, scale_inv, amax]
+
+
+@op("tequant::norm_fwd", mutates_args=())
+def _norm_fwd(x: torch.Tensor, gamma: torch.Tensor, beta: Optional[torch.Tensor],
+              normalization: str, eps: float, zero_centered: bool, want_hp: bool,
+              want_stats: bool, recipe_id: Optional[str], scale: Optional[torch.Tensor],
+              padded: int) -> list[torch.Tensor]:
+    """_forward_into with a fresh amax (the op mutates nothing: compiled code max-accumulates
+    the returned amax into DelayedScaling's history)."""
+    return _forward_into(x, gamma, beta, normalization, eps, zero_centered, want_hp, want_stats,
+                         recipe_id, scale, padded, None)
+
+
+@fake("tequant::norm_fwd")
+def _norm_fwd_fake(x, gamma, beta, normalization, eps, zero_centered, want_hp, want_stats,
+                   recipe_id, scale, padded):
+    m, k = x.shape
+    outs = [torch.empty_like(x)] if want_hp else []
+    if want_stats:
+        outs += [x.new_empty((m,), dtype=torch.float32)
+                 for _ in range(2 if normalization == "LayerNorm" else 1)]
+    if recipe_id is not None:
+        layout = _C._quantize_layout(config_of(recipe_id, "input"), int(padded), int(k),
+                                     _plan.ROWWISE)
+        outs += [x.new_empty((r, c), dtype=dtype) for r, c, dtype in layout[:2]]
+        outs.append(x.new_empty((1, 1), dtype=torch.float32))
+    return outs
+
+
+def norm_backward(dy: torch.Tensor, x: torch.Tensor, gamma: torch.Tensor,
+                  mean: Optional[torch.Tensor], rstd: torch.Tensor, normalization: str,
+                  zero_centered: bool, want_dbeta: bool) -> list[torch.Tensor]:
+    """[dx (x's dtype), dgamma (float32), dbeta (float32) if want_dbeta] of x [M, K] from dy
+    [M, K] in x's dtype and the forward's mean / rstd."""
+    k = x.shape[1]
+    dx = torch.empty_like(x)
+    dgamma = x.new_empty((k,), dtype=torch.float32)
+    dbeta = x.new_empty((k,), dtype=torch.float32) if want_dbeta else None
+    _C._norm_backward(dy, x, gamma, normalization, rstd=rstd, dx=dx, dgamma=dgamma, mean=mean,
+                      dbeta=dbeta, zero_centered_gamma=zero_centered)
+    return [dx, dgamma] + ([dbeta] if want_dbeta else [])
+
+
+op("tequant::norm_bwd", mutates_args=())(norm_backward)
+
+
+@fake("tequant::norm_bwd")
+def _norm_bwd_fake(dy, x, gamma, mean, rstd, normalization, zero_centered, want_dbeta):
+    k = x.shape[1]
+    return [torch.empty_like(x)] + [x.new_empty((k,), dtype=torch.float32)
+                                    for _ in range(2 if want_dbeta else 1)]
+
+
+# ---- the Function -----------------------------------------------------------------------------
+
+class NormFunction(torch.autograd.Function):
+    """y = norm(x) over the last dim through the kernels; with recipe_id also te.Linear's
+    rowwise FP8 codes of y (NormInput.fused).
+
+    forward(x, weight, bias, scale, amax, normalization, eps, zero_centered, want_hp, recipe_id,
+    padded) returns y (x's shape and dtype) alone without recipe_id, else (y, codes, scale_inv,
+    amax or None: None where the amax went into the given `amax`, the eager DelayedScaling
+    slot). Without want_hp y carries only the gradient (an expanded scalar: no [M, K] store):
+    the te.Linear that reads the codes returns its input gradient for it."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, scale, amax, normalization, eps, zero_centered, want_hp,
+                recipe_id, padded):
+        k = x.shape[-1]
+        x2d = x.reshape(-1, k).contiguous()
+        needs = ctx.needs_input_grad
+        want_stats = needs[0] or needs[1] or needs[2]
+        args = (x2d, weight, bias, normalization, eps, zero_centered, want_hp, want_stats,
+                recipe_id, scale, padded)
+        if torch.compiler.is_compiling():
+            outs = torch.ops.tequant.norm_fwd(*args)
+        else:
+            outs = _forward_into(*args, amax)
+        it = iter(outs)
+        y = next(it).view(x.shape) if want_hp else x.new_empty(()).expand(x.shape)
+        mean = next(it) if want_stats and normalization == "LayerNorm" else None
+        rstd = next(it) if want_stats else None
+        if want_stats:
+            ctx.save_for_backward(x2d, weight, mean, rstd)
+            ctx.normalization, ctx.zero_centered, ctx.shape = normalization, zero_centered, x.shape
+            ctx.bias_dtype = bias.dtype if bias is not None else None
+        if recipe_id is None:
+            return y
+        data, scale_inv, amax_out = it
+        if amax_out is amax:  # the caller's slot: not an output
+            ctx.mark_non_differentiable(data, scale_inv)
+            return y, data, scale_inv, None
+        ctx.mark_non_differentiable(data, scale_inv, amax_out)
+        return y, data, scale_inv, amax_out
+
+    @staticmethod
+    @once_differentiable  # the kernels' backward is not differentiable: a clear error, not a
+    def backward(ctx, dy, *_):  # silently missing second derivative
+        x2d, weight, mean, rstd = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        want_dbeta = ctx.bias_dtype is not None and needs[2]
+        args = (dy.reshape(x2d.shape).contiguous(), x2d, weight, mean, rstd, ctx.normalization,
+                ctx.zero_centered, want_dbeta)
+        if torch.compiler.is_compiling():
+            outs = torch.ops.tequant.norm_bwd(*args)
+        else:
+            outs = norm_backward(*args)
+        dx = outs[0].view(ctx.shape) if needs[0] else None
+        dgamma = outs[1].to(weight.dtype) if needs[1] else None
+        dbeta = outs[2].to(ctx.bias_dtype) if want_dbeta else None
+        return dx, dgamma, dbeta, None, None, None, None, None, None, None, None
+
+
+# ---- the input of a te.Linear that normalizes first --------------------------------------------
+
+class NormInput:
+    """x and the norm a te.LayerNormLinear (or te.LayerNormMLP's fc1) applies before its GEMM.
+    te.Linear resolves it once it knows the recipe: fused() where the recipe is per-tensor FP8
+    (fusable), else high_precision(); either sets `output`, the norm's output in x's dtype, when
+    keep_output asks for it (return_layernorm_output)."""
+
+    __slots__ = ("x", "weight", "bias", "normalization", "eps", "zero_centered", "keep_output",
+                 "output", "refusal")
+
+    def __init__(self, x, weight, bias, normalization, eps, zero_centered, keep_output):
+        self.x, self.weight, self.bias = x, weight, bias
+        self.normalization, self.eps, self.zero_centered = normalization, eps, zero_centered
+        self.keep_output = keep_output
+        self.output = None
+        self.refusal = refusal(x, weight, bias)
+
+    @property
+    def shape(self):
+        """The norm's output shape (x's)."""
+        return self.x.shape
+
+    def fusable(self, scaling, backward_override, tp):
+        """The codes can come from the norm: per-tensor FP8, no backward_override (which reads
+        x itself), the kernels run, and no tensor parallelism over several ranks (sequence
+        parallelism gathers its own quantized input; a column-parallel layer's input gradient
+        is reduced before the norm's backward: both take the high-precision route)."""
+        return (self.refusal is None and scaling in PER_TENSOR and backward_override is None
+                and (tp is None or tp.size == 1))
+
+    def high_precision(self):
+        y = normalize(self.x, self.normalization, self.weight, self.bias, self.eps,
+                      self.zero_centered)
+        if self.keep_output:
+            self.output = y
+        return y
+
+    def fused(self, recipe_id, align, scale, amax):
+        """(y, the six members of the rowwise quantization te.Linear multiplies) for the recipe
+        registered as recipe_id (per-tensor FP8). scale: DelayedScaling's [1] scale of the
+        input; amax: the slot to max-accumulate amax(y) into, or None (a fresh amax, which the
+        members then hold)."""
+        x = self.x
+        rows = x.numel() // x.shape[-1]
+        y, data, scale_inv, fresh = NormFunction.apply(
+            x, self.weight, self.bias, scale, amax, self.normalization, self.eps,
+            self.zero_centered, self.keep_output, recipe_id, _plan.padded(rows, align))
+        if self.keep_output:
+            self.output = y
+        return y, (data, scale_inv, None, None, amax if fresh is None else fresh, None)
+
+
+def resolved(inp):
+    """inp as a tensor: a NormInput's high-precision norm output."""
+    return inp.high_precision() if type(inp) is NormInput else inp
+
+
+def with_columnwise(members):
+    """Per-tensor FP8 members with the columnwise codes (the rowwise ones transposed, one tiled
+    pass: tq_transpose) that wgrad reads."""
+    data = members[0]
+    if torch.compiler.is_compiling():
+        data_t = torch.ops.tequant.transpose_codes(data)
+    else:
+        data_t = data.new_empty((data.shape[1], data.shape[0]))
+        _C._transpose(data, data_t)
+    return members[:2] + (data_t,) + members[3:]
