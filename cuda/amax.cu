@@ -11,6 +11,7 @@
  */
 #include <cuda_runtime.h>
 
+#include "fp_cast.cuh"
 #include "internal_kernels.h"
 #include "launch.cuh"
 #include "tequant/formats.h"
@@ -23,18 +24,9 @@ using tq_cuda::launch_failed;
 
 constexpr int kThreads = 256;
 
-template <typename T>
-__device__ __forceinline__ float widen(T v);
-template <>
-__device__ __forceinline__ float widen<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ float widen<uint16_t>(uint16_t v) { return tq_bf16_to_f32(v); }
-
-struct Half {
-    uint16_t bits;
-};
-template <>
-__device__ __forceinline__ float widen<Half>(Half v) { return tq_f16_to_f32(v.bits); }
+using tq_fp::Bf16;
+using tq_fp::Half;
+using tq_fp::widen;
 
 /* max |.| of the 16 bytes of x in v (4 floats or 8 bf16 / fp16). */
 template <typename T>
@@ -45,7 +37,7 @@ __device__ __forceinline__ float amax_vec(float m, const uint4 &v) {
     } buf;
     buf.u = v;
 #pragma unroll
-    for (int e = 0; e < (int)(16 / sizeof(T)); e++) m = tq_amax_step(m, widen<T>(buf.t[e]));
+    for (int e = 0; e < (int)(16 / sizeof(T)); e++) m = tq_amax_step(m, widen(buf.t[e]));
     return m;
 }
 
@@ -86,7 +78,7 @@ __global__ void __launch_bounds__(kThreads) amax_kernel(const T *__restrict__ x,
             m = amax_vec<T>(amax_vec<T>(amax_vec<T>(amax_vec<T>(m, a), b), c), d);
         }
         for (; i < nv; i += stride) m = amax_vec<T>(m, __ldg(xv + i));
-        for (int64_t j = nv * kVec + tid; j < n; j += stride) m = tq_amax_step(m, widen<T>(x[j]));
+        for (int64_t j = nv * kVec + tid; j < n; j += stride) m = tq_amax_step(m, widen(x[j]));
     } else if constexpr (kPath == kRowVec) { /* rows 16-byte aligned: one warp per row */
         const int lane = threadIdx.x & 31;
         const int64_t vpr = cols / kVec;
@@ -94,12 +86,12 @@ __global__ void __launch_bounds__(kThreads) amax_kernel(const T *__restrict__ x,
             const T *row = x + r * ld;
             for (int64_t v = lane; v < vpr; v += 32)
                 m = amax_vec<T>(m, __ldg(reinterpret_cast<const uint4 *>(row) + v));
-            for (int64_t c = vpr * kVec + lane; c < cols; c += 32) m = tq_amax_step(m, widen<T>(row[c]));
+            for (int64_t c = vpr * kVec + lane; c < cols; c += 32) m = tq_amax_step(m, widen(row[c]));
         }
     } else {
         for (int64_t i = tid; i < n; i += stride) {
             const int64_t r = i / cols, c = i - r * cols;
-            m = tq_amax_step(m, widen<T>(x[r * ld + c]));
+            m = tq_amax_step(m, widen(x[r * ld + c]));
         }
     }
     block_amax(m, amax);
@@ -136,7 +128,7 @@ tq_status run_amax(const tq_tensor *x, float *out, cudaStream_t s) {
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, x->device);
     switch (x->dtype) {
         case TQ_DTYPE_FLOAT32: launch_amax<float>(x, out, sms, s); break;
-        case TQ_DTYPE_BFLOAT16: launch_amax<uint16_t>(x, out, sms, s); break;
+        case TQ_DTYPE_BFLOAT16: launch_amax<Bf16>(x, out, sms, s); break;
         default: launch_amax<Half>(x, out, sms, s); break;
     }
     if (cudaPeekAtLastError() != cudaSuccess) return launch_failed("amax kernel launch");

@@ -19,28 +19,20 @@
 
 #include <cuda_runtime.h>
 
+#include "fp_cast.cuh"
 #include "internal_norm.h"
-#include "tequant/formats.h"
 
 namespace tq_norm {
 
 constexpr int kChunk = TQ_NORM_CHUNK;
 constexpr int kLanes = TQ_NORM_LANES;
 
-struct Bf16 {
-    uint16_t bits;
-};
-struct Half {
-    uint16_t bits;
-};
-
-__device__ __forceinline__ float widen(float v) { return v; }
-__device__ __forceinline__ float widen(Bf16 v) { return tq_bf16_to_f32(v.bits); }
-__device__ __forceinline__ float widen(Half v) { return tq_f16_to_f32(v.bits); }
-
-__device__ __forceinline__ void narrow(float v, float *out) { *out = v; }
-__device__ __forceinline__ void narrow(float v, Bf16 *out) { out->bits = tq_f32_to_bf16(v); }
-__device__ __forceinline__ void narrow(float v, Half *out) { out->bits = tq_f32_to_f16(v); }
+using tq_fp::Bf16;
+using tq_fp::Half;
+using tq_fp::cvt8x8;
+using tq_fp::narrow;
+using tq_fp::narrow2;
+using tq_fp::widen;
 
 /* One chunk of 8 elements in registers: 16 bytes of bf16 / fp16, 32 bytes of fp32. */
 template <typename T>
@@ -65,47 +57,12 @@ __device__ __forceinline__ void load_chunk(Chunk<T> &ch, const T *__restrict__ r
     }
 }
 
-/* Two values rounded to bf16 / fp16 (RNE, fp16 overflowing to Inf) in one instruction, `lo` in
- * the low half: the rule of formats.h's tq_f32_to_bf16 / tq_f32_to_f16, which the C reference
- * uses (the GPU tests compare the two bit for bit; the stored values' NaNs are canonical first,
- * 0x7FFFFFFF, which both turn into 0x7FFF). */
-__device__ __forceinline__ uint32_t narrow2(float lo, float hi, const Bf16 *) {
-    uint32_t r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-__device__ __forceinline__ uint32_t narrow2(float lo, float hi, const Half *) {
-    uint32_t r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
-/* Eight values cast to FP8 codes (little-endian in w[0], w[1]): cvt8(v) by the hardware's
- * cvt.rn.satfinite, as quantize_fp8.cu's cvt8x2 does: RNE saturating to +-fmax (Inf too), NaN
- * -> 0x7F, the rule of formats.h's tq_f32_to_e4m3 / tq_f32_to_e5m2 (the C reference's codec;
- * tests/test_quantize_fp8.py checks the two agree on every bf16 pattern and an fp32 sweep). One
- * instruction per pair where the software codec costs ~20 per element. */
-__device__ __forceinline__ void cvt8x8(const float (&v)[kChunk], bool e5m2, uint32_t (&w)[2]) {
-    uint16_t r[4];
-    if (e5m2) {
-#pragma unroll
-        for (int i = 0; i < 4; i++)
-            asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r[i]) : "f"(v[2 * i + 1]), "f"(v[2 * i]));
-    } else {
-#pragma unroll
-        for (int i = 0; i < 4; i++)
-            asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r[i]) : "f"(v[2 * i + 1]), "f"(v[2 * i]));
-    }
-    w[0] = (uint32_t)r[0] | (uint32_t)r[1] << 16;
-    w[1] = (uint32_t)r[2] | (uint32_t)r[3] << 16;
-}
-
 /* The 8 values of chunk c rounded to T (element e < n only). */
 template <typename T>
 __device__ __forceinline__ void store_chunk(T *__restrict__ row, int64_t c,
                                             const float (&v)[kChunk], int n, bool vec) {
     Chunk<T> ch;
-    if constexpr (sizeof(T) == 2) {
+    if constexpr (sizeof(T) == 2) { /* RNE by cvt.rn (fp_cast.cuh: formats.h's rule) */
         const T *tag = nullptr;
         ch.u[0] = make_uint4(narrow2(v[0], v[1], tag), narrow2(v[2], v[3], tag),
                              narrow2(v[4], v[5], tag), narrow2(v[6], v[7], tag));

@@ -7,7 +7,7 @@
  * DELAYED: scale given, max|x| max-accumulated into the caller's history slot (atomicMax on the
  * float's signed bits). Multiplies are tq_mul: a NaN element encodes as 0x7F, dequantizes to
  * 0x7FFFFFFF.
- * cvt8 is the hardware's cvt.rn.satfinite (see cvt8x2: the same rule as formats.h, tested on
+ * cvt8 is the hardware's cvt.rn.satfinite (fp_cast.cuh's cvt8x2: the rule of formats.h, tested on
  * every bf16 pattern). One pass over x produces both directions: a CTA loads a 128x128 tile
  * with coalesced 16-byte loads, writes the rowwise codes directly and the transposed codes
  * through a swizzled shared tile with 16-byte stores. CURRENT runs tq_amax_cuda first (same
@@ -19,6 +19,7 @@
  */
 #include <cuda_runtime.h>
 
+#include "fp_cast.cuh"
 #include "internal_kernels.h"
 #include "launch.cuh"
 #include "tile_transpose.cuh"
@@ -34,31 +35,10 @@ constexpr int kTile = 128;    /* a CTA's tile of x: kTile rows x kTile cols */
 constexpr int kThreads = 256; /* 8 warps; each thread owns 4 row segments of 16 elements */
 constexpr int kIters = kTile * kTile / 16 / kThreads;
 
-struct Bf16 {
-    uint16_t bits;
-};
-struct Half {
-    uint16_t bits;
-};
-
-__device__ __forceinline__ float widen(float v) { return v; }
-__device__ __forceinline__ float widen(Bf16 v) { return tq_bf16_to_f32(v.bits); }
-__device__ __forceinline__ float widen(Half v) { return tq_f16_to_f32(v.bits); }
-
-/* cvt8 of two scaled values, RNE saturating to +-fmax (Inf too), NaN -> NaN: PTX's
- * cvt.rn.satfinite, one instruction for two elements. It is the rule of formats.h's
- * tq_f32_to_e4m3 / tq_f32_to_e5m2 (the CPU reference's codec); tests/test_quantize_fp8.py checks
- * the two agree on every bf16 pattern, its +-1 ulp fp32 neighbours and 2^20 random fp32
- * patterns (NaN, Inf, ties, subnormals, saturation included). The software codec costs ~25
- * instructions per element here, which made this bandwidth-bound kernel compute-bound. `lo`
- * lands in the low byte (the lower address). A NaN input is tq_mul's canonical +NaN: code 0x7F. */
-template <bool kE5M2>
-__device__ __forceinline__ uint32_t cvt8x2(float lo, float hi) {
-    uint16_t r;
-    if constexpr (kE5M2) asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
-    else asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
-    return r;
-}
+using tq_fp::Bf16;
+using tq_fp::Half;
+using tq_fp::cvt8x2;
+using tq_fp::widen;
 
 template <typename T>
 union Vec16 { /* 16 bytes of x: 4 floats or 8 bf16 / fp16 */
@@ -319,10 +299,6 @@ bool aligned16(const void *ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u
 
 /* ---- dequantize: out = RN(fp8 * scale_inv), then RNE to out's dtype ---- */
 
-__device__ __forceinline__ void store_out(float *out, float v) { *out = v; }
-__device__ __forceinline__ void store_out(Bf16 *out, float v) { out->bits = tq_f32_to_bf16(v); }
-__device__ __forceinline__ void store_out(Half *out, float v) { out->bits = tq_f32_to_f16(v); }
-
 template <typename TOut, bool kE5M2>
 __global__ void __launch_bounds__(kThreads) dequantize_kernel(const uint8_t *__restrict__ codes,
                                                               int64_t rows, int64_t cols,
@@ -332,7 +308,7 @@ __global__ void __launch_bounds__(kThreads) dequantize_kernel(const uint8_t *__r
     const int64_t stride = (int64_t)gridDim.x * blockDim.x;
     for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
         for (int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += stride) {
-            store_out(out + r * ld + c, tq_mul(tq_fp8_to_f32(codes[r * cols + c], kE5M2), s));
+            tq_fp::narrow(tq_mul(tq_fp8_to_f32(codes[r * cols + c], kE5M2), s), out + r * ld + c);
         }
     }
 }

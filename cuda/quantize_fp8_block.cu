@@ -7,13 +7,14 @@
  * q = tq_f32_to_fp8(tq_mul(x, scale)), scale_inv = tq_rcp(scale), from formats.h, so the bits
  * equal the CPU reference csrc/ref/quantize_fp8_block_ref.c exactly. Two exact equivalents keep
  * the kernel memory-bound: amax with packed NaN-ignoring max instructions, and the FP8 cast with
- * the hardware cvt.rn.satfinite (see fp8x2).
+ * the hardware cvt.rn.satfinite (fp_cast.cuh's cvt8x2).
  * One CTA per 128x128 tile of x: 16-byte loads once, rowwise output straight from registers, the
  * columnwise (transposed) output through a swizzled shared-memory tile with 16-byte stores.
  * Tests: tests/test_quantize_fp8_block.py (GPU cases: CUDA vs the CPU reference, bit for bit).
  */
 #include <cuda_runtime.h>
 
+#include "fp_cast.cuh"
 #include "internal_kernels.h"
 #include "launch.cuh"
 #include "tile_transpose.cuh"
@@ -81,18 +82,7 @@ struct F16 {
     }
 };
 
-/* Two FP8 codes, lo in bits 0..7 and hi in bits 8..15: the hardware form of tq_f32_to_e4m3 /
- * tq_f32_to_e5m2 (RNE, subnormals kept, +-Inf and overflow saturate to +-max). It equals them
- * on every input but a negative NaN (hardware 0x7F, formats.h 0xFF), which tq_mul never
- * produces on the device (CUDA's product NaN is +NaN). tests/test_quantize_fp8_block.py checks
- * it against the CPU reference on a dense sweep of fp32 patterns. */
-template <bool kE5M2>
-__device__ __forceinline__ uint32_t fp8x2(float lo, float hi) {
-    uint16_t d;
-    if (kE5M2) asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));
-    else asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));
-    return d;
-}
+using tq_fp::cvt8x2;
 
 __device__ __forceinline__ uint32_t word_of(const uint4 &v, int w) {
     return w == 0 ? v.x : w == 1 ? v.y : w == 2 ? v.z : v.w;
@@ -243,7 +233,7 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const Params p) {
                 const int e0 = 2 * t, e1 = 2 * t + 1;
                 const float lo = tq_mul(In::widen(word_of(in[i], e0 / kPerWord), e0 % kPerWord), scale);
                 const float hi = tq_mul(In::widen(word_of(in[i], e1 / kPerWord), e1 % kPerWord), scale);
-                codes[t / 2] |= fp8x2<kE5M2>(lo, hi) << (16 * (t % 2));
+                codes[t / 2] |= cvt8x2<kE5M2>(lo, hi) << (16 * (t % 2));
             }
             uint8_t *dst = p.data + m * p.cols + col;
             if (p.vec_row && col + kVec <= p.cols) {
@@ -305,7 +295,7 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const Params p) {
                     for (int t = 0; t < 8; t++) { /* rows 16c + 2t, 16c + 2t + 1 */
                         const float lo = tq_mul(In::widen(words[2 * t], e), scale[e]);
                         const float hi = tq_mul(In::widen(words[2 * t + 1], e), scale[e]);
-                        packed[t / 2] |= fp8x2<kE5M2>(lo, hi) << (16 * (t % 2));
+                        packed[t / 2] |= cvt8x2<kE5M2>(lo, hi) << (16 * (t % 2));
                     }
                     const int64_t m = m0 + 16 * c;
                     uint8_t *dst = p.data_t + k * p.rows + m;

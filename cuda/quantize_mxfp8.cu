@@ -25,6 +25,7 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include "fp_cast.cuh"
 #include "internal_gemm.h"
 #include "internal_kernels.h"
 #include "dequant_out.cuh"
@@ -66,16 +67,7 @@ struct F16 {
     static __device__ __forceinline__ float widen_nan_exact(uint32_t bits) { return tq_f16_to_f32((uint16_t)bits); }
 };
 
-/* Two fp32 values -> two FP8 codes (lo in the low byte), RNE, saturating. */
-template <bool kE5M2>
-__device__ __forceinline__ uint32_t cvt_pair(float lo, float hi) {
-    unsigned short out;
-    if (kE5M2)
-        asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(out) : "f"(hi), "f"(lo));
-    else
-        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(out) : "f"(hi), "f"(lo));
-    return out;
-}
+using tq_fp::cvt8x2; /* two fp32 values -> two FP8 codes (lo in the low byte) */
 
 /* N (multiple of 4) elements value(i) times 2^(127-e) -> N/4 words of codes. In the rare case
  * that an element is NaN, it is re-encoded from its raw bits raw(i) exactly as the reference
@@ -86,8 +78,8 @@ __device__ __forceinline__ void quantize_run(Value value, uint8_t e, Raw raw, ui
     uint32_t nan = 0;
 #pragma unroll
     for (int i = 0; i < N / 4; i++) {
-        codes[i] = cvt_pair<kE5M2>(value(4 * i) * factor, value(4 * i + 1) * factor)
-                   | cvt_pair<kE5M2>(value(4 * i + 2) * factor, value(4 * i + 3) * factor) << 16;
+        codes[i] = cvt8x2<kE5M2>(value(4 * i) * factor, value(4 * i + 1) * factor)
+                   | cvt8x2<kE5M2>(value(4 * i + 2) * factor, value(4 * i + 3) * factor) << 16;
         nan |= (codes[i] & 0x7F7F7F7Fu) + (kE5M2 ? 0x03030303u : 0x01010101u);
     }
     /* A NaN code (E4M3: |code| 0x7F; E5M2: |code| >= 0x7D; saturating conversion never makes
