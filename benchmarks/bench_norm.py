@@ -40,22 +40,13 @@ import benchutil  # noqa: E402
 #         [--norms LayerNorm,RMSNorm] [--iters 20] [--out docs/results/bench_norm.md]
 #     python3 benchmarks/bench_norm.py --device cpu --shapes 64x1024,16x4096:fp32   # quick check
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = benchutil.FLOAT_DTYPES
+bits = benchutil.bits
 EPS = 1e-5
 E4M3_BOUND = 0.05  # relative Frobenius error of E4M3 codes against the float32 norm (randn data)
 GOAL_GBS = 2000.0  # x + codes, K in 1024..16384 (issue 24)
 CURRENT = Float8CurrentScaling()
 DELAYED = DelayedScaling()
-
-
-def parse_shape(text):
-    """'MxK' or 'MxK:dtype' -> (M, K, dtype name)."""
-    shape, _, dtype = text.strip().lower().partition(":")
-    dtype = dtype or "bf16"
-    if dtype not in DTYPES:
-        raise SystemExit(f"--shapes: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    m, k = shape.split("x")
-    return int(m), int(k), dtype
 
 
 def torch_norm(x, gamma, beta, norm):
@@ -105,11 +96,6 @@ class Fused:
         if self.mean is not None:
             out["mean"] = self.mean
         return out
-
-
-def bits(t):
-    t = t.detach().cpu().contiguous()
-    return t.view({4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()])
 
 
 def run_both(fused, x):
@@ -172,7 +158,7 @@ def main():
     args = benchutil.parse(ap)
     device = args.device
     timer = benchutil.timer(device)
-    shapes = [parse_shape(s) for s in args.shapes.split(",")]
+    shapes = [benchutil.parse_mk(s) for s in args.shapes.split(",")]
     norms = [n.strip() for n in args.norms.split(",") if n.strip()]
     for n in norms:
         if n not in ("LayerNorm", "RMSNorm"):

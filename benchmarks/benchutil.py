@@ -1,5 +1,5 @@
 """What the benchmarks in this folder share (bench_gemm.py, bench_quantize.py, bench_linear.py,
-bench_overhead.py): `import benchutil`.
+bench_overhead.py, bench_norm.py, bench_act.py): `import benchutil`.
 
 Timing (CUDA events behind a sleep kernel, or time.perf_counter on CPU) over rotated buffers sized
 against L2, host time per call in interleaved loops, the environment header (GPU, driver, CUDA,
@@ -131,6 +131,26 @@ def parse_shapes(text, shapes=GEMM_SHAPES):
                                  "nor MxKxN (tokens x in-features x out-features)") from None
             out.append((item, item, m, k, n))
     return out
+
+
+FLOAT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse_mk(text):
+    """'MxK' or 'MxK:dtype' (bf16, fp16, fp32; default bf16) -> (M, K, dtype name): the shapes
+    of the fused norm / activation benchmarks."""
+    shape, _, dtype = text.strip().lower().partition(":")
+    dtype = dtype or "bf16"
+    if dtype not in FLOAT_DTYPES:
+        raise SystemExit(f"--shapes: dtype {dtype!r} is not one of {', '.join(FLOAT_DTYPES)}")
+    m, k = shape.split("x")
+    return int(m), int(k), dtype
+
+
+def bits(t):
+    """t's bit patterns on the CPU (int32 / int16 / uint8 by element size): bit-exact checks."""
+    t = t.detach().cpu().contiguous()
+    return t.view({4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()])
 
 
 # The recipes of tequant.recipe by short name, in table order; FP8_RECIPES are P5's and P7's.

@@ -5,8 +5,9 @@
  * row sums (of RN(dyg * xhat) and of dyg) follow tequant's order S, scheduled by norm_rows.cuh;
  * the column sums follow the fixed chunk order: rows in chunks of R(M, K) rows
  * (tq_norm_partial_rows), each chunk's per-column partial adding its rows in order, written to
- * the workspace; then column_sum_kernel sums each column's partials in groups of 32 chunks and
- * the group sums in order. So every output equals csrc/ref/norm_backward_ref.c bit for bit.
+ * the workspace; then column_sums.cuh's column_sum_kernel sums each column's partials in
+ * groups of 32 chunks and the group sums in order. So every output equals
+ * csrc/ref/norm_backward_ref.c bit for bit.
  * Layout: one CTA per row chunk, kT threads (the least of 32, 64, 128, 256 with K <= 32 * kT) on
  * one row at a time; thread t owns the chunks c = t mod kT and keeps them (at most 4, of x, dy
  * and gamma) in registers, and their columns' partials in shared memory (no sync: nobody else
@@ -20,6 +21,7 @@
 
 #include "internal_kernels.h"
 #include "launch.cuh"
+#include "column_sums.cuh"
 #include "norm_rows.cuh"
 
 namespace {
@@ -232,37 +234,6 @@ __global__ void __launch_bounds__(256) column_partial_kernel(const BwdParams p) 
         for (int e = 0; e < n; e++) out[p.p_count * p.cols + e] = pb[e];
 }
 
-/* dgamma[j] (and dbeta[j]): column j's p_count partials, in groups of 32 chunks (thread row ty
- * sums group ty in order), then the group sums in order (thread row 0). */
-__global__ void __launch_bounds__(1024) column_sum_kernel(const float *__restrict__ partials,
-                                                          int64_t p_count, int64_t cols,
-                                                          float *dgamma, float *dbeta) {
-    __shared__ float group_sum[TQ_NORM_GROUP][33];
-    const int tx = threadIdx.x, ty = threadIdx.y;
-    const int64_t j = (int64_t)blockIdx.x * 32 + tx;
-    for (int plane = 0; plane < 2; plane++) {
-        float *out = plane == 0 ? dgamma : dbeta;
-        if (out == nullptr) continue; /* uniform */
-        const float *part = partials + plane * p_count * cols;
-        float s = 0.0f;
-        const int64_t p_begin = (int64_t)ty * TQ_NORM_GROUP;
-        const int64_t p_end = p_begin + TQ_NORM_GROUP < p_count ? p_begin + TQ_NORM_GROUP : p_count;
-        if (j < cols) {
-#pragma unroll 8
-            for (int64_t q = p_begin; q < p_end; q++) s = tq_nadd(s, part[q * cols + j]);
-        }
-        group_sum[ty][tx] = s;
-        __syncthreads();
-        if (ty == 0 && j < cols) {
-            float total = 0.0f;
-            for (int64_t grp = 0; grp * TQ_NORM_GROUP < p_count; grp++)
-                total = tq_nadd(total, group_sum[grp][tx]);
-            out[j] = tq_norm_canon(total);
-        }
-        __syncthreads();
-    }
-}
-
 template <typename T, int kT, bool kCache>
 cudaError_t launch_as(const BwdParams &p, cudaStream_t s) {
     /* the partials in shared memory: at most 2 * 8192 floats (64 KiB); with the static fold
@@ -337,10 +308,8 @@ extern "C" tq_status tq_norm_backward_cuda(const tq_tensor *dy, const tq_tensor 
         }
         if (err != cudaSuccess) return cuda_failed("norm backward kernel launch", err);
     }
-    const dim3 block(32, TQ_NORM_GROUP);
-    column_sum_kernel<<<(unsigned)((x->cols + 31) / 32), block, 0, s>>>(
-        p.partials, p.p_count, p.cols, static_cast<float *>(a->dgamma.data),
-        static_cast<float *>(a->dbeta.data));
+    tq_colsum::launch(p.partials, p.p_count, p.cols, static_cast<float *>(a->dgamma.data),
+                      static_cast<float *>(a->dbeta.data), s);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return cuda_failed("norm backward column-sum kernel launch", err);
     return TQ_SUCCESS;

@@ -1,5 +1,5 @@
 /* norm_rows.cuh: what the normalization kernels (norm_forward.cu, norm_backward.cu) share, internal
- * to cuda/: chunk loads and stores, and tequant's row sum S (tequant.h) scheduled over a group
+ * to cuda/: gamma / beta loads, and tequant's row sum S (tequant.h) scheduled over a group
  * of kT threads without changing its order.
  *
  * A row is cut into chunks of 8 elements; chunk c belongs to lane c mod 256. A group of kT threads
@@ -19,67 +19,28 @@
 
 #include <cuda_runtime.h>
 
+#include "chunks.cuh"
 #include "fp_cast.cuh"
 #include "internal_norm.h"
 
 namespace tq_norm {
 
 constexpr int kChunk = TQ_NORM_CHUNK;
+static_assert(kChunk == tq_chunk::kChunk, "the row sums' chunks are chunks.cuh's");
 constexpr int kLanes = TQ_NORM_LANES;
 
+using tq_chunk::Chunk;
+using tq_chunk::aligned;
+using tq_chunk::chunk_len;
+using tq_chunk::load_chunk;
+using tq_chunk::rows_aligned16;
+using tq_chunk::store_chunk;
 using tq_fp::Bf16;
 using tq_fp::Half;
 using tq_fp::cvt8x8;
 using tq_fp::narrow;
 using tq_fp::narrow2;
 using tq_fp::widen;
-
-/* One chunk of 8 elements in registers: 16 bytes of bf16 / fp16, 32 bytes of fp32. */
-template <typename T>
-union Chunk {
-    uint4 u[sizeof(T) / 2];
-    T t[kChunk];
-};
-
-/* The n <= 8 valid elements of chunk c of `row` (the rest zero): 16-byte loads when vec (the
- * row's base 16-byte aligned) and the chunk is whole, else element loads. */
-template <typename T>
-__device__ __forceinline__ void load_chunk(Chunk<T> &ch, const T *__restrict__ row, int64_t c,
-                                           int n, bool vec) {
-    const T *p = row + (int64_t)kChunk * c;
-    if (vec && n == kChunk) {
-#pragma unroll
-        for (int i = 0; i < (int)(sizeof(T) / 2); i++)
-            ch.u[i] = __ldg(reinterpret_cast<const uint4 *>(p) + i);
-    } else {
-#pragma unroll
-        for (int e = 0; e < kChunk; e++) ch.t[e] = e < n ? p[e] : T{0};
-    }
-}
-
-/* The 8 values of chunk c rounded to T (element e < n only). */
-template <typename T>
-__device__ __forceinline__ void store_chunk(T *__restrict__ row, int64_t c,
-                                            const float (&v)[kChunk], int n, bool vec) {
-    Chunk<T> ch;
-    if constexpr (sizeof(T) == 2) { /* RNE by cvt.rn (fp_cast.cuh: formats.h's rule) */
-        const T *tag = nullptr;
-        ch.u[0] = make_uint4(narrow2(v[0], v[1], tag), narrow2(v[2], v[3], tag),
-                             narrow2(v[4], v[5], tag), narrow2(v[6], v[7], tag));
-    } else {
-#pragma unroll
-        for (int e = 0; e < kChunk; e++) narrow(v[e], &ch.t[e]);
-    }
-    T *p = row + (int64_t)kChunk * c;
-    if (vec && n == kChunk) {
-#pragma unroll
-        for (int i = 0; i < (int)(sizeof(T) / 2); i++) reinterpret_cast<uint4 *>(p)[i] = ch.u[i];
-    } else {
-#pragma unroll
-        for (int e = 0; e < kChunk; e++)
-            if (e < n) p[e] = ch.t[e];
-    }
-}
 
 /* gamma (or beta), whose dtype is a run-time value (any float dtype, not tied to x's): the chunk's
  * values widened to FP32 (0 past n). vec: the vector's base is 16-byte aligned. */
@@ -97,12 +58,6 @@ __device__ __forceinline__ void load_w(float (&out)[kChunk], const void *w, int 
     if (dtype == TQ_DTYPE_FLOAT32) load_w_as<float>(out, w, c, n, vec);
     else if (dtype == TQ_DTYPE_BFLOAT16) load_w_as<Bf16>(out, w, c, n, vec);
     else load_w_as<Half>(out, w, c, n, vec);
-}
-
-/* Valid elements of chunk c of a row of k elements (0 when c is past the row). */
-__device__ __forceinline__ int chunk_len(int64_t c, int64_t k) {
-    const int64_t left = k - (int64_t)kChunk * c;
-    return left <= 0 ? 0 : (left >= kChunk ? kChunk : (int)left);
 }
 
 /* The fold of kN sums at once (the backward folds two). acc[i][k] is thread t's lane t + k*kT of
@@ -150,15 +105,6 @@ __device__ __forceinline__ void fold(float (&acc)[kN][kLanes / kT], float *red, 
         for (int i = 0; i < kN; i++) v[i] = tq_nadd(v[i], __shfl_xor_sync(0xffffffffu, v[i], s));
 #pragma unroll
     for (int i = 0; i < kN; i++) out[i] = v[i];
-}
-
-inline bool aligned(const void *p, unsigned bytes) {
-    return (reinterpret_cast<uintptr_t>(p) & (uintptr_t)(bytes - 1)) == 0;
-}
-
-/* A matrix's rows all start 16-byte aligned. */
-inline bool rows_aligned16(const void *p, int64_t ld, size_t elem) {
-    return aligned(p, 16) && ((uint64_t)ld * elem) % 16 == 0;
 }
 
 }  // namespace tq_norm

@@ -47,10 +47,11 @@ for tool in $TOOLS; do
     esac
 done
 
-# tequant's kernel names (the __global__ functions of cuda/*.cu): an exclusion may match none.
+# tequant's kernel names (the __global__ functions of cuda/*.cu and *.cuh): an exclusion may match
+# none.
 OURS=$("$PYTHON" - <<'EOF'
 import glob, re
-src = "".join(open(f).read() for f in sorted(glob.glob("cuda/*.cu")))
+src = "".join(open(f).read() for f in sorted(glob.glob("cuda/*.cu") + glob.glob("cuda/*.cuh")))
 bounds = r"(?:__launch_bounds__\((?:[^()]|\([^()]*\))*\)\s*)?"
 print(" ".join(sorted(set(re.findall(r"__global__\s+void\s+" + bounds + r"(\w+)\s*\(", src)))))
 EOF

@@ -8,7 +8,10 @@
  * whatever -fmad / -prec-div / -prec-sqrt say), on the host plain C operators (the build has
  * -ffp-contract=off; x86-64 evaluates float in SSE, and sqrtf is IEEE's correctly rounded sqrt).
  * What differs between the two sides is only HOW the sums are scheduled, never their order.
- * Tests: tests/test_norm_kernels.py.
+ * The activation kernels (internal_act.h) use the same primitives, plus tq_nfma (one fused
+ * multiply-add, a single RN: __fmaf_rn / C99 fmaf; the norm never uses it), tq_norm_canon, and
+ * the backward's column order for their bias gradient.
+ * Tests: tests/test_norm_kernels.py, tests/test_act_kernels.py.
  */
 #ifndef TEQUANT_CORE_INTERNAL_NORM_H_
 #define TEQUANT_CORE_INTERNAL_NORM_H_
@@ -32,6 +35,7 @@ TQ_NORM_HD float tq_nmul(float a, float b) { return __fmul_rn(a, b); }
 TQ_NORM_HD float tq_ndiv(float a, float b) { return __fdiv_rn(a, b); }
 TQ_NORM_HD float tq_nsqrt(float a) { return __fsqrt_rn(a); }
 TQ_NORM_HD float tq_nfloat(int64_t k) { return __ll2float_rn((long long)k); }
+TQ_NORM_HD float tq_nfma(float a, float b, float c) { return __fmaf_rn(a, b, c); }
 #else
 #define TQ_NORM_HD static inline
 TQ_NORM_HD float tq_nadd(float a, float b) { return a + b; }
@@ -40,6 +44,7 @@ TQ_NORM_HD float tq_nmul(float a, float b) { return a * b; }
 TQ_NORM_HD float tq_ndiv(float a, float b) { return a / b; }
 TQ_NORM_HD float tq_nsqrt(float a) { return sqrtf(a); }
 TQ_NORM_HD float tq_nfloat(int64_t k) { return (float)k; }
+TQ_NORM_HD float tq_nfma(float a, float b, float c) { return fmaf(a, b, c); } /* C99: one RN */
 #endif
 
 /* A stored FP32 value: any NaN becomes the canonical +NaN (the GPU's arithmetic NaN; x86 keeps
@@ -111,6 +116,23 @@ static inline float tq_norm_sum_ref(const float *v, int64_t n, float *lanes) {
     for (int s = TQ_NORM_LANES / 2; s >= 1; s /= 2)
         for (int l = 0; l < s; l++) lanes[l] = tq_nadd(lanes[l], lanes[l + s]);
     return lanes[0];
+}
+
+/* out[j] = the sum of column j of partials [p_count][k] in tequant.h's column order: groups of
+ * 32 consecutive partials, each in order onto +0, then the group sums in order onto +0;
+ * canonical NaN. */
+static inline void tq_norm_column_sums_ref(const float *partials, int64_t p_count, int64_t k,
+                                           float *out) {
+    for (int64_t j = 0; j < k; j++) {
+        float total = 0.0f;
+        for (int64_t g0 = 0; g0 < p_count; g0 += TQ_NORM_GROUP) {
+            float group = 0.0f;
+            for (int64_t p = g0; p < g0 + TQ_NORM_GROUP && p < p_count; p++)
+                group = tq_nadd(group, partials[p * k + j]);
+            total = tq_nadd(total, group);
+        }
+        out[j] = tq_norm_canon(total);
+    }
 }
 
 /* Element i of a checked vector argument (n contiguous elements), widened exactly. */

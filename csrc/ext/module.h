@@ -172,6 +172,11 @@ typedef struct tqx_tensor_info {
     ((1u << TQ_DTYPE_FLOAT32) | (1u << TQ_DTYPE_BFLOAT16) | (1u << TQ_DTYPE_FLOAT16))
 int tqx_tensor_from_py(tqx_state *st, PyObject *obj, const char *name, uint32_t dtype_mask,
                        tq_tensor *out, tqx_tensor_info *info);
+/* An optional tensor keyword: None (or absent, obj NULL) leaves out empty (data NULL: not given). */
+int tqx_optional_tensor(tqx_state *st, PyObject *obj, const char *name, uint32_t dtype_mask,
+                        tq_tensor *out);
+/* A keyword a call needs: 0 when given, else -1 with "fn() missing required keyword argument". */
+int tqx_required(PyObject *obj, const char *fn, const char *name);
 extern PyMethodDef tqx_tensor_view_methods[];
 
 /* ops.c */
@@ -210,6 +215,10 @@ typedef struct tqx_scratch {
  * (the current stream of that device). -1 with an exception, s untouched then. */
 int tqx_scratch_alloc(tqx_state *st, size_t bytes, int device_index, PyObject *device,
                       void *stream, tqx_scratch *s);
+/* bytes of scratch on the device of x_obj (viewed as x; stream: its current stream), described
+ * in *workspace as UINT8 [1, bytes] (a fused backward's column partials). -1 with an exception. */
+int tqx_workspace_alloc(tqx_state *st, size_t bytes, PyObject *x_obj, const tq_tensor *x,
+                        void *stream, tqx_scratch *s, tq_tensor *workspace);
 /* Hands s back (a no-op for an empty one) and empties it; keeps a pending exception. */
 void tqx_scratch_release(tqx_state *st, tqx_scratch *s);
 /* Turns torch.autocast off for `device_type` ("cpu"); *was_on says whether to restore it with

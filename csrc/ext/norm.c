@@ -23,22 +23,6 @@ static int norm_from_py(PyObject *name, tq_norm_type *out) {
     return -1;
 }
 
-/* An optional tensor argument: None leaves t empty (data NULL: not given). */
-static int optional_tensor(tqx_state *st, PyObject *obj, const char *name, uint32_t mask,
-                           tq_tensor *t) {
-    const tq_tensor none = {0};
-    *t = none;
-    if (obj == NULL || obj == Py_None) return 0;
-    return tqx_tensor_from_py(st, obj, name, mask, t, NULL);
-}
-
-static int required(PyObject *obj, const char *fn, const char *name) {
-    if (obj != NULL && obj != Py_None) return 0;
-    PyErr_Format(PyExc_TypeError, "%s() missing required keyword argument '%s' (a tensor)", fn,
-                 name);
-    return -1;
-}
-
 static PyObject *py_norm_forward(PyObject *module, PyObject *args, PyObject *kwargs) {
     static char *kwlist[] = {"x", "gamma", "norm", "eps", "zero_centered_gamma", "beta", "y_hp",
                              "mean", "rstd", "amax", "config", "y_q", "scale_inv", "scale",
@@ -63,15 +47,15 @@ static PyObject *py_norm_forward(PyObject *module, PyObject *args, PyObject *kwa
     tq_quant_config cfg;
     if (tqx_tensor_from_py(st, x_obj, "x", TQX_FLOAT_DTYPES, &x, &info) < 0
         || tqx_tensor_from_py(st, gamma, "gamma", TQX_FLOAT_DTYPES, &a.gamma, NULL) < 0
-        || optional_tensor(st, beta, "beta", TQX_FLOAT_DTYPES, &a.beta) < 0
-        || optional_tensor(st, y_hp, "y_hp", TQX_FLOAT_DTYPES, &a.y_hp) < 0
-        || optional_tensor(st, mean, "mean", F32, &a.mean) < 0
-        || optional_tensor(st, rstd, "rstd", F32, &a.rstd) < 0
-        || optional_tensor(st, amax, "amax", F32, &a.amax) < 0
-        || optional_tensor(st, y_q, "y_q", CODES, &a.y_q) < 0
-        || optional_tensor(st, scale_inv, "scale_inv", F32, &a.scale_inv) < 0
-        || optional_tensor(st, scale, "scale", F32, &a.scale) < 0
-        || optional_tensor(st, amax_in, "amax_in", F32, &a.amax_in) < 0)
+        || tqx_optional_tensor(st, beta, "beta", TQX_FLOAT_DTYPES, &a.beta) < 0
+        || tqx_optional_tensor(st, y_hp, "y_hp", TQX_FLOAT_DTYPES, &a.y_hp) < 0
+        || tqx_optional_tensor(st, mean, "mean", F32, &a.mean) < 0
+        || tqx_optional_tensor(st, rstd, "rstd", F32, &a.rstd) < 0
+        || tqx_optional_tensor(st, amax, "amax", F32, &a.amax) < 0
+        || tqx_optional_tensor(st, y_q, "y_q", CODES, &a.y_q) < 0
+        || tqx_optional_tensor(st, scale_inv, "scale_inv", F32, &a.scale_inv) < 0
+        || tqx_optional_tensor(st, scale, "scale", F32, &a.scale) < 0
+        || tqx_optional_tensor(st, amax_in, "amax_in", F32, &a.amax_in) < 0)
         return NULL;
     if (config != NULL && config != Py_None) {
         if (tqx_config_from_py(st, config, &cfg) < 0) return NULL;
@@ -96,8 +80,8 @@ static PyObject *py_norm_backward(PyObject *module, PyObject *args, PyObject *kw
                                      &dy_obj, &x_obj, &gamma, &norm_name, &rstd, &dx, &dgamma,
                                      &mean, &dbeta, &zero_centered))
         return NULL;
-    if (required(rstd, fn, "rstd") < 0 || required(dx, fn, "dx") < 0
-        || required(dgamma, fn, "dgamma") < 0)
+    if (tqx_required(rstd, fn, "rstd") < 0 || tqx_required(dx, fn, "dx") < 0
+        || tqx_required(dgamma, fn, "dgamma") < 0)
         return NULL;
     tqx_state *st = tqx_module_state(module);
     tq_norm_backward_args a = TQ_NORM_BACKWARD_ARGS_INIT;
@@ -108,26 +92,18 @@ static PyObject *py_norm_backward(PyObject *module, PyObject *args, PyObject *kw
     if (tqx_tensor_from_py(st, dy_obj, "dy", TQX_FLOAT_DTYPES, &dy, NULL) < 0
         || tqx_tensor_from_py(st, x_obj, "x", TQX_FLOAT_DTYPES, &x, &info) < 0
         || tqx_tensor_from_py(st, gamma, "gamma", TQX_FLOAT_DTYPES, &a.gamma, NULL) < 0
-        || optional_tensor(st, mean, "mean", F32, &a.mean) < 0
+        || tqx_optional_tensor(st, mean, "mean", F32, &a.mean) < 0
         || tqx_tensor_from_py(st, rstd, "rstd", F32, &a.rstd, NULL) < 0
         || tqx_tensor_from_py(st, dx, "dx", TQX_FLOAT_DTYPES, &a.dx, NULL) < 0
         || tqx_tensor_from_py(st, dgamma, "dgamma", F32, &a.dgamma, NULL) < 0
-        || optional_tensor(st, dbeta, "dbeta", F32, &a.dbeta) < 0)
+        || tqx_optional_tensor(st, dbeta, "dbeta", F32, &a.dbeta) < 0)
         return NULL;
     size_t bytes = 0; /* a shape the core refuses gets its message from tq_norm_backward */
     if (x.cols < 1 || tq_norm_backward_workspace_size(a.norm, x.rows, x.cols, &bytes) != TQ_SUCCESS)
         bytes = 0;
-    PyObject *device = PyObject_GetAttrString(x_obj, "device");
-    if (device == NULL) return NULL;
     tqx_scratch ws = TQX_SCRATCH_INIT;
-    const int ok = tqx_scratch_alloc(st, bytes, x.device, device, info.stream, &ws) == 0;
-    Py_DECREF(device);
-    if (!ok) return NULL;
-    a.workspace.data = ws.data;
-    a.workspace.rows = 1;
-    a.workspace.cols = a.workspace.ld = (int64_t)bytes;
-    a.workspace.dtype = TQ_DTYPE_UINT8;
-    a.workspace.device = x.device;
+    if (tqx_workspace_alloc(st, bytes, x_obj, &x, info.stream, &ws, &a.workspace) < 0)
+        return NULL;
     tq_status s;
     Py_BEGIN_ALLOW_THREADS
     s = tq_norm_backward(&dy, &x, &a, (struct CUstream_st *)info.stream);

@@ -220,6 +220,21 @@ int tqx_tensor_from_py(tqx_state *st, PyObject *obj, const char *name, uint32_t 
     return 0;
 }
 
+int tqx_optional_tensor(tqx_state *st, PyObject *obj, const char *name, uint32_t dtype_mask,
+                        tq_tensor *out) {
+    const tq_tensor none = {0};
+    *out = none;
+    if (obj == NULL || obj == Py_None) return 0;
+    return tqx_tensor_from_py(st, obj, name, dtype_mask, out, NULL);
+}
+
+int tqx_required(PyObject *obj, const char *fn, const char *name) {
+    if (obj != NULL && obj != Py_None) return 0;
+    PyErr_Format(PyExc_TypeError, "%s() missing required keyword argument '%s' (a tensor)", fn,
+                 name);
+    return -1;
+}
+
 /* ---- Python: _tensor_view(x, name="x", dtypes=None) -> dict (for tests and debugging) ---- */
 
 static int mask_from_names(PyObject *names, uint32_t *mask) {

@@ -267,6 +267,21 @@ int tqx_scratch_alloc(tqx_state *st, size_t bytes, int device_index, PyObject *d
     return *s = made, 0;
 }
 
+int tqx_workspace_alloc(tqx_state *st, size_t bytes, PyObject *x_obj, const tq_tensor *x,
+                        void *stream, tqx_scratch *s, tq_tensor *workspace) {
+    PyObject *device = PyObject_GetAttrString(x_obj, "device");
+    if (device == NULL) return -1;
+    const int failed = tqx_scratch_alloc(st, bytes, x->device, device, stream, s) < 0;
+    Py_DECREF(device);
+    if (failed) return -1;
+    workspace->data = s->data;
+    workspace->rows = 1;
+    workspace->cols = workspace->ld = (int64_t)bytes;
+    workspace->dtype = TQ_DTYPE_UINT8;
+    workspace->device = x->device;
+    return 0;
+}
+
 void tqx_scratch_release(tqx_state *st, tqx_scratch *s) {
     if (s->raw != NULL) {
         PyObject *type, *value, *tb;

@@ -15,20 +15,6 @@
 #include "internal_norm.h"
 #include "ref_io.h"
 
-/* out[j] = the group-of-32 sum of the P partials of column j (tequant.h's column order). */
-static void column_sums(const float *partials, int64_t p_count, int64_t k, float *out) {
-    for (int64_t j = 0; j < k; j++) {
-        float total = 0.0f;
-        for (int64_t g0 = 0; g0 < p_count; g0 += TQ_NORM_GROUP) {
-            float group = 0.0f;
-            for (int64_t p = g0; p < g0 + TQ_NORM_GROUP && p < p_count; p++)
-                group = tq_nadd(group, partials[p * k + j]);
-            total = tq_nadd(total, group);
-        }
-        out[j] = tq_norm_canon(total);
-    }
-}
-
 tq_status tq_norm_backward_ref(const tq_tensor *dy, const tq_tensor *x,
                                const tq_norm_backward_args *a, struct CUstream_st *stream) {
     (void)stream;
@@ -77,8 +63,8 @@ tq_status tq_norm_backward_ref(const tq_tensor *dy, const tq_tensor *x,
                              tq_norm_canon(tq_norm_dx(dyg[i], xhat[i], c1, c2, rstd, rms)));
         }
     }
-    column_sums(partial_g, p_count, k, (float *)a->dgamma.data);
-    if (want_dbeta) column_sums(partial_b, p_count, k, (float *)a->dbeta.data);
+    tq_norm_column_sums_ref(partial_g, p_count, k, (float *)a->dgamma.data);
+    if (want_dbeta) tq_norm_column_sums_ref(partial_b, p_count, k, (float *)a->dbeta.data);
     free(g), free(xhat), free(dyv), free(dyg), free(prod);
     return TQ_SUCCESS;
 }

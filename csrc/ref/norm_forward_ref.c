@@ -11,22 +11,10 @@
  */
 #include <stdlib.h>
 
+#include "internal_fused.h"
 #include "internal_kernels.h"
 #include "internal_norm.h"
 #include "ref_io.h"
-
-/* The history-slot rule of quantize_fp8_ref.c: the larger as signed int bits. */
-static void max_accumulate(float *slot, float amax) {
-    if ((int32_t)tq_f32_bits(amax) > (int32_t)tq_f32_bits(*slot)) *slot = amax;
-}
-
-/* The scale y is cast with: DELAYED the given one, CURRENT the rule of the given amax. */
-static float cast_scale(const tq_norm_forward_args *a) {
-    const tq_quant_config *c = a->config;
-    if (c->scaling == TQ_SCALING_DELAYED) return *(const float *)a->scale.data;
-    return tq_scale_from_amax(*(const float *)a->amax_in.data, c->fmax, c->amax_epsilon,
-                              (c->flags & TQ_QUANT_POW2_SCALE) != 0, TQ_FLT_MAX);
-}
 
 tq_status tq_norm_forward_ref(const tq_tensor *x, const tq_norm_forward_args *a,
                               struct CUstream_st *stream) {
@@ -37,7 +25,7 @@ tq_status tq_norm_forward_ref(const tq_tensor *x, const tq_norm_forward_args *a,
     const int has_beta = a->beta.data != NULL;
     const int quantize = a->config != NULL;
     const int e5m2 = quantize && a->config->elem_dtype == TQ_DTYPE_FLOAT8_E5M2;
-    const float scale = quantize ? cast_scale(a) : 1.0f;
+    const float scale = quantize ? tq_fused_cast_scale(a->config, &a->scale, &a->amax_in) : 1.0f;
     if (quantize) *(float *)a->scale_inv.data = tq_rcp(scale);
 
     float *v = malloc((size_t)k * sizeof(float)), *t = malloc((size_t)k * sizeof(float));
@@ -76,7 +64,7 @@ tq_status tq_norm_forward_ref(const tq_tensor *x, const tq_norm_forward_args *a,
             if (quantize) y_q[r * a->y_q.ld + i] = tq_f32_to_fp8(tq_mul(y, scale), e5m2);
         }
     }
-    if (a->amax.data != NULL) max_accumulate((float *)a->amax.data, amax);
+    if (a->amax.data != NULL) tq_fused_max_accumulate((float *)a->amax.data, amax);
     free(v), free(t), free(g), free(b);
     return TQ_SUCCESS;
 }

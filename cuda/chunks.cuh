@@ -1,0 +1,86 @@
+/* chunks.cuh: chunks of 8 consecutive elements of a row, the unit the row-wise kernels of cuda/
+ * (norm_forward.cu, norm_backward.cu, act_forward.cu, act_backward.cu) load, convert and store,
+ * internal to cuda/: 16-byte vector accesses where the row allows them, element accesses for a
+ * misaligned row or a row's last, partial chunk. Stores round with fp_cast.cuh's narrowing.
+ * Tests: tests/test_norm_kernels.py, tests/test_act_kernels.py (GPU cases, every layout).
+ */
+#ifndef TEQUANT_CUDA_CHUNKS_CUH_
+#define TEQUANT_CUDA_CHUNKS_CUH_
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "fp_cast.cuh"
+
+namespace tq_chunk {
+
+constexpr int kChunk = 8;
+
+using tq_fp::narrow;
+using tq_fp::narrow2;
+
+/* One chunk of 8 elements in registers: 16 bytes of bf16 / fp16, 32 bytes of fp32. */
+template <typename T>
+union Chunk {
+    uint4 u[sizeof(T) / 2];
+    T t[kChunk];
+};
+
+/* The n <= 8 valid elements of chunk c of `row` (the rest zero): 16-byte loads when vec (the
+ * row's base 16-byte aligned) and the chunk is whole, else element loads. */
+template <typename T>
+__device__ __forceinline__ void load_chunk(Chunk<T> &ch, const T *__restrict__ row, int64_t c,
+                                           int n, bool vec) {
+    const T *p = row + (int64_t)kChunk * c;
+    if (vec && n == kChunk) {
+#pragma unroll
+        for (int i = 0; i < (int)(sizeof(T) / 2); i++)
+            ch.u[i] = __ldg(reinterpret_cast<const uint4 *>(p) + i);
+    } else {
+#pragma unroll
+        for (int e = 0; e < kChunk; e++) ch.t[e] = e < n ? p[e] : T{0};
+    }
+}
+
+/* The 8 values of chunk c rounded to T (element e < n only). */
+template <typename T>
+__device__ __forceinline__ void store_chunk(T *__restrict__ row, int64_t c,
+                                            const float (&v)[kChunk], int n, bool vec) {
+    Chunk<T> ch;
+    if constexpr (sizeof(T) == 2) { /* RNE by cvt.rn (fp_cast.cuh: formats.h's rule) */
+        const T *tag = nullptr;
+        ch.u[0] = make_uint4(narrow2(v[0], v[1], tag), narrow2(v[2], v[3], tag),
+                             narrow2(v[4], v[5], tag), narrow2(v[6], v[7], tag));
+    } else {
+#pragma unroll
+        for (int e = 0; e < kChunk; e++) narrow(v[e], &ch.t[e]);
+    }
+    T *p = row + (int64_t)kChunk * c;
+    if (vec && n == kChunk) {
+#pragma unroll
+        for (int i = 0; i < (int)(sizeof(T) / 2); i++) reinterpret_cast<uint4 *>(p)[i] = ch.u[i];
+    } else {
+#pragma unroll
+        for (int e = 0; e < kChunk; e++)
+            if (e < n) p[e] = ch.t[e];
+    }
+}
+
+/* Valid elements of chunk c of a row of k elements (0 when c is past the row). */
+__device__ __forceinline__ int chunk_len(int64_t c, int64_t k) {
+    const int64_t left = k - (int64_t)kChunk * c;
+    return left <= 0 ? 0 : (left >= kChunk ? kChunk : (int)left);
+}
+
+inline bool aligned(const void *p, unsigned bytes) {
+    return (reinterpret_cast<uintptr_t>(p) & (uintptr_t)(bytes - 1)) == 0;
+}
+
+/* A matrix's rows all start 16-byte aligned. */
+inline bool rows_aligned16(const void *p, int64_t ld, size_t elem) {
+    return aligned(p, 16) && ((uint64_t)ld * elem) % 16 == 0;
+}
+
+}  // namespace tq_chunk
+
+#endif  // TEQUANT_CUDA_CHUNKS_CUH_
