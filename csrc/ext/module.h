@@ -187,6 +187,8 @@ extern PyMethodDef tqx_codec_methods[];
 
 /* norm.c: _C._norm_forward, _C._norm_backward (the fused normalization kernels) */
 extern PyMethodDef tqx_norm_methods[];
+/* act.c: _C._act_forward, _C._act_backward (the fused activation kernels) */
+extern PyMethodDef tqx_act_methods[];
 
 /* torch_calls.c: torch functions the extension calls (allocation, dtypes), imported once. */
 int tqx_torch_import(tqx_state *st); /* -1 with an exception */

@@ -551,6 +551,112 @@ TQ_API tq_status tq_norm_backward(const tq_tensor *dy, const tq_tensor *x,
                                   const tq_norm_backward_args *args, struct CUstream_st *stream);
 
 /* ---------------------------------------------------------------------------------------------
+ * Activations of an MLP's fc1 output h, as TransformerEngine defines them
+ * (transformer_engine/common/util/math.h), with the per-tensor FP8 operand of the next GEMM
+ * written in the same pass: forward act(h) (fc2's input), backward dh (fc1's grad_output) and
+ * the bias gradient. Gated ones split h [M, 2N] into [first | second] along the features and
+ * give act(first) * second, [M, N]; the others give act(h), [M, K].
+ *
+ * Arithmetic (internal_act.h; every step one RN operation or fma; h and dy widened exactly):
+ *   E(x)     tequant's e^x: Cody-Waite reduction x = k ln2 + r, e^r - 1 by Taylor to r^8 (Horner
+ *            in fma), scaled by 2^k; never libm's or CUDA's exp (they differ in the last bits).
+ *   sigmoid family, act(x) = x * sigmoid(z) = RN(x / d), d = RN(1 + E(-z)):
+ *            silu z = x; qgelu z = RN(1.702 x); gelu (tanh approximation, TE's constants C1 =
+ *            0.79788456, C2 = 0.03567741) z = RN(x * fma(2 C2, RN(x^2), 2 C1)): x * (0.5 + 0.5
+ *            tanh(u)) with u = x (C1 + C2 x^2) is x * sigmoid(2u), without 1 + tanh's cancellation.
+ *            act'(x) = fma(slope, RN(s * (1 - s)), s), s = RN(1 / d), 1 - s = RN(E(-z) * s) for
+ *            z >= 0 else RN(1 - s); slope x (silu), z (qgelu), RN(RN(2x) * fma(C3, RN(x^2), C1))
+ *            (gelu, C3 = 0.1070322243).
+ *   relu     x < 0 ? +0 : x (torch's: -0 and NaN kept); srelu RN(relu(x)^2); their gradients
+ *            are selects, +0 where x <= 0 (torch's), g resp. RN(g * 2x) where x > 0, NaN for NaN.
+ * Accuracy (tests/test_act_kernels.py, every bf16 in [-40, 40] and 800k float32): against
+ *   float64, act within 1.92 (1 + k) ulp, k = |z| (1 - sigmoid(z)) amplifying z's own rounding
+ *   (for |act| >= 1e-30: below, +-0 may come where E(-z) overflows, as torch's), act' within 1.61
+ *   ulp of max(|act'|, 1); against torch's float32 F.gelu(approximate="tanh") / F.silu / x *
+ *   sigmoid(1.702 x) and their autograd, within 2 ulp of max(|y|, |x|) (F.gelu's 1 + tanh
+ *   cancels for x < -3) and 9 ulp of max(|act'|, 1); relu / srelu / reglu give torch's bits.
+ *   NaN in h gives NaN in y and dh (TE's fmaxf-based relu would give 0).
+ * Forward, per element: y = act(x) (gated: RN(act(a) * b)); backward with dy [M, N]:
+ *   dh = RN(dy * act'(x)) (relu / srelu: the selects above);
+ *   gated: d_first = RN(RN(dy * b) * act'(a)) (reglu: select), d_second = RN(dy * act(a)).
+ * Outputs, each optional, exactly the norm forward's conventions (see tq_norm_forward): the
+ * high-precision copy (y_hp / dh, h's dtype, RNE of the FP32 value, canonical NaN 0x7FFFFFFF
+ * first); amax = max |FP32 value| (NaN ignored), MAX-ACCUMULATED into the caller's slot; the
+ * rowwise FP8 codes cvt8(RN(v * scale)) of the FP32 value with scale_inv = RN(1 / scale):
+ * DELAYED casts with the given `scale` and fills amax in the same pass; CURRENT runs twice, first
+ * with amax (zeroed), then with amax_in = that amax and the codes. The columnwise copy is the
+ * codes transposed (tq_transpose).
+ * dbias (backward, optional): dbias[j] = the sum over rows of the FP32 dh[:, j], in the order of
+ * tq_norm_backward's dgamma: rows in P = ceil(M / R) chunks of R(M, K) rows (K = h's cols), each
+ * chunk's partial in row order onto +0 (in the workspace), the partials in groups of 32 chunks
+ * in order onto +0, the group sums in order onto +0; canonical NaN. M = 0 gives dbias = 0.
+ * ------------------------------------------------------------------------------------------- */
+
+typedef enum tq_act {
+    TQ_ACT_GELU = 0,   /* x * (0.5 + 0.5 tanh(0.79788456 x (1 + 0.044715 x^2))) */
+    TQ_ACT_RELU = 1,
+    TQ_ACT_SILU = 2,   /* x * sigmoid(x) */
+    TQ_ACT_QGELU = 3,  /* x * sigmoid(1.702 x) */
+    TQ_ACT_SRELU = 4,  /* relu(x)^2 */
+    TQ_ACT_GEGLU = 5,  /* gelu(first) * second */
+    TQ_ACT_REGLU = 6,  /* relu(first) * second */
+    TQ_ACT_SWIGLU = 7  /* silu(first) * second */
+} tq_act;
+
+typedef struct tq_act_forward_args {
+    size_t struct_size;  /* sizeof(tq_act_forward_args), set by TQ_ACT_FORWARD_ARGS_INIT */
+    tq_act act;
+    /* outputs: data == NULL means not wanted */
+    tq_tensor y_hp;      /* [M, N] of h's dtype, ld >= N (N = K, or K / 2 gated) */
+    tq_tensor amax;      /* one FLOAT32, max-accumulated */
+    const tq_quant_config *config; /* NULL: no y_q; else DELAYED or CURRENT (E4M3 or E5M2) */
+    tq_tensor y_q;       /* [M, N] codes, the config's FP8 dtype or UINT8, ld >= N */
+    tq_tensor scale_inv; /* one FLOAT32 = RN(1 / scale) */
+    tq_tensor scale;     /* DELAYED: one FLOAT32, the scale to cast with */
+    tq_tensor amax_in;   /* CURRENT: one FLOAT32, the amax the scale comes from (not `amax`) */
+} tq_act_forward_args;
+
+#define TQ_ACT_FORWARD_ARGS_INIT \
+    {sizeof(tq_act_forward_args), TQ_ACT_GELU, TQ_TENSOR_NONE, TQ_TENSOR_NONE, NULL, \
+     TQ_TENSOR_NONE, TQ_TENSOR_NONE, TQ_TENSOR_NONE, TQ_TENSOR_NONE}
+
+/* act of h [M, K] (FLOAT32, BFLOAT16 or FLOAT16; ld >= K; K >= 1, even when gated; M >= 0) into
+ * the outputs args names. CPU tensors run the C reference, CUDA tensors one kernel on `stream`
+ * (no sync, no allocation). */
+TQ_API tq_status tq_act_forward(const tq_tensor *h, const tq_act_forward_args *args,
+                                struct CUstream_st *stream);
+
+typedef struct tq_act_backward_args {
+    size_t struct_size;  /* sizeof(tq_act_backward_args), set by TQ_ACT_BACKWARD_ARGS_INIT */
+    tq_act act;
+    /* outputs: data == NULL means not wanted */
+    tq_tensor dh;        /* [M, K] of h's dtype, ld >= K */
+    tq_tensor amax;      /* one FLOAT32, max-accumulated over the FP32 dh */
+    const tq_quant_config *config; /* NULL: no dh_q; else DELAYED or CURRENT (E4M3 or E5M2) */
+    tq_tensor dh_q;      /* [M, K] codes, ld >= K */
+    tq_tensor scale_inv;
+    tq_tensor scale;     /* DELAYED */
+    tq_tensor amax_in;   /* CURRENT */
+    tq_tensor dbias;     /* K FLOAT32 (contiguous: [1, K] or [K, 1]) */
+    tq_tensor workspace; /* with dbias: UINT8, at least tq_act_backward_workspace_size() bytes,
+                            4-byte aligned, on h's device; scratch on return */
+} tq_act_backward_args;
+
+#define TQ_ACT_BACKWARD_ARGS_INIT \
+    {sizeof(tq_act_backward_args), TQ_ACT_GELU, TQ_TENSOR_NONE, TQ_TENSOR_NONE, NULL, \
+     TQ_TENSOR_NONE, TQ_TENSOR_NONE, TQ_TENSOR_NONE, TQ_TENSOR_NONE, TQ_TENSOR_NONE, \
+     TQ_TENSOR_NONE}
+
+/* The workspace bytes of dbias for an h of [rows, cols] (FP32 partials; 0 when rows is 0). */
+TQ_API tq_status tq_act_backward_workspace_size(int64_t rows, int64_t cols, size_t *bytes);
+
+/* dh (and its codes, amax, dbias) from dy [M, N] (y's gradient, in h's dtype; ld >= N) and h
+ * [M, K] (the forward's input). CPU: the C reference; CUDA: the elementwise kernel, plus the
+ * column-sum kernel with dbias, on `stream` (no sync, no allocation). */
+TQ_API tq_status tq_act_backward(const tq_tensor *dy, const tq_tensor *h,
+                                 const tq_act_backward_args *args, struct CUstream_st *stream);
+
+/* ---------------------------------------------------------------------------------------------
  * Scalar codecs, elementwise (the rules of formats.h on whole tensors; used to test the codecs
  * exhaustively on CPU and CUDA, and handy for inspecting formats)
  * ------------------------------------------------------------------------------------------- */

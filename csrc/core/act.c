@@ -1,0 +1,107 @@
+/* act.c: tq_act_forward / tq_act_backward argument checks and dispatch, and the backward's
+ * workspace size. The rules (shapes, dtypes, which outputs each scaling takes) are checked here
+ * once; the references (csrc/ref/act_forward_ref.c, act_backward_ref.c) and the kernels
+ * (cuda/act_forward.cu, act_backward.cu) trust them.
+ * Tests: tests/test_act_kernels.py (test_errors_*).
+ */
+#include <stdio.h>
+
+#include "internal_act.h"
+#include "internal_fused.h"
+#include "internal_kernels.h"
+
+static tq_status check_act(const char *fn, tq_act act) {
+    if ((int)act < TQ_ACT_GELU || (int)act > TQ_ACT_SWIGLU)
+        return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "%s: act=%d is not a tq_act (TQ_ACT_GELU (0) "
+                       ".. TQ_ACT_SWIGLU (7))", fn, (int)act);
+    return TQ_SUCCESS;
+}
+
+/* h: a float [M, K] with K >= 1, and K even for a gated activation (the two halves). */
+static tq_status check_h(const char *fn, const tq_tensor *h, tq_act act) {
+    tq_status st = tq_fused_check_input(fn, h, "h", "the activation needs at least one feature");
+    if (st != TQ_SUCCESS) return st;
+    if (tq_act_gated(act) && h->cols % 2 != 0)
+        return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "%s: h is [%lld, %lld]; a gated activation "
+                       "splits the features into two halves, which needs an even number",
+                       fn, (long long)h->rows, (long long)h->cols);
+    return TQ_SUCCESS;
+}
+
+static tq_status check_amax(const char *fn, const tq_tensor *amax, int device) {
+    if (!tq_given(amax)) return TQ_SUCCESS;
+    return tq_fused_check_vector(fn, amax, "amax", 1, TQ_F32_MASK, device);
+}
+
+tq_status tq_act_forward(const tq_tensor *h, const tq_act_forward_args *a,
+                         struct CUstream_st *stream) {
+    static const char fn[] = "act forward";
+    if (a == NULL || a->struct_size < sizeof(tq_act_forward_args))
+        return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "%s: args are NULL or their struct_size is too "
+                       "small (use TQ_ACT_FORWARD_ARGS_INIT)", fn);
+    tq_status st = check_act(fn, a->act);
+    if (st == TQ_SUCCESS) st = check_h(fn, h, a->act);
+    if (st != TQ_SUCCESS) return st;
+    const int64_t m = h->rows, n = tq_act_gated(a->act) ? h->cols / 2 : h->cols;
+    if (tq_given(&a->y_hp)
+        && (st = tq_fused_check_matrix(fn, &a->y_hp, "y_hp", m, n, h->dtype, h->device,
+                                       "act(h)")) != TQ_SUCCESS)
+        return st;
+    if ((st = check_amax(fn, &a->amax, h->device)) != TQ_SUCCESS) return st;
+    const tq_fused_fp8 o = {a->config, &a->y_q, &a->scale_inv, &a->scale, &a->amax_in, &a->amax,
+                            "y_q"};
+    st = tq_fused_check_fp8(fn, &o, m, n, h->device, "act(h)");
+    if (st != TQ_SUCCESS) return st;
+    return TQ_DISPATCH(act_forward, h->device == TQ_DEVICE_CPU, h, a, stream);
+}
+
+tq_status tq_act_backward_workspace_size(int64_t rows, int64_t cols, size_t *bytes) {
+    if (bytes == NULL)
+        return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "act backward workspace size: bytes is NULL");
+    if (rows < 0 || cols < 1)
+        return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "act backward workspace size: h [%lld, %lld] "
+                       "needs rows >= 0 and cols >= 1", (long long)rows, (long long)cols);
+    const int64_t p = rows == 0 ? 0 : tq_norm_partials(rows, cols);
+    *bytes = (size_t)p * (size_t)cols * sizeof(float);
+    return TQ_SUCCESS;
+}
+
+tq_status tq_act_backward(const tq_tensor *dy, const tq_tensor *h,
+                          const tq_act_backward_args *a, struct CUstream_st *stream) {
+    static const char fn[] = "act backward";
+    if (a == NULL || a->struct_size < sizeof(tq_act_backward_args))
+        return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "%s: args are NULL or their struct_size is too "
+                       "small (use TQ_ACT_BACKWARD_ARGS_INIT)", fn);
+    tq_status st = check_act(fn, a->act);
+    if (st == TQ_SUCCESS) st = check_h(fn, h, a->act);
+    if (st != TQ_SUCCESS) return st;
+    const int64_t m = h->rows, k = h->cols, n = tq_act_gated(a->act) ? k / 2 : k;
+    st = tq_tensor_check(dy, "dy");
+    if (st != TQ_SUCCESS) return st;
+    if (dy->dtype != h->dtype || dy->rows != m || dy->cols != n || dy->device != h->device)
+        return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "%s: dy is %s [%lld, %lld] on device %d; "
+                       "expected act(h)'s: %s [%lld, %lld] on device %d", fn,
+                       tq_dtype_name(dy->dtype), (long long)dy->rows, (long long)dy->cols,
+                       dy->device, tq_dtype_name(h->dtype), (long long)m, (long long)n,
+                       h->device);
+    if (tq_given(&a->dh)
+        && (st = tq_fused_check_matrix(fn, &a->dh, "dh", m, k, h->dtype, h->device, "h"))
+               != TQ_SUCCESS)
+        return st;
+    if ((st = check_amax(fn, &a->amax, h->device)) != TQ_SUCCESS) return st;
+    const tq_fused_fp8 o = {a->config, &a->dh_q, &a->scale_inv, &a->scale, &a->amax_in, &a->amax,
+                            "dh_q"};
+    if ((st = tq_fused_check_fp8(fn, &o, m, k, h->device, "h")) != TQ_SUCCESS) return st;
+    if (tq_given(&a->dbias)) {
+        st = tq_fused_check_vector(fn, &a->dbias, "dbias", k, TQ_F32_MASK, h->device);
+        if (st != TQ_SUCCESS) return st;
+        size_t need = 0;
+        if ((st = tq_act_backward_workspace_size(m, k, &need)) != TQ_SUCCESS) return st;
+        char sized_by[96];
+        snprintf(sized_by, sizeof sized_by, "tq_act_backward_workspace_size of h [%lld, %lld]",
+                 (long long)m, (long long)k);
+        st = tq_fused_check_workspace(fn, &a->workspace, need, h->device, sized_by);
+        if (st != TQ_SUCCESS) return st;
+    }
+    return TQ_DISPATCH(act_backward, h->device == TQ_DEVICE_CPU, dy, h, a, stream);
+}

@@ -1,0 +1,141 @@
+/* act.c: the extension's calls into the fused activation kernels, _C._act_forward and
+ * _C._act_backward (tq_act_forward / tq_act_backward, tequant.h), and the backward's workspace
+ * size. Tensors come in through tensor_view.c; every output is a tensor the caller allocated
+ * with torch; dbias's workspace is scratch of torch's caching allocator for the call
+ * (tqx_workspace_alloc). Each runs on h's current CUDA stream (or the C reference) with the GIL
+ * released. Not wired into te.LayerNormMLP yet (python/tequant/layernorm_mlp.py).
+ * Tests: tests/test_act_kernels.py.
+ */
+#include <string.h>
+
+#include "module.h"
+
+#define F32 (1u << TQ_DTYPE_FLOAT32)
+#define CODES ((1u << TQ_DTYPE_FLOAT8_E4M3) | (1u << TQ_DTYPE_FLOAT8_E5M2) | (1u << TQ_DTYPE_UINT8))
+
+/* TE's activation names (te.LayerNormMLP's `activation`) -> the C enum; -1 with ValueError. */
+static int act_from_py(PyObject *name, tq_act *out) {
+    static const char *const names[] = {"gelu", "relu", "silu", "qgelu", "srelu", "geglu",
+                                        "reglu", "swiglu"};
+    const char *s = PyUnicode_AsUTF8(name);
+    if (s == NULL) return -1;
+    for (int i = 0; i < (int)(sizeof names / sizeof names[0]); i++)
+        if (strcmp(s, names[i]) == 0) return *out = (tq_act)i, 0;
+    PyErr_Format(PyExc_ValueError, "act must be one of 'gelu', 'relu', 'silu', 'qgelu', 'srelu', "
+                 "'geglu', 'reglu', 'swiglu', got %R", name);
+    return -1;
+}
+
+/* The per-tensor FP8 output's keywords (config, codes, scale_inv, scale, amax_in) into the args'
+ * members; cfg holds the config the args point to. -1 with an exception. */
+static int fp8_output_from_py(tqx_state *st, PyObject *const objs[5], const char *codes_name,
+                              tq_quant_config *cfg, const tq_quant_config **config,
+                              tq_tensor *codes, tq_tensor *scale_inv, tq_tensor *scale,
+                              tq_tensor *amax_in) {
+    if (tqx_optional_tensor(st, objs[1], codes_name, CODES, codes) < 0
+        || tqx_optional_tensor(st, objs[2], "scale_inv", F32, scale_inv) < 0
+        || tqx_optional_tensor(st, objs[3], "scale", F32, scale) < 0
+        || tqx_optional_tensor(st, objs[4], "amax_in", F32, amax_in) < 0)
+        return -1;
+    *config = NULL;
+    if (objs[0] == NULL || objs[0] == Py_None) return 0;
+    if (tqx_config_from_py(st, objs[0], cfg) < 0) return -1;
+    *config = cfg;
+    return 0;
+}
+
+static PyObject *py_act_forward(PyObject *module, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"h", "act", "y_hp", "amax", "config", "y_q", "scale_inv", "scale",
+                             "amax_in", NULL};
+    PyObject *h_obj, *act_name, *y_hp = NULL, *amax = NULL;
+    PyObject *q[5] = {NULL, NULL, NULL, NULL, NULL}; /* config, y_q, scale_inv, scale, amax_in */
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OU|$OOOOOOO:_act_forward", kwlist, &h_obj,
+                                     &act_name, &y_hp, &amax, &q[0], &q[1], &q[2], &q[3], &q[4]))
+        return NULL;
+    tqx_state *st = tqx_module_state(module);
+    tq_act_forward_args a = TQ_ACT_FORWARD_ARGS_INIT;
+    tq_tensor h;
+    tqx_tensor_info info;
+    tq_quant_config cfg;
+    if (act_from_py(act_name, &a.act) < 0
+        || tqx_tensor_from_py(st, h_obj, "h", TQX_FLOAT_DTYPES, &h, &info) < 0
+        || tqx_optional_tensor(st, y_hp, "y_hp", TQX_FLOAT_DTYPES, &a.y_hp) < 0
+        || tqx_optional_tensor(st, amax, "amax", F32, &a.amax) < 0
+        || fp8_output_from_py(st, q, "y_q", &cfg, &a.config, &a.y_q, &a.scale_inv, &a.scale,
+                              &a.amax_in) < 0)
+        return NULL;
+    tq_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = tq_act_forward(&h, &a, (struct CUstream_st *)info.stream);
+    Py_END_ALLOW_THREADS
+    if (s != TQ_SUCCESS) return tqx_raise_status(st, s);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_act_backward(PyObject *module, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"dy", "h", "act", "dh", "amax", "config", "dh_q", "scale_inv",
+                             "scale", "amax_in", "dbias", NULL};
+    PyObject *dy_obj, *h_obj, *act_name, *dh = NULL, *amax = NULL, *dbias = NULL;
+    PyObject *q[5] = {NULL, NULL, NULL, NULL, NULL}; /* config, dh_q, scale_inv, scale, amax_in */
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOU|$OOOOOOOO:_act_backward", kwlist,
+                                     &dy_obj, &h_obj, &act_name, &dh, &amax, &q[0], &q[1], &q[2],
+                                     &q[3], &q[4], &dbias))
+        return NULL;
+    tqx_state *st = tqx_module_state(module);
+    tq_act_backward_args a = TQ_ACT_BACKWARD_ARGS_INIT;
+    tq_tensor dy, h;
+    tqx_tensor_info info;
+    tq_quant_config cfg;
+    if (act_from_py(act_name, &a.act) < 0
+        || tqx_tensor_from_py(st, dy_obj, "dy", TQX_FLOAT_DTYPES, &dy, NULL) < 0
+        || tqx_tensor_from_py(st, h_obj, "h", TQX_FLOAT_DTYPES, &h, &info) < 0
+        || tqx_optional_tensor(st, dh, "dh", TQX_FLOAT_DTYPES, &a.dh) < 0
+        || tqx_optional_tensor(st, amax, "amax", F32, &a.amax) < 0
+        || fp8_output_from_py(st, q, "dh_q", &cfg, &a.config, &a.dh_q, &a.scale_inv, &a.scale,
+                              &a.amax_in) < 0
+        || tqx_optional_tensor(st, dbias, "dbias", F32, &a.dbias) < 0)
+        return NULL;
+    size_t bytes = 0; /* a shape the core refuses gets its message from tq_act_backward */
+    if (a.dbias.data == NULL
+        || tq_act_backward_workspace_size(h.rows, h.cols, &bytes) != TQ_SUCCESS)
+        bytes = 0;
+    tqx_scratch ws = TQX_SCRATCH_INIT;
+    if (tqx_workspace_alloc(st, bytes, h_obj, &h, info.stream, &ws, &a.workspace) < 0)
+        return NULL;
+    tq_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = tq_act_backward(&dy, &h, &a, (struct CUstream_st *)info.stream);
+    Py_END_ALLOW_THREADS
+    tqx_scratch_release(st, &ws); /* the kernels are queued; the allocator orders reuse */
+    if (s != TQ_SUCCESS) return tqx_raise_status(st, s);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_act_workspace_size(PyObject *module, PyObject *args) {
+    long long rows, cols;
+    if (!PyArg_ParseTuple(args, "LL:_act_backward_workspace_size", &rows, &cols)) return NULL;
+    size_t bytes;
+    tq_status s = tq_act_backward_workspace_size(rows, cols, &bytes);
+    if (s != TQ_SUCCESS) return tqx_raise_status(tqx_module_state(module), s);
+    return PyLong_FromSize_t(bytes);
+}
+
+PyMethodDef tqx_act_methods[] = {
+    {"_act_forward", (PyCFunction)(void (*)(void))py_act_forward, METH_VARARGS | METH_KEYWORDS,
+     "_act_forward(h, act, *, y_hp=None, amax=None, config=None, y_q=None, scale_inv=None, "
+     "scale=None, amax_in=None)\n\nThe activation act ('gelu', 'relu', 'silu', 'qgelu', 'srelu', "
+     "or the gated 'geglu', 'reglu', 'swiglu' of h = [first | second]) of h [M, K] into the "
+     "outputs given (tequant.h tq_act_forward): y_hp (h's dtype, [M, K] or [M, K/2] gated), amax "
+     "(float32 [1], max-accumulated), and with a DELAYED or CURRENT QuantizerConfig the FP8 codes "
+     "y_q and scale_inv, cast with scale (delayed) or the scale of amax_in (current)."},
+    {"_act_backward", (PyCFunction)(void (*)(void))py_act_backward, METH_VARARGS | METH_KEYWORDS,
+     "_act_backward(dy, h, act, *, dh=None, amax=None, config=None, dh_q=None, scale_inv=None, "
+     "scale=None, amax_in=None, dbias=None)\n\nThe gradient dh [M, K] of the activation from dy "
+     "(act(h)'s gradient, h's dtype) into the outputs given (tequant.h tq_act_backward): dh, "
+     "amax, the FP8 codes dh_q with scale_inv (as _act_forward's), and dbias (float32 [K], the "
+     "column sums of the FP32 dh in tequant's fixed order)."},
+    {"_act_backward_workspace_size", (PyCFunction)(void (*)(void))py_act_workspace_size,
+     METH_VARARGS,
+     "_act_backward_workspace_size(rows, cols) -> int\n\nBytes of FP32 column partials dbias "
+     "uses for an h of [rows, cols] (allocated by _act_backward itself)."},
+    {NULL, NULL, 0, NULL}};

@@ -1,0 +1,69 @@
+/* act_backward_ref.c: CPU reference of tq_act_backward: dh = dy * act'(h) (gated: both halves),
+ * with, each optional, h's-dtype dh, its amax, its per-tensor FP8 codes and dbias.
+ *
+ * Plain loops on purpose: the oracle of cuda/act_backward.cu, bit for bit. The per-element steps
+ * are internal_act.h's tq_act_grad (the kernel runs the same code); dbias follows tequant.h's
+ * column order: rows in chunks of R(M, K) (tq_norm_partial_rows), each chunk's partial added row
+ * by row into the workspace ([chunk][K] FP32, the kernel's layout), then
+ * tq_norm_column_sums_ref (groups of 32 chunks, the group sums in order).
+ * Tests: tests/test_act_kernels.py (against torch autograd of the float32 activations; CUDA
+ * against this).
+ */
+#include "internal_act.h"
+#include "internal_fused.h"
+#include "internal_kernels.h"
+#include "ref_io.h"
+
+/* The FP32 dh of row r, column j (j < n; gated: j of each half into dh[0], dh[1]). */
+static void dh_elems(const tq_tensor *dy, const tq_tensor *h, int base, int gated, int64_t n,
+                     int64_t r, int64_t j, float dh[2]) {
+    const float g = tq_ref_load(dy, r, j);
+    float value;
+    if (!gated) {
+        dh[0] = tq_act_grad(base, tq_ref_load(h, r, j), g, &value);
+        return;
+    }
+    const float second = tq_ref_load(h, r, n + j);
+    dh[0] = tq_act_grad(base, tq_ref_load(h, r, j), tq_nmul(g, second), &value);
+    dh[1] = tq_nmul(g, value);
+}
+
+tq_status tq_act_backward_ref(const tq_tensor *dy, const tq_tensor *h,
+                              const tq_act_backward_args *a, struct CUstream_st *stream) {
+    (void)stream;
+    const int gated = tq_act_gated(a->act), base = tq_act_base(a->act);
+    const int64_t m_rows = h->rows, k = h->cols, n = gated ? k / 2 : k;
+    const int quantize = a->config != NULL;
+    const int e5m2 = quantize && a->config->elem_dtype == TQ_DTYPE_FLOAT8_E5M2;
+    const float scale = quantize ? tq_fused_cast_scale(a->config, &a->scale, &a->amax_in) : 1.0f;
+    if (quantize) *(float *)a->scale_inv.data = tq_rcp(scale);
+    const int want_dbias = a->dbias.data != NULL;
+    const int64_t r_chunk = tq_norm_partial_rows(m_rows, k);
+    const int64_t p_count = m_rows == 0 ? 0 : (m_rows + r_chunk - 1) / r_chunk;
+    float *partials = want_dbias ? (float *)a->workspace.data : NULL;
+    uint8_t *dh_q = (uint8_t *)a->dh_q.data;
+    float amax = 0.0f;
+    for (int64_t p = 0; p < p_count; p++) {
+        float *part = want_dbias ? partials + p * k : NULL;
+        for (int64_t c = 0; want_dbias && c < k; c++) part[c] = 0.0f;
+        const int64_t r_end = (p + 1) * r_chunk < m_rows ? (p + 1) * r_chunk : m_rows;
+        for (int64_t r = p * r_chunk; r < r_end; r++) {
+            for (int64_t j = 0; j < n; j++) {
+                float dh[2] = {0.0f, 0.0f};
+                dh_elems(dy, h, base, gated, n, r, j, dh);
+                for (int half = 0; half <= gated; half++) {
+                    const int64_t c = j + half * n;
+                    const float v = dh[half];
+                    amax = tq_amax_step(amax, v);
+                    if (want_dbias) part[c] = tq_nadd(part[c], v);
+                    if (a->dh.data != NULL)
+                        tq_ref_store((tq_tensor *)&a->dh, r, c, tq_norm_canon(v));
+                    if (quantize) dh_q[r * a->dh_q.ld + c] = tq_f32_to_fp8(tq_mul(v, scale), e5m2);
+                }
+            }
+        }
+    }
+    if (want_dbias) tq_norm_column_sums_ref(partials, p_count, k, (float *)a->dbias.data);
+    if (a->amax.data != NULL) tq_fused_max_accumulate((float *)a->amax.data, amax);
+    return TQ_SUCCESS;
+}

@@ -1,0 +1,179 @@
+/* act_backward.cu: tq_act_backward on CUDA: dh = dy * act'(h) (gated: both halves) with, in the
+ * same pass, its per-tensor FP8 codes (DELAYED / CURRENT), max |dh| and dbias's column partials.
+ *
+ * Rule (tequant.h): every element is internal_act.h's tq_act_grad (tequant's own e^x, never
+ * CUDA's), gated halves as act_backward_ref.c combines them; codes, dh and amax as
+ * act_forward.cu writes its outputs (fp8_out.cuh). dbias follows the fixed column order: rows
+ * in chunks of R(M, K) rows (tq_norm_partial_rows, the norm backward's), each chunk's partial
+ * adding its rows in order onto +0, written to the workspace ([chunk][K] FP32); then
+ * column_sums.cuh's kernel adds each column's partials in groups of 32 chunks and the group sums
+ * in order. So every output equals csrc/ref/act_backward_ref.c bit for bit.
+ * Layout: elementwise and memory-bound; a thread takes one chunk of 8 columns of dy (and of each
+ * half of h and dh) for the rows of one row chunk (R rows with dbias, keeping the 8 or 16 column
+ * partials in registers; 1 row without), grid-striding over (row chunk, chunk) pairs with
+ * consecutive threads on consecutive chunks: each row's loads are coalesced 16-byte loads where
+ * the rows (and a gated h's second half) are aligned, element accesses otherwise.
+ * No sync, no allocation: the caller's workspace holds the partials.
+ * Tests: tests/test_act_kernels.py (GPU cases: bit-exact against the C reference).
+ */
+#include <cuda_runtime.h>
+
+#include "act_dispatch.cuh"
+#include "chunks.cuh"
+#include "column_sums.cuh"
+#include "fp8_out.cuh"
+#include "internal_act.h"
+#include "internal_kernels.h"
+#include "launch.cuh"
+
+namespace {
+
+using tq_chunk::Chunk;
+using tq_chunk::chunk_len;
+using tq_chunk::kChunk;
+using tq_cuda::DeviceGuard;
+using tq_cuda::cuda_failed;
+
+constexpr int kThreads = 256;
+
+struct BwdParams {
+    const void *dy, *h;
+    int64_t rows, n, k, ld_dy, ld_h, nchunks; /* n: dy's columns (K, or K / 2 gated) */
+    void *dh;
+    int64_t ld_dh;
+    tq_fp8out::Out out;
+    float *partials;        /* dbias: [p_count][k] */
+    int64_t r_chunk, p_count;
+    int dy_vec, h_vec, dh_vec; /* 16-byte rows (and second halves) of dy, h, dh */
+};
+
+/* One row's chunk c (n valid elements) of dh into the outputs, and amax. */
+template <typename T>
+__device__ __forceinline__ void write_half(const BwdParams &p, int64_t r, int64_t col0,
+                                           int64_t c, int n, const float (&d)[kChunk],
+                                           float scale, float &amax) {
+#pragma unroll
+    for (int e = 0; e < kChunk; e++)
+        if (e < n) amax = tq_amax_step(amax, d[e]);
+    if (p.dh != nullptr) {
+        float o[kChunk];
+#pragma unroll
+        for (int e = 0; e < kChunk; e++) o[e] = tq_norm_canon(d[e]);
+        tq_chunk::store_chunk(static_cast<T *>(p.dh) + r * p.ld_dh + col0, c, o, n, p.dh_vec);
+    }
+    if (p.out.q != nullptr)
+        tq_fp8out::store_codes(p.out.q + r * p.out.ld_q + col0 + (int64_t)kChunk * c, d, scale,
+                               p.out.e5m2, n, p.out.q_vec);
+}
+
+template <typename T, int kBase, bool kGated, bool kDbias>
+__global__ void __launch_bounds__(kThreads) act_backward_kernel(const BwdParams p) {
+    const float scale = tq_fp8out::cast_scale(p.out);
+    tq_fp8out::write_scale_inv(p.out, scale);
+    float amax = 0.0f;
+    const int64_t items = p.p_count * p.nchunks;
+    for (int64_t i = (int64_t)blockIdx.x * kThreads + threadIdx.x; i < items;
+         i += (int64_t)gridDim.x * kThreads) {
+        const int64_t chunk_p = i / p.nchunks, c = i - chunk_p * p.nchunks;
+        const int n = chunk_len(c, p.n);
+        const int64_t r_begin = chunk_p * p.r_chunk;
+        const int64_t r_end = r_begin + p.r_chunk < p.rows ? r_begin + p.r_chunk : p.rows;
+        float acc[2][kChunk]; /* dbias partials of the chunk's columns (each half) */
+#pragma unroll
+        for (int e = 0; e < kChunk; e++) acc[0][e] = acc[1][e] = 0.0f;
+        for (int64_t r = r_begin; r < r_end; r++) {
+            Chunk<T> g, a;
+            tq_chunk::load_chunk(g, static_cast<const T *>(p.dy) + r * p.ld_dy, c, n, p.dy_vec);
+            const T *hr = static_cast<const T *>(p.h) + r * p.ld_h;
+            tq_chunk::load_chunk(a, hr, c, n, p.h_vec);
+            float d[2][kChunk];
+            if constexpr (kGated) {
+                Chunk<T> b;
+                tq_chunk::load_chunk(b, hr + p.n, c, n, p.h_vec);
+#pragma unroll
+                for (int e = 0; e < kChunk; e++) {
+                    const float dy = tq_fp::widen(g.t[e]);
+                    float value;
+                    d[0][e] = tq_act_grad(kBase, tq_fp::widen(a.t[e]),
+                                          tq_nmul(dy, tq_fp::widen(b.t[e])), &value);
+                    d[1][e] = tq_nmul(dy, value);
+                }
+            } else {
+#pragma unroll
+                for (int e = 0; e < kChunk; e++) {
+                    float value;
+                    d[0][e] = tq_act_grad(kBase, tq_fp::widen(a.t[e]), tq_fp::widen(g.t[e]),
+                                          &value);
+                }
+            }
+            write_half<T>(p, r, 0, c, n, d[0], scale, amax);
+            if constexpr (kGated) write_half<T>(p, r, p.n, c, n, d[1], scale, amax);
+            if constexpr (kDbias) {
+#pragma unroll
+                for (int half = 0; half < (kGated ? 2 : 1); half++)
+#pragma unroll
+                    for (int e = 0; e < kChunk; e++)
+                        acc[half][e] = tq_nadd(acc[half][e], d[half][e]);
+            }
+        }
+        if constexpr (kDbias) {
+            float *out = p.partials + chunk_p * p.k + (int64_t)kChunk * c;
+            for (int e = 0; e < n; e++) out[e] = acc[0][e];
+            if constexpr (kGated)
+                for (int e = 0; e < n; e++) out[p.n + e] = acc[1][e];
+        }
+    }
+    tq_fp8out::block_amax<kThreads>(p.out.amax, amax);
+}
+
+}  // namespace
+
+extern "C" tq_status tq_act_backward_cuda(const tq_tensor *dy, const tq_tensor *h,
+                                          const tq_act_backward_args *a,
+                                          struct CUstream_st *stream) {
+    DeviceGuard guard(h->device);
+    if (guard.status != cudaSuccess)
+        return cuda_failed("act backward: making h's device current", guard.status);
+    cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+    const size_t elem = h->dtype == TQ_DTYPE_FLOAT32 ? 4 : 2;
+    const int gated = tq_act_gated(a->act);
+    const bool dbias = a->dbias.data != nullptr;
+    BwdParams p = {};
+    p.dy = dy->data;
+    p.h = h->data;
+    p.rows = h->rows;
+    p.k = h->cols;
+    p.n = gated ? h->cols / 2 : h->cols;
+    p.ld_dy = dy->ld;
+    p.ld_h = h->ld;
+    p.nchunks = (p.n + kChunk - 1) / kChunk;
+    p.dh = a->dh.data;
+    p.ld_dh = a->dh.ld;
+    p.out = tq_fp8out::make_out(a->config, a->dh_q, a->scale_inv, a->scale, a->amax_in, a->amax);
+    p.partials = static_cast<float *>(a->workspace.data);
+    /* with dbias the row chunks are the fixed order's; without, any grouping gives the same bits */
+    p.r_chunk = dbias ? tq_norm_partial_rows(p.rows, p.k) : 1;
+    p.p_count = p.rows == 0 ? 0 : (p.rows + p.r_chunk - 1) / p.r_chunk;
+    const bool halves16 = !gated || (p.n * elem) % 16 == 0;
+    p.dy_vec = tq_chunk::rows_aligned16(dy->data, dy->ld, elem);
+    p.h_vec = tq_chunk::rows_aligned16(h->data, h->ld, elem) && halves16;
+    p.dh_vec = p.dh != nullptr && tq_chunk::rows_aligned16(p.dh, p.ld_dh, elem) && halves16;
+    p.out.q_vec = p.out.q != nullptr && tq_chunk::aligned(p.out.q, 8) && p.out.ld_q % 8 == 0
+                  && (!gated || p.n % 8 == 0);
+    const unsigned grid = tq_act_dispatch::grid_for(p.p_count * p.nchunks, h->device, kThreads);
+    tq_act_dispatch::with_dtype_act(h->dtype, a->act, [&](auto t, auto act) {
+        using A = decltype(act);
+        using T = decltype(t);
+        if (dbias) act_backward_kernel<T, A::base, A::gated, true><<<grid, kThreads, 0, s>>>(p);
+        else act_backward_kernel<T, A::base, A::gated, false><<<grid, kThreads, 0, s>>>(p);
+    });
+    cudaError_t err = cudaGetLastError(); /* cleared: must not poison later calls */
+    if (err != cudaSuccess) return cuda_failed("act backward kernel launch", err);
+    if (dbias) {
+        tq_colsum::launch(p.partials, p.p_count, p.k, static_cast<float *>(a->dbias.data),
+                          nullptr, s);
+        err = cudaGetLastError();
+        if (err != cudaSuccess) return cuda_failed("act backward column-sum kernel launch", err);
+    }
+    return TQ_SUCCESS;
+}

@@ -1,0 +1,114 @@
+/* act_forward.cu: tq_act_forward on CUDA: y = act(h) (gated: act(first) * second) of h [M, K]
+ * with, in the same pass, its per-tensor FP8 codes (DELAYED / CURRENT scaling) and max |y|.
+ *
+ * Rule (tequant.h): every element is internal_act.h's tq_act_value (tequant's own e^x from RN
+ * operations and fma, never CUDA's expf), the gated product one RN multiply; codes are
+ * cvt8(tq_mul(y, scale)) by the hardware's cvt.rn.satfinite (fp_cast.cuh: formats.h's rule);
+ * y_hp is rounded by cvt.rn after the canonical NaN; amax is fmaxf(|y|) (NaN ignored) per CTA,
+ * then one atomicMax on the slot's signed bits (fp8_out.cuh). So every output equals
+ * csrc/ref/act_forward_ref.c bit for bit, whatever the launch shape. CURRENT scaling is two
+ * launches by the caller, as tq_norm_forward's: the amax run, then the cast run with amax_in.
+ * Layout: elementwise and memory-bound; a thread takes one chunk of 8 output columns of one row
+ * at a time (grid-striding over rows x chunks, consecutive threads on consecutive chunks of a
+ * row): 16-byte loads of h (both halves when gated) and stores of y_hp, 8-byte stores of codes,
+ * where the rows (and a gated h's second half) are aligned; element accesses otherwise and for a
+ * row's last, partial chunk. No sync, no allocation.
+ * Tests: tests/test_act_kernels.py (GPU cases: bit-exact against the C reference).
+ */
+#include <cuda_runtime.h>
+
+#include "act_dispatch.cuh"
+#include "chunks.cuh"
+#include "fp8_out.cuh"
+#include "internal_act.h"
+#include "internal_kernels.h"
+#include "launch.cuh"
+
+namespace {
+
+using tq_chunk::Chunk;
+using tq_chunk::chunk_len;
+using tq_chunk::kChunk;
+using tq_cuda::DeviceGuard;
+using tq_cuda::cuda_failed;
+
+constexpr int kThreads = 256;
+
+struct FwdParams {
+    const void *h;
+    int64_t rows, n, ld_h, nchunks; /* n: output columns (K, or K / 2 gated) */
+    void *y_hp;
+    int64_t ld_y;
+    tq_fp8out::Out out;
+    int h_vec, y_vec; /* 16-byte rows of h (and its second half) and of y_hp */
+};
+
+template <typename T, int kBase, bool kGated>
+__global__ void __launch_bounds__(kThreads) act_forward_kernel(const FwdParams p) {
+    const float scale = tq_fp8out::cast_scale(p.out);
+    tq_fp8out::write_scale_inv(p.out, scale);
+    float amax = 0.0f;
+    const int64_t items = p.rows * p.nchunks;
+    for (int64_t i = (int64_t)blockIdx.x * kThreads + threadIdx.x; i < items;
+         i += (int64_t)gridDim.x * kThreads) {
+        const int64_t r = i / p.nchunks, c = i - r * p.nchunks;
+        const int n = chunk_len(c, p.n);
+        const T *hr = static_cast<const T *>(p.h) + r * p.ld_h;
+        Chunk<T> a;
+        tq_chunk::load_chunk(a, hr, c, n, p.h_vec);
+        float y[kChunk];
+#pragma unroll
+        for (int e = 0; e < kChunk; e++) y[e] = tq_act_value(kBase, tq_fp::widen(a.t[e]));
+        if constexpr (kGated) {
+            Chunk<T> b;
+            tq_chunk::load_chunk(b, hr + p.n, c, n, p.h_vec);
+#pragma unroll
+            for (int e = 0; e < kChunk; e++) y[e] = tq_nmul(y[e], tq_fp::widen(b.t[e]));
+        }
+#pragma unroll
+        for (int e = 0; e < kChunk; e++)
+            if (e < n) amax = tq_amax_step(amax, y[e]);
+        if (p.y_hp != nullptr) {
+            float o[kChunk];
+#pragma unroll
+            for (int e = 0; e < kChunk; e++) o[e] = tq_norm_canon(y[e]);
+            tq_chunk::store_chunk(static_cast<T *>(p.y_hp) + r * p.ld_y, c, o, n, p.y_vec);
+        }
+        if (p.out.q != nullptr)
+            tq_fp8out::store_codes(p.out.q + r * p.out.ld_q + (int64_t)kChunk * c, y, scale,
+                                   p.out.e5m2, n, p.out.q_vec);
+    }
+    tq_fp8out::block_amax<kThreads>(p.out.amax, amax);
+}
+
+}  // namespace
+
+extern "C" tq_status tq_act_forward_cuda(const tq_tensor *h, const tq_act_forward_args *a,
+                                         struct CUstream_st *stream) {
+    DeviceGuard guard(h->device);
+    if (guard.status != cudaSuccess)
+        return cuda_failed("act forward: making h's device current", guard.status);
+    cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+    const size_t elem = h->dtype == TQ_DTYPE_FLOAT32 ? 4 : 2;
+    const int gated = tq_act_gated(a->act);
+    FwdParams p = {};
+    p.h = h->data;
+    p.rows = h->rows;
+    p.n = gated ? h->cols / 2 : h->cols;
+    p.ld_h = h->ld;
+    p.nchunks = (p.n + kChunk - 1) / kChunk;
+    p.y_hp = a->y_hp.data;
+    p.ld_y = a->y_hp.ld;
+    p.out = tq_fp8out::make_out(a->config, a->y_q, a->scale_inv, a->scale, a->amax_in, a->amax);
+    p.h_vec = tq_chunk::rows_aligned16(h->data, h->ld, elem) && (!gated || (p.n * elem) % 16 == 0);
+    p.y_vec = p.y_hp != nullptr && tq_chunk::rows_aligned16(p.y_hp, p.ld_y, elem);
+    p.out.q_vec = p.out.q != nullptr && tq_chunk::aligned(p.out.q, 8) && p.out.ld_q % 8 == 0;
+    const unsigned grid = tq_act_dispatch::grid_for(p.rows * p.nchunks, h->device, kThreads);
+    tq_act_dispatch::with_dtype_act(h->dtype, a->act, [&](auto t, auto act) {
+        using A = decltype(act);
+        act_forward_kernel<decltype(t), A::base, A::gated><<<grid, kThreads, 0, s>>>(p);
+    });
+    const cudaError_t err = cudaGetLastError(); /* cleared: must not poison later calls */
+    if (err != cudaSuccess) return cuda_failed("act forward kernel launch", err);
+    return TQ_SUCCESS;
+}
