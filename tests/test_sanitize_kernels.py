@@ -10,7 +10,12 @@ any byte a quantizer leaves unwritten. Inputs live in buffers whose padding is n
 (torch.empty): a kernel reading past its view reads uninitialized memory.
 Runner: tools/sanitize.sh (make sanitize; docs/sanitize.md). GPU only; skipped without CUDA.
 
-Kernel (cuda/*.cu)                       launched by (test_... [case])
+Kernel (cuda/*.cu, *.cuh)                launched by (test_... [case])
+act_forward.cu act_forward_kernel<f32|bf16|f16, gelu|relu|silu|qgelu|srelu, gated or not>
+                                          act_kernels (every activation and dtype; 16-byte and
+                                          element paths; M = 0 too)
+act_backward.cu act_backward_kernel<f32|bf16|f16, activation, gated or not, dbias or not>
+                                          act_kernels
 amax.cu        amax_kernel<f32|bf16|f16,  amax_paths (all nine); FlatVec also quantize_dequantize
                FlatVec|RowVec|Scalar>     [current-*] (an FP8 current x of more than 64K elements)
 amax_update.cu amax_update_kernel<max>    amax_update (600 slots: two launches), linear_step
@@ -18,13 +23,13 @@ amax_update.cu amax_update_kernel<max>    amax_update (600 slots: two launches),
                                           end of backward)
                amax_update_kernel<most_recent>  amax_update (with all-reduced amaxes)
 codec.cu       codec_kernel<10 codecs>    codecs
+column_sums.cuh column_sum_kernel         norm_kernels, act_kernels (dbias)
 gemm_alpha.cu  alpha_kernel               c_api_gemm_alpha_and_values (tq_gemm_alpha through
                                           ctypes: the extension calls it for CPU operands only)
 norm_backward.cu norm_backward_kernel<f32|bf16|f16, kT 32|64|128|256 in registers, 256 re-reading>
                                           norm_kernels (K = 1000 / 2000 / 4000 / 8000, 9000 and
                                           30001; aligned and misaligned rows)
                column_partial_kernel<f32|bf16|f16>  norm_kernels (K = 9000, 30001)
-               column_sum_kernel          norm_kernels
 norm_forward.cu norm_forward_kernel<f32|bf16|f16, kT 32|64|128|256 in registers, 256 re-reading>
                                           norm_kernels (K = 1000 / 3000 / 6000 / 12000, 17001;
                                           M = 0 too: the one-CTA scale_inv / amax launch)
@@ -343,6 +348,51 @@ def test_norm_forward_fast():
                          amax_in=first, **stats, **common)  # and the cast run
         _finite(first, scale_inv, *stats.values())
         torch.sum(y_q, dtype=torch.int64)
+
+
+# ---- activations -----------------------------------------------------------------------------
+
+ACTS = ("gelu", "relu", "silu", "qgelu", "srelu", "geglu", "reglu", "swiglu")
+
+
+def test_act_kernels():
+    """Every instance of the fused activation kernels (tests/test_act_kernels.py checks their
+    bits): each activation and dtype, forward with every output (delayed codes + amax, y_hp) and
+    current scaling's two runs, backward with and without dbias (its column-sum launch; M = 40:
+    three row chunks), 16-byte rows and element paths (misaligned / strided rows, odd N of a
+    gated h, odd K), M = 0 (scale_inv and the amax slot only)."""
+    delayed = te.quantizer_config(DelayedScaling(), "input")
+    current = te.quantizer_config(Float8CurrentScaling(), "grad_output")
+    cases = [(act, dtype) for act in ACTS for dtype in (F32, BF16, F16)]
+    for i, (act, dtype) in enumerate(cases):
+        gated = act in ("geglu", "reglu", "swiglu")
+        m = 0 if i == 0 else 40
+        k = (2 * 520 if i % 2 else 2 * 131) if gated else (1040 if i % 2 else 1041)
+        n = k // 2 if gated else k
+        layout = ("contiguous", "strided", "misaligned")[i % 3]
+        h = _layout(_randn(m, k, dtype=dtype, seed=70 + i), layout)
+        dy = _layout(_randn(m, n, dtype=dtype, seed=71 + i), layout)
+        y, amax = torch.empty(m, n, dtype=dtype, device=DEVICE), torch.zeros(1, device=DEVICE)
+        y_q = torch.empty(m, n, dtype=torch.uint8, device=DEVICE)
+        scale_inv = torch.empty(1, device=DEVICE)
+        _C._act_forward(h, act, y_hp=y, amax=amax, config=delayed, y_q=y_q, scale_inv=scale_inv,
+                        scale=torch.ones(1, device=DEVICE))
+        _finite(y, amax, scale_inv)
+        torch.sum(y_q, dtype=torch.int64)  # read it all (initcheck)
+        first = torch.zeros(1, device=DEVICE)
+        _C._act_forward(h, act, amax=first)  # current scaling: the amax run, then the cast run
+        _C._act_forward(h, act, config=delayed if i % 4 else current, y_q=y_q,
+                        scale_inv=scale_inv, **({"scale": torch.ones(1, device=DEVICE)} if i % 4
+                                               else {"amax_in": first}))
+        torch.sum(y_q, dtype=torch.int64)
+        dh, dh_q = torch.empty_like(h), torch.empty(m, k, dtype=torch.uint8, device=DEVICE)
+        dbias = torch.empty(k, device=DEVICE)
+        _C._act_backward(dy, h, act, dh=dh, amax=amax, config=delayed, dh_q=dh_q,
+                         scale_inv=scale_inv, scale=torch.ones(1, device=DEVICE), dbias=dbias)
+        _finite(dh, dbias, amax)
+        torch.sum(dh_q, dtype=torch.int64)
+        _C._act_backward(dy, h, act, dh=dh)  # no dbias: one row per item, no column sums
+        _finite(dh)
 
 
 # ---- quantize / dequantize --------------------------------------------------------------------
