@@ -50,17 +50,19 @@ test-deps: deps
 test: build test-deps
 	$(PYTHON) -m pytest $(PYTEST_ARGS) tests
 
-# bench_quantize, bench_norm, bench_block, bench_gemm, bench_overhead, bench_linear and
-# bench_tp_overhead need a GPU; without one they run their quick CPU-side checks.
+# bench_quantize, bench_norm, bench_act, bench_block, bench_gemm, bench_overhead, bench_linear
+# and bench_tp_overhead need a GPU; without one they run their quick CPU-side checks.
 bench: build
 	$(PYTHON) benchmarks/bench_autocast.py
 	@if $(PYTHON) -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then \
 		$(PYTHON) benchmarks/bench_quantize.py && $(PYTHON) benchmarks/bench_norm.py && \
+		$(PYTHON) benchmarks/bench_act.py && \
 		$(PYTHON) benchmarks/bench_block.py && $(PYTHON) benchmarks/bench_gemm.py && \
 		$(PYTHON) benchmarks/bench_overhead.py && $(PYTHON) benchmarks/bench_linear.py && \
 		$(PYTHON) benchmarks/bench_tp_overhead.py; \
 	else $(PYTHON) benchmarks/bench_quantize.py --device cpu --shapes 256x256 && \
 		$(PYTHON) benchmarks/bench_norm.py --device cpu --shapes 64x1024,16x4096:fp32 && \
+		$(PYTHON) benchmarks/bench_act.py --device cpu --shapes 32x1024,8x1002:fp32 && \
 		$(PYTHON) benchmarks/bench_block.py --device cpu && \
 		$(PYTHON) benchmarks/bench_gemm.py --device cpu && \
 		$(PYTHON) benchmarks/bench_overhead.py --device cpu && \
