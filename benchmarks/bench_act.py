@@ -27,9 +27,10 @@ import benchutil  # noqa: E402
 
 # Per shape (MxK:dtype, K = fc1's output features, 2N for a gated activation) and activation:
 #   1. correctness first: on CUDA the fused forward and backward equal the C reference bit for
-#      bit (codes, scale_inv, amax, dbias) on the first --check-rows rows, and the full-size run's
-#      first rows equal them too; the fused codes dequantize to within the E4M3 / E5M2 bound of
-#      torch's float32 activation / gradient (any device);
+#      bit (codes, scale_inv, amax, dbias) on the first --check-rows rows, and the full-size
+#      delayed run's first rows of codes equal them too (current scaling's scale is the whole
+#      tensor's); the fused codes dequantize to within the E4M3 / E5M2 bound of torch's float32
+#      activation / gradient (any device);
 #   2. timing (benchutil.time_cuda: CUDA events, the GPU held back while the calls are queued,
 #      --buffers rotated inputs so L2 never holds them).
 # Bytes: "moved" = what an implementation reads and writes by design; "in + codes" = the inputs
@@ -150,8 +151,9 @@ def check(act, p, h, dy, fused, device, check_rows):
             for name in want:
                 diff = int((bits(got[name]) != bits(want[name])).sum())
                 assert diff == 0, f"{p} {kind} {name}: {diff} differ, CUDA vs the C reference"
-            a, b = bits(full[kind]["codes"][:check_rows]), bits(want["codes"])
-            assert torch.equal(a, b), f"{p} {kind}: the full-size run's first rows differ"
+            if kind == "delayed":  # the same scale: the full-size run's first rows are these
+                a, b = bits(full[kind]["codes"][:check_rows]), bits(want["codes"])
+                assert torch.equal(a, b), f"{p} {kind}: the full-size run's first rows differ"
     if p == "forward":
         ref = torch_forward(act, h.float())
     else:

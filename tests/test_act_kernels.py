@@ -503,9 +503,11 @@ def test_errors_device_mismatch():
 # ---- (c) CUDA against the C reference, bit for bit ------------------------------------------
 
 LAYOUTS = {"contiguous": lambda t: t, "strided": strided, "misaligned": misaligned}
-# (M, K): M = 0, one row, K < 8, odd K (non-gated) / odd N (gated), N % 8 == 0 (16-byte path),
-# a grid-striding size (3000 x 1032: more chunks than the grid has threads)
-GPU_SHAPES = [(0, 64), (1, 2), (3, 14), (5, 1000), (17, 1030), (6, 2048), (4, 3002), (3000, 1032)]
+# (M, K): M = 0, one row, K < 8, odd K (non-gated) / odd N (gated), N % 8 == 0 (16-byte path);
+# with contiguous rows also a grid-striding size (3000 x 1032: more chunks than a full grid of
+# 132 SMs has threads) and, backward, dbias over 625 row chunks of 64 (40000 x 40)
+GPU_SHAPES = [(0, 64), (1, 2), (3, 14), (5, 1000), (17, 1030), (6, 2048), (4, 3002)]
+BIG_SHAPES = [(3000, 1032)]
 
 
 def gpu_modes():
@@ -534,7 +536,7 @@ def gpu_inputs(m, k, act, dtype, seed):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_cuda_forward_matches_cpu_reference(act, dtype, layout):
     lay = LAYOUTS[layout]
-    for i, (m, k) in enumerate(GPU_SHAPES):
+    for i, (m, k) in enumerate(GPU_SHAPES + (BIG_SHAPES if layout == "contiguous" else [])):
         k = k if act in BASE else k - i % 2  # odd K for the elementwise ones too
         h, _ = gpu_inputs(m, k, act, dtype, seed=i)
         for label, kw in gpu_modes():
@@ -553,10 +555,10 @@ def test_cuda_forward_matches_cpu_reference(act, dtype, layout):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_cuda_backward_matches_cpu_reference(act, dtype, layout):
-    # plus dbias over many row chunks and groups: M = 3000 (R = 16, 188 partials), M = 40000 and
+    # dbias over many row chunks and groups: M = 3000 (R = 16, 188 partials), M = 40000 and
     # K = 40 (R = 64: 1250 chunks of 32 would pass 1024)
     lay = LAYOUTS[layout]
-    shapes = GPU_SHAPES + [(40000, 40)]
+    shapes = GPU_SHAPES + (BIG_SHAPES + [(40000, 40)] if layout == "contiguous" else [(300, 40)])
     for i, (m, k) in enumerate(shapes):
         k = k if act in BASE else k - i % 2
         h, g = gpu_inputs(m, k, act, dtype, seed=10 + i)
