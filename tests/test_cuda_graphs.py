@@ -269,3 +269,32 @@ def test_reduce_overhead_with_stochastic_rounding(where):
         assert 0 < _relative_error(grads, exact) < 1.5 * eager_error + 0.01, eager_error
     assert not torch.equal(history[-1][0], history[-2][0])
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", ["delayed", "current", "block"])
+def test_reduce_overhead_outputs_kept_across_steps(name):
+    """The caller keeps each step's output and input gradient while the next step runs:
+    cudagraph trees then free the earlier run's outputs through the caching allocator's deleter,
+    and refused tensors the C calls made through the DLPack allocator ("Expected standard
+    deleter"; first seen with the fused norm modules). Inside torch.compile's ops tequant
+    allocates with torch.empty; values equal eager's, step after step."""
+    recipe = RECIPES[name]
+    model, data = _setup()
+    twin = copy.deepcopy(model)
+
+    def forward(m, x):
+        with te.autocast(recipe=recipe):
+            return m(x)
+    compiled = torch.compile(forward, mode="reduce-overhead", fullgraph=True)
+
+    def run(fn, m):
+        kept, held = [], None
+        for x in data[:5]:
+            x = x.clone().requires_grad_()
+            y = fn(m, x)
+            y.float().square().mean().backward()
+            kept += [y.detach().clone(), x.grad.clone()]
+            held = (y, x)  # alive while the next step runs: the trees free them then
+        del held
+        return kept + [p.grad for p in m.parameters()]
+    _assert_same(run(compiled, twin), run(forward, model))

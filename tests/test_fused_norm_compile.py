@@ -58,7 +58,10 @@ def _run(step, model, xs, eager_autocast=None):
                 y = step(model, xi)
         ys = y if isinstance(y, tuple) else (y,)
         sum(t.float().square().mean() for t in ys).backward()
-        out += [t.detach() for t in ys] + [xi.grad]
+        # copies: a later step may overwrite a CUDA graph's outputs; the step's own tensors stay
+        # alive into the next step, which frees them (reduce-overhead's cudagraph trees)
+        out += [t.detach().clone() for t in ys] + [xi.grad.clone()]
+        held = (ys, xi)  # noqa: F841
     out += [p.grad for p in model.parameters()] + [b.clone() for b in model.buffers()]
     return out
 

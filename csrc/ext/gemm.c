@@ -50,7 +50,8 @@ static int operand_from_py(tqx_state *st, PyObject *spec, const char *name, tqx_
 
 /* Set by _gemm_workspace_per_call around the calls torch.compile's ops make: their memory may
  * come from a CUDA-graph pool (cudagraph trees warm up and record in one), where a workspace
- * kept past the call would be memory the graph does not track. Per thread. */
+ * kept past the call would be memory the graph does not track, and where the tensors they return
+ * must be torch.empty's (torch_calls.c new_tensor). Per thread. */
 static _Thread_local int workspace_per_call;
 
 /* The cuBLASLt workspace of (device, stream): made on first use, then reused (or made for this
@@ -280,6 +281,8 @@ static PyObject *py_gemm_plan_cache_clear(PyObject *module, PyObject *unused) {
     if (s != TQ_SUCCESS) return tqx_raise_status(tqx_module_state(module), s);
     Py_RETURN_NONE;
 }
+
+int tqx_in_compiled_op(void) { return workspace_per_call; }
 
 int tqx_gemm_workspace_per_call(int on) {
     const int previous = workspace_per_call;

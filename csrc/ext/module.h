@@ -319,6 +319,8 @@ int64_t tqx_packed_bytes(tqx_state *st, const tq_quant_config *config, int64_t r
                          uint32_t usage, uint32_t parts);
 /* gemm.c: sets this thread's workspace-per-call flag, returns the previous one */
 int tqx_gemm_workspace_per_call(int on);
+/* gemm.c: 1 while that flag is set, i.e. inside a torch.compile op's call on this thread */
+int tqx_in_compiled_op(void);
 extern PyMethodDef tqx_linear_ops_methods[];
 
 /* amax_update.c: _amax_update, delayed scaling's history roll and scale update */

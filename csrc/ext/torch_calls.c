@@ -154,7 +154,11 @@ static PyObject *exchange_empty(tqx_state *st, PyObject *shape, tq_dtype dtype, 
 
 static PyObject *new_tensor(tqx_state *st, PyObject *shape, tq_dtype dtype, PyObject *device,
                             int zeroed, void **data) {
-    if (!zeroed) {
+    /* Inside a torch.compile op the tensor may become an output of a CUDA graph that
+     * cudagraph trees manage: when a later run invalidates outputs the caller still holds, they
+     * free its storage through the caching allocator's own deleter and refuse any other
+     * ("Expected standard deleter"), which a DLPack-made tensor has. torch.empty's is standard. */
+    if (!zeroed && !tqx_in_compiled_op()) {
         PyObject *fast = exchange_empty(st, shape, dtype, device, data);
         if (fast != NULL || PyErr_Occurred()) return fast;
     }
