@@ -33,7 +33,8 @@ norm_backward.cu norm_backward_kernel<f32|bf16|f16, kT 32|64|128|256 in register
 norm_forward.cu norm_forward_kernel<f32|bf16|f16, kT 32|64|128|256 in registers, 256 re-reading>
                                           norm_kernels (K = 1000 / 3000 / 6000 / 12000, 17001;
                                           M = 0 too: the one-CTA scale_inv / amax launch)
-               fast_kernel<f32|bf16|f16, kT/kC, norm, full or not>  norm_forward_fast (every
+               fast_kernel<f32|bf16|f16, kT/kC, norm, full or not> (norm_forward_fast.cuh)
+                                          norm_forward_fast (every
                                           variant in each output mode; three shapes with several
                                           rows per row group: named barriers reused)
 pad.cu         pad_rows_kernel<uint4>     linear_step (51 tokens), cuda_graph_step (50 tokens)
