@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import tequant as te
-from tequant import _C, _norm_fn
+from tequant import _C, _act_fn, _norm_fn
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_compile import DEVICES, RECIPES  # noqa: E402  (DelayedScaling with a 4-row history)
@@ -426,8 +426,8 @@ def _mlp(activation="gelu", normalization="LayerNorm", dtype=torch.bfloat16, **k
 
 @pytest.mark.parametrize("name", FUSED)
 def test_layernorm_mlp_fused_is_its_parts(name):
-    """LayerNormMLP = LayerNormLinear (fc1, same parameters) + activation + te.Linear (fc2),
-    bfloat16, fused: outputs, the returned norm output and every gradient bit for bit."""
+    """LayerNormMLP = LayerNormLinear (fc1, same parameters) + the fused activation into
+    te.Linear (fc2; tests/test_fused_act_modules.py tests that route), bfloat16, fused: outputs, the returned norm output and every gradient bit for bit."""
     m = _mlp("swiglu", "RMSNorm", return_layernorm_output=True)
     fc1 = te.LayerNormLinear(64, 192, normalization="RMSNorm", params_dtype=torch.bfloat16,
                              return_layernorm_output=True)
@@ -443,9 +443,8 @@ def test_layernorm_mlp_fused_is_its_parts(name):
             self.fc1, self.fc2 = fc1, fc2
 
         def forward(self, x):
-            h, ln = self.fc1(x)
-            a, b = h.chunk(2, -1)
-            return self.fc2(F.silu(a) * b), ln
+            h, ln = self.fc1(x)  # fc2 activates h as LayerNormMLP's does (_act_fn.py)
+            return self.fc2(_act_fn.ActInput(h, "swiglu")), ln
     x = (torch.randn(2, 9, 64) * 2).to(torch.bfloat16)
     got, got_grads, got_buf = _steps(m, x, RECIPES[name])
     want, want_grads, want_buf = _steps(Parts(), x, RECIPES[name])

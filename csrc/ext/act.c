@@ -3,7 +3,7 @@
  * size. Tensors come in through tensor_view.c; every output is a tensor the caller allocated
  * with torch; dbias's workspace is scratch of torch's caching allocator for the call
  * (tqx_workspace_alloc). Each runs on h's current CUDA stream (or the C reference) with the GIL
- * released. Not wired into te.LayerNormMLP yet (python/tequant/layernorm_mlp.py).
+ * released. te.LayerNormMLP calls them through python/tequant/_act_fn.py.
  * Tests: tests/test_act_kernels.py.
  */
 #include <string.h>

@@ -17,8 +17,9 @@ collective in the graph), as delayed.py's eager update does.
 A te.LayerNormLinear (or LayerNormMLP's fc1) hands its input as a _norm_fn.NormInput: where eager
 fuses (NormInput.fusable, the same rule), its norm runs as tequant::norm_fwd writing x's codes
 and the Function multiplies them through tequant::linear_fwd_given / linear_bwd_given (eager's
-bits); elsewhere the norm's output goes through the path above.
-Tests: tests/test_compile.py, tests/test_fused_norm_compile.py.
+bits); elsewhere the norm's output goes through the path above. LayerNormMLP's fc2 gets an
+_act_fn.ActInput, its activation run as tequant::act_fwd the same way.
+Tests: tests/test_compile.py, tests/test_fused_norm_compile.py, tests/test_fused_act_modules.py.
 """
 import weakref
 
@@ -26,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _C, _compile, _custom_linear, _norm_fn, _plan, delayed
+from ._act_fn import ActInput
 from ._norm_fn import NormInput
 from ._operands import is_dtensor, quantized_weight
 from ._plan import KEEP_X_ROWWISE, NEED_DGRAD, NEED_WGRAD, PACKED, ROWWISE
@@ -318,8 +320,8 @@ def _local(module, inp, weight, bias, is_first_microbatch):
     """The linear on this rank's tensors (all of a non-parallel layer's)."""
     state = _compile.current()
     recipe_id = state.recipe_id
-    norm_in = None  # a NormInput whose norm writes x's codes (te.LayerNormLinear's)
-    if type(inp) is NormInput:
+    norm_in = None  # a NormInput / ActInput whose norm / activation writes x's codes
+    if type(inp) is NormInput or type(inp) is ActInput:
         if state.enabled and not state.recipe.custom() and inp.fusable(
                 info(recipe_id, 0)[0], info(recipe_id, 0)[3], module._tp):
             norm_in = inp

@@ -106,14 +106,7 @@ def _forward_into(x, gamma, beta, normalization, eps, zero_centered, want_hp, wa
     if recipe_id is None:
         _C._norm_forward(x, gamma, normalization, **kw)
         return outs
-    config = config_of(recipe_id, "input")
-    (_, _, dtype), (sr, sc, _) = _C._quantize_layout(config, padded, k, _plan.ROWWISE)[:2]
-    data = x.new_empty((padded, k), dtype=dtype)
-    if padded > m:  # te.Linear zero-pads x to the row multiple: zero codes (+0 is code 0)
-        data[m:].view(torch.uint8).zero_()
-    scale_inv = x.new_empty((sr, sc), dtype=torch.float32)
-    if amax is None:
-        amax = x.new_zeros((1, 1), dtype=torch.float32)
+    config, data, scale_inv, amax = fp8_outputs(x, recipe_id, padded, m, k, amax)
     if config.scaling == "delayed":  # one pass: cast with the module's scale, amax alongside
         _C._norm_forward(x, gamma, normalization, amax=amax, config=config, y_q=data[:m],
                          scale_inv=scale_inv, scale=scale, **kw)
@@ -123,6 +116,20 @@ def _forward_into(x, gamma, beta, normalization, eps, zero_centered, want_hp, wa
                          beta=beta, config=config, y_q=data[:m], scale_inv=scale_inv,
                          amax_in=amax)
     return outs + [data, scale_inv, amax]
+
+
+def fp8_outputs(like, recipe_id, padded, m, k, amax):
+    """(the recipe's "input" config, codes [padded, k] with rows past m zero, scale_inv, amax
+    or a fresh zero one) for a fused kernel that writes te.Linear's rowwise codes of [m, k]."""
+    config = config_of(recipe_id, "input")
+    (_, _, dtype), (sr, sc, _) = _C._quantize_layout(config, padded, k, _plan.ROWWISE)[:2]
+    data = like.new_empty((padded, k), dtype=dtype)
+    if padded > m:  # te.Linear zero-pads x to the row multiple: zero codes (+0 is code 0)
+        data[m:].view(torch.uint8).zero_()
+    scale_inv = like.new_empty((sr, sc), dtype=torch.float32)
+    if amax is None:
+        amax = like.new_zeros((1, 1), dtype=torch.float32)
+    return config, data, scale_inv, amax
 
 
 @op("tequant::norm_fwd", mutates_args=())
@@ -290,8 +297,9 @@ class NormInput:
 
 
 def resolved(inp):
-    """inp as a tensor: a NormInput's high-precision norm output."""
-    return inp.high_precision() if type(inp) is NormInput else inp
+    """inp as a tensor: a NormInput's high-precision norm output (an _act_fn.ActInput's
+    activation)."""
+    return inp if isinstance(inp, torch.Tensor) else inp.high_precision()
 
 
 def with_columnwise(members):

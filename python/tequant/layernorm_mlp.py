@@ -14,48 +14,35 @@ out), as TE. Activations as TE defines them (transformer_engine/common/util/math
 tanh approximation, qgelu x * sigmoid(1.702 x), srelu relu(x)^2; the gated ones (geglu, reglu,
 swiglu) split fc1's output in two halves along features, act(first) * second (fc1 has
 2 * ffn_hidden_size outputs; under tensor parallelism each rank's shard holds both halves of its
-part, as in TE). The activation is torch's; its fused quantize kernel is the fused-modules
-issue's next step. Tests: tests/test_norm_modules.py, tests/test_fused_norm_modules.py.
+part, as in TE). The activation runs through the activation kernels (_act_fn.py; torch's
+activation where they do not run): fc2 gets fc1's output as an _act_fn.ActInput while it is a
+plain te.Linear without hooks, and for per-tensor FP8 recipes (DelayedScaling,
+Float8CurrentScaling; no tensor parallelism over several ranks, no backward_override) the
+activation kernel writes fc2's input codes itself (of the FP32 activation: with bfloat16 /
+float16 h a code can differ by one from te.Linear's codes of the activation rounded to h's dtype;
+float32: the same bits); DelayedScaling records its amax in fc2's input history slot. Outside
+te.autocast the module is the exact composition of the norm kernel, F.linear and the activation
+kernel. Tests: tests/test_norm_modules.py, tests/test_fused_norm_modules.py,
+tests/test_fused_act_modules.py.
 """
 import torch
-import torch.nn.functional as F
 
-from . import norm
+from . import _act_fn, norm
 from .linear import Linear
 
 __all__ = ["LayerNormMLP", "ACTIVATIONS"]
 
 
-def _qgelu(x):
-    return x * torch.sigmoid(1.702 * x)
-
-
-def _srelu(x):
-    return torch.square(F.relu(x))
-
-
-def _gelu(x):
-    return F.gelu(x, approximate="tanh")
-
-
-_ELEMENTWISE = {"gelu": _gelu, "relu": F.relu, "silu": F.silu, "qgelu": _qgelu, "srelu": _srelu}
-_GATED = {"geglu": _gelu, "reglu": F.relu, "swiglu": F.silu}
+_ELEMENTWISE, _GATED = _act_fn.TORCH_ELEMENTWISE, _act_fn.TORCH_GATED
 ACTIVATIONS = tuple(_ELEMENTWISE) + tuple(_GATED)
+activate = _act_fn.torch_activate  # TE's activation in torch ops (the reference)
 _TE_NAMES = {"fc1_weight": "fc1.weight", "fc1_bias": "fc1.bias", "fc2_weight": "fc2.weight",
              "fc2_bias": "fc2.bias"}
 
 
-def activate(h, activation):
-    """TE's activation of fc1's output h (gated: act(first half) * second half)."""
-    if activation in _GATED:
-        a, b = h.chunk(2, dim=-1)
-        return _GATED[activation](a) * b
-    return _ELEMENTWISE[activation](h)
-
-
 def _plain(module):
     """module is a te.Linear called without hooks (module.__call__ is its forward), which runs a
-    NormInput; a hook, a subclass (FSDP2's) or a wrapper expects a tensor."""
+    NormInput or an ActInput; a hook, a subclass (FSDP2's) or a wrapper expects a tensor."""
     return (type(module) is Linear and not module._forward_pre_hooks
             and not module._forward_hooks and not _global_hooks())
 
@@ -144,7 +131,8 @@ class LayerNormMLP(torch.nn.Module):
     def forward(self, inp, is_first_microbatch=None):
         x = norm.module_input(self, inp, self.hidden_size)
         h = self.fc1(x if _plain(self.fc1) else x.high_precision(), is_first_microbatch)
-        out = self.fc2(activate(h, self.activation), is_first_microbatch)
+        a = _act_fn.ActInput(h, self.activation)  # fc2 activates h (fused codes where it can)
+        out = self.fc2(a if _plain(self.fc2) else a.high_precision(), is_first_microbatch)
         if not self.return_layernorm_output:
             return out
         return (*out, x.output) if self.return_bias else (out, x.output)

@@ -18,6 +18,7 @@ Copies and pickles rebuild the plans and carry the cached weight (Linear.__getst
 te.LayerNormLinear (and te.LayerNormMLP's fc1) hand forward a _norm_fn.NormInput, x before its
 norm: _compute runs the norm, writing x's FP8 codes itself where the recipe is per-tensor
 (NormInput.fusable; the Function then multiplies those codes, `given`), else its output.
+te.LayerNormMLP's fc2 gets a _act_fn.ActInput (fc1's output before the activation) the same way.
 Tests: tests/test_linear.py, tests/test_linear_module.py, tests/test_linear_delayed.py,
 tests/test_checkpoint.py, tests/test_copy.py.
 """
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _C, _compile_linear, _custom_linear, _norm_fn, _operands, _plan, checkpoint, delayed
+from ._act_fn import ActInput
 from ._norm_fn import NormInput
 from .recipe import Recipe
 from ._plan import (COLUMNWISE as _COLUMNWISE, KEEP_X_ROWWISE as _KEEP_X_ROWWISE,
@@ -384,7 +386,8 @@ class Linear(torch.nn.Linear):
         """y = inp W^T + b for inp [..., in_features]: quantized inside te.autocast, exactly
         F.linear outside. is_first_microbatch: see the class docstring. Returns y, or (y, bias)
         with return_bias=True."""
-        if not isinstance(inp, torch.Tensor) and type(inp) is not NormInput:
+        if not isinstance(inp, torch.Tensor) and type(inp) is not NormInput \
+                and type(inp) is not ActInput:
             raise TypeError(f"{type(self).__name__}: inp must be a torch.Tensor, got "
                             f"{type(inp).__name__}")
         if is_first_microbatch is not None and type(is_first_microbatch) is not bool:
@@ -448,8 +451,8 @@ class Linear(torch.nn.Linear):
                 if plan.delayed:
                     inp = _norm_fn.resolved(inp)
                     delayed.calibrate(self, plan.x.amax_history_len, inp)
-        norm_in = None  # a NormInput whose norm writes x's codes (te.LayerNormLinear's)
-        if type(inp) is NormInput:
+        norm_in = None  # a NormInput / ActInput whose norm / activation writes x's codes
+        if type(inp) is NormInput or type(inp) is ActInput:
             plan = None if recipe is None or recipe.custom() else self._plan(recipe)
             if plan is not None and inp.fusable(plan.x.scaling, plan.backward_override, tp):
                 norm_in = inp
