@@ -11,7 +11,10 @@
 #   SANITIZE_TOOLS="memcheck racecheck initcheck synccheck"   which tools, in this order
 #   SANITIZE_OUT=sanitize_out       where the logs go (emptied per tool)
 #   SANITIZE_PARALLEL=0             1: all tools at once, tool i on GPU (i mod number of GPUs)
-#   SANITIZE_PYTEST_ARGS=           more pytest arguments, e.g. "-k nvfp4" or "-x"
+#   SANITIZE_PYTEST_ARGS=           more pytest arguments, e.g. "-k nvfp4" or "-x" (split into
+#                                   words: a -k expression with spaces goes in SANITIZE_K)
+#   SANITIZE_K=                     a pytest -k expression, passed as one argument,
+#                                   e.g. "act_kernels or norm"
 #   SANITIZE_ARGS=                  more compute-sanitizer flags, for every tool
 #   SANITIZE_EXCLUDE=               kernel-name substrings left uninstrumented (torch / cuBLAS
 #                                   only: refused if one matches a tequant kernel name)
@@ -72,6 +75,7 @@ for s in ${SANITIZE_EXCLUDE:-}; do
 done
 read -r -a EXTRA <<< "${SANITIZE_ARGS:-}"
 read -r -a PYTEST_EXTRA <<< "${SANITIZE_PYTEST_ARGS:-}"
+[ -n "${SANITIZE_K:-}" ] && PYTEST_EXTRA+=(-k "$SANITIZE_K")
 
 # One pytest run under one tool, appended to the tool's log. caching 0 sets
 # PYTORCH_NO_CUDA_MEMORY_CACHING=1: every tensor is its own cudaMalloc, so memcheck sees an access
