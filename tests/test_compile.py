@@ -450,3 +450,30 @@ def test_linear_op_kernels_refuse_bad_arguments():
     with pytest.raises(ValueError, match="x_dtype and w_dtype"):
         torch.ops.tequant.linear_bwd(x, None, torch.empty(8, dtype=torch.uint8), recipe_id, 1,
                                      [16, 32], torch.int32, torch.float32, None, torch.ones(3))
+
+
+@pytest.mark.parametrize("name", ["delayed", "current", "block"])
+def test_compiled_outputs_are_torch_allocations(name):
+    """Tensors tequant's ops return inside a compiled graph come from torch.empty (a resizable
+    storage with the allocator's own deleter), not from the DLPack allocator eager te.Linear uses
+    (a fixed storage): cudagraph trees free a graph output the caller still holds through the
+    caching allocator's deleter and refuse any other ("Expected standard deleter", seen on an
+    H100 under mode="reduce-overhead"). CPU shows the same split through resizable()."""
+    recipe = RECIPES[name]
+    torch.manual_seed(0)
+    model = te.Linear(64, 32)
+    twin = copy.deepcopy(model)  # DelayedScaling's state: each module sees one step
+    x = torch.randn(16, 64, requires_grad=True)
+    with te.autocast(recipe=recipe):
+        y_eager = twin(x)
+    assert not y_eager.untyped_storage().resizable()  # eager: the DLPack allocator (fast path)
+
+    def step(inp):
+        with te.autocast(recipe=recipe):
+            return model(inp)
+    xc = x.detach().clone().requires_grad_()
+    y = torch.compile(step, backend="aot_eager", fullgraph=True)(xc)
+    y.sum().backward()
+    assert y.untyped_storage().resizable()
+    assert xc.grad.untyped_storage().resizable()
+    assert torch.equal(y, y_eager)
