@@ -212,6 +212,18 @@ def _assign_id(recipe: "Recipe") -> None:
 class Recipe:
     """Base class of all recipes. It has no fields; the predicates say which recipe this is."""
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> "Recipe":
+        # Built inside torch.compile'd code, a recipe would have no registry id (and Dynamo
+        # cannot build the MMParams defaults): say so before tracing reaches them.
+        import torch
+
+        if torch.compiler.is_compiling():
+            raise TypeError(
+                f"{cls.__name__}() built inside the compiled region: te.autocast and te.ops under "
+                f"torch.compile take recipes made outside it (tequant needs a recipe built "
+                f"outside the compiled code); construct it once, outside, and pass it in")
+        return super().__new__(cls)
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         check = cls.__dict__.get("__post_init__")
