@@ -24,7 +24,7 @@ from torch.autograd.function import once_differentiable
 
 from . import _C, _plan
 from ._compile_ops import config_of, fake, op
-from ._norm_fn import PER_TENSOR, fp8_outputs, refusal as _norm_refusal
+from ._norm_fn import PER_TENSOR, codes_returned, fp8_outputs, refusal as _norm_refusal
 
 __all__ = ["ActFunction", "ActInput", "activate", "refusal", "torch_activate", "GATED"]
 
@@ -169,12 +169,7 @@ class ActFunction(torch.autograd.Function):
             ctx.activation, ctx.shape = activation, h.shape
         if recipe_id is None:
             return y
-        data, scale_inv, amax_out = it
-        if amax_out is amax:  # the caller's slot: not an output
-            ctx.mark_non_differentiable(data, scale_inv)
-            return y, data, scale_inv, None
-        ctx.mark_non_differentiable(data, scale_inv, amax_out)
-        return y, data, scale_inv, amax_out
+        return (y,) + codes_returned(ctx, it, amax)
 
     @staticmethod
     @once_differentiable  # the kernels' backward is not differentiable: a clear error

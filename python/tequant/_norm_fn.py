@@ -118,6 +118,17 @@ def _forward_into(x, gamma, beta, normalization, eps, zero_centered, want_hp, wa
     return outs + [data, scale_inv, amax]
 
 
+def codes_returned(ctx, rest, amax):
+    """A fused Function's returns after y: (codes, scale_inv, amax) from the op outputs `rest`,
+    none differentiable; the amax is None where it is the caller's own slot (not an output)."""
+    data, scale_inv, amax_out = rest
+    if amax_out is amax:
+        ctx.mark_non_differentiable(data, scale_inv)
+        return data, scale_inv, None
+    ctx.mark_non_differentiable(data, scale_inv, amax_out)
+    return data, scale_inv, amax_out
+
+
 def fp8_outputs(like, recipe_id, padded, m, k, amax):
     """(the recipe's "input" config, codes [padded, k] with rows past m zero, scale_inv, amax
     or a fresh zero one) for a fused kernel that writes te.Linear's rowwise codes of [m, k]."""
@@ -218,12 +229,7 @@ class NormFunction(torch.autograd.Function):
             ctx.bias_dtype = bias.dtype if bias is not None else None
         if recipe_id is None:
             return y
-        data, scale_inv, amax_out = it
-        if amax_out is amax:  # the caller's slot: not an output
-            ctx.mark_non_differentiable(data, scale_inv)
-            return y, data, scale_inv, None
-        ctx.mark_non_differentiable(data, scale_inv, amax_out)
-        return y, data, scale_inv, amax_out
+        return (y,) + codes_returned(ctx, it, amax)
 
     @staticmethod
     @once_differentiable  # the kernels' backward is not differentiable: a clear error, not a

@@ -213,9 +213,7 @@ class Recipe:
     """Base class of all recipes. It has no fields; the predicates say which recipe this is."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "Recipe":
-        # Built inside torch.compile'd code, a recipe would have no registry id (and Dynamo
-        # cannot build the MMParams defaults): say so before tracing reaches them.
-        import torch
+        import torch  # built while compiling: no registry id, and Dynamo cannot build MMParams
 
         if torch.compiler.is_compiling():
             raise TypeError(
