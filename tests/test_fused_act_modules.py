@@ -293,17 +293,20 @@ def fresh_dynamo():
 
 
 def _run(step, model, xs):
-    """Per step: the output (a copy) and the input gradient; then gradients and buffers. Each
-    step's tensors stay alive into the next (reduce-overhead's cudagraph trees)."""
+    """Per step: copies of the output, the input gradient and the parameters' gradients (set to
+    None before each step: under reduce-overhead a gradient accumulated into a CUDA graph's
+    earlier output is an error of cudagraph trees, for torch's own modules too); then the
+    buffers. Each step's tensors stay alive into the next (the trees free them then)."""
     out = []
     for i, x in enumerate(xs):
+        model.zero_grad(set_to_none=True)
         xi = x.clone().requires_grad_()
         y = step(model, xi)
         y.float().square().mean().backward()
         out += [y.detach().clone(), xi.grad.clone()]
+        out += [p.grad.clone() for p in model.parameters() if p.grad is not None]
         held = (y, xi)  # noqa: F841
-    out += [p.grad for p in model.parameters()] + [b.clone() for b in model.buffers()]
-    return out
+    return out + [b.clone() for b in model.buffers()]
 
 
 def _assert_same(got, want):

@@ -46,9 +46,13 @@ def _graph_ops(backend):
 
 
 def _run(step, model, xs, eager_autocast=None):
-    """Per step: output(s) detached and the input gradient; then gradients and buffers."""
+    """Per step: copies of the output(s), the input gradient and the parameters' gradients (set
+    to None before each step: under reduce-overhead a gradient accumulated into a CUDA graph's
+    earlier output is an error of cudagraph trees, for torch's own modules too); then the
+    buffers."""
     out = []
     for i, x in enumerate(xs):
+        model.zero_grad(set_to_none=True)
         xi = x.clone().requires_grad_()
         torch.manual_seed(100 + i)  # NVFP4's stochastic rounding draws alike
         if eager_autocast is None:
@@ -61,9 +65,9 @@ def _run(step, model, xs, eager_autocast=None):
         # copies: a later step may overwrite a CUDA graph's outputs; the step's own tensors stay
         # alive into the next step, which frees them (reduce-overhead's cudagraph trees)
         out += [t.detach().clone() for t in ys] + [xi.grad.clone()]
+        out += [p.grad.clone() for p in model.parameters() if p.grad is not None]
         held = (ys, xi)  # noqa: F841
-    out += [p.grad for p in model.parameters()] + [b.clone() for b in model.buffers()]
-    return out
+    return out + [b.clone() for b in model.buffers()]
 
 
 def _assert_same(got, want):
