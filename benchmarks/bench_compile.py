@@ -1,10 +1,14 @@
 """Step time of te.Linear models: eager vs torch.compile vs torch.compile(mode="reduce-overhead").
 
 Workloads: a small transformer block (LayerNorm, te.Linear QKV / proj / FC1 / FC2, attention in
-torch; 4 x 512 tokens, width 1024) and PERFORMANCE.md's GEMM set (one te.Linear per shape: QKV,
-proj, FC1, FC2 at M=15872), per recipe. A step is `with te.autocast(recipe=r): y = model(x)`
-then y.backward(dy), with the autocast inside the compiled function; bf16 parameters and
-activations. Time: wall microseconds per step in synchronized loops (benchutil.time_host,
+torch; 4 x 512 tokens, width 1024), the demo's GPT at its medium size (d=512, 6 layers, 32 x 256
+tokens, the loss as output: issue 23's model) and PERFORMANCE.md's GEMM set (one te.Linear per
+shape: QKV, proj, FC1, FC2 at M=15872), per recipe. A step is `with te.autocast(recipe=r): y =
+model(x)` then y.backward(dy), with the autocast inside the compiled function; bf16 parameters
+and activations. The GPT also runs in bf16 without te.autocast (the "bf16" row: te.Linear's
+F.linear path, nn.Linear's work), the baseline of issue 23's targets, which are printed after
+the table: every workload and recipe compiled no slower than eager; the GPT compiled >= 0.8x of
+compiled bf16's tokens/s and reduce-overhead >= 0.95x of bf16's reduce-overhead. Time: wall microseconds per step in synchronized loops (benchutil.time_host,
 interleaved modes, median of rounds), after warm-up steps that compile and record the graphs.
 Outputs of the three modes are checked equal (bitwise for the GEMM set; the block's torch ops are
 fused by inductor, so its check is a relative error < 5e-2).
@@ -23,7 +27,7 @@ import benchutil  # noqa: E402
 
 import tequant as te  # noqa: E402
 
-WORKLOADS = ("block",) + benchutil.GEMM_SET
+WORKLOADS = ("block", "gpt") + benchutil.GEMM_SET
 MODES = ("eager", "compiled", "reduce-overhead")
 
 
@@ -47,6 +51,17 @@ class Block(torch.nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
 
 
+class GPTLoss(torch.nn.Module):
+    """The demo's GPT with its targets held: forward(idx) is the training loss."""
+
+    def __init__(self, gpt, targets):
+        super().__init__()
+        self.gpt, self.targets = gpt, targets
+
+    def forward(self, idx):
+        return self.gpt(idx, self.targets)
+
+
 def build(workload, device, small):
     """(model, x, dy, exact, label): the module, its input and output grad, whether the modes must
     agree bit for bit, and the row's name."""
@@ -56,6 +71,16 @@ def build(workload, device, small):
         model = Block(width, 8, device)
         x = torch.randn(batch, seq, width, generator=g, device=device, dtype=torch.bfloat16)
         return model, x, torch.randn_like(x), False, f"block {batch}x{seq} tokens, width {width}"
+    if workload == "gpt":
+        from tequant.demo.model import GPT, SIZES
+        cfg = SIZES["tiny" if small else "medium"]
+        torch.manual_seed(0)
+        gpt = GPT(64, cfg["d_model"], cfg["layers"], cfg["heads"], cfg["seq_len"])
+        shape = (cfg["batch"], cfg["seq_len"])
+        idx, targets = (torch.randint(0, 64, shape, generator=g, device=device) for _ in range(2))
+        model = GPTLoss(gpt.to(device=device, dtype=torch.bfloat16), targets)
+        return (model, idx, torch.ones((), device=device), False,
+                f"GPT d={cfg['d_model']}, {cfg['layers']} layers, {shape[0]}x{shape[1]} tokens")
     label, m, k, n = benchutil.GEMM_SHAPES[workload]
     if small:
         label, m, k, n = "small", 256, 256, 512
@@ -67,6 +92,8 @@ def build(workload, device, small):
 
 def steps(model, recipe, device):
     def forward(x):
+        if recipe is None:  # the bf16 baseline
+            return model(x)
         with te.autocast(recipe=recipe):
             return model(x)
 
@@ -130,7 +157,7 @@ def main():
                if name == "nvfp4" else (name, r) for name, r in benchutil.make_recipes(args.recipes)]
     failures, rows = [], []
     for workload in workloads:
-        for name, recipe in recipes:
+        for name, recipe in ([("bf16", None)] if workload == "gpt" else []) + recipes:
             try:
                 where, t = run(workload, name, recipe, args, device, failures)
             except Exception as e:  # noqa: BLE001  (a row that fails is reported, not fatal)
@@ -147,7 +174,28 @@ def main():
         cells = [benchutil.num_text(t[m]) if m in t else "-" for m in MODES]
         ratios = [benchutil.ratio_text(t["eager"], t.get(m)) for m in MODES[1:]]
         lines.append("| " + " | ".join([where, name] + cells + ratios) + " |")
+    lines += targets(rows)
     return benchutil.finish("\n".join(lines), args.out, failures)
+
+
+def targets(rows):
+    """Issue 23's targets over the measured rows: [Markdown lines]."""
+    lines = ["", "Targets (issue 23), measured in this run:", ""]
+    lines += benchutil.table_head(["target", "measured", "goal", "met"], 1)
+    bf16 = {where: t for where, name, t in rows if name == "bf16"}
+
+    def row(text, value, goal):
+        lines.append(f"| {text} | {value:.2f}x | >= {goal:.2f}x | {'yes' if value >= goal else 'NO'} |")
+    for where, name, t in rows:
+        if name == "bf16":
+            continue
+        if "compiled" in t:
+            row(f"{where}, {name}: compiled vs eager", t["eager"] / t["compiled"], 1.0)
+        base = bf16.get(where)
+        for mode, goal in (("compiled", 0.8), ("reduce-overhead", 0.95)):
+            if base is not None and mode in t and mode in base:
+                row(f"{where}, {name}: {mode} vs bf16 {mode}", base[mode] / t[mode], goal)
+    return lines
 
 
 if __name__ == "__main__":

@@ -1,0 +1,26 @@
+"""benchmarks/bench_compile.py's target table (issue 23): the ratios and their verdicts from given
+step times (the benchmark itself runs on the GPU machine; its CPU mode is too slow for the suite)."""
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import bench_compile  # noqa: E402
+
+
+def _cells(lines, start):
+    return [[c.strip() for c in line.strip("|").split("|")] for line in lines
+            if line.startswith("| " + start)]
+
+
+def test_targets_against_bf16_and_eager():
+    rows = [("gpt", "bf16", {"eager": 10.0, "compiled": 6.0, "reduce-overhead": 4.0}),
+            ("gpt", "current", {"eager": 12.0, "compiled": 8.0, "reduce-overhead": 4.4}),
+            ("block", "delayed", {"eager": 3.0, "compiled": 4.0})]
+    lines = bench_compile.targets(rows)
+    got = {c[0]: (c[1], c[3]) for c in _cells(lines, "gpt") + _cells(lines, "block")}
+    assert got == {
+        "gpt, current: compiled vs eager": ("1.50x", "yes"),
+        "gpt, current: compiled vs bf16 compiled": ("0.75x", "NO"),           # 6 / 8 < 0.8
+        "gpt, current: reduce-overhead vs bf16 reduce-overhead": ("0.91x", "NO"),  # 4 / 4.4
+        "block, delayed: compiled vs eager": ("0.75x", "NO"),
+    }
