@@ -424,12 +424,16 @@ def _mlp(activation="gelu", normalization="LayerNorm", dtype=torch.bfloat16, **k
                                      params_dtype=dtype, **kw))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", FUSED)
-def test_layernorm_mlp_fused_is_its_parts(name):
+def test_layernorm_mlp_fused_is_its_parts(name, dtype):
     """LayerNormMLP = LayerNormLinear (fc1, same parameters) + the fused activation into
-    te.Linear (fc2; tests/test_fused_act_modules.py tests that route), bfloat16, fused: outputs, the returned norm output and every gradient bit for bit."""
-    m = _mlp("swiglu", "RMSNorm", return_layernorm_output=True)
-    fc1 = te.LayerNormLinear(64, 192, normalization="RMSNorm", params_dtype=torch.bfloat16,
+    te.Linear (fc2; tests/test_fused_act_modules.py tests that route), fused: outputs and the
+    norm output bit for bit; float32: gradients and state too, fc1's bias within 1e-6 (the
+    fused dh's dbias: tests/test_fused_dh.py); bfloat16 within 5% (fc1's E5M2 codes are of the
+    FP32 dh: one step, up to 25%, where they differ from those of bfloat16's; measured ~1%)."""
+    m = _mlp("swiglu", "RMSNorm", dtype, return_layernorm_output=True)
+    fc1 = te.LayerNormLinear(64, 192, normalization="RMSNorm", params_dtype=dtype,
                              return_layernorm_output=True)
     fc2 = copy.deepcopy(m.fc2)
     with torch.no_grad():
@@ -445,15 +449,17 @@ def test_layernorm_mlp_fused_is_its_parts(name):
         def forward(self, x):
             h, ln = self.fc1(x)  # fc2 activates h as LayerNormMLP's does (_act_fn.py)
             return self.fc2(_act_fn.ActInput(h, "swiglu")), ln
-    x = (torch.randn(2, 9, 64) * 2).to(torch.bfloat16)
+    x = (torch.randn(2, 9, 64) * 2).to(dtype)
     got, got_grads, got_buf = _steps(m, x, RECIPES[name])
     want, want_grads, want_buf = _steps(Parts(), x, RECIPES[name])
-    assert all(same_bits(a, b) for a, b in zip(got, want))
-    assert all(same_bits(a, b) for a, b in zip(got_buf, want_buf))
-    assert same_bits(got_grads["layer_norm_weight"], want_grads["fc1.layer_norm_weight"])
-    for part in ("fc1", "fc2"):
-        for p in ("weight", "bias"):
-            assert same_bits(got_grads[f"{part}.{p}"], want_grads[f"{part}.{p}"])
+    exact = dtype == torch.float32
+    for i, (a, b) in enumerate(zip(got, want)):  # per step: y, ln, the input's gradient
+        assert same_bits(a, b) if exact or i % 3 < 2 else rel(a, b) < 0.05
+    assert all(same_bits(a, b) if exact else rel(a, b) < 0.05 for a, b in zip(got_buf, want_buf))
+    for ours in ("layer_norm_weight", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"):
+        a, b = got_grads[ours], want_grads[ours.replace("layer_norm", "fc1.layer_norm")]
+        assert same_bits(a, b) if exact and ours != "fc1.bias" else \
+            rel(a, b) < (1e-6 if exact else 0.05), ours
 
 
 @pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])

@@ -7,14 +7,20 @@ One definition serves eager and compiled code (as _norm_fn.py): ActFunction call
 implementations directly in eager mode and the ops (opaque to Dynamo, with fake kernels) while
 compiling. Activations as TE defines them (layernorm_mlp.py); the gated ones read h = [first |
 second] and give [M, K / 2]. The Function flattens leading dims to [M, K], saves h, and its
-backward returns dh in h's dtype (_act_backward). Where the kernels do not run (`refusal`: not a
+backward returns dh in h's dtype (_backward_into). Where the kernels do not run (`refusal`: not a
 plain tensor, another dtype than float32 / bfloat16 / float16, torch.autocast, forward AD or
 functorch transforms, another device, CUDA without a CUDA build) torch's activation runs.
 Fused (ActInput.fused, per-tensor FP8 recipes, the rule of NormInput.fusable): the forward
 writes fc2's rowwise FP8 codes of the FP32 activation (not of it rounded to h's dtype), rows
 zero-padded to the format's multiple; DelayedScaling casts with fc2's input scale and
 max-accumulates the amax into fc2's input history slot, Float8CurrentScaling runs an amax pass,
-then the cast pass. Tests: tests/test_fused_act_modules.py.
+then the cast pass.
+Fused backward (GradOutput): where fc1 multiplies the norm's fused codes, the backward writes
+fc1's grad_output instead of dh: the rowwise FP8 codes of the FP32 dh with fc1's grad_output
+quantizer (its DelayedScaling scale and history slot), its amax and dbias (the kernel's
+fixed-order FP32 column sums) in the same pass; fc1's backward multiplies those codes
+(given_dy_backward, tequant::linear_bwd_dy_given). Tests: tests/test_fused_act_modules.py,
+tests/test_fused_dh.py.
 """
 from typing import Optional
 
@@ -22,11 +28,15 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from . import _C, _plan
-from ._compile_ops import config_of, fake, op
-from ._norm_fn import PER_TENSOR, codes_returned, fp8_outputs, refusal as _norm_refusal
+from . import _C, _compile, _plan
+from ._compile_ops import (_linear_bwd_fake, _rows_cols, config_of, fake, graph_safe_workspace,
+                           op)
+from ._norm_fn import (PER_TENSOR, codes_returned, fp8_outputs, refusal as _norm_refusal,
+                       with_columnwise)
+from ._operands import TQ_DTYPE
 
-__all__ = ["ActFunction", "ActInput", "activate", "refusal", "torch_activate", "GATED"]
+__all__ = ["ActFunction", "ActInput", "GradOutput", "activate", "given_dy_backward", "refusal",
+           "torch_activate", "GATED"]
 
 GATED = ("geglu", "reglu", "swiglu")
 
@@ -69,12 +79,13 @@ def refusal(h):
     return _norm_refusal(h, None, None)
 
 
-def activate(h, activation):
+def activate(h, activation, dh=None):
     """TE's activation of h (gated: act(first half) * second half) in h's dtype: the kernels
-    through ActFunction, or torch's (torch_activate) where they do not run."""
+    through ActFunction, or torch's (torch_activate) where they do not run. dh: the GradOutput
+    of h's producer (its backward then gets its grad_output quantized), or None."""
     if refusal(h) is not None:
         return torch_activate(h, activation)
-    return ActFunction.apply(h, None, None, activation, True, None, 0)
+    return ActFunction.apply(h, None, None, activation, True, None, 0, *_dh_args(dh))
 
 
 # ---- the kernels' calls, eager implementations of the ops -----------------------------------
@@ -112,32 +123,60 @@ def _act_fwd(h: torch.Tensor, activation: str, want_hp: bool, recipe_id: Optiona
     return _forward_into(h, activation, want_hp, recipe_id, scale, padded, None)
 
 
+def _fake_codes(like, recipe_id, role, padded, n):
+    """Fake [codes, scale_inv, amax] of fp8_outputs."""
+    layout = _C._quantize_layout(config_of(recipe_id, role), int(padded), int(n), _plan.ROWWISE)
+    return ([like.new_empty((r, c), dtype=dtype) for r, c, dtype in layout[:2]]
+            + [like.new_empty((1, 1), dtype=torch.float32)])
+
+
 @fake("tequant::act_fwd")
 def _act_fwd_fake(h, activation, want_hp, recipe_id, scale, padded):
     m, k = h.shape
     n = _cols(activation, k)
     outs = [h.new_empty((m, n))] if want_hp else []
     if recipe_id is not None:
-        layout = _C._quantize_layout(config_of(recipe_id, "input"), int(padded), int(n),
-                                     _plan.ROWWISE)
-        outs += [h.new_empty((r, c), dtype=dtype) for r, c, dtype in layout[:2]]
-        outs.append(h.new_empty((1, 1), dtype=torch.float32))
+        outs += _fake_codes(h, recipe_id, "input", padded, n)
     return outs
 
 
-def act_backward(dy: torch.Tensor, h: torch.Tensor, activation: str) -> torch.Tensor:
-    """dh [M, K] (h's dtype) of h [M, K] from dy [M, N] in h's dtype."""
-    dh = torch.empty_like(h)
-    _C._act_backward(dy, h, activation, dh=dh)
-    return dh
+def _backward_into(dy, h, activation, recipe_id, padded, scale, want_dbias, slot):
+    """[dh [M, K] (h's dtype)] of h [M, K] from dy [M, N] in h's dtype; with recipe_id (a
+    per-tensor FP8 recipe) fc1's grad_output instead (GradOutput): [codes [padded, K] (rows
+    past M zero) of its "grad_output" quantizer, scale_inv, amax [1, 1], dbias (float32 [K])
+    if want_dbias]. slot: the tensor to max-accumulate amax(dh) into (DelayedScaling's history
+    slot, eager), or None for a fresh one."""
+    if recipe_id is None:
+        dh = torch.empty_like(h)
+        _C._act_backward(dy, h, activation, dh=dh)
+        return [dh]
+    m, k = h.shape
+    config, data, scale_inv, amax = fp8_outputs(h, recipe_id, padded, m, k, slot, "grad_output")
+    dbias = h.new_empty((k,), dtype=torch.float32) if want_dbias else None
+    if config.scaling == "delayed":  # one pass: cast with fc1's scale, amax and dbias alongside
+        _C._act_backward(dy, h, activation, amax=amax, config=config, dh_q=data[:m],
+                         scale_inv=scale_inv, scale=scale, dbias=dbias)
+    else:  # current scaling: the amax (and dbias) pass, then the cast pass
+        _C._act_backward(dy, h, activation, amax=amax, dbias=dbias)
+        _C._act_backward(dy, h, activation, config=config, dh_q=data[:m], scale_inv=scale_inv,
+                         amax_in=amax)
+    return [data, scale_inv, amax.view(1, 1)] + ([dbias] if want_dbias else [])
 
 
-op("tequant::act_bwd", mutates_args=())(act_backward)
+@op("tequant::act_bwd", mutates_args=())
+def _act_bwd(dy: torch.Tensor, h: torch.Tensor, activation: str, recipe_id: Optional[str],
+             padded: int, scale: Optional[torch.Tensor], want_dbias: bool) -> list[torch.Tensor]:
+    """_backward_into with a fresh amax (compiled code max-accumulates it into fc1's history)."""
+    return _backward_into(dy, h, activation, recipe_id, padded, scale, want_dbias, None)
 
 
 @fake("tequant::act_bwd")
-def _act_bwd_fake(dy, h, activation):
-    return torch.empty_like(h)
+def _act_bwd_fake(dy, h, activation, recipe_id, padded, scale, want_dbias):
+    if recipe_id is None:
+        return [torch.empty_like(h)]
+    k = h.shape[1]
+    outs = _fake_codes(h, recipe_id, "grad_output", padded, k)
+    return outs + ([h.new_empty((k,), dtype=torch.float32)] if want_dbias else [])
 
 
 # ---- the Function -----------------------------------------------------------------------------
@@ -146,14 +185,17 @@ class ActFunction(torch.autograd.Function):
     """y = act(h) over the last dim through the kernels; with recipe_id also fc2's rowwise FP8
     codes of y (ActInput.fused).
 
-    forward(h, scale, amax, activation, want_hp, recipe_id, padded) returns y alone without
-    recipe_id, else (y, codes, scale_inv, amax or None: None where the amax went into the given
-    `amax`, the eager DelayedScaling slot). Without want_hp y carries only the gradient (an
-    expanded scalar: no [M, N] store): the te.Linear that reads the codes returns its input
-    gradient for it."""
+    forward(h, scale, amax, activation, want_hp, recipe_id, padded, dh, dh_scale, dh_slot,
+    *dh_tokens) returns y alone without recipe_id, else (y, codes, scale_inv, amax or None: None
+    where the amax went into the given `amax`, the eager DelayedScaling slot). Without want_hp
+    y carries only the gradient (an expanded scalar: no [M, N] store): the te.Linear that reads
+    the codes returns its input gradient for it. dh ... dh_tokens: a GradOutput's (_dh_args;
+    None, None, None: the backward returns dh); with them the backward returns fc1's quantized
+    grad_output as the tokens' gradients and a zero placeholder as h's."""
 
     @staticmethod
-    def forward(ctx, h, scale, amax, activation, want_hp, recipe_id, padded):
+    def forward(ctx, h, scale, amax, activation, want_hp, recipe_id, padded, dh, dh_scale,
+                dh_slot, *dh_tokens):
         k = h.shape[-1]
         h2d = h.reshape(-1, k).contiguous()
         shape = h.shape[:-1] + (_cols(activation, k),)
@@ -167,6 +209,9 @@ class ActFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             ctx.save_for_backward(h2d)
             ctx.activation, ctx.shape = activation, h.shape
+            # fc1's grad_output quantizer (recipe id, padded rows) and its DelayedScaling scale
+            # and slot, read when backward runs, as te.Linear's backward reads them
+            ctx.dh = (dh, dh_scale, dh_slot, len(dh_tokens) == 4) if dh_tokens else None
         if recipe_id is None:
             return y
         return (y,) + codes_returned(ctx, it, amax)
@@ -177,11 +222,20 @@ class ActFunction(torch.autograd.Function):
         h2d, = ctx.saved_tensors
         dy2d = dy.reshape(h2d.shape[0], _cols(ctx.activation, h2d.shape[1])).to(
             h2d.dtype).contiguous()
+        dh = ctx.dh
+        (recipe_id, padded), scale, slot, want_dbias = dh or ((None, 0), None, None, False)
+        args = (dy2d, h2d, ctx.activation, recipe_id, padded, scale, want_dbias)
         if torch.compiler.is_compiling():
-            dh = torch.ops.tequant.act_bwd(dy2d, h2d, ctx.activation)
+            outs = torch.ops.tequant.act_bwd(*args)
         else:
-            dh = act_backward(dy2d, h2d, ctx.activation)
-        return dh.view(ctx.shape), None, None, None, None, None, None
+            outs = _backward_into(*args, slot)
+        if dh is None:
+            return (outs[0].view(ctx.shape),) + _NONE_ARGS
+        # fc1's backward multiplies the codes (given_dy_backward): h's gradient is a placeholder
+        return (h2d.new_zeros(()).expand(ctx.shape),) + _NONE_ARGS + tuple(outs)
+
+
+_NONE_ARGS = (None,) * 9  # ActFunction's arguments after h up to the tokens
 
 
 # ---- the input of a te.Linear that activates first ----------------------------------------------
@@ -189,12 +243,13 @@ class ActFunction(torch.autograd.Function):
 class ActInput:
     """h (fc1's output) and the activation te.LayerNormMLP's fc2 applies before its GEMM.
     te.Linear resolves it once it knows the recipe, as a _norm_fn.NormInput: fused() where the
-    recipe is per-tensor FP8 (fusable), else high_precision()."""
+    recipe is per-tensor FP8 (fusable), else high_precision(). dh: fc1's GradOutput (or None),
+    which either way has the activation's backward quantize fc1's grad_output where fc1 asked."""
 
-    __slots__ = ("h", "activation", "refusal")
+    __slots__ = ("h", "activation", "refusal", "dh")
 
-    def __init__(self, h, activation):
-        self.h, self.activation = h, activation
+    def __init__(self, h, activation, dh=None):
+        self.h, self.activation, self.dh = h, activation, dh
         self.refusal = refusal(h)
 
     @property
@@ -210,7 +265,7 @@ class ActInput:
                 and (tp is None or tp.size == 1))
 
     def high_precision(self):
-        return activate(self.h, self.activation)
+        return activate(self.h, self.activation, self.dh)
 
     def fused(self, recipe_id, align, scale, amax):
         """(y carrier, the six members of the rowwise quantization te.Linear multiplies), as
@@ -218,5 +273,108 @@ class ActInput:
         h = self.h
         rows = h.numel() // h.shape[-1]
         y, data, scale_inv, fresh = ActFunction.apply(
-            h, scale, amax, self.activation, False, recipe_id, _plan.padded(rows, align))
+            h, scale, amax, self.activation, False, recipe_id, _plan.padded(rows, align),
+            *_dh_args(self.dh))
         return y, (data, scale_inv, None, None, amax if fresh is None else fresh, None)
+
+
+# ---- fc1's grad_output from the activation's backward -------------------------------------------
+
+class GradOutput:
+    """fc1's grad_output as te.LayerNormMLP's activation backward writes it, quantized.
+
+    LayerNormMLP hands one to fc1 in its NormInput (NormInput.grad_output) and to the activation
+    (ActInput.dh). Where fc1 multiplies the norm's fused codes with grad enabled (linear.py,
+    _compile_linear.py: per-tensor FP8, no tensor parallelism, no backward_override) it asks()
+    for it: its Function then returns, beside h, `tokens` (placeholders(): expanded scalars of
+    the shapes and dtypes of dy's codes, scale_inv, amax and, with a bias that learns, dbias),
+    which the activation takes as inputs. Its backward returns the real tensors as their
+    gradients, so autograd itself carries them to fc1's backward (data flow that Dynamo and AOT
+    trace, where a side channel between two backwards would not be); fc1's backward multiplies
+    those codes and returns dbias as its bias gradient. Tokens whose gradients do not come
+    (torch's activation ran) leave fc1's backward as it was, quantizing its dy itself."""
+
+    __slots__ = ("spec", "scale", "slot", "tokens")
+
+    def __init__(self):
+        self.spec = self.scale = self.slot = None
+        self.tokens = ()
+
+    def ask(self, recipe_id, padded, state):
+        """fc1's request: its recipe id, the padded rows of its fused x, and DelayedScaling's
+        (scale [1], history slot [1]; None in compiled code: a fresh amax) of its grad_output,
+        or (None, None). Returns the spec fc1's Function takes (its `dh`)."""
+        self.spec = (recipe_id, padded)
+        self.scale, self.slot = state
+        return self.spec
+
+    def received(self, outs):
+        """fc1's output from its Function's (h, *tokens)."""
+        self.tokens = tuple(outs[1:])
+        return outs[0]
+
+
+def _dh_args(dh):
+    """ActFunction's trailing arguments for a GradOutput (or None)."""
+    if dh is None or not dh.tokens:
+        return (None, None, None)
+    return (dh.spec, dh.scale, dh.slot) + dh.tokens
+
+
+@_compile.constant
+def _codes_dtype(recipe_id):
+    """The torch dtype of the recipe's grad_output codes (float8_e5m2 for HYBRID)."""
+    return _C._quantize_layout(config_of(recipe_id, "grad_output"), 16, 16, _plan.ROWWISE)[0][2]
+
+
+def placeholders(like, spec, n, with_dbias):
+    """The tokens fc1's Function returns (GradOutput): one expanded scalar (no storage) per
+    tensor the activation's backward makes, of its shape and dtype: codes [padded, n],
+    scale_inv and amax [1, 1], then dbias [n] (float32) with_dbias."""
+    recipe_id, padded = spec
+    shapes = [((padded, n), _codes_dtype(recipe_id)), ((1, 1), torch.float32),
+              ((1, 1), torch.float32)] + ([((n,), torch.float32)] if with_dbias else [])
+    return tuple(like.new_empty((), dtype=dtype).expand(shape) for shape, dtype in shapes)
+
+
+def given_dy_backward(c_args, saved, dy_q, needs, inp_shape, pending):
+    """te.Linear's backward (csrc/ext/linear.c linear_backward) on the grad_output the
+    activation quantized, dy_q = (codes [padded, N], scale_inv, amax, ...): (dx or None, dW or
+    None); the caller takes dbias. saved: linear_forward's. linear.c takes a quantized
+    grad_output of the forward's rows only where they are already the padded rows (a gathered
+    one's), so the call is made for the padded rows (zero codes, which add nothing to dW) and
+    dx keeps the first M of the [padded, K] dgrad: the bits of te.Linear's own padding."""
+    codes, scale_inv, amax = dy_q[:3]
+    members = (codes, scale_inv, None, None, amax, None)
+    if needs & _plan.NEED_WGRAD:
+        members = with_columnwise(members)
+    padded, n = codes.shape
+    rows, k = saved[2], saved[5]
+    dx, dw, _ = _C.linear_backward(c_args, saved[:2] + (padded,) + saved[3:],
+                                   (members, (padded, n), saved[6]), needs, None, (padded, k),
+                                   None, pending)
+    return (None if dx is None else dx[:rows].view(inp_shape)), dw
+
+
+@op("tequant::linear_bwd_dy_given", mutates_args=())
+def _linear_bwd_dy_given(dy_q: list[torch.Tensor], x_members: list[Optional[torch.Tensor]],
+                         w_kept: torch.Tensor, recipe_id: str, needs: int, inp_shape: list[int],
+                         x_dtype: torch.dtype, w_dtype: torch.dtype) -> list[torch.Tensor]:
+    """[dx if dgrad, dW if wgrad] of tequant::linear_bwd_given's te.Linear (x as the fused
+    norm's members, W's packed buffer) for the grad_output the activation quantized."""
+    plan = _plan.of_id(recipe_id)
+    rows, k = _rows_cols(inp_shape)
+    saved = (tuple(x_members), (w_kept, dy_q[2] if plan.delayed else None), rows,
+             _plan.padded(rows, plan.align), dy_q[0].shape[1], k, TQ_DTYPE[x_dtype],
+             TQ_DTYPE[w_dtype])
+    with graph_safe_workspace():
+        grads = given_dy_backward(plan.c_args, saved, dy_q, needs, tuple(inp_shape), None)
+    return [g for g in grads if g is not None]
+
+
+@fake("tequant::linear_bwd_dy_given")
+def _linear_bwd_dy_given_fake(dy_q, x_members, w_kept, recipe_id, needs, inp_shape, x_dtype,
+                              w_dtype):
+    grads = _linear_bwd_fake(dy_q[0], None, w_kept, recipe_id, needs, inp_shape, x_dtype,
+                             w_dtype, None, None)
+    return grads[:bin(needs & (_plan.NEED_DGRAD | _plan.NEED_WGRAD)).count("1")]

@@ -18,7 +18,10 @@ A te.LayerNormLinear (or LayerNormMLP's fc1) hands its input as a _norm_fn.NormI
 fuses (NormInput.fusable, the same rule), its norm runs as tequant::norm_fwd writing x's codes
 and the Function multiplies them through tequant::linear_fwd_given / linear_bwd_given (eager's
 bits); elsewhere the norm's output goes through the path above. LayerNormMLP's fc2 gets an
-_act_fn.ActInput, its activation run as tequant::act_fwd the same way.
+_act_fn.ActInput, its activation run as tequant::act_fwd the same way; where fc1 multiplies the
+norm's codes, the activation's backward (tequant::act_bwd) quantizes fc1's grad_output, which
+reaches fc1's backward as the gradients of the placeholders its Function returns
+(_act_fn.GradOutput), multiplied there by tequant::linear_bwd_dy_given.
 Tests: tests/test_compile.py, tests/test_fused_norm_compile.py, tests/test_fused_act_modules.py.
 """
 import weakref
@@ -26,7 +29,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from . import _C, _compile, _custom_linear, _norm_fn, _plan, delayed
+from . import _C, _act_fn, _compile, _custom_linear, _norm_fn, _plan, delayed
 from ._act_fn import ActInput
 from ._norm_fn import NormInput
 from ._operands import is_dtensor, quantized_weight
@@ -144,7 +147,7 @@ class _CompiledLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, inp, weight, bias, scale_fwd, hist_fwd, scale_bwd, hist_bwd, recipe_id,
-                group, x_data=None, x_scale_inv=None, x_amax=None):
+                group, x_data=None, x_scale_inv=None, x_amax=None, dh=None):
         needs = ((NEED_DGRAD if ctx.needs_input_grad[0] else 0)
                  | (NEED_WGRAD if ctx.needs_input_grad[1] else 0))
         scaling, align, is_delayed, override, _, x_kept, w_kept, _ = info(recipe_id, needs)
@@ -152,7 +155,7 @@ class _CompiledLinear(torch.autograd.Function):
         if ctx.given:
             return _given_forward(ctx, needs, inp, weight, bias, scale_fwd, hist_fwd, scale_bwd,
                                   hist_bwd, recipe_id, group, is_delayed, x_data, x_scale_inv,
-                                  x_amax)
+                                  x_amax, dh)
         if override == "dequantized":  # its backward reads the members of x and W
             c_needs = KEEP_X_ROWWISE
             x_kept = info(recipe_id, c_needs)[5]
@@ -177,9 +180,9 @@ class _CompiledLinear(torch.autograd.Function):
         return outs[0]
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, dy, *dy_q):
         if ctx.given:
-            return _given_backward(ctx, dy)
+            return _given_backward(ctx, dy, dy_q)
         saved = ctx.saved_tensors
         needs, n_x = ctx.needs, ctx.n_x
         bias_dtype = ctx.bias_dtype if ctx.needs_input_grad[2] else None
@@ -187,11 +190,11 @@ class _CompiledLinear(torch.autograd.Function):
             inp, weight = saved
             dx, dw, db = _high_precision(dy, inp.reshape(-1, inp.shape[-1]), weight, needs,
                                          bias_dtype, ctx)
-            return dx, dw, db, None, None, None, None, None, None, None, None, None
+            return (dx, dw, db) + _NONE_ARGS
         if ctx.override == "dequantized":  # the dequantized forward operands, as in eager
             x2d, weight = _dequantized_operands(ctx, saved, dy.dtype)
             dx, dw, db = _high_precision(dy, x2d, weight, needs, bias_dtype, ctx)
-            return dx, dw, db, None, None, None, None, None, None, None, None, None
+            return (dx, dw, db) + _NONE_ARGS
         if ctx.is_delayed:
             scale_bwd, hist_bwd = saved[-2:]
             saved = saved[:-2]
@@ -215,15 +218,19 @@ def _grads(ctx, outs, bias_dtype, scale_bwd, hist_bwd):
         # One write per buffer: AOT's partitioner refuses a buffer written twice in backward.
         _apply_update((hist_bwd,), (scale_bwd,), ctx.recipe_id, delayed.BACKWARD,
                       [_accumulated(hist_bwd, next(it))], ctx.group)
-    return dx, dw, db, None, None, None, None, None, None, None, None, None
+    return (dx, dw, db) + _NONE_ARGS
+
+
+_NONE_ARGS = (None,) * 10  # _CompiledLinear's arguments after the bias
 
 
 def _given_forward(ctx, needs, inp, weight, bias, scale_fwd, hist_fwd, scale_bwd, hist_bwd,
-                   recipe_id, group, is_delayed, x_data, x_scale_inv, x_amax):
+                   recipe_id, group, is_delayed, x_data, x_scale_inv, x_amax, dh):
     """_CompiledLinear's forward for an x given as the fused norm's rowwise codes (x_data
     [padded rows, K], x_scale_inv, x_amax: DelayedScaling's amax of this x, accumulated here
     with W's into the history; inp carries only the gradient). Backward keeps x's columnwise
-    codes (transposed here, as eager's with_columnwise) and W's packed buffer."""
+    codes (transposed here, as eager's with_columnwise) and W's packed buffer. dh: the
+    activation writes dy's codes (_act_fn.GradOutput): (y, *placeholders)."""
     members = [x_data, x_scale_inv, None, None, x_amax, None]
     outs = torch.ops.tequant.linear_fwd_given(members, list(inp.shape), inp.dtype, weight, bias,
                                               recipe_id, needs, scale_fwd)
@@ -236,10 +243,14 @@ def _given_forward(ctx, needs, inp, weight, bias, scale_fwd, hist_fwd, scale_bwd
     ctx.shape, ctx.x_dtype, ctx.w_dtype = tuple(inp.shape), inp.dtype, weight.dtype
     ctx.bias_dtype = bias.dtype if bias is not None else None
     ctx.save_for_backward(*x_kept, outs[1], *((scale_bwd, hist_bwd) if is_delayed else ()))
-    return outs[0]
+    if dh is None:
+        return outs[0]
+    ctx.set_materialize_grads(False)  # tokens without gradients: dy is quantized here
+    return (outs[0],) + _act_fn.placeholders(outs[0], dh, outs[0].shape[-1],
+                                             ctx.needs_input_grad[2])
 
 
-def _given_backward(ctx, dy):
+def _given_backward(ctx, dy, dy_q):
     saved = ctx.saved_tensors
     needs = ctx.needs
     x_members = [None] * 6
@@ -250,6 +261,13 @@ def _given_backward(ctx, dy):
     if ctx.is_delayed:
         scale_bwd, hist_bwd = saved[1:3]
     bias_dtype = ctx.bias_dtype if ctx.needs_input_grad[2] else None
+    if dy_q and dy_q[0] is not None:  # dy's codes, amax and dbias from the activation
+        outs = torch.ops.tequant.linear_bwd_dy_given(list(dy_q[:3]), x_members, saved[0],
+                                                     ctx.recipe_id, needs, list(ctx.shape),
+                                                     ctx.x_dtype, ctx.w_dtype)
+        outs = (list(outs) + ([dy_q[3].to(bias_dtype)] if bias_dtype is not None else [])
+                + ([dy_q[2]] if ctx.is_delayed else []))  # new lists: Dynamo's rule here
+        return _grads(ctx, outs, bias_dtype, scale_bwd, hist_bwd)
     outs = torch.ops.tequant.linear_bwd_given(dy, x_members, saved[0], ctx.recipe_id, needs,
                                               list(ctx.shape), ctx.x_dtype, ctx.w_dtype,
                                               bias_dtype, scale_bwd)
@@ -374,8 +392,14 @@ def _local(module, inp, weight, bias, is_first_microbatch):
     group = state.group if is_delayed else None
     if norm_in is not None:  # x's codes from the norm (a fresh amax: accumulated with W's)
         carrier, x = norm_in.fused(recipe_id, align, scale_fwd[0:1] if is_delayed else None, None)
-        return _CompiledLinear.apply(carrier, weight, bias, scale_fwd, hist_fwd, scale_bwd,
-                                     hist_bwd, recipe_id, group, x[0], x[1], x[4])
+        dh = None  # LayerNormMLP's fc1: dy's codes from the activation's backward (eager's rule)
+        if type(norm_in) is NormInput and norm_in.grad_output is not None \
+                and torch.is_grad_enabled():
+            dh = norm_in.grad_output.ask(recipe_id, x[0].shape[0],
+                                         (scale_bwd[0:1], None) if is_delayed else (None, None))
+        out = _CompiledLinear.apply(carrier, weight, bias, scale_fwd, hist_fwd, scale_bwd,
+                                    hist_bwd, recipe_id, group, x[0], x[1], x[4], dh)
+        return out if dh is None else norm_in.grad_output.received(out)
     return _CompiledLinear.apply(inp, weight, bias, scale_fwd, hist_fwd, scale_bwd,
                                  hist_bwd, recipe_id, group)
 

@@ -129,10 +129,11 @@ def codes_returned(ctx, rest, amax):
     return data, scale_inv, amax_out
 
 
-def fp8_outputs(like, recipe_id, padded, m, k, amax):
-    """(the recipe's "input" config, codes [padded, k] with rows past m zero, scale_inv, amax
-    or a fresh zero one) for a fused kernel that writes te.Linear's rowwise codes of [m, k]."""
-    config = config_of(recipe_id, "input")
+def fp8_outputs(like, recipe_id, padded, m, k, amax, role="input"):
+    """(the recipe's config for role, codes [padded, k] with rows past m zero, scale_inv, amax
+    or a fresh zero one) for a fused kernel that writes te.Linear's rowwise codes of [m, k]
+    (its input x, or with role "grad_output" its dy: _act_fn.py's backward)."""
+    config = config_of(recipe_id, role)
     (_, _, dtype), (sr, sc, _) = _C._quantize_layout(config, padded, k, _plan.ROWWISE)[:2]
     data = like.new_empty((padded, k), dtype=dtype)
     if padded > m:  # te.Linear zero-pads x to the row multiple: zero codes (+0 is code 0)
@@ -255,16 +256,18 @@ class NormInput:
     """x and the norm a te.LayerNormLinear (or te.LayerNormMLP's fc1) applies before its GEMM.
     te.Linear resolves it once it knows the recipe: fused() where the recipe is per-tensor FP8
     (fusable), else high_precision(); either sets `output`, the norm's output in x's dtype, when
-    keep_output asks for it (return_layernorm_output)."""
+    keep_output asks for it (return_layernorm_output). grad_output: te.LayerNormMLP's
+    _act_fn.GradOutput, through which the activation's backward hands fc1 its grad_output
+    quantized where fc1 multiplies fused codes (else None)."""
 
     __slots__ = ("x", "weight", "bias", "normalization", "eps", "zero_centered", "keep_output",
-                 "output", "refusal")
+                 "output", "refusal", "grad_output")
 
     def __init__(self, x, weight, bias, normalization, eps, zero_centered, keep_output):
         self.x, self.weight, self.bias = x, weight, bias
         self.normalization, self.eps, self.zero_centered = normalization, eps, zero_centered
         self.keep_output = keep_output
-        self.output = None
+        self.output = self.grad_output = None
         self.refusal = refusal(x, weight, bias)
 
     @property

@@ -20,7 +20,12 @@ plain te.Linear without hooks, and for per-tensor FP8 recipes (DelayedScaling,
 Float8CurrentScaling; no tensor parallelism over several ranks, no backward_override) the
 activation kernel writes fc2's input codes itself (of the FP32 activation: with bfloat16 /
 float16 h a code can differ by one from te.Linear's codes of the activation rounded to h's dtype;
-float32: the same bits); DelayedScaling records its amax in fc2's input history slot. Outside
+float32: the same bits); DelayedScaling records its amax in fc2's input history slot. Where fc1
+also multiplies the norm's codes, the activation's backward writes fc1's grad_output codes (of
+the FP32 dh with fc1's grad_output quantizer: E5M2 for HYBRID; its DelayedScaling scale, the amax
+max-accumulated into fc1's grad_output history slot), and fc1's bias gradient is the kernel's
+fixed-order FP32 column sum of dh (then the bias dtype), in the same pass; fc1's backward
+multiplies those codes (float32: te.Linear's bits but for dbias's summation order). Outside
 te.autocast the module is the exact composition of the norm kernel, F.linear and the activation
 kernel. Tests: tests/test_norm_modules.py, tests/test_fused_norm_modules.py,
 tests/test_fused_act_modules.py.
@@ -130,8 +135,9 @@ class LayerNormMLP(torch.nn.Module):
 
     def forward(self, inp, is_first_microbatch=None):
         x = norm.module_input(self, inp, self.hidden_size)
+        dh = x.grad_output = _act_fn.GradOutput()  # fc1's dy: quantized by the activation
         h = self.fc1(x if _plain(self.fc1) else x.high_precision(), is_first_microbatch)
-        a = _act_fn.ActInput(h, self.activation)  # fc2 activates h (fused codes where it can)
+        a = _act_fn.ActInput(h, self.activation, dh)  # fc2 activates h (fused codes where it can)
         out = self.fc2(a if _plain(self.fc2) else a.high_precision(), is_first_microbatch)
         if not self.return_layernorm_output:
             return out

@@ -18,7 +18,10 @@ Copies and pickles rebuild the plans and carry the cached weight (Linear.__getst
 te.LayerNormLinear (and te.LayerNormMLP's fc1) hand forward a _norm_fn.NormInput, x before its
 norm: _compute runs the norm, writing x's FP8 codes itself where the recipe is per-tensor
 (NormInput.fusable; the Function then multiplies those codes, `given`), else its output.
-te.LayerNormMLP's fc2 gets a _act_fn.ActInput (fc1's output before the activation) the same way.
+te.LayerNormMLP's fc2 gets a _act_fn.ActInput (fc1's output before the activation) the same way;
+its fc1, fed the norm's codes, also has the activation's backward quantize its grad_output
+(_act_fn.GradOutput: the Function then returns placeholders beside y, and its backward
+multiplies the codes that arrive as their gradients and returns the dbias that comes with them).
 Tests: tests/test_linear.py, tests/test_linear_module.py, tests/test_linear_delayed.py,
 tests/test_checkpoint.py, tests/test_copy.py.
 """
@@ -27,7 +30,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import _C, _compile_linear, _custom_linear, _norm_fn, _operands, _plan, checkpoint, delayed
+from . import (_C, _act_fn, _compile_linear, _custom_linear, _norm_fn, _operands, _plan,
+               checkpoint, delayed)
 from ._act_fn import ActInput
 from ._norm_fn import NormInput
 from .recipe import Recipe
@@ -44,7 +48,7 @@ class _QuantizedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, inp, weight, bias, module, plan, is_first_microbatch, pending, states, tp,
-                given=None):
+                given=None, dh=None):
         needs = ((_NEED_DGRAD if ctx.needs_input_grad[0] else 0)
                  | (_NEED_WGRAD if ctx.needs_input_grad[1] else 0))
         override = plan.backward_override
@@ -84,13 +88,21 @@ class _QuantizedLinear(torch.autograd.Function):
         ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.dtype = _operands.DTYPE_OF[inp[2]] if quantized_x else inp.dtype
         ctx.weight_dtype = weight.dtype
-        return out
+        if dh is None:
+            return out
+        ctx.set_materialize_grads(False)  # tokens without gradients: dy is quantized here
+        return (out,) + _act_fn.placeholders(out, dh, out.shape[-1], ctx.needs_input_grad[2])
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, dy, *dy_q):
         plan, needs = ctx.plan, ctx.needs
         saved, kept = _saved(ctx, _ROWWISE if plan.backward_override == "dequantized"
                              else _COLUMNWISE if needs & _NEED_DGRAD else 0)
+        if dy_q and dy_q[0] is not None:  # dy's codes from the activation (_act_fn.GradOutput)
+            dx, dw = _act_fn.given_dy_backward(plan.c_args, saved, dy_q, needs, ctx.shape,
+                                               ctx.pending)
+            db = dy_q[3].to(ctx.bias_dtype) if ctx.needs_input_grad[2] else None
+            return dx, dw, db, None, None, None, None, None, None, None, None
         dy = _operands.waited(dy).contiguous()  # a collective's output (DTensor's)
         bias_dtype = ctx.bias_dtype if ctx.needs_input_grad[2] else None
         tp = ctx.tp
@@ -106,7 +118,7 @@ class _QuantizedLinear(torch.autograd.Function):
                                             bias_dtype, ctx.pending, after_dgrad)
         if tp is not None:
             dx = tp.reduce_grad_input(dx)
-        return dx, dw, db, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None
 
 
 def _split(kept):
@@ -504,8 +516,15 @@ class Linear(torch.nn.Linear):
         if (torch.is_grad_enabled() and (inp.requires_grad or weight.requires_grad or (
                 bias is not None and bias.requires_grad))) or _operands.transformed() \
                 or tp is not None:
-            return _quantized_linear(inp, weight, bias, self, plan, is_first_microbatch, pending,
-                                     states, tp, given)
+            dh = None  # LayerNormMLP's fc1: dy's codes from the activation's backward
+            if (given is not None and type(norm_in) is NormInput
+                    and norm_in.grad_output is not None):
+                dh = norm_in.grad_output.ask(plan.recipe._tequant_id, given[0].shape[0],
+                                             delayed.slots(self, delayed.BACKWARD)[0]
+                                             if plan.delayed else (None, None))
+            out = _quantized_linear(inp, weight, bias, self, plan, is_first_microbatch, pending,
+                                    states, tp, given, dh)
+            return out if dh is None else norm_in.grad_output.received(out)
         # no graph to record (eval, inference): the C forward alone, x rowwise only
         x = inp.contiguous() if given is None else (given, tuple(inp.shape),
                                                     _operands.TQ_DTYPE[inp.dtype])
