@@ -51,15 +51,17 @@ def _mlp(activation, dtype=torch.bfloat16, device="cpu", **kw):
     return m
 
 
-def _composition(m, act=None):
-    """te.LayerNorm + te.Linear + act (the kernel's activation, or torch_activate) + te.Linear
-    with m's parameters."""
+def _composition(m, act=None, recipe_name=None):
+    """te.LayerNorm + te.Linear + act + te.Linear with m's parameters; act by default what m runs
+    under recipe_name: the kernels' activation where its fused forward writes fc2's codes
+    (DelayedScaling: every activation; _act_fn.ARITHMETIC_BOUND ones only there), else
+    _act_fn.activate (torch's for ARITHMETIC_BOUND, the kernels' for the others)."""
     n = te.LayerNorm(64, params_dtype=m.layer_norm_weight.dtype, device=m.fc1_weight.device)
     with torch.no_grad():
         n.weight.copy_(m.layer_norm_weight)
         n.bias.copy_(m.layer_norm_bias)
     fc1, fc2 = copy.deepcopy(m.fc1), copy.deepcopy(m.fc2)
-    act = act or _act_fn.activate
+    act = act or (_act_fn.kernel_activate if recipe_name == "delayed" else _act_fn.activate)
     name = m.activation
 
     class Composed(torch.nn.Module):
@@ -107,7 +109,7 @@ def _steps(model, x, recipe, steps=2):
 def test_activation_is_the_kernel_and_close_to_torch(act, dtype, device):
     torch.manual_seed(0)
     h = (torch.randn(2, 5, 32, device=device) * 2).to(dtype).requires_grad_()
-    y = _act_fn.activate(h, act)
+    y = _act_fn.kernel_activate(h, act)
     n = 16 if act in GATED else 32
     dy = torch.randn(2, 5, n, device=device).to(dtype)
     y.backward(dy)
@@ -132,8 +134,10 @@ def test_torch_activation_where_the_kernels_do_not_run():
         assert "torch.autocast" in _act_fn.refusal(h.float())
     with pytest.raises(RuntimeError):  # the kernels' backward is not differentiable
         hh = torch.randn(4, 32, requires_grad=True)
-        g, = torch.autograd.grad(_act_fn.activate(hh, "gelu").sum(), hh, create_graph=True)
+        g, = torch.autograd.grad(_act_fn.activate(hh, "srelu").sum(), hh, create_graph=True)
         g.sum().backward()
+    for act in _act_fn.ARITHMETIC_BOUND:  # torch's: faster there (the kernels' exact arithmetic)
+        assert torch.equal(_act_fn.activate(hh, act), torch_activate(hh, act))
 
 
 # ---- fused codes into fc2 -------------------------------------------------------------------
@@ -172,11 +176,16 @@ def standalone_codes(h2d, act, recipe, scale=None):
     return codes, scale_inv, amax
 
 
+# (activation, recipe) where the activation writes fc2's codes: every one under DelayedScaling,
+# the ARITHMETIC_BOUND ones not under current scaling (torch's activation, te.Linear's quantize)
+FUSED_CASES = [(a, n) for a in ACTS for n in FUSED
+               if n == "delayed" or a not in _act_fn.ARITHMETIC_BOUND]
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", FUSED)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("act", ACTS)
-def test_fused_codes_are_the_standalone_kernels(act, dtype, name, device):
+@pytest.mark.parametrize("act,name", FUSED_CASES)
+def test_fused_codes_are_the_standalone_kernels(act, name, dtype, device):
     """Two steps, 21 tokens (padded to 32 rows of zero codes): fc2's codes and scale_inv are
     the kernel's run by hand; float32: te.ops.quantize's of the kernel's activation too."""
     recipe = RECIPES[name]
@@ -196,7 +205,7 @@ def test_fused_codes_are_the_standalone_kernels(act, dtype, name, device):
         assert same_bits(members[1].reshape(1), scale_inv)
         if dtype == torch.float32:
             extra = {"scale": scale} if name == "delayed" else {}
-            q = te.ops.quantize(_act_fn.activate(h2d, act), recipe, "input", **extra)
+            q = te.ops.quantize(_act_fn.kernel_activate(h2d, act), recipe, "input", **extra)
             assert torch.equal(codes, q.data.view(torch.uint8))
     if name == "delayed":
         assert float(seen[1][1][0]) != 1.0  # the second step cast with an updated scale
@@ -209,7 +218,7 @@ def test_float32_is_the_composition_with_its_history(act, name):
     are te.LayerNorm + te.Linear + the kernel's activation + te.Linear's bit for bit, but fc1's
     bias gradient, the activation backward's fixed-order sum (test_fused_dh.py): within 1e-6."""
     m = _mlp(act, torch.float32)
-    composed = _composition(m)
+    composed = _composition(m, recipe_name=name)
     x = torch.randn(3, 7, 64) * 2
     got, got_grads, got_buf = _steps(m, x, RECIPES[name], steps=3)
     want, want_grads, want_buf = _steps(composed, x, RECIPES[name], steps=3)
@@ -252,7 +261,8 @@ def test_delayed_records_the_fp32_amax_in_fc2s_slot(act):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("act", ACTS)
 def test_outside_autocast_exact_high_precision(act, dtype):
-    """Outputs and every gradient: the norm kernel, F.linear, the activation kernel, F.linear."""
+    """Outputs and every gradient: the norm kernel, F.linear, the activation (activate(): the
+    kernel's, torch's for ARITHMETIC_BOUND), F.linear."""
     m = _mlp(act, dtype)
     composed = _composition(m)
     x = (torch.randn(3, 7, 64) * 2).to(dtype)
@@ -276,7 +286,7 @@ def test_inference_zero_tokens_and_hooked_fc2():
     m, x = _mlp("swiglu", torch.float32), x.float()
     hooked = copy.deepcopy(m)
     hooked.fc2.register_forward_pre_hook(lambda mod, args: seen.append(type(args[0])))
-    composed = _composition(m)
+    composed = _composition(m, recipe_name="current")
     with te.autocast(recipe=RECIPES["current"]):
         assert torch.equal(hooked(x), composed(x))  # fc2 got the activation's output
     assert seen == [torch.Tensor]
@@ -329,8 +339,9 @@ def _assert_same(got, want):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", list(FUSED) + [None])
-@pytest.mark.parametrize("act", ["gelu", "swiglu", "srelu"])
+@pytest.mark.parametrize("act,name", [("gelu", "delayed"), ("swiglu", "delayed"),
+                                      ("swiglu", "current"), ("srelu", "current"),
+                                      ("swiglu", None), ("srelu", None)])
 def test_compile_bit_identical(act, name, device, fresh_dynamo):
     """aot_eager, fullgraph, autocast inside, 21 tokens: eager's bits; the graphs call
     tequant::act_fwd / act_bwd (and the fused recipes linear_fwd_given twice: fc1 and fc2)."""

@@ -27,6 +27,7 @@ import torch._dynamo.testing
 
 import tequant as te
 from tequant import _C, _act_fn
+from tequant._act_fn import ARITHMETIC_BOUND
 from tequant.recipe import DelayedScaling, Float8CurrentScaling, Format, QParams
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -40,6 +41,9 @@ from test_norm_kernels import ordered_column_sum  # noqa: E402
 assert one_cpu_thread  # the autouse fixture, imported to apply here too
 FUSED = ("delayed", "current")
 ACTS = ["gelu", "srelu", "swiglu", "reglu"]
+# (activation, recipe) where the activation's backward writes fc1's codes: every one under
+# DelayedScaling, the ARITHMETIC_BOUND ones (gelu) not under current scaling (torch's there)
+CASES = [(a, n) for a in ACTS for n in FUSED if n == "delayed" or a not in ARITHMETIC_BOUND]
 
 
 @contextlib.contextmanager
@@ -123,6 +127,28 @@ def test_other_recipes_and_outside_autocast_keep_dy_in_high_precision(name):
     assert acts == [] and all(isinstance(dy, torch.Tensor) for dy in dys)
 
 
+@pytest.mark.parametrize("act", ARITHMETIC_BOUND)
+def test_arithmetic_bound_activation_under_current_scaling_is_torchs(act):
+    """gelu, qgelu, silu under Float8CurrentScaling: torch's activation (faster than the kernels'
+    two evaluations), fc1 not asking for its grad_output: no activation kernel runs, every
+    te.Linear backward gets dy in high precision; the float32 result is the composition with
+    torch's activation bit for bit. Under DelayedScaling the same model runs the fused path."""
+    m = _mlp(act, torch.float32)
+    x = torch.randn(21, 64)
+    ran = []
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("_act_forward", "_act_backward"):
+            mp.setattr(_C, name, lambda *a, _f=getattr(_C, name), **k: ran.append(1) or _f(*a, **k))
+        with spied() as (acts, dys):
+            got, got_grads, _ = _steps(m, x, RECIPES["current"])
+    assert ran == [] and acts == [] and all(isinstance(dy, torch.Tensor) for dy in dys)
+    want, want_grads, _ = _steps(_composition(m, _act_fn.torch_activate), x, RECIPES["current"])
+    assert all(same_bits(a, b) for a, b in zip(got + got_grads, want + want_grads))
+    with spied() as (acts, _):
+        _train(m, x, RECIPES["delayed"])
+    assert len(acts) == 1
+
+
 def test_hooked_fc1_and_torch_activation_keep_dy_in_high_precision():
     """A hooked fc1 gets the norm's output (no fused codes to ask with); under torch.autocast
     the activation is torch's, so the placeholders get no gradient and fc1 quantizes dy."""
@@ -133,8 +159,8 @@ def test_hooked_fc1_and_torch_activation_keep_dy_in_high_precision():
     with spied() as (acts, dys):
         _train(hooked, x, recipe)
     assert acts == [] and all(isinstance(dy, torch.Tensor) for dy in dys)
-    m = _mlp("gelu", torch.float32)
-    grad_output = _act_fn.GradOutput()
+    m = _mlp("relu", torch.float32)
+    grad_output = _act_fn.GradOutput("relu")
     with te.autocast(recipe=recipe):
         nx = te.norm.module_input(m, x.clone().requires_grad_(), 64)
         nx.grad_output = grad_output
@@ -142,7 +168,7 @@ def test_hooked_fc1_and_torch_activation_keep_dy_in_high_precision():
     assert len(grad_output.tokens) == 4  # fc1 asked: codes, scale_inv, amax, dbias
     with spied() as (acts, dys), te.autocast(recipe=recipe):
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            y = m.fc2(_act_fn.ActInput(h, "gelu", grad_output))
+            y = m.fc2(_act_fn.ActInput(h, "relu", grad_output))
         y.float().sum().backward()
     assert acts == [] and all(isinstance(dy, torch.Tensor) for dy in dys)
 
@@ -150,10 +176,9 @@ def test_hooked_fc1_and_torch_activation_keep_dy_in_high_precision():
 # ---- the bits fc1 receives ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", FUSED)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("act", ACTS)
-def test_codes_amax_and_dbias_are_the_kernels(act, dtype, name, device):
+@pytest.mark.parametrize("act,name", CASES)
+def test_codes_amax_and_dbias_are_the_kernels(act, name, dtype, device):
     """Two steps (DelayedScaling's second casts with an updated scale): codes, scale_inv, amax
     and dbias are the kernel's with fc1's scale, rows past 21 zero codes; float32: the codes
     are te.ops.quantize's of the same dh (te.Linear's grad_output quantizer), dbias the fixed
@@ -186,14 +211,13 @@ def test_codes_amax_and_dbias_are_the_kernels(act, dtype, name, device):
         assert float(acts[1]["scale"][0]) != 1.0
 
 
-@pytest.mark.parametrize("name", FUSED)
-@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("act,name", CASES)
 def test_float32_is_the_unfused_composition(act, name):
     """Three steps: outputs, input gradients, every parameter gradient but fc1's bias, and
     DelayedScaling's histories and scales (fc1's grad_output amax among them) bit for bit;
     fc1's bias gradient within 1e-6 (the kernel's summation order, not torch's)."""
     m = _mlp(act, torch.float32)
-    composed = _composition(m)
+    composed = _composition(m, recipe_name=name)
     x = torch.randn(3, 37, 64) * 2  # 111 tokens: several row chunks in dbias's order
     with spied() as (acts, _):
         got, got_grads, got_buf = _steps(m, x, RECIPES[name], steps=3)
@@ -217,8 +241,8 @@ def test_fc1s_own_grad_output_quantizer(name):
     """E4M3 (not HYBRID), and current scaling's power-of-two scale from an epsilon-raised amax:
     the codes are E4M3 and every gradient but fc1's bias is the composition's bit for bit."""
     recipe = E4M3_RECIPES[name]
-    m = _mlp("qgelu", torch.float32)
-    composed = _composition(m)
+    m = _mlp("relu", torch.float32)
+    composed = _composition(m, recipe_name=name)
     x = torch.randn(40, 64)
     with spied() as (acts, _):
         _, got_grads, got_buf = _steps(m, x, recipe)
@@ -239,7 +263,7 @@ def test_bfloat16_history_holds_the_kernels_amax(act):
     amax is of dh rounded to bfloat16)."""
     recipe = RECIPES["delayed"]
     m = _mlp(act)
-    composed = _composition(m)
+    composed = _composition(m, recipe_name="delayed")
     x = (torch.randn(3, 21, 64) * 2).to(torch.bfloat16)
     with spied() as (acts, _):
         got, got_grads, got_buf = _steps(m, x, recipe)
@@ -258,10 +282,10 @@ def test_partial_gradients(case, name):
     """float32: what is asked for is the unfused composition's bit for bit (fc1's bias within
     1e-6), through the fused path."""
     recipe = RECIPES[name]
-    m = _mlp("gelu", torch.float32, bias=case != "no_bias")
+    m = _mlp("srelu", torch.float32, bias=case != "no_bias")
     if case == "frozen_weight":
         m.fc1.weight.requires_grad_(False)
-    composed = _composition(m)
+    composed = _composition(m, recipe_name=name)
     if case == "input_without_grad":  # and a frozen norm: fc1 runs wgrad alone
         for p in (m.layer_norm_weight, m.layer_norm_bias, *composed.n.parameters()):
             p.requires_grad_(False)
@@ -306,8 +330,8 @@ def _compiled_run(model, xs, recipe, backend):
     return out + [p.grad for p in model.parameters()] + [b.clone() for b in model.buffers()]
 
 
-@pytest.mark.parametrize("name", FUSED)
-@pytest.mark.parametrize("act", ["gelu", "swiglu"])
+@pytest.mark.parametrize("act,name", [("gelu", "delayed"), ("swiglu", "delayed"),
+                                      ("swiglu", "current")])
 def test_compile_bit_identical_with_the_fused_backward(act, name, fresh_dynamo):
     """aot_eager, fullgraph, two steps of 21 tokens: eager's bits (eager fused: counted); the
     backward graph runs act_bwd and linear_bwd_dy_given (fc1) beside linear_bwd_given (fc2)."""

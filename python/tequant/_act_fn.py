@@ -35,10 +35,19 @@ from ._norm_fn import (PER_TENSOR, codes_returned, fp8_outputs, refusal as _norm
                        with_columnwise)
 from ._operands import TQ_DTYPE
 
-__all__ = ["ActFunction", "ActInput", "GradOutput", "activate", "given_dy_backward", "refusal",
-           "torch_activate", "GATED"]
+__all__ = ["ActFunction", "ActInput", "GradOutput", "activate", "given_dy_backward",
+           "kernel_activate", "refusal", "torch_activate", "ARITHMETIC_BOUND", "GATED"]
 
 GATED = ("geglu", "reglu", "swiglu")
+# The activations whose kernels are bound by their arithmetic (the exact exp and division of
+# internal_act.h, one evaluation per element of h), not by memory: torch's gelu is faster for
+# y_hp alone (H100, 8192x16384 bf16: 180.7 against 291.6 us, docs/results/bench_act.md) and
+# Float8CurrentScaling's two runs (amax, then cast) evaluate them twice (559.6 us forward,
+# 1096.4 us backward, against 408.8 / 590.7 us for torch's activation + te.Linear's
+# quantization). So torch computes them in high precision and under current scaling; the fused
+# kernels write their codes under DelayedScaling only (one run: 291.6 us forward against ~330).
+# The gated ones evaluate act on half of h and win everywhere; relu / srelu run at memory speed.
+ARITHMETIC_BOUND = ("gelu", "qgelu", "silu")
 
 
 def _cols(activation, k):
@@ -80,9 +89,18 @@ def refusal(h):
 
 
 def activate(h, activation, dh=None):
-    """TE's activation of h (gated: act(first half) * second half) in h's dtype: the kernels
-    through ActFunction, or torch's (torch_activate) where they do not run. dh: the GradOutput
-    of h's producer (its backward then gets its grad_output quantized), or None."""
+    """TE's activation of h (gated: act(first half) * second half) in h's dtype, as te.LayerNormMLP
+    runs it unfused: torch's for an ARITHMETIC_BOUND activation (faster), else kernel_activate.
+    dh: the GradOutput of h's producer (its backward then gets its grad_output quantized), or
+    None."""
+    if activation in ARITHMETIC_BOUND:
+        return torch_activate(h, activation)
+    return kernel_activate(h, activation, dh)
+
+
+def kernel_activate(h, activation, dh=None):
+    """activate() through the kernels (ActFunction) for every activation, torch's where they do
+    not run (refusal): the high-precision twin of the fused forward (its tests' reference)."""
     if refusal(h) is not None:
         return torch_activate(h, activation)
     return ActFunction.apply(h, None, None, activation, True, None, 0, *_dh_args(dh))
@@ -260,9 +278,11 @@ class ActInput:
 
     def fusable(self, scaling, backward_override, tp):
         """NormInput.fusable's rule: per-tensor FP8, no backward_override, the kernels run, no
-        tensor parallelism over several ranks."""
+        tensor parallelism over several ranks; an ARITHMETIC_BOUND activation under
+        DelayedScaling only."""
         return (self.refusal is None and scaling in PER_TENSOR and backward_override is None
-                and (tp is None or tp.size == 1))
+                and (tp is None or tp.size == 1)
+                and (scaling == "delayed" or self.activation not in ARITHMETIC_BOUND))
 
     def high_precision(self):
         return activate(self.h, self.activation, self.dh)
@@ -294,16 +314,21 @@ class GradOutput:
     those codes and returns dbias as its bias gradient. Tokens whose gradients do not come
     (torch's activation ran) leave fc1's backward as it was, quantizing its dy itself."""
 
-    __slots__ = ("spec", "scale", "slot", "tokens")
+    __slots__ = ("activation", "spec", "scale", "slot", "tokens")
 
-    def __init__(self):
+    def __init__(self, activation):
+        self.activation = activation
         self.spec = self.scale = self.slot = None
         self.tokens = ()
 
-    def ask(self, recipe_id, padded, state):
+    def ask(self, recipe_id, padded, state, *, delayed):
         """fc1's request: its recipe id, the padded rows of its fused x, and DelayedScaling's
         (scale [1], history slot [1]; None in compiled code: a fresh amax) of its grad_output,
-        or (None, None). Returns the spec fc1's Function takes (its `dh`)."""
+        or (None, None). Returns the spec fc1's Function takes (its `dh`), or None where the
+        activation's backward would be slower than fc1's own quantization (ARITHMETIC_BOUND
+        under current scaling: torch runs that activation)."""
+        if not delayed and self.activation in ARITHMETIC_BOUND:
+            return None
         self.spec = (recipe_id, padded)
         self.scale, self.slot = state
         return self.spec

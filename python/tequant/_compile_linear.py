@@ -396,7 +396,8 @@ def _local(module, inp, weight, bias, is_first_microbatch):
         if type(norm_in) is NormInput and norm_in.grad_output is not None \
                 and torch.is_grad_enabled():
             dh = norm_in.grad_output.ask(recipe_id, x[0].shape[0],
-                                         (scale_bwd[0:1], None) if is_delayed else (None, None))
+                                         (scale_bwd[0:1], None) if is_delayed else (None, None),
+                                         delayed=is_delayed)
         out = _CompiledLinear.apply(carrier, weight, bias, scale_fwd, hist_fwd, scale_bwd,
                                     hist_bwd, recipe_id, group, x[0], x[1], x[4], dh)
         return out if dh is None else norm_in.grad_output.received(out)

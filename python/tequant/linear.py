@@ -521,7 +521,8 @@ class Linear(torch.nn.Linear):
                     and norm_in.grad_output is not None):
                 dh = norm_in.grad_output.ask(plan.recipe._tequant_id, given[0].shape[0],
                                              delayed.slots(self, delayed.BACKWARD)[0]
-                                             if plan.delayed else (None, None))
+                                             if plan.delayed else (None, None),
+                                             delayed=plan.delayed)
             out = _quantized_linear(inp, weight, bias, self, plan, is_first_microbatch, pending,
                                     states, tp, given, dh)
             return out if dh is None else norm_in.grad_output.received(out)
