@@ -309,6 +309,21 @@ int tqx_operand_from_kept(tqx_state *st, const tq_quant_config *config, int64_t 
                           int64_t cols, PyObject *kept, uint32_t parts, uint32_t usage,
                           tqx_operand *o);
 
+/* linear_dbias.c: te.Linear's bias gradient through tq_quantize's dbias output.
+ * tqx_dbias_workspace: the workspace tq_quantize needs with a dbias (quantizing x, x_obj's 2-D
+ * view, with config; stream: x's current) from scratch *s (the caller releases it) into
+ * *workspace. tqx_linear_dbias_new: a new [x.cols] tensor of bias_dtype (a torch.dtype) on
+ * `device`, described in *dbias, and that workspace. tqx_linear_dbias_alone: the column sums
+ * into dbias without a quantization (tq_act_backward of TQ_ACT_IDENTITY). NULL / -1 with an
+ * exception. */
+int tqx_dbias_workspace(tqx_state *st, const tq_quant_config *config, PyObject *x_obj,
+                        const tq_tensor *x, void *stream, tqx_scratch *s, tq_tensor *workspace);
+PyObject *tqx_linear_dbias_new(tqx_state *st, PyObject *bias_dtype, const tq_quant_config *config,
+                               PyObject *x_obj, const tq_tensor *x, void *stream, PyObject *device,
+                               tqx_scratch *s, tq_tensor *dbias, tq_tensor *workspace);
+int tqx_linear_dbias_alone(tqx_state *st, const tq_tensor *x, void *stream,
+                           const tq_tensor *dbias, const tq_tensor *workspace);
+
 /* linear.c: te.Linear's forward and backward calls */
 extern PyMethodDef tqx_linear_methods[];
 PyObject *tqx_linear_forward(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
