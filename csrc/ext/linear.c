@@ -64,28 +64,6 @@ static int plan_from_py(tqx_state *st, PyObject *obj, plan *p) {
     return PyErr_Occurred() ? -1 : 0;
 }
 
-/* The SR rng from tequant._rng.rng_state (the device's generator: (seed, offset), or under CUDA
- * graph capture a device tensor drawn inside the graph) into qa (fresh from
- * TQ_QUANTIZE_ARGS_INIT: no rng), or nothing; *owner keeps that tensor alive through the
- * quantize call. */
-static int rng_for(tqx_state *st, const tq_quant_config *c, PyObject *x, tq_quantize_args *qa,
-                   PyObject **owner) {
-    *owner = NULL;
-    if (!(c->flags & TQ_QUANT_STOCHASTIC_ROUNDING)) return 0;
-    if (st->rng_state == NULL) {
-        PyObject *rng = PyImport_ImportModule("tequant._rng");
-        if (rng == NULL) return -1;
-        st->rng_state = PyObject_GetAttrString(rng, "rng_state");
-        Py_DECREF(rng);
-        if (st->rng_state == NULL) return -1;
-    }
-    PyObject *device = PyObject_GetAttrString(x, "device");
-    *owner = device ? PyObject_CallFunctionObjArgs(st->rng_state, device, Py_None, NULL) : NULL;
-    Py_XDECREF(device);
-    if (*owner == NULL) return -1;
-    return tqx_rng_from_py(st, *owner, qa);
-}
-
 /* x [rows, cols] as *xp [padded, cols], `padded` the next multiple of `align` rows: x itself
  * when aligned, else a copy in scratch *s (released by the caller), zero-filled past x by the
  * core (one launch on x's stream). -1 with an exception. */
@@ -147,7 +125,7 @@ static int quantize(tqx_state *st, PyObject *x_obj, const tq_tensor *x_in, void 
     if (state != Py_None && !PyArg_ParseTuple(state, "OO", &scale, &amax)) return -1;
     if (config->scaling == TQ_SCALING_DELAYED && (scale == Py_None || amax == Py_None)) n_parts = 0;
     PyObject *rng_owner;
-    if (rng_for(st, config, x_obj, &qa, &rng_owner) < 0) {
+    if (tqx_rng_for(st, config, x_obj, &qa, &rng_owner) < 0) {
         Py_XDECREF(rng_owner);
         return -1;
     }

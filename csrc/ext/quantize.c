@@ -106,6 +106,24 @@ int tqx_rng_from_py(tqx_state *st, PyObject *rng, tq_quantize_args *qa) {
     return tqx_tensor_from_py(st, rng, "rng", 1u << TQ_DTYPE_INT64, &qa->rng_state, NULL);
 }
 
+int tqx_rng_for(tqx_state *st, const tq_quant_config *c, PyObject *x, tq_quantize_args *qa,
+                PyObject **owner) {
+    *owner = NULL;
+    if (!(c->flags & TQ_QUANT_STOCHASTIC_ROUNDING)) return 0;
+    if (st->rng_state == NULL) {
+        PyObject *rng = PyImport_ImportModule("tequant._rng");
+        if (rng == NULL) return -1;
+        st->rng_state = PyObject_GetAttrString(rng, "rng_state");
+        Py_DECREF(rng);
+        if (st->rng_state == NULL) return -1;
+    }
+    PyObject *device = PyObject_GetAttrString(x, "device");
+    *owner = device ? PyObject_CallFunctionObjArgs(st->rng_state, device, Py_None, NULL) : NULL;
+    Py_XDECREF(device);
+    if (*owner == NULL) return -1;
+    return tqx_rng_from_py(st, *owner, qa);
+}
+
 /* A given amax (current scaling, NVFP4) into qa: None, or a float32 tensor of one element, or
  * of two for NVFP4 (rowwise, columnwise). */
 static int given_amax_from_py(tqx_state *st, PyObject *obj, tq_quantize_args *qa) {
