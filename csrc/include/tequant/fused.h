@@ -183,8 +183,8 @@ typedef enum tq_act {
     TQ_ACT_GEGLU = 5,  /* gelu(first) * second */
     TQ_ACT_REGLU = 6,  /* relu(first) * second */
     TQ_ACT_SWIGLU = 7, /* silu(first) * second */
-    TQ_ACT_IDENTITY = 8 /* x: dh = dy exactly, h not read (pass dy as h). Its backward is dy's
-                           codes and column sums in one pass: tq_quantize's dbias (tequant.h) */
+    TQ_ACT_IDENTITY = 8 /* x. Backward: dh = dy exactly, h not read (pass dy as h): dy's codes,
+                           amax and column sums in one pass, tq_quantize's dbias (tequant.h) */
 } tq_act;
 
 typedef struct tq_act_forward_args {
