@@ -7,7 +7,8 @@
  * in chunks of R(M, K) rows (tq_norm_partial_rows, the norm backward's), each chunk's partial
  * adding its rows in order onto +0, written to the workspace ([chunk][K] FP32); then
  * column_sums.cuh's kernel adds each column's partials in groups of 32 chunks and the group sums
- * in order. So every output equals csrc/ref/act_backward_ref.c bit for bit.
+ * in order, rounding once to dbias's dtype. So every output equals csrc/ref/act_backward_ref.c
+ * bit for bit. TQ_ACT_IDENTITY (dh = dy) reads no h: its instance is tq_quantize's dbias pass.
  * Layout: elementwise and memory-bound; a thread takes one chunk of 8 columns of dy (and of each
  * half of h and dh) for the rows of one row chunk (R rows with dbias, keeping the 8 or 16 column
  * partials in registers; 1 row without), grid-striding over (row chunk, chunk) pairs with
@@ -82,28 +83,34 @@ __global__ void __launch_bounds__(kThreads) act_backward_kernel(const BwdParams 
 #pragma unroll
         for (int e = 0; e < kChunk; e++) acc[0][e] = acc[1][e] = 0.0f;
         for (int64_t r = r_begin; r < r_end; r++) {
-            Chunk<T> g, a;
+            Chunk<T> g;
             tq_chunk::load_chunk(g, static_cast<const T *>(p.dy) + r * p.ld_dy, c, n, p.dy_vec);
-            const T *hr = static_cast<const T *>(p.h) + r * p.ld_h;
-            tq_chunk::load_chunk(a, hr, c, n, p.h_vec);
             float d[2][kChunk];
-            if constexpr (kGated) {
-                Chunk<T> b;
-                tq_chunk::load_chunk(b, hr + p.n, c, n, p.h_vec);
+            if constexpr (kBase == TQ_ACT_IDENTITY) { /* dh = dy: h is not read */
 #pragma unroll
-                for (int e = 0; e < kChunk; e++) {
-                    const float dy = tq_fp::widen(g.t[e]);
-                    float value;
-                    d[0][e] = tq_act_grad(kBase, tq_fp::widen(a.t[e]),
-                                          tq_nmul(dy, tq_fp::widen(b.t[e])), &value);
-                    d[1][e] = tq_nmul(dy, value);
-                }
+                for (int e = 0; e < kChunk; e++) d[0][e] = tq_fp::widen(g.t[e]);
             } else {
+                Chunk<T> a;
+                const T *hr = static_cast<const T *>(p.h) + r * p.ld_h;
+                tq_chunk::load_chunk(a, hr, c, n, p.h_vec);
+                if constexpr (kGated) {
+                    Chunk<T> b;
+                    tq_chunk::load_chunk(b, hr + p.n, c, n, p.h_vec);
 #pragma unroll
-                for (int e = 0; e < kChunk; e++) {
-                    float value;
-                    d[0][e] = tq_act_grad(kBase, tq_fp::widen(a.t[e]), tq_fp::widen(g.t[e]),
-                                          &value);
+                    for (int e = 0; e < kChunk; e++) {
+                        const float dy = tq_fp::widen(g.t[e]);
+                        float value;
+                        d[0][e] = tq_act_grad(kBase, tq_fp::widen(a.t[e]),
+                                              tq_nmul(dy, tq_fp::widen(b.t[e])), &value);
+                        d[1][e] = tq_nmul(dy, value);
+                    }
+                } else {
+#pragma unroll
+                    for (int e = 0; e < kChunk; e++) {
+                        float value;
+                        d[0][e] = tq_act_grad(kBase, tq_fp::widen(a.t[e]), tq_fp::widen(g.t[e]),
+                                              &value);
+                    }
                 }
             }
             write_half<T>(p, r, 0, c, n, d[0], scale, amax);
@@ -170,8 +177,7 @@ extern "C" tq_status tq_act_backward_cuda(const tq_tensor *dy, const tq_tensor *
     cudaError_t err = cudaGetLastError(); /* cleared: must not poison later calls */
     if (err != cudaSuccess) return cuda_failed("act backward kernel launch", err);
     if (dbias) {
-        tq_colsum::launch(p.partials, p.p_count, p.k, static_cast<float *>(a->dbias.data),
-                          nullptr, s);
+        tq_colsum::launch(p.partials, p.p_count, p.k, a->dbias.data, a->dbias.dtype, s);
         err = cudaGetLastError();
         if (err != cudaSuccess) return cuda_failed("act backward column-sum kernel launch", err);
     }

@@ -21,7 +21,7 @@ struct Act {
 };
 
 /* f(T{}, Act<base, gated>{}) with T the element type of dtype (float, Bf16, Half) and act's
- * base and gating: geglu / reglu / swiglu are gelu / relu / silu gated. */
+ * base and gating: geglu / reglu / swiglu are gelu / relu / silu gated; identity is its own. */
 template <typename T, typename F>
 void with_act(tq_act act, F &&f) {
     switch (act) {
@@ -32,6 +32,7 @@ void with_act(tq_act act, F &&f) {
         case TQ_ACT_SRELU: f(T{}, Act<TQ_ACT_SRELU, false>{}); break;
         case TQ_ACT_GEGLU: f(T{}, Act<TQ_ACT_GELU, true>{}); break;
         case TQ_ACT_REGLU: f(T{}, Act<TQ_ACT_RELU, true>{}); break;
+        case TQ_ACT_IDENTITY: f(T{}, Act<TQ_ACT_IDENTITY, false>{}); break;
         default: f(T{}, Act<TQ_ACT_SILU, true>{}); break;
     }
 }

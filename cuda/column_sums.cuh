@@ -2,9 +2,11 @@
  * (norm_backward.cu's dgamma / dbeta, act_backward.cu's dbias), internal to cuda/: each column's
  * FP32 partials (one per chunk of R(M, K) rows, written to the workspace by the first launch) in
  * tequant.h's fixed column order: groups of 32 consecutive partials, each in order onto +0, then
- * the group sums in order onto +0; canonical NaN. The C references' side of the same order is
- * internal_norm.h's tq_norm_column_sums_ref.
- * Tests: tests/test_norm_kernels.py, tests/test_act_kernels.py (GPU cases, bit for bit).
+ * the group sums in order onto +0; canonical NaN; stored as FP32, or (dbias) rounded once to
+ * BF16 / FP16 (fp_cast.cuh's narrow). The C references' side of the same order is
+ * internal_norm.h's tq_norm_column_sum_ref.
+ * Tests: tests/test_norm_kernels.py, tests/test_act_kernels.py, tests/test_linear_dbias.py (GPU
+ * cases, bit for bit).
  */
 #ifndef TEQUANT_CUDA_COLUMN_SUMS_CUH_
 #define TEQUANT_CUDA_COLUMN_SUMS_CUH_
@@ -12,6 +14,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "fp_cast.cuh"
 #include "internal_norm.h"
 
 namespace tq_colsum {
@@ -19,14 +22,15 @@ namespace tq_colsum {
 /* out0[j] (and out1[j]: the second plane of partials, [2][p_count][cols]): column j's p_count
  * partials, in groups of 32 chunks (thread row ty sums group ty in order), then the group sums in
  * order (thread row 0). p_count <= 1024 (TQ_NORM_MAX_PARTIALS): one thread row per group. */
+template <typename TOut>
 static __global__ void __launch_bounds__(1024) column_sum_kernel(const float *__restrict__ partials,
                                                                  int64_t p_count, int64_t cols,
-                                                                 float *out0, float *out1) {
+                                                                 TOut *out0, TOut *out1) {
     __shared__ float group_sum[TQ_NORM_GROUP][33];
     const int tx = threadIdx.x, ty = threadIdx.y;
     const int64_t j = (int64_t)blockIdx.x * 32 + tx;
     for (int plane = 0; plane < 2; plane++) {
-        float *out = plane == 0 ? out0 : out1;
+        TOut *out = plane == 0 ? out0 : out1;
         if (out == nullptr) continue; /* uniform */
         const float *part = partials + plane * p_count * cols;
         float s = 0.0f;
@@ -42,18 +46,29 @@ static __global__ void __launch_bounds__(1024) column_sum_kernel(const float *__
             float total = 0.0f;
             for (int64_t grp = 0; grp * TQ_NORM_GROUP < p_count; grp++)
                 total = tq_nadd(total, group_sum[grp][tx]);
-            out[j] = tq_norm_canon(total);
+            tq_fp::narrow(tq_norm_canon(total), out + j);
         }
         __syncthreads();
     }
 }
 
 /* Queues column_sum_kernel on s (out1 may be NULL); the caller checks cudaGetLastError. */
-static inline void launch(const float *partials, int64_t p_count, int64_t cols, float *out0,
-                          float *out1, cudaStream_t s) {
+template <typename TOut>
+static inline void launch(const float *partials, int64_t p_count, int64_t cols, TOut *out0,
+                          TOut *out1, cudaStream_t s) {
     const dim3 block(32, TQ_NORM_GROUP);
-    column_sum_kernel<<<(unsigned)((cols + 31) / 32), block, 0, s>>>(partials, p_count, cols, out0,
-                                                                     out1);
+    column_sum_kernel<TOut><<<(unsigned)((cols + 31) / 32), block, 0, s>>>(partials, p_count, cols,
+                                                                           out0, out1);
+}
+
+/* One plane into out, a FLOAT32, BFLOAT16 or FLOAT16 vector of `dtype`. */
+static inline void launch(const float *partials, int64_t p_count, int64_t cols, void *out,
+                          tq_dtype dtype, cudaStream_t s) {
+    if (dtype == TQ_DTYPE_BFLOAT16)
+        launch<tq_fp::Bf16>(partials, p_count, cols, static_cast<tq_fp::Bf16 *>(out), nullptr, s);
+    else if (dtype == TQ_DTYPE_FLOAT16)
+        launch<tq_fp::Half>(partials, p_count, cols, static_cast<tq_fp::Half *>(out), nullptr, s);
+    else launch<float>(partials, p_count, cols, static_cast<float *>(out), nullptr, s);
 }
 
 }  // namespace tq_colsum

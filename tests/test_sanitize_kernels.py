@@ -11,11 +11,14 @@ any byte a quantizer leaves unwritten. Inputs live in buffers whose padding is n
 Runner: tools/sanitize.sh (make sanitize; docs/sanitize.md). GPU only; skipped without CUDA.
 
 Kernel (cuda/*.cu, *.cuh)                launched by (test_... [case])
-act_forward.cu act_forward_kernel<f32|bf16|f16, gelu|relu|silu|qgelu|srelu, gated or not>
-                                          act_kernels (every activation and dtype; 16-byte and
-                                          element paths; M = 0 too)
+act_forward.cu act_forward_kernel<f32|bf16|f16, gelu|relu|silu|qgelu|srelu|identity, gated
+                                          or not> act_kernels (every activation and dtype;
+                                          16-byte and element paths; M = 0 too)
 act_backward.cu act_backward_kernel<f32|bf16|f16, activation, gated or not, dbias or not>
-                                          act_kernels
+                                          act_kernels; <identity, dbias> (no h read) also
+                                          quantize_dbias (tq_quantize's dbias pass: DelayedScaling
+                                          cast + amax, current scaling's amax after a memset, the
+                                          sums alone), linear_step and cuda_graph_step (bias)
 amax.cu        amax_kernel<f32|bf16|f16,  amax_paths (all nine); FlatVec also quantize_dequantize
                FlatVec|RowVec|Scalar>     [current-*] (an FP8 current x of more than 64K elements)
 amax_update.cu amax_update_kernel<max>    amax_update (600 slots: two launches), linear_step
@@ -23,7 +26,10 @@ amax_update.cu amax_update_kernel<max>    amax_update (600 slots: two launches),
                                           end of backward)
                amax_update_kernel<most_recent>  amax_update (with all-reduced amaxes)
 codec.cu       codec_kernel<10 codecs>    codecs
-column_sums.cuh column_sum_kernel         norm_kernels, act_kernels (dbias)
+column_sums.cuh column_sum_kernel<f32>    norm_kernels, act_kernels (dbias), quantize_dbias,
+                                          linear_step[nvfp4-f32]
+               column_sum_kernel<bf16|f16>  quantize_dbias (dbias of each dtype), linear_step
+                                          (a bias of the case's dtype)
 gemm_alpha.cu  alpha_kernel               c_api_gemm_alpha_and_values (tq_gemm_alpha through
                                           ctypes: the extension calls it for CPU operands only)
 norm_backward.cu norm_backward_kernel<f32|bf16|f16, kT 32|64|128|256 in registers, 256 re-reading>
@@ -65,7 +71,8 @@ quantize_nvfp4.cu small_kernel            quantize_dequantize[nvfp4-*] (<= 64K e
                                           amax[nvfp4-*]; its rng-from-device-tensor path:
                                           quantize_dequantize[nvfp4-grad] and cuda_graph_step[nvfp4]
 transpose.cu   transpose_kernel           transpose (word path: aligned rows; byte path: rows
-                                          one byte off, an edge tile of odd width)
+                                          one byte off, an edge tile of odd width),
+                                          quantize_dbias[delayed-*] (the columnwise codes)
 quantize_nvfp4_dequant.cu dequantize_kernel<values=false>  quantize_dequantize[nvfp4-*] (vec),
                                           dequantize_misaligned_out[nvfp4] (element-wise)
                dequantize_kernel<values=true>  c_api_gemm_alpha_and_values (tq_gemm_operand_values
@@ -353,7 +360,7 @@ def test_norm_forward_fast():
 
 # ---- activations -----------------------------------------------------------------------------
 
-ACTS = ("gelu", "relu", "silu", "qgelu", "srelu", "geglu", "reglu", "swiglu")
+ACTS = ("gelu", "relu", "silu", "qgelu", "srelu", "geglu", "reglu", "swiglu", "identity")
 
 
 def test_act_kernels():
@@ -414,6 +421,31 @@ def test_quantize_dequantize(name):
             if i == 0:  # the 16-bit outputs once per direction
                 _finite(q.dequantize_direction(direction, BF16),
                         q.dequantize_direction(direction, F16))
+
+
+@pytest.mark.parametrize("name", ["delayed-grad", "current-grad", "block-grad-e5m2",
+                                  "mxfp8-grad-e5m2", "nvfp4-grad"])
+def test_quantize_dbias(name):
+    """tq_quantize with a dbias (csrc/core/quantize_dbias.c; tests/test_linear_dbias.py checks the
+    bits): the identity pass (DelayedScaling: codes, amax and sums, then the transpose; current
+    scaling: amax and sums after the memset, then the cast from that amax; the block formats:
+    the sums alone, then their quantizer), dbias in float32 / bfloat16 / float16, every shape,
+    layout and direction of the family, and M = 0."""
+    recipe, role = QCASES[name]
+    cfg = te.quantizer_config(recipe, role)
+    for i, (m, k, dtype, layout, rowwise, columnwise) in enumerate(
+            SHAPES[FAMILY[cfg.scaling]] + [(0, 64, BF16, "contiguous", *_BOTH)]):
+        x = _layout(_randn(m, k, dtype=dtype, seed=300 + i), layout)
+        delayed = cfg.scaling == "delayed"
+        dbias = torch.empty(k, dtype=(F32, BF16, F16)[i % 3], device=DEVICE)
+        members = _C._quantize(x, cfg, int(rowwise) | int(columnwise) << 1,
+                               torch.full((1,), 0.5, device=DEVICE) if delayed else None,
+                               torch.zeros(1, device=DEVICE) if delayed else None,
+                               (9, 64 * i) if cfg.stochastic_rounding else None, None, dbias)
+        _finite(dbias)
+        for t in members:
+            if t is not None and t.numel():
+                torch.sum(t.contiguous().view(torch.uint8), dtype=torch.int64)
 
 
 GIVEN = {"current-input": ("current", "input"), "current-grad": ("current", "grad_output"),

@@ -11,9 +11,9 @@
 #include "internal_kernels.h"
 
 static tq_status check_act(const char *fn, tq_act act) {
-    if ((int)act < TQ_ACT_GELU || (int)act > TQ_ACT_SWIGLU)
+    if ((int)act < TQ_ACT_GELU || (int)act > TQ_ACT_IDENTITY)
         return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "%s: act=%d is not a tq_act (TQ_ACT_GELU (0) "
-                       ".. TQ_ACT_SWIGLU (7))", fn, (int)act);
+                       ".. TQ_ACT_IDENTITY (8))", fn, (int)act);
     return TQ_SUCCESS;
 }
 
@@ -93,7 +93,7 @@ tq_status tq_act_backward(const tq_tensor *dy, const tq_tensor *h,
                             "dh_q"};
     if ((st = tq_fused_check_fp8(fn, &o, m, k, h->device, "h")) != TQ_SUCCESS) return st;
     if (tq_given(&a->dbias)) {
-        st = tq_fused_check_vector(fn, &a->dbias, "dbias", k, TQ_F32_MASK, h->device);
+        st = tq_fused_check_vector(fn, &a->dbias, "dbias", k, TQ_FLOAT_MASK, h->device);
         if (st != TQ_SUCCESS) return st;
         size_t need = 0;
         if ((st = tq_act_backward_workspace_size(m, k, &need)) != TQ_SUCCESS) return st;

@@ -85,8 +85,9 @@ TQ_HD float tq_act_z(int base, float x) {
 TQ_HD float tq_act_relu(float x) { return x < 0.0f ? 0.0f : x; }
 
 /* act(x) of a base activation: x / RN(1 + E(-z)) for gelu, silu, qgelu (one rounding after the
- * sum, as torch's silu); relu; srelu = RN(relu(x)^2). */
+ * sum, as torch's silu); relu; srelu = RN(relu(x)^2); identity x. */
 TQ_HD float tq_act_value(int base, float x) {
+    if (base == TQ_ACT_IDENTITY) return x;
     if (base == TQ_ACT_RELU) return tq_act_relu(x);
     if (base == TQ_ACT_SRELU) {
         const float r = tq_act_relu(x);
@@ -101,8 +102,13 @@ TQ_HD float tq_act_value(int base, float x) {
  *   act'(x) = fma(slope, RN(s * (1 - s)), s), slope = x (silu), z (qgelu),
  *             RN(RN(2x) * fma(C3, RN(x^2), C1)) (gelu: s + 2x s (1 - s) (C1 + 3 C2 x^2)).
  * relu: g where x > 0, +0 where x <= 0; srelu: RN(g * 2x) where x > 0, +0 where x <= 0 (torch's
- * select, not a multiply by 0: no -0, no NaN from an infinite g); a NaN x gives NaN. */
+ * select, not a multiply by 0: no -0, no NaN from an infinite g); a NaN x gives NaN. identity:
+ * g itself. */
 TQ_HD float tq_act_grad(int base, float x, float g, float *value) {
+    if (base == TQ_ACT_IDENTITY) {
+        *value = x;
+        return g;
+    }
     if (base == TQ_ACT_RELU || base == TQ_ACT_SRELU) {
         const float r = tq_act_relu(x);
         const int srelu = base == TQ_ACT_SRELU;

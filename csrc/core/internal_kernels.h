@@ -58,6 +58,15 @@ tq_status tq_qtensor_check_members(const tq_quant_config *config, const tq_qtens
                                    uint32_t usage, int device);
 tq_status tq_dequantize_dispatch(const tq_quant_config *config, const tq_qtensor *q,
                                  uint32_t usage, tq_tensor *out, struct CUstream_st *stream);
+/* tq_quantize's dispatch on the scaling without its checks (args->dbias ignored), and its path
+ * with args->dbias (quantize_dbias.c), called once tq_quantize has checked all but dbias and
+ * the workspace. */
+tq_status tq_quantize_dispatch(const tq_tensor *x, const tq_quant_config *config,
+                               const tq_quantize_args *args, tq_qtensor *q,
+                               struct CUstream_st *stream);
+tq_status tq_quantize_dbias_run(const tq_tensor *x, const tq_quant_config *config,
+                                const tq_quantize_args *args, tq_qtensor *q,
+                                struct CUstream_st *stream);
 
 TQ_DECLARE_QUANTIZER(fp8)
 TQ_DECLARE_QUANTIZER(fp8_block)

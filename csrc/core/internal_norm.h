@@ -118,21 +118,25 @@ static inline float tq_norm_sum_ref(const float *v, int64_t n, float *lanes) {
     return lanes[0];
 }
 
-/* out[j] = the sum of column j of partials [p_count][k] in tequant.h's column order: groups of
- * 32 consecutive partials, each in order onto +0, then the group sums in order onto +0;
- * canonical NaN. */
+/* The sum of column j of partials [p_count][k] in tequant.h's column order: groups of 32
+ * consecutive partials, each in order onto +0, then the group sums in order onto +0; canonical
+ * NaN. */
+static inline float tq_norm_column_sum_ref(const float *partials, int64_t p_count, int64_t k,
+                                           int64_t j) {
+    float total = 0.0f;
+    for (int64_t g0 = 0; g0 < p_count; g0 += TQ_NORM_GROUP) {
+        float group = 0.0f;
+        for (int64_t p = g0; p < g0 + TQ_NORM_GROUP && p < p_count; p++)
+            group = tq_nadd(group, partials[p * k + j]);
+        total = tq_nadd(total, group);
+    }
+    return tq_norm_canon(total);
+}
+
+/* out[j] = tq_norm_column_sum_ref(..., j) for every column. */
 static inline void tq_norm_column_sums_ref(const float *partials, int64_t p_count, int64_t k,
                                            float *out) {
-    for (int64_t j = 0; j < k; j++) {
-        float total = 0.0f;
-        for (int64_t g0 = 0; g0 < p_count; g0 += TQ_NORM_GROUP) {
-            float group = 0.0f;
-            for (int64_t p = g0; p < g0 + TQ_NORM_GROUP && p < p_count; p++)
-                group = tq_nadd(group, partials[p * k + j]);
-            total = tq_nadd(total, group);
-        }
-        out[j] = tq_norm_canon(total);
-    }
+    for (int64_t j = 0; j < k; j++) out[j] = tq_norm_column_sum_ref(partials, p_count, k, j);
 }
 
 /* Element i of a checked vector argument (n contiguous elements), widened exactly. */

@@ -1,8 +1,10 @@
 /* quantize.c: tq_quantize_layout, and the argument checks and device dispatch of tq_quantize and
  * tq_dequantize. The layout rules (documented in tequant.h) live here once; the kernels
  * (csrc/ref/quantize_<stem>_ref.c, cuda/quantize_<stem>.cu) trust what these checks establish:
- * members laid out as tq_quantize_layout says, contiguous, on x's device.
- * Tests: tests/test_quantize_*.py (through te.ops), tests/test_ops.py (errors).
+ * members laid out as tq_quantize_layout says, contiguous, on x's device. With args->dbias,
+ * quantize_dbias.c takes over after these checks.
+ * Tests: tests/test_quantize_*.py (through te.ops), tests/test_ops.py (errors),
+ * tests/test_linear_dbias.py (dbias).
  */
 #include "internal_kernels.h"
 
@@ -207,6 +209,13 @@ tq_status tq_quantize(const tq_tensor *x, const tq_quant_config *c, const tq_qua
     }
     st = check_given_amax(x, c, a);
     if (st != TQ_SUCCESS) return st;
+    if (a->dbias.data != NULL) return tq_quantize_dbias_run(x, c, a, q, stream);
+    return tq_quantize_dispatch(x, c, a, q, stream);
+}
+
+tq_status tq_quantize_dispatch(const tq_tensor *x, const tq_quant_config *c,
+                               const tq_quantize_args *a, tq_qtensor *q,
+                               struct CUstream_st *stream) {
     const int on_cpu = x->device == TQ_DEVICE_CPU;
     switch (c->scaling) {
         case TQ_SCALING_DELAYED:

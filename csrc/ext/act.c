@@ -16,13 +16,13 @@
 /* TE's activation names (te.LayerNormMLP's `activation`) -> the C enum; -1 with ValueError. */
 static int act_from_py(PyObject *name, tq_act *out) {
     static const char *const names[] = {"gelu", "relu", "silu", "qgelu", "srelu", "geglu",
-                                        "reglu", "swiglu"};
+                                        "reglu", "swiglu", "identity"};
     const char *s = PyUnicode_AsUTF8(name);
     if (s == NULL) return -1;
     for (int i = 0; i < (int)(sizeof names / sizeof names[0]); i++)
         if (strcmp(s, names[i]) == 0) return *out = (tq_act)i, 0;
     PyErr_Format(PyExc_ValueError, "act must be one of 'gelu', 'relu', 'silu', 'qgelu', 'srelu', "
-                 "'geglu', 'reglu', 'swiglu', got %R", name);
+                 "'geglu', 'reglu', 'swiglu', 'identity', got %R", name);
     return -1;
 }
 
@@ -93,7 +93,7 @@ static PyObject *py_act_backward(PyObject *module, PyObject *args, PyObject *kwa
         || tqx_optional_tensor(st, amax, "amax", F32, &a.amax) < 0
         || fp8_output_from_py(st, q, "dh_q", &cfg, &a.config, &a.dh_q, &a.scale_inv, &a.scale,
                               &a.amax_in) < 0
-        || tqx_optional_tensor(st, dbias, "dbias", F32, &a.dbias) < 0)
+        || tqx_optional_tensor(st, dbias, "dbias", TQX_FLOAT_DTYPES, &a.dbias) < 0)
         return NULL;
     size_t bytes = 0; /* a shape the core refuses gets its message from tq_act_backward */
     if (a.dbias.data == NULL
@@ -124,16 +124,18 @@ PyMethodDef tqx_act_methods[] = {
     {"_act_forward", (PyCFunction)(void (*)(void))py_act_forward, METH_VARARGS | METH_KEYWORDS,
      "_act_forward(h, act, *, y_hp=None, amax=None, config=None, y_q=None, scale_inv=None, "
      "scale=None, amax_in=None)\n\nThe activation act ('gelu', 'relu', 'silu', 'qgelu', 'srelu', "
-     "or the gated 'geglu', 'reglu', 'swiglu' of h = [first | second]) of h [M, K] into the "
-     "outputs given (tequant.h tq_act_forward): y_hp (h's dtype, [M, K] or [M, K/2] gated), amax "
-     "(float32 [1], max-accumulated), and with a DELAYED or CURRENT QuantizerConfig the FP8 codes "
-     "y_q and scale_inv, cast with scale (delayed) or the scale of amax_in (current)."},
+     "'identity', or the gated 'geglu', 'reglu', 'swiglu' of h = [first | second]) of h [M, K] "
+     "into the outputs given (tequant.h tq_act_forward): y_hp (h's dtype, [M, K] or [M, K/2] "
+     "gated), amax (float32 [1], max-accumulated), and with a DELAYED or CURRENT QuantizerConfig "
+     "the FP8 codes y_q and scale_inv, cast with scale (delayed) or the scale of amax_in "
+     "(current)."},
     {"_act_backward", (PyCFunction)(void (*)(void))py_act_backward, METH_VARARGS | METH_KEYWORDS,
      "_act_backward(dy, h, act, *, dh=None, amax=None, config=None, dh_q=None, scale_inv=None, "
      "scale=None, amax_in=None, dbias=None)\n\nThe gradient dh [M, K] of the activation from dy "
      "(act(h)'s gradient, h's dtype) into the outputs given (tequant.h tq_act_backward): dh, "
-     "amax, the FP8 codes dh_q with scale_inv (as _act_forward's), and dbias (float32 [K], the "
-     "column sums of the FP32 dh in tequant's fixed order)."},
+     "amax, the FP8 codes dh_q with scale_inv (as _act_forward's), and dbias ([K] float32, "
+     "bfloat16 or float16: the column sums of the FP32 dh in tequant's fixed order, rounded "
+     "once). 'identity' reads no h (pass dy): dh = dy."},
     {"_act_backward_workspace_size", (PyCFunction)(void (*)(void))py_act_workspace_size,
      METH_VARARGS,
      "_act_backward_workspace_size(rows, cols) -> int\n\nBytes of FP32 column partials dbias "

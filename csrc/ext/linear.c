@@ -23,9 +23,11 @@
  * dy_state are then unused, and a quantized dy gives no bias gradient.
  * Forward quantizes x rowwise (+ columnwise for wgrad) and W in both directions, runs fprop with
  * the bias in the epilogue, and saves the columnwise x and W for backward (TE_REFERENCE 7.3-7.5).
- * Backward quantizes dy, runs dgrad and wgrad, sums dy into the bias grad (FP32, then the bias's
- * dtype; bias_dtype None: no bias grad) and, given the DelayedScaling modules of an autocast
- * (pending, passed to the module that ran first), runs their backward update last.
+ * Backward quantizes dy, with the bias grad (bias_dtype None: none) from the same pass over dy
+ * where the scaling allows (tq_quantize's dbias: FP32 column sums in tequant's fixed order,
+ * rounded once to the bias's dtype; linear_dbias.c), runs dgrad and wgrad and, given the
+ * DelayedScaling modules of an autocast (pending, passed to the module that ran first), runs
+ * their backward update last.
  * A kept quantization (saved, cached) is, with bit 8 (eager te.Linear), a packed pair (buffer,
  * amax) of packed.c: one allocation per kept operand instead of one per member; without it
  * (torch.compile's ops, which return each member as a tensor, and the "dequantized" override,
@@ -33,7 +35,7 @@
  * one call consumes (x's rowwise part, used by fprop only; dy, kept by nobody; the padded copies
  * of x and dy) lives in tqx_scratch blocks (torch_calls.c), handed back before the call returns.
  * Tests: tests/test_linear.py, tests/test_linear_module.py, tests/test_linear_delayed.py,
- * tests/test_linear_alloc.py.
+ * tests/test_linear_alloc.py, tests/test_linear_dbias.py.
  */
 #include "module.h"
 
@@ -60,28 +62,6 @@ static int plan_from_py(tqx_state *st, PyObject *obj, plan *p) {
     for (int i = 0; i < 3; i++) p->flags[i] = (uint32_t)PyLong_AsUnsignedLong(it[5 + i]);
     p->emulated = PyObject_IsTrue(it[8]);
     return PyErr_Occurred() ? -1 : 0;
-}
-
-/* The SR rng from tequant._rng.rng_state (the device's generator: (seed, offset), or under CUDA
- * graph capture a device tensor drawn inside the graph) into qa (fresh from
- * TQ_QUANTIZE_ARGS_INIT: no rng), or nothing; *owner keeps that tensor alive through the
- * quantize call. */
-static int rng_for(tqx_state *st, const tq_quant_config *c, PyObject *x, tq_quantize_args *qa,
-                   PyObject **owner) {
-    *owner = NULL;
-    if (!(c->flags & TQ_QUANT_STOCHASTIC_ROUNDING)) return 0;
-    if (st->rng_state == NULL) {
-        PyObject *rng = PyImport_ImportModule("tequant._rng");
-        if (rng == NULL) return -1;
-        st->rng_state = PyObject_GetAttrString(rng, "rng_state");
-        Py_DECREF(rng);
-        if (st->rng_state == NULL) return -1;
-    }
-    PyObject *device = PyObject_GetAttrString(x, "device");
-    *owner = device ? PyObject_CallFunctionObjArgs(st->rng_state, device, Py_None, NULL) : NULL;
-    Py_XDECREF(device);
-    if (*owner == NULL) return -1;
-    return tqx_rng_from_py(st, *owner, qa);
 }
 
 /* x [rows, cols] as *xp [padded, cols], `padded` the next multiple of `align` rows: x itself
@@ -112,9 +92,10 @@ typedef struct quantized {
     PyObject *amax;         /* packed, borrowed: DelayedScaling's history slot, else Py_None */
     PyObject *source;       /* borrowed: the tensor quantized (or padded from), for its device */
     tq_qtensor q;           /* packed: the members, in bufs / scratch */
+    tq_tensor dbias, workspace; /* in: tq_quantize's column sums to write too (dy), or none */
 } quantized;
 #define QUANTIZED_INIT {NULL, {NULL, NULL}, {TQX_SCRATCH_INIT, TQX_SCRATCH_INIT}, Py_None, NULL, \
-                        TQ_QTENSOR_INIT}
+                        TQ_QTENSOR_INIT, {0}, {0}}
 
 static void quantized_clear(tqx_state *st, quantized *z) {
     Py_CLEAR(z->members);
@@ -138,11 +119,13 @@ static int quantize(tqx_state *st, PyObject *x_obj, const tq_tensor *x_in, void 
     z->source = x_obj;
     tq_quantize_args qa = TQ_QUANTIZE_ARGS_INIT;
     qa.usage = usage;
+    qa.dbias = z->dbias;
+    qa.workspace = z->workspace;
     PyObject *scale = Py_None, *amax = Py_None;
     if (state != Py_None && !PyArg_ParseTuple(state, "OO", &scale, &amax)) return -1;
     if (config->scaling == TQ_SCALING_DELAYED && (scale == Py_None || amax == Py_None)) n_parts = 0;
     PyObject *rng_owner;
-    if (rng_for(st, config, x_obj, &qa, &rng_owner) < 0) {
+    if (tqx_rng_for(st, config, x_obj, &qa, &rng_owner) < 0) {
         Py_XDECREF(rng_owner);
         return -1;
     }
@@ -303,38 +286,6 @@ static PyObject *shape_with_last(PyObject *shape, int64_t n) {
     PyObject *tuple = rc == 0 ? PyList_AsTuple(list) : NULL;
     Py_DECREF(list);
     return tuple;
-}
-
-/* dy [..., N] summed over its leading dims in FP32, rounded once to the bias's dtype. torch's
- * sum of bf16 / fp16 accumulates in fp32 and rounds once, so when dy has the bias's dtype one
- * call does it (the bits of the fp32 sum and cast, one launch and one allocation fewer). */
-static PyObject *bias_grad(tqx_state *st, PyObject *dy, int ndim, tq_dtype dy_dtype,
-                           PyObject *bias_dtype) {
-    if (ndim < 2) /* one row: the sum is dy itself */
-        return PyObject_CallMethod(dy, "to", "OOO", bias_dtype, Py_False, Py_True);
-    PyObject *dims = PyTuple_New(ndim - 1);
-    for (int i = 0; dims != NULL && i < ndim - 1; i++) {
-        PyObject *d = PyLong_FromLong(i);
-        if (d == NULL) Py_CLEAR(dims);
-        else PyTuple_SET_ITEM(dims, i, d);
-    }
-    if (dims == NULL) return NULL;
-    PyObject *db;
-    if (tqx_torch_dtype_of(st, dy_dtype) == bias_dtype) {
-        db = PyObject_CallMethod(dy, "sum", "(O)", dims);
-    } else {
-        PyObject *sum_fn = PyObject_GetAttrString(dy, "sum");
-        PyObject *args = PyTuple_Pack(1, dims);
-        PyObject *kwargs = Py_BuildValue("{sO}", "dtype", tqx_torch_dtype_of(st, TQ_DTYPE_FLOAT32));
-        PyObject *sum = sum_fn && args && kwargs ? PyObject_Call(sum_fn, args, kwargs) : NULL;
-        db = sum ? PyObject_CallMethod(sum, "to", "O", bias_dtype) : NULL;
-        Py_XDECREF(sum_fn);
-        Py_XDECREF(args);
-        Py_XDECREF(kwargs);
-        Py_XDECREF(sum);
-    }
-    Py_DECREF(dims);
-    return db;
 }
 
 /* An operand handed in already quantized, (members, shape, tq dtype of its high-precision
@@ -528,7 +479,7 @@ PyObject *tqx_linear_backward(PyObject *module, PyObject *const *args, Py_ssize_
     PyObject *dx = NULL, *dw = NULL, *db = NULL, *dw_shape = NULL;
     PyObject *result = NULL;
     quantized qdy = QUANTIZED_INIT;
-    tqx_scratch pad = TQX_SCRATCH_INIT;
+    tqx_scratch pad = TQX_SCRATCH_INIT, db_workspace = TQX_SCRATCH_INIT;
     tq_tensor d, dyp;
     tqx_tensor_info dy_info;
     /* dy may come quantized, (members, shape, dtype): sequence parallelism's all-gathered
@@ -560,11 +511,19 @@ PyObject *tqx_linear_backward(PyObject *module, PyObject *const *args, Py_ssize_
     }
     const uint32_t usage = ((needs & TQX_NEED_DGRAD) ? TQ_USAGE_ROWWISE : 0)
                            | ((needs & TQX_NEED_WGRAD) ? TQ_USAGE_COLUMNWISE : 0);
-    /* dy is consumed by this call's GEMMs: its one part is scratch */
+    /* dy is consumed by this call's GEMMs: its one part is scratch; the bias gradient comes from
+     * the pass that quantizes dy, or one of its own when no GEMM runs */
     if (!dy_given
         && (pad_rows(st, &d, dy_info.stream, p.align, device, &dyp, &pad) < 0
-            || (usage && quantize(st, dy, &dyp, dy_info.stream, &p.dy, usage, args[4], device,
-                                  d.device, 1, &usage, 1u, &qdy) < 0)))
+            || (bias_dtype != Py_None
+                && (db = tqx_linear_dbias_new(st, bias_dtype, &p.dy, dy, &dyp, dy_info.stream,
+                                              device, &db_workspace, &qdy.dbias,
+                                              &qdy.workspace)) == NULL)
+            || (usage ? quantize(st, dy, &dyp, dy_info.stream, &p.dy, usage, args[4], device,
+                                 d.device, 1, &usage, 1u, &qdy)
+                : db  ? tqx_linear_dbias_alone(st, &dyp, dy_info.stream, &qdy.dbias,
+                                               &qdy.workspace)
+                      : 0) < 0))
         goto done;
     if (needs & TQX_NEED_DGRAD) { /* dx = dy . W: dy rowwise [M, N], W columnwise [K, N] */
         tqx_operand a, b;
@@ -593,9 +552,6 @@ PyObject *tqx_linear_backward(PyObject *module, PyObject *const *args, Py_ssize_
                           dw_shape, device)) == NULL)
             goto done;
     }
-    if (bias_dtype != Py_None
-        && (db = bias_grad(st, dy, dy_info.ndim, d.dtype, bias_dtype)) == NULL)
-        goto done;
     if (pending != Py_None) { /* last in backward: the DelayedScaling backward update */
         PyObject *r = st->delayed_backward_update
                           ? PyObject_CallOneArg(st->delayed_backward_update, pending) : NULL;
@@ -612,6 +568,7 @@ done:
     Py_XDECREF(db);
     Py_XDECREF(dw_shape);
     tqx_scratch_release(st, &pad);
+    tqx_scratch_release(st, &db_workspace);
     quantized_clear(st, &qdy);
     Py_XDECREF(dx);
     Py_XDECREF(dw);

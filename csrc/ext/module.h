@@ -126,7 +126,7 @@ typedef struct tqx_state {
     /* state.c: called with the root frame's DelayedScaling modules at the outermost exit, and
      * (backward) at the end of the backward of the module that ran first */
     PyObject *delayed_update, *delayed_backward_update;
-    /* linear.c: tequant.ops._rng_state, the stochastic-rounding (seed, offset) source */
+    /* quantize.c (tqx_rng_for): tequant._rng.rng_state, the stochastic-rounding rng source */
     PyObject *rng_state;
     /* gemm.c: the cuBLASLt workspace per (device, stream), a dict of uint8 tensors */
     PyObject *gemm_workspaces;
@@ -262,6 +262,13 @@ int tqx_quantize_run(tqx_state *st, const tq_tensor *x, void *stream, const tq_q
 /* Stochastic rounding's rng (None, (seed, offset), or an int64 [2] tensor read at run time)
  * into qa; the tensor must outlive the quantize call (the caller holds rng). -1 with an exception. */
 int tqx_rng_from_py(tqx_state *st, PyObject *rng, tq_quantize_args *qa);
+/* The SR rng of a quantization of tensor x with config c from tequant._rng.rng_state (the
+ * device's generator: (seed, offset), or under CUDA graph capture a device tensor drawn inside
+ * the graph) into qa (fresh from TQ_QUANTIZE_ARGS_INIT: no rng), or nothing when c does not
+ * round stochastically; *owner (new reference or NULL) keeps that tensor alive through the
+ * quantize call. -1 with an exception. */
+int tqx_rng_for(tqx_state *st, const tq_quant_config *c, PyObject *x, tq_quantize_args *qa,
+                PyObject **owner);
 /* members: the 6-tuple (data, scale_inv, data_t, scale_inv_t, amax, amax_t) of a QuantizedTensor
  * -> q's members that `usage` needs (laid out per tq_quantize_layout); -1 with an exception. */
 int tqx_qtensor_from_py(tqx_state *st, const tq_quant_config *config, int64_t rows, int64_t cols,
@@ -308,6 +315,21 @@ int tqx_quantize_packed(tqx_state *st, const tq_tensor *x, void *stream, PyObjec
 int tqx_operand_from_kept(tqx_state *st, const tq_quant_config *config, int64_t rows,
                           int64_t cols, PyObject *kept, uint32_t parts, uint32_t usage,
                           tqx_operand *o);
+
+/* linear_dbias.c: te.Linear's bias gradient through tq_quantize's dbias output.
+ * tqx_dbias_workspace: the workspace tq_quantize needs with a dbias (quantizing x, x_obj's 2-D
+ * view, with config; stream: x's current) from scratch *s (the caller releases it) into
+ * *workspace. tqx_linear_dbias_new: a new [x.cols] tensor of bias_dtype (a torch.dtype) on
+ * `device`, described in *dbias, and that workspace. tqx_linear_dbias_alone: the column sums
+ * into dbias without a quantization (tq_act_backward of TQ_ACT_IDENTITY). NULL / -1 with an
+ * exception. */
+int tqx_dbias_workspace(tqx_state *st, const tq_quant_config *config, PyObject *x_obj,
+                        const tq_tensor *x, void *stream, tqx_scratch *s, tq_tensor *workspace);
+PyObject *tqx_linear_dbias_new(tqx_state *st, PyObject *bias_dtype, const tq_quant_config *config,
+                               PyObject *x_obj, const tq_tensor *x, void *stream, PyObject *device,
+                               tqx_scratch *s, tq_tensor *dbias, tq_tensor *workspace);
+int tqx_linear_dbias_alone(tqx_state *st, const tq_tensor *x, void *stream,
+                           const tq_tensor *dbias, const tq_tensor *workspace);
 
 /* linear.c: te.Linear's forward and backward calls */
 extern PyMethodDef tqx_linear_methods[];

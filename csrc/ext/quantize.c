@@ -106,6 +106,24 @@ int tqx_rng_from_py(tqx_state *st, PyObject *rng, tq_quantize_args *qa) {
     return tqx_tensor_from_py(st, rng, "rng", 1u << TQ_DTYPE_INT64, &qa->rng_state, NULL);
 }
 
+int tqx_rng_for(tqx_state *st, const tq_quant_config *c, PyObject *x, tq_quantize_args *qa,
+                PyObject **owner) {
+    *owner = NULL;
+    if (!(c->flags & TQ_QUANT_STOCHASTIC_ROUNDING)) return 0;
+    if (st->rng_state == NULL) {
+        PyObject *rng = PyImport_ImportModule("tequant._rng");
+        if (rng == NULL) return -1;
+        st->rng_state = PyObject_GetAttrString(rng, "rng_state");
+        Py_DECREF(rng);
+        if (st->rng_state == NULL) return -1;
+    }
+    PyObject *device = PyObject_GetAttrString(x, "device");
+    *owner = device ? PyObject_CallFunctionObjArgs(st->rng_state, device, Py_None, NULL) : NULL;
+    Py_XDECREF(device);
+    if (*owner == NULL) return -1;
+    return tqx_rng_from_py(st, *owner, qa);
+}
+
 /* A given amax (current scaling, NVFP4) into qa: None, or a float32 tensor of one element, or
  * of two for NVFP4 (rowwise, columnwise). */
 static int given_amax_from_py(tqx_state *st, PyObject *obj, tq_quantize_args *qa) {
@@ -127,16 +145,18 @@ static int given_amax_from_py(tqx_state *st, PyObject *obj, tq_quantize_args *qa
     return 0;
 }
 
-/* _quantize(x, config, usage, scale, amax, rng, amax_in) -> 6-tuple of tensors/None.
+/* _quantize(x, config, usage, scale, amax, rng, amax_in[, dbias]) -> 6-tuple of tensors/None.
  * usage: 1 rowwise, 2 columnwise, 3 both. scale (delayed only): float32 [1] or None (= 1).
  * amax (delayed only): a float32 [1] history slot to max-accumulate into, or None (fresh).
  * rng (stochastic rounding): None, (seed, offset) ints, or an int64 [2] tensor on x's device
  * read when the kernel runs. amax_in (current scaling, NVFP4): None, or the float32 amax (NVFP4:
- * one, or rowwise and columnwise) the per-tensor scale is computed from (given_amax_from_py). */
+ * one, or rowwise and columnwise) the per-tensor scale is computed from (given_amax_from_py).
+ * dbias: None, or a [K] float tensor on x's device for x's column sums (tq_quantize_args.dbias;
+ * its workspace is scratch of the call: linear_dbias.c). */
 static PyObject *py_quantize(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 7) {
-        PyErr_Format(PyExc_TypeError, "_quantize(x, config, usage, scale, amax, rng, amax_in) "
-                     "takes 7 arguments (%zd given)", nargs);
+    if (nargs != 7 && nargs != 8) {
+        PyErr_Format(PyExc_TypeError, "_quantize(x, config, usage, scale, amax, rng, amax_in"
+                     "[, dbias]) takes 7 or 8 arguments (%zd given)", nargs);
         return NULL;
     }
     tqx_state *st = tqx_module_state(module);
@@ -152,8 +172,17 @@ static PyObject *py_quantize(PyObject *module, PyObject *const *args, Py_ssize_t
     qargs.usage = (uint32_t)usage;
     if (tqx_rng_from_py(st, args[5], &qargs) < 0 || given_amax_from_py(st, args[6], &qargs) < 0)
         return NULL;
+    tqx_scratch ws = TQX_SCRATCH_INIT;
+    if (nargs == 8 && args[7] != Py_None
+        && (tqx_tensor_from_py(st, args[7], "dbias", TQX_FLOAT_DTYPES, &qargs.dbias, NULL) < 0
+            || tqx_dbias_workspace(st, &config, args[0], &x, info.stream, &ws,
+                                   &qargs.workspace) < 0))
+        return NULL;
     tq_qtensor q;
-    return tqx_quantize_members(st, args[0], &x, info.stream, &config, &qargs, args[3], args[4], &q);
+    PyObject *members = tqx_quantize_members(st, args[0], &x, info.stream, &config, &qargs,
+                                             args[3], args[4], &q);
+    tqx_scratch_release(st, &ws); /* the kernels are queued; the allocator orders reuse */
+    return members;
 }
 
 int tqx_qtensor_from_py(tqx_state *st, const tq_quant_config *config, int64_t rows, int64_t cols,
@@ -257,9 +286,9 @@ PyMethodDef tqx_quantize_methods[] = {
      "_quantize_layout(config, rows, cols, usage) -> 6-tuple of (rows, cols, dtype) or None\n\n"
      "The members _quantize allocates, as torch shapes and dtypes."},
     {"_quantize", (PyCFunction)(void (*)(void))py_quantize, METH_FASTCALL,
-     "_quantize(x, config, usage, scale, amax, rng, amax_in) -> (data, scale_inv, "
-     "data_t, scale_inv_t, amax, amax_t)\n\nQuantizes x with a QuantizerConfig; see "
-     "tequant.ops.quantize for the public API."},
+     "_quantize(x, config, usage, scale, amax, rng, amax_in[, dbias]) -> (data, scale_inv, "
+     "data_t, scale_inv_t, amax, amax_t)\n\nQuantizes x with a QuantizerConfig (and writes its "
+     "column sums into dbias); see tequant.ops.quantize for the public API."},
     {"_dequantize", (PyCFunction)(void (*)(void))py_dequantize, METH_FASTCALL,
      "_dequantize(config, rows, cols, members, usage, out)\n\nWrites one direction's values "
      "into out; see QuantizedTensor.dequantize."},

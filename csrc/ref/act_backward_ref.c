@@ -5,7 +5,8 @@
  * are internal_act.h's tq_act_grad (the kernel runs the same code); dbias follows tequant.h's
  * column order: rows in chunks of R(M, K) (tq_norm_partial_rows), each chunk's partial added row
  * by row into the workspace ([chunk][K] FP32, the kernel's layout), then
- * tq_norm_column_sums_ref (groups of 32 chunks, the group sums in order).
+ * tq_norm_column_sum_ref (groups of 32 chunks, the group sums in order), rounded once to dbias's
+ * dtype. TQ_ACT_IDENTITY reads no h (dh = dy).
  * Tests: tests/test_act_kernels.py (against torch autograd of the float32 activations; CUDA
  * against this).
  */
@@ -19,6 +20,10 @@ static void dh_elems(const tq_tensor *dy, const tq_tensor *h, int base, int gate
                      int64_t r, int64_t j, float dh[2]) {
     const float g = tq_ref_load(dy, r, j);
     float value;
+    if (base == TQ_ACT_IDENTITY) { /* h is not read */
+        dh[0] = g;
+        return;
+    }
     if (!gated) {
         dh[0] = tq_act_grad(base, tq_ref_load(h, r, j), g, &value);
         return;
@@ -63,7 +68,9 @@ tq_status tq_act_backward_ref(const tq_tensor *dy, const tq_tensor *h,
             }
         }
     }
-    if (want_dbias) tq_norm_column_sums_ref(partials, p_count, k, (float *)a->dbias.data);
+    tq_tensor dbias = {a->dbias.data, 1, k, k, a->dbias.dtype, a->dbias.device}; /* [1, K] */
+    for (int64_t j = 0; want_dbias && j < k; j++)
+        tq_ref_store(&dbias, 0, j, tq_norm_column_sum_ref(partials, p_count, k, j));
     if (a->amax.data != NULL) tq_fused_max_accumulate((float *)a->amax.data, amax);
     return TQ_SUCCESS;
 }

@@ -2,8 +2,9 @@
  * RMSNorm) and MLP activations, each writing the next GEMM's per-tensor FP8 operand in the same
  * pass, and their backward. Part of tequant's public C API: included by tequant.h at this point
  * of it (it uses tequant.h's types), not on its own.
- * Tests: tests/test_norm_kernels.py, tests/test_act_kernels.py; tests/c/test_header.c compiles
- * the whole API (through tequant.h) as C99 and C++.
+ * Tests: tests/test_norm_kernels.py, tests/test_act_kernels.py, tests/test_linear_dbias.py
+ * (TQ_ACT_IDENTITY); tests/c/test_header.c compiles the whole API (through tequant.h) as C99 and
+ * C++.
  */
 #ifndef TEQUANT_TEQUANT_H_
 #error "include tequant/tequant.h, not tequant/fused.h"
@@ -148,6 +149,7 @@ TQ_API tq_status tq_norm_backward(const tq_tensor *dy, const tq_tensor *x,
  *            (gelu, C3 = 0.1070322243).
  *   relu     x < 0 ? +0 : x (torch's: -0 and NaN kept); srelu RN(relu(x)^2); their gradients
  *            are selects, +0 where x <= 0 (torch's), g resp. RN(g * 2x) where x > 0, NaN for NaN.
+ *   identity x, and its gradient g: no rounding (-0, NaN payloads and all kept in the FP32 value).
  * Accuracy (tests/test_act_kernels.py, every bf16 in [-40, 40] and 800k float32): against
  *   float64, act within 1.92 (1 + k) ulp, k = |z| (1 - sigmoid(z)) amplifying z's own rounding
  *   (for |act| >= 1e-30: below, +-0 may come where E(-z) overflows, as torch's), act' within 1.61
@@ -168,7 +170,8 @@ TQ_API tq_status tq_norm_backward(const tq_tensor *dy, const tq_tensor *x,
  * dbias (backward, optional): dbias[j] = the sum over rows of the FP32 dh[:, j], in the order of
  * tq_norm_backward's dgamma: rows in P = ceil(M / R) chunks of R(M, K) rows (K = h's cols), each
  * chunk's partial in row order onto +0 (in the workspace), the partials in groups of 32 chunks
- * in order onto +0, the group sums in order onto +0; canonical NaN. M = 0 gives dbias = 0.
+ * in order onto +0, the group sums in order onto +0; canonical NaN; stored rounded once (RNE) to
+ * dbias's dtype. M = 0 gives dbias = 0.
  * ------------------------------------------------------------------------------------------- */
 
 typedef enum tq_act {
@@ -179,7 +182,9 @@ typedef enum tq_act {
     TQ_ACT_SRELU = 4,  /* relu(x)^2 */
     TQ_ACT_GEGLU = 5,  /* gelu(first) * second */
     TQ_ACT_REGLU = 6,  /* relu(first) * second */
-    TQ_ACT_SWIGLU = 7  /* silu(first) * second */
+    TQ_ACT_SWIGLU = 7, /* silu(first) * second */
+    TQ_ACT_IDENTITY = 8 /* x. Backward: dh = dy exactly, h not read (pass dy as h): dy's codes,
+                           amax and column sums in one pass, tq_quantize's dbias (tequant.h) */
 } tq_act;
 
 typedef struct tq_act_forward_args {
@@ -216,7 +221,7 @@ typedef struct tq_act_backward_args {
     tq_tensor scale_inv;
     tq_tensor scale;     /* DELAYED */
     tq_tensor amax_in;   /* CURRENT */
-    tq_tensor dbias;     /* K FLOAT32 (contiguous: [1, K] or [K, 1]) */
+    tq_tensor dbias;     /* K FLOAT32, BFLOAT16 or FLOAT16 (contiguous: [1, K] or [K, 1]) */
     tq_tensor workspace; /* with dbias: UINT8, at least tq_act_backward_workspace_size() bytes,
                             4-byte aligned, on h's device; scratch on return */
 } tq_act_backward_args;

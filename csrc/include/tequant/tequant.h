@@ -256,10 +256,21 @@ typedef struct tq_quantize_args {
      * (with RHT, of the transformed values; required then), default amax. */
     tq_tensor amax;
     tq_tensor amax_t;
+    /* Optional output (data NULL: not wanted): x's column sums, a Linear's bias gradient from its
+     * grad_output x: dbias[j] = the sum over the rows of x[:, j] widened to FP32, in the fixed
+     * order of tq_act_backward's dbias (fused.h; it is that dbias of TQ_ACT_IDENTITY), rounded
+     * once (RNE) to dbias's dtype; K contiguous FLOAT32, BFLOAT16 or FLOAT16 elements on x's
+     * device; M = 0 gives zeros. They come from a pass over x that quantizing needs anyway where
+     * the scaling has one: DELAYED with TQ_USAGE_ROWWISE casts in it (the columnwise codes are
+     * the rowwise ones transposed), CURRENT finds its amax in it (unless amax is given); the
+     * other cases read x once more for the sums. q gets the same bits as without dbias. */
+    tq_tensor dbias;
+    tq_tensor workspace; /* with dbias: UINT8, at least tq_quantize_workspace_size() bytes,
+                            4-byte aligned, on x's device; scratch on return */
 } tq_quantize_args;
 
 #define TQ_QUANTIZE_ARGS_INIT \
-    {sizeof(tq_quantize_args), TQ_USAGE_ROWWISE, {0}, 0, 0, {0}, {0}, {0}}
+    {sizeof(tq_quantize_args), TQ_USAGE_ROWWISE, {0}, 0, 0, {0}, {0}, {0}, {0}, {0}}
 
 /* Fills q's shapes and dtypes (data pointers NULL, device TQ_DEVICE_CPU) for quantizing an
  * [rows, cols] matrix with `config` in the directions `usage`; the caller allocates each member
@@ -272,6 +283,11 @@ TQ_API tq_status tq_quantize_layout(const tq_quant_config *config, int64_t rows,
 TQ_API tq_status tq_quantize(const tq_tensor *x, const tq_quant_config *config,
                              const tq_quantize_args *args, tq_qtensor *q,
                              struct CUstream_st *stream);
+
+/* The workspace bytes tq_quantize needs with args->dbias for an [rows, cols] x quantized with
+ * config (FP32 column partials, plus CURRENT's amax; 0 when cols is 0). */
+TQ_API tq_status tq_quantize_workspace_size(const tq_quant_config *config, int64_t rows,
+                                            int64_t cols, size_t *bytes);
 
 /* Dequantizes ONE direction of q (usage = TQ_USAGE_ROWWISE or TQ_USAGE_COLUMNWISE) into out:
  * [M, K] for rowwise, [K, M] for columnwise, FLOAT32, BFLOAT16 or FLOAT16 (RNE). Values are
