@@ -129,7 +129,7 @@ def test_other_recipes_and_outside_autocast_keep_dy_in_high_precision(name):
 
 @pytest.mark.parametrize("act", ARITHMETIC_BOUND)
 def test_arithmetic_bound_activation_under_current_scaling_is_torchs(act):
-    """gelu, qgelu, silu under Float8CurrentScaling: torch's activation (faster than the kernels'
+    """gelu, silu under Float8CurrentScaling: torch's activation (faster than the kernels'
     two evaluations), fc1 not asking for its grad_output: no activation kernel runs, every
     te.Linear backward gets dy in high precision; the float32 result is the composition with
     torch's activation bit for bit. Under DelayedScaling the same model runs the fused path."""

@@ -40,14 +40,16 @@ __all__ = ["ActFunction", "ActInput", "GradOutput", "activate", "given_dy_backwa
 
 GATED = ("geglu", "reglu", "swiglu")
 # The activations whose kernels are bound by their arithmetic (the exact exp and division of
-# internal_act.h, one evaluation per element of h), not by memory: torch's gelu is faster for
-# y_hp alone (H100, 8192x16384 bf16: 180.7 against 291.6 us, docs/results/bench_act.md) and
-# Float8CurrentScaling's two runs (amax, then cast) evaluate them twice (559.6 us forward,
-# 1096.4 us backward, against 408.8 / 590.7 us for torch's activation + te.Linear's
-# quantization). So torch computes them in high precision and under current scaling; the fused
-# kernels write their codes under DelayedScaling only (one run: 291.6 us forward against ~330).
-# The gated ones evaluate act on half of h and win everywhere; relu / srelu run at memory speed.
-ARITHMETIC_BOUND = ("gelu", "qgelu", "silu")
+# internal_act.h, one evaluation per element of h) and slower than torch's own: torch's gelu and
+# silu are single memory-bound kernels (H100, 8192x16384 bf16, docs/results/bench_act.md: torch
+# gelu 180.7 us against the kernel's 291.6 us delayed run), and Float8CurrentScaling's two runs
+# (amax, then cast) evaluate them twice (gelu: 559.6 us forward, 1096.4 us backward, against
+# 408.8 / 590.7 us for torch's activation + te.Linear's quantization). So torch computes them in
+# high precision and under current scaling; their kernels write codes under DelayedScaling only
+# (one run). qgelu is not one of them: torch runs it as three kernels (626.1 us), slower than
+# the fused current run (537.2 us); the gated ones evaluate act on half of h and relu / srelu
+# run at memory speed, so they win everywhere.
+ARITHMETIC_BOUND = ("gelu", "silu")
 
 
 def _cols(activation, k):
