@@ -48,7 +48,8 @@ the profile (eager, d = 4096):
       --recipes delayed,current,block --profile --out
   python3 benchmarks/bench_block.py --device cpu     # the quick mode: d = 128, 128 tokens
 Options: --models gpt,llama --d 4096,2048 --tokens 8192 --seq 2048 --head-dim 128
-  --recipes (benchutil's names; default all) --exec eager[,compile] --steps 10 --warmup 3
+  --recipes (benchutil's names; default all) --exec eager[,compile] --compile-backend inductor
+  --steps 10 --warmup 3
   --profile --profile-steps 3 --time-limit S --out [FILE] (appended; alone:
   docs/results/bench_block.md)
 """
@@ -221,9 +222,10 @@ def build(model, d, heads, kind, weights, device):
 
 # ---- one variant --------------------------------------------------------------------------------
 
-def make_step(block, recipe, x, dy, compiled):
-    """step(_) -> y: one fwd+bwd (the argument: benchutil's timers pass the buffer, x here)."""
-    fn = torch.compile(block) if compiled else block
+def make_step(block, recipe, x, dy, backend):
+    """step(_) -> y: one fwd+bwd (the argument: benchutil's timers pass the buffer, x here);
+    backend: torch.compile's, or None for eager."""
+    fn = torch.compile(block, backend=backend) if backend else block
 
     def step(_=None):
         benchutil.clear_grads(block, x)
@@ -268,7 +270,7 @@ def run_variant(args, model, d, ex, kind, recipe_name, recipe, weights, refs):
     x = torch.randn(args.seq, b, d, generator=g, device=device, dtype=torch.bfloat16)
     x.requires_grad_(True)
     dy = torch.randn(args.seq, b, d, generator=g, device=device, dtype=torch.bfloat16)
-    step = make_step(block, recipe, x, dy, ex == "compile")
+    step = make_step(block, recipe, x, dy, args.compile_backend if ex == "compile" else None)
     row = {"model": model, "d": d, "exec": ex, "block": kind, "recipe": recipe_name,
            "tokens": args.tokens}
     out = first_step(step, block, x, dy, kind == "fused")
@@ -477,6 +479,8 @@ def parse_args(argv=None):
     ap.add_argument("--recipes", help="comma list of " + ", ".join(benchutil.RECIPE_NAMES) +
                     " (default: all)")
     ap.add_argument("--exec", default="eager", help="eager, compile or eager,compile")
+    ap.add_argument("--compile-backend", default="inductor",
+                    help="torch.compile's backend (the CPU test's quick mode: aot_eager)")
     for name in ("tokens", "seq", "head-dim", "warmup", "steps", "profile-steps"):
         ap.add_argument("--" + name, type=int)
     ap.add_argument("--profile", action="store_true")
