@@ -2,7 +2,11 @@
 
 Checks first (CUDA bits against the C reference, codes against torch's float32 activation), then
 times, per shape and activation, with CUDA events over rotated input buffers:
-  forward   torch's activation alone; torch's activation + te.ops.quantize (current scaling);
+  forward   torch's activation alone; torch's activation + te.ops.quantize (current scaling)
+            (a gated activation's torch rows read gate and up as two contiguous tensors and keep
+            their gradients and quantizations apart, as a block with separate gate and up layers
+            runs them; before 2026-11-26's sixth session they read chunk views of h and joined
+            the gradients with a cat, which overstated torch's cost);
             tequant's fused forward (tq_act_forward through _C._act_forward) with current
             scaling (two runs: the amax run, then the cast run) and with delayed scaling (one run);
   backward  torch's activation backward + dh.sum(0) (the bias gradient); that + te.ops.quantize
@@ -66,22 +70,32 @@ TORCH_BWD = {  # (dy, x) -> dx, torch's own backward ops where it has them
     "srelu": lambda dy, x: dy * 2 * F.relu(x)}
 
 
-def torch_forward(act, h):
+def split(act, h):
+    """What torch's activation reads: (h,), or for a gated one (gate, up) as two contiguous
+    tensors, the outputs of a block's separate gate and up layers (the te.Linear Llama block's
+    code: no chunk views, no cat of the two gradients)."""
     if act in GATED:
-        a, b = h.chunk(2, dim=-1)
-        return TORCH_FWD[GATED[act]](a) * b
-    return TORCH_FWD[act](h)
+        return tuple(t.contiguous() for t in h.chunk(2, dim=-1))
+    return (h,)
 
 
-def torch_backward(act, h, dy):
-    """dh and dbias (its column sums) with torch's ops."""
+def torch_forward(act, parts):
     if act in GATED:
-        a, b = h.chunk(2, dim=-1)
+        gate, up = parts
+        return TORCH_FWD[GATED[act]](gate) * up
+    return TORCH_FWD[act](parts[0])
+
+
+def torch_backward(act, parts, dy):
+    """[gradient per part] and [its column sums: the bias gradients] with torch's ops (a gated
+    activation's two gradients stay apart, as autograd gives them to the gate and up layers)."""
+    if act in GATED:
+        gate, up = parts
         base = GATED[act]
-        dh = torch.cat([TORCH_BWD[base](dy * b, a), dy * TORCH_FWD[base](a)], dim=-1)
+        grads = [TORCH_BWD[base](dy * up, gate), dy * TORCH_FWD[base](gate)]
     else:
-        dh = TORCH_BWD[act](dy, h)
-    return dh, dh.sum(0)
+        grads = [TORCH_BWD[act](dy, parts[0])]
+    return grads, [g.sum(0) for g in grads]
 
 
 class Fused:
@@ -155,9 +169,9 @@ def check(act, p, h, dy, fused, device, check_rows):
                 a, b = bits(full[kind]["codes"][:check_rows]), bits(want["codes"])
                 assert torch.equal(a, b), f"{p} {kind}: the full-size run's first rows differ"
     if p == "forward":
-        ref = torch_forward(act, h.float())
+        ref = torch_forward(act, split(act, h.float()))
     else:
-        ref = torch_backward(act, h.float(), dy.float())[0]
+        ref = torch.cat(torch_backward(act, split(act, h.float()), dy.float())[0], dim=-1)
     fp8 = torch.float8_e4m3fn if p == "forward" else torch.float8_e5m2
     for kind in ("current", "delayed"):
         deq = full[kind]["codes"].to(h.device).view(fp8).float() * full[kind]["scale_inv"].to(
@@ -171,19 +185,20 @@ def runs_of(act, p, fused, sizes):
     h_b, n_b, y_b, codes_n, codes_k = sizes
     if p == "forward":
         return [
-            (f"torch {act}", lambda b: torch_forward(act, b[0]), h_b + y_b, False),
+            (f"torch {act}", lambda b: torch_forward(act, b[2]), h_b + y_b, False),
             (f"torch {act} + te.ops.quantize (current)",
-             lambda b: te.ops.quantize(torch_forward(act, b[0]), CURRENT, "input"),
+             lambda b: te.ops.quantize(torch_forward(act, b[2]), CURRENT, "input"),
              h_b + 3 * y_b + codes_n, True),
             ("tequant fused, current (amax run + cast run)",
              lambda b: fused.forward("current", b[0]), 2 * h_b + codes_n, True),
             ("tequant fused, delayed (one run)", lambda b: fused.forward("delayed", b[0]),
              h_b + codes_n, True)]
     return [
-        (f"torch {act} backward + dbias", lambda b: torch_backward(act, b[0], b[1]),
+        (f"torch {act} backward + dbias", lambda b: torch_backward(act, b[2], b[1]),
          2 * (h_b + n_b) + h_b, False),
         (f"torch {act} backward + dbias + te.ops.quantize (current)",
-         lambda b: te.ops.quantize(torch_backward(act, b[0], b[1])[0], CURRENT, "grad_output"),
+         lambda b: [te.ops.quantize(g, CURRENT, "grad_output")
+                    for g in torch_backward(act, b[2], b[1])[0]],
          3 * (h_b + n_b) + 2 * h_b + codes_k, True),
         ("tequant fused, current (amax + dbias run, cast run)",
          lambda b: fused.backward("current", b[0], b[1]), 2 * (h_b + n_b) + codes_k, True),
@@ -233,13 +248,15 @@ def main():
                 continue
             n = k // 2 if act in GATED else k
             sizes = (m * k * elem, m * n * elem, m * n * elem, m * n, m * k)
-            buffers = [((torch.randn(m, k, generator=g) * 2).to(dtype).to(device),
-                        torch.randn(m, n, generator=g).to(dtype).to(device))
-                       for _ in range(max(args.buffers, 1))]
+            buffers = []  # (h, dy, torch's parts of h)
+            for _ in range(max(args.buffers, 1)):
+                h = (torch.randn(m, k, generator=g) * 2).to(dtype).to(device)
+                buffers.append((h, torch.randn(m, n, generator=g).to(dtype).to(device),
+                                split(act, h)))
             fused = Fused(act, m, k, device)
             for p in passes:
                 try:
-                    check(act, p, *buffers[0], fused, device, min(args.check_rows, m))
+                    check(act, p, *buffers[0][:2], fused, device, min(args.check_rows, m))
                 except (AssertionError, RuntimeError, ValueError) as e:
                     failures.append(f"{act} {p} {shape}: {e}")
                     lines.append(f"| {act} | {p} | {shape} | WRONG: {benchutil.one_line(e)} "

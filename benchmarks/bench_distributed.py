@@ -41,9 +41,10 @@ the same bf16 rows (te.Linear outside autocast: a plain bf16 GEMM).
 Models (distbench.py): a GPT block stack (LayerNorm, QKV / proj / 4x MLP with GELU, torch SDPA)
 and a Llama-style one (RMSNorm, SwiGLU gate / up / down), d=--width, --ffn (GPT) and
 --llama-ffn, [s, b, h] = [--seq, --batch, d] per data-parallel replica (a TP group splits its
-tokens). --exec eager,compile: compile wraps each block (nn.Module.compile) before sharding
-(on CPU, compiled FSDP2 with the quantized gather raises NotImplementedError: a configuration
-that raises is recorded with its error, every rank raising alike, and the run goes on).
+tokens). --exec eager,compile: compile wraps each block (nn.Module.compile) before sharding (a
+te.Linear whose weight came through FSDP2's quantized gather runs eagerly behind a graph break
+there: _compile_linear._eager_local). A configuration that raises is recorded with its error,
+every rank raising alike, and the run goes on.
 A step is fwd+bwd of mean(y^2) (no optimizer; TP adds reduce_sequence_parallel_grads), timed on
 the host with a synchronize, median of --iters after --warmup, the slowest rank's. Reported per
 configuration: tokens/s per GPU (the tokens of a rank's input / step time), step ms, peak GiB
