@@ -4,8 +4,8 @@ configurations, kernels grouped by category, per rank 0's step.
     python3 benchmarks/profile_distributed.py --gpus 4 --mode tp --model gpt --layers 2 \
         --recipes current,delayed --overlap on,off --out prof.md
 
-For bf16 and each recipe, with te.Linear's tp_comm_overlap on and/or off (--overlap): build the
-configuration exactly as bench_distributed.py does (Rank.build, the same step: fwd+bwd of
+For bf16 and each recipe, with te.Linear's tp_comm_overlap on and/or off (--overlap), eager or
+with each block compiled (--exec): build the configuration exactly as bench_distributed.py does (Rank.build, the same step: fwd+bwd of
 mean(y^2) under te.autocast with the amax reduction group), warm up, time --iters steps (the
 median, the slowest rank's: the `step` column), then profile --steps steps on every rank; rank 0 parses its Chrome trace and prints, in ms per step:
 the host step time, the kernel time per category (GEMM, tequant's quantize/amax/cast kernels,
@@ -142,7 +142,8 @@ def rank_main(rank, world, port, args, lines):
     cuda = bd.init_rank(rank, world, port, args.device)
     me = bd.Rank(rank, world, args)
     for recipe, overlap in [(r, o) for r in ["bf16"] + args.recipes for o in args.overlap]:
-        model, group, dp_rank, tp = me.build(args.model, args.mode, recipe, False)
+        model, group, dp_rank, tp = me.build(args.model, args.mode, recipe,
+                                             args.exec == "compile")
         for m in model.modules():
             if isinstance(m, te.Linear):
                 m.tp_comm_overlap = overlap == "on"
@@ -197,6 +198,9 @@ def main():
     ap.add_argument("--recipes", default="current,delayed")
     ap.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks of fsdp-tp")
     ap.add_argument("--overlap", default="off", help="tp_comm_overlap: on, off or on,off")
+    ap.add_argument("--exec", default="eager", choices=("eager", "compile"),
+                    help="compile: each block compiled as bench_distributed --exec compile does "
+                         "(the warmup steps compile)")
     ap.add_argument("--steps", type=int, default=3, help="profiled steps")
     ap.add_argument("--top", action="store_true",
                     help="also print rank 0's kernels with the most GPU time (CPU: ops)")
@@ -227,7 +231,8 @@ def main():
             print(f"profile_distributed: {error}", file=sys.stderr)
         with open(lines) as f:
             rows = [json.loads(line) for line in f if line.strip()]
-    head = (f"### profile: {args.model}, {args.mode}, {args.gpus} ranks, {args.layers} layers, "
+    head = (f"### profile: {args.model}, {args.mode}, {args.exec}, {args.gpus} ranks, "
+            f"{args.layers} layers, "
             f"d={args.width}, [s, b] = [{args.seq}, {args.batch}]; ms per step, rank 0")
     text = [head, "", "| recipe | tp_comm_overlap | " + " | ".join(COLUMNS) + " |",
             "|---|---|" + "---:|" * len(COLUMNS)]
