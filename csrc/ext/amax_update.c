@@ -6,7 +6,9 @@
  * stride n), scale a float32 tensor of one element, scaled_max a float; algo "max" or
  * "most_recent"; reduced None or a contiguous float32 tensor of len(slots) all-reduced amaxes.
  * Everything on one device; runs on that device's current stream with the GIL released.
- * Tests: tests/test_amax_update.py.
+ * tqx_amax_update_buffers (module.h): the same fused update of one module's whole [L, n] history
+ * and [n] scale, for the compiled te.Linear's backward op (linear_ops.c), which runs it on its
+ * copies of the module's buffers. Tests: tests/test_amax_update.py, tests/test_compile.py.
  */
 #include <stdio.h>
 
@@ -24,7 +26,7 @@ static int same_device(const tq_tensor *t, const char *name, int device, const c
     return -1;
 }
 
-static int algo_from_py(PyObject *obj, tq_amax_algo *out) {
+int tqx_amax_algo_from_py(PyObject *obj, tq_amax_algo *out) {
     if (PyUnicode_Check(obj)) {
         if (PyUnicode_CompareWithASCIIString(obj, "max") == 0) return *out = TQ_AMAX_ALGO_MAX, 0;
         if (PyUnicode_CompareWithASCIIString(obj, "most_recent") == 0)
@@ -85,6 +87,20 @@ static int slot_from_py(tqx_state *st, PyObject *item, Py_ssize_t j, int64_t his
     return 0;
 }
 
+/* tq_amax_update over n slots on `device` / `stream`, with the GIL released; -1 with an
+ * exception. */
+static int run(tqx_state *st, const tq_amax_slot *slots, int64_t n, tq_amax_update_args *uargs,
+               int device, void *stream) {
+    tq_status s;
+    uargs->device = device;
+    Py_BEGIN_ALLOW_THREADS
+    s = tq_amax_update(slots, n, uargs, (struct CUstream_st *)stream);
+    Py_END_ALLOW_THREADS
+    if (s == TQ_SUCCESS) return 0;
+    tqx_raise_status(st, s);
+    return -1;
+}
+
 static PyObject *py_amax_update(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 4) {
         PyErr_Format(PyExc_TypeError, "_amax_update(slots, history_len, algo, reduced) takes 4 "
@@ -95,7 +111,7 @@ static PyObject *py_amax_update(PyObject *module, PyObject *const *args, Py_ssiz
     tq_amax_update_args uargs = TQ_AMAX_UPDATE_ARGS_INIT;
     uargs.history_len = PyLong_AsLongLong(args[1]);
     if (uargs.history_len == -1 && PyErr_Occurred()) return NULL;
-    if (algo_from_py(args[2], &uargs.amax_algo) < 0) return NULL;
+    if (tqx_amax_algo_from_py(args[2], &uargs.amax_algo) < 0) return NULL;
     if (!PyList_Check(args[0]) && !PyTuple_Check(args[0])) {
         PyErr_Format(PyExc_TypeError, "slots must be a list or tuple of (history, scale, "
                      "scaled_max), got %s", Py_TYPE(args[0])->tp_name);
@@ -132,18 +148,53 @@ static PyObject *py_amax_update(PyObject *module, PyObject *const *args, Py_ssiz
             ok = same_device(&r, "reduced", device, n > 0 ? "slots[0].history" : "reduced") == 0;
         if (ok) uargs.reduced_amax = (const float *)r.data;
     }
-    tq_status s = TQ_SUCCESS;
-    if (ok) {
-        uargs.device = device;
-        Py_BEGIN_ALLOW_THREADS
-        s = tq_amax_update(slots, (int64_t)n, &uargs, (struct CUstream_st *)stream);
-        Py_END_ALLOW_THREADS
-    }
+    if (ok) ok = run(st, slots, (int64_t)n, &uargs, device, stream) == 0;
     PyMem_Free(slots);
     Py_DECREF(seq); /* the tensors stay alive: the caller holds slots */
     if (!ok) return NULL;
-    if (s != TQ_SUCCESS) return tqx_raise_status(st, s);
     Py_RETURN_NONE;
+}
+
+int tqx_amax_update_buffers(tqx_state *st, PyObject *history, PyObject *scale, PyObject *update,
+                            const char *history_name, const char *scale_name) {
+    tq_amax_update_args uargs = TQ_AMAX_UPDATE_ARGS_INIT;
+    PyObject *algo, *scaled;
+    if (!PyTuple_Check(update)
+        || !PyArg_ParseTuple(update, "LOO!", &uargs.history_len, &algo, &PyTuple_Type, &scaled)) {
+        if (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Clear();
+            PyErr_SetString(PyExc_TypeError, "a delayed update is (history_len, algo, tuple of "
+                            "scaled maxes)");
+        }
+        return -1;
+    }
+    if (tqx_amax_algo_from_py(algo, &uargs.amax_algo) < 0) return -1;
+    tq_tensor h, s;
+    tqx_tensor_info info;
+    const Py_ssize_t n = PyTuple_GET_SIZE(scaled);
+    if (tqx_tensor_from_py(st, history, history_name, 1u << TQ_DTYPE_FLOAT32, &h, &info) < 0
+        || tqx_tensor_from_py(st, scale, scale_name, 1u << TQ_DTYPE_FLOAT32, &s, NULL) < 0)
+        return -1;
+    if (info.ndim != 2 || h.rows != uargs.history_len || h.cols != n
+        || s.rows * s.cols != n || (s.rows > 1 && s.ld != s.cols) || n > TQX_UPDATE_COLUMNS) {
+        PyErr_Format(PyExc_ValueError, "%s must be float32 [history_len, n] = [%lld, %zd] and %s "
+                     "contiguous float32 [%zd] (n <= %d); got %d dims [%lld, %lld] and %lld "
+                     "elements", history_name, (long long)uargs.history_len, n, scale_name, n,
+                     TQX_UPDATE_COLUMNS, info.ndim, (long long)h.rows, (long long)h.cols,
+                     (long long)(s.rows * s.cols));
+        return -1;
+    }
+    if (same_device(&s, scale_name, h.device, history_name) < 0) return -1;
+    tq_amax_slot slots[TQX_UPDATE_COLUMNS];
+    for (Py_ssize_t j = 0; j < n; j++) {
+        const double scaled_max = PyFloat_AsDouble(PyTuple_GET_ITEM(scaled, j));
+        if (scaled_max == -1.0 && PyErr_Occurred()) return -1;
+        slots[j].history = (float *)h.data + j;
+        slots[j].stride = h.rows > 1 ? h.ld : 1;
+        slots[j].scale = (float *)s.data + j;
+        slots[j].scaled_max = (float)scaled_max; /* as slot_from_py rounds it */
+    }
+    return run(st, slots, (int64_t)n, &uargs, h.device, info.stream);
 }
 
 PyMethodDef tqx_amax_update_methods[] = {

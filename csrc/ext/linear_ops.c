@@ -1,42 +1,57 @@
 /* linear_ops.c: the kernels of torch.compile's tequant::linear_fwd and tequant::linear_bwd ops
- * (python/tequant/_compile_linear.py defines the ops and registers these C functions as their
+ * (python/tequant/_compile_ops.py defines the ops and registers these C functions as their
  * implementations: torch's dispatcher calls them with no Python frame in between).
  *
- *   linear_fwd_op(inp, weight, bias, recipe_id, needs, scale_fwd) -> [y, kept..., amaxes...]
+ *   linear_fwd_op(inp, weight, bias, recipe_id, needs, scale_fwd[, hist_fwd])
+ *       -> [y, kept..., new hist_fwd | amax x, amax W]
  *   linear_bwd_op(dy, x_kept, w_kept, recipe_id, needs, inp_shape, x_dtype, w_dtype,
- *                 bias_dtype, scale_bwd) -> [dx?, dW?, db?, amax dy?]
- *   _set_linear_plan_of(fn): fn(recipe_id) -> the linear plan tuple (linear.c), once per id
+ *                 bias_dtype, scale_bwd[, hist_bwd])
+ *       -> [dx?, dW?, db?, new hist_bwd, new scale_bwd | amax dy]
+ *   _set_linear_plan_of(fn): fn(recipe_id) -> (linear.c's plan tuple, DelayedScaling's backward
+ *       update (history_len, algo, (scaled max of dy,)) or None: TE's unfused rule), once per id
+ *   _linear_delayed_copies / _linear_delayed_update: the DelayedScaling steps below, for the
+ *       Python-bodied ops on the fused norm's and activation's codes (_compile_ops.py, _act_fn.py)
  *   _packed_bytes(config, rows, cols, usage, parts) -> bytes of a packed buffer (fake kernels)
  *
- * Both wrap linear.c's calls. Op outputs must be fresh tensors that alias nothing, so the ops
- * keep linear.c's packed form (one uint8 buffer per kept operand: x's columnwise part when
- * wgrad runs, W's two directions), the fewest tensors and allocations; with needs bit 4
- * (backward_override="dequantized", whose backward reads members in Python) forward returns
- * the present members instead. DelayedScaling: the (scale row, amax slot) states are made here
- * from the scale tensor, with fresh zeroed amax slots that come back as the last outputs (the
- * traced code max-accumulates them into the histories). The GEMMs make a cuBLASLt workspace per
- * call (the op may run in a CUDA-graph pool). Tests: tests/test_compile.py.
+ * Op outputs must be fresh tensors that alias nothing, so the ops keep linear.c's packed form
+ * (one uint8 buffer per kept operand), the fewest tensors and allocations; with needs bit 4
+ * (backward_override="dequantized") forward returns the present members instead. DelayedScaling:
+ * given the module's history, the op copies it (backward: the scale too), its quantizations
+ * max-accumulate into the copy's row 0 as eager's into the buffer (x column 0, W 1, dy 0),
+ * backward rolls the copies and updates the scale (amax_update.c, eager's rule), and the copies
+ * come back last, for the traced code to copy into the buffers. Without a history (backward: an
+ * amax all-reduce comes first, or TE's unfused rule), fresh zeroed amax slots come back and the
+ * traced code accumulates and updates. The GEMMs make a cuBLASLt workspace per call (the op may
+ * run in a CUDA-graph pool). Tests: tests/test_compile.py, tests/test_compile_delayed.py.
  */
 #include "module.h"
 
 
-/* The plan tuple of a recipe id (new reference). */
-static PyObject *plan_of(tqx_state *st, PyObject *recipe_id) {
+/* The (plan tuple, backward update or None) entry of a recipe id (new reference). */
+static PyObject *entry_of(tqx_state *st, PyObject *recipe_id) {
     if (st->linear_plans == NULL && (st->linear_plans = PyDict_New()) == NULL) return NULL;
-    PyObject *plan = PyDict_GetItemWithError(st->linear_plans, recipe_id);
-    if (plan != NULL) return Py_NewRef(plan);
+    PyObject *entry = PyDict_GetItemWithError(st->linear_plans, recipe_id);
+    if (entry != NULL) return Py_NewRef(entry);
     if (PyErr_Occurred()) return NULL;
     if (st->linear_plan_of == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "tequant._compile_linear is not imported");
+        PyErr_SetString(PyExc_RuntimeError, "tequant._compile_ops is not imported");
         return NULL;
     }
-    plan = PyObject_CallOneArg(st->linear_plan_of, recipe_id);
-    if (plan != NULL && (!PyTuple_Check(plan) || PyTuple_GET_SIZE(plan) < 5
-                         || PyDict_SetItem(st->linear_plans, recipe_id, plan) < 0)) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "a linear plan is a tuple");
-        Py_CLEAR(plan);
+    entry = PyObject_CallOneArg(st->linear_plan_of, recipe_id);
+    if (entry != NULL
+        && (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 2
+            || !PyTuple_Check(PyTuple_GET_ITEM(entry, 0))
+            || PyTuple_GET_SIZE(PyTuple_GET_ITEM(entry, 0)) < 5
+            || (PyTuple_GET_ITEM(entry, 1) != Py_None
+                && (!PyTuple_Check(PyTuple_GET_ITEM(entry, 1))
+                    || PyTuple_GET_SIZE(PyTuple_GET_ITEM(entry, 1)) != 3))
+            || PyDict_SetItem(st->linear_plans, recipe_id, entry) < 0)) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "a linear plan entry is (plan tuple, None or "
+                            "(history_len, algo, scaled maxes))");
+        Py_CLEAR(entry);
     }
-    return plan;
+    return entry;
 }
 
 static int plan_is_delayed(tqx_state *st, PyObject *plan, int *delayed) {
@@ -46,26 +61,134 @@ static int plan_is_delayed(tqx_state *st, PyObject *plan, int *delayed) {
     return 0;
 }
 
-/* DelayedScaling's (scale[column:column + 1], fresh zeroed [1, 1] amax) pair (new reference). */
-static PyObject *delayed_state(tqx_state *st, PyObject *scale, Py_ssize_t column,
-                               PyObject *device) {
+/* slice(start, start + 1) (new reference) */
+static PyObject *one_slice(Py_ssize_t start) {
+    PyObject *a = PyLong_FromSsize_t(start), *b = PyLong_FromSsize_t(start + 1);
+    PyObject *slice = a && b ? PySlice_New(a, b, NULL) : NULL;
+    Py_XDECREF(a);
+    Py_XDECREF(b);
+    return slice;
+}
+
+/* DelayedScaling's (scale[column:column + 1], amax slot) pair: the [1, 1] slot history[0:1,
+ * column:column + 1] of the op's copy of a history (shaped as a fresh slot: a members output
+ * copies it), or without one (history NULL) a fresh zeroed [1, 1] on device (new reference). */
+static PyObject *delayed_state(tqx_state *st, PyObject *scale, Py_ssize_t column, PyObject *device,
+                               PyObject *history) {
     void *data;
-    PyObject *slot = PySequence_GetSlice(scale, column, column + 1);
-    PyObject *amax = slot ? tqx_torch_new(st, 1, 1, TQ_DTYPE_FLOAT32, device, 1, &data) : NULL;
+    PyObject *slot = PySequence_GetSlice(scale, column, column + 1), *amax = NULL;
+    if (slot != NULL && history != NULL) {
+        PyObject *rows = one_slice(0), *cols = one_slice(column);
+        PyObject *index = rows && cols ? PyTuple_Pack(2, rows, cols) : NULL;
+        PyObject *view = index ? PyObject_GetItem(history, index) : NULL;
+        /* strides (1, 1), a fresh slot's: a copy of it (a member) keeps them */
+        amax = view ? PyObject_CallMethod(view, "view", "ii", 1, 1) : NULL;
+        Py_XDECREF(view);
+        Py_XDECREF(index);
+        Py_XDECREF(rows);
+        Py_XDECREF(cols);
+    } else if (slot != NULL) {
+        amax = tqx_torch_new(st, 1, 1, TQ_DTYPE_FLOAT32, device, 1, &data);
+    }
     PyObject *pair = amax ? PyTuple_Pack(2, slot, amax) : NULL;
     Py_XDECREF(slot);
     Py_XDECREF(amax);
     return pair;
 }
 
+/* The op's copies of a module's DelayedScaling buffers: the history (forward: x and W; backward:
+ * dy, with the scale) and the states whose amax slots are the copy's row 0. */
+typedef struct copies {
+    PyObject *hist, *scale; /* scale: NULL in forward (its update runs at the autocast's exit) */
+    PyObject *states[2];    /* forward: x's, W's; backward: dy's */
+} copies;
+#define COPIES_INIT {NULL, NULL, {NULL, NULL}}
+
+static void copies_clear(copies *c) {
+    Py_CLEAR(c->hist);
+    Py_CLEAR(c->scale);
+    Py_CLEAR(c->states[0]);
+    Py_CLEAR(c->states[1]);
+}
+
+/* Checks hist (float32 [rows, cols]; rows: `rows`, or any >= 1 when 0) and scale (float32,
+ * cols elements) on like's device; -1 with ValueError naming them. */
+static int check_buffers(tqx_state *st, const char *fn, PyObject *hist, const char *hist_name,
+                         PyObject *scale, const char *scale_name, int64_t rows, int64_t cols,
+                         PyObject *like) {
+    tq_tensor h, s, l;
+    tqx_tensor_info info;
+    if (tqx_tensor_from_py(st, hist, hist_name, 1u << TQ_DTYPE_FLOAT32, &h, &info) < 0
+        || tqx_tensor_from_py(st, scale, scale_name, 1u << TQ_DTYPE_FLOAT32, &s, NULL) < 0
+        || tqx_tensor_from_py(st, like, "its input", ~0u, &l, NULL) < 0)
+        return -1;
+    char want[32], got[32], on[32];
+    if (rows) snprintf(want, sizeof want, "%lld", (long long)rows);
+    else snprintf(want, sizeof want, "history_len");
+    if (info.ndim != 2 || h.cols != cols || h.rows < 1 || (rows && h.rows != rows)
+        || s.rows * s.cols != cols) {
+        PyErr_Format(PyExc_ValueError, "%s: %s must be float32 [%s, %lld] and %s float32 [%lld]; "
+                     "got %d dims [%lld, %lld] and %lld elements", fn, hist_name, want,
+                     (long long)cols, scale_name, (long long)cols, info.ndim, (long long)h.rows,
+                     (long long)h.cols, (long long)(s.rows * s.cols));
+        return -1;
+    }
+    if (h.device != l.device || s.device != l.device) {
+        tqx_device_name(l.device, want, sizeof want);
+        tqx_device_name(h.device, got, sizeof got);
+        tqx_device_name(s.device, on, sizeof on);
+        PyErr_Format(PyExc_ValueError, "%s: %s (on %s) and %s (on %s) must be on the input's "
+                     "device, %s", fn, hist_name, got, scale_name, on, want);
+        return -1;
+    }
+    return 0;
+}
+
+/* Fills *c for the module buffers hist, scale of a recipe entry (forward: backward 0); like: the
+ * op's input (its device). -1 with an exception. */
+static int delayed_copies(tqx_state *st, PyObject *entry, int backward, PyObject *hist,
+                          PyObject *scale, PyObject *like, copies *c) {
+    const char *fn = backward ? "linear_bwd" : "linear_fwd";
+    PyObject *update = PyTuple_GET_ITEM(entry, 1);
+    int64_t rows = 0;
+    if (backward && update == Py_None) {
+        PyErr_Format(PyExc_ValueError, "%s: hist_bwd is for DelayedScaling with the fused update "
+                     "rule ('max' or 'most_recent', no scaling_factor_compute_algo); this recipe "
+                     "updates in Python: pass hist_bwd None", fn);
+        return -1;
+    }
+    if (backward) {
+        rows = PyLong_AsLongLong(PyTuple_GET_ITEM(update, 0));
+        if (rows == -1 && PyErr_Occurred()) return -1;
+    }
+    if (check_buffers(st, fn, hist, backward ? "hist_bwd" : "hist_fwd", scale,
+                      backward ? "scale_bwd" : "scale_fwd", rows, backward ? 1 : 2, like) < 0
+        || (c->hist = PyObject_CallMethod(hist, "clone", NULL)) == NULL
+        || (backward && (c->scale = PyObject_CallMethod(scale, "clone", NULL)) == NULL))
+        return -1;
+    for (int i = 0; i < (backward ? 1 : 2); i++)
+        if ((c->states[i] = delayed_state(st, scale, i, NULL, c->hist)) == NULL) return -1;
+    return 0;
+}
+
+/* A clone of v where it is `alias` (an amax slot that is also an output or a history's view),
+ * else v (new reference). */
+static PyObject *unaliased(PyObject *v, PyObject *alias) {
+    return v == alias ? PyObject_CallMethod(v, "clone", NULL) : Py_NewRef(v);
+}
+
 /* Appends what a kept quantization contributes: a packed pair its buffer, a 6-tuple its
- * present members, None nothing. */
-static int append_kept(PyObject *list, PyObject *kept) {
+ * present members (a member that is `alias` as a clone), None nothing. */
+static int append_kept(PyObject *list, PyObject *kept, PyObject *alias) {
     if (kept == Py_None) return 0;
     if (PyTuple_GET_SIZE(kept) == 2) return PyList_Append(list, PyTuple_GET_ITEM(kept, 0));
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(kept); i++) {
         PyObject *m = PyTuple_GET_ITEM(kept, i);
-        if (m != Py_None && PyList_Append(list, m) < 0) return -1;
+        if (m == Py_None) continue;
+        PyObject *v = unaliased(m, alias);
+        const int rc = v ? PyList_Append(list, v) : -1;
+        Py_XDECREF(v);
+        if (rc < 0) return -1;
     }
     return 0;
 }
@@ -73,7 +196,7 @@ static int append_kept(PyObject *list, PyObject *kept) {
 /* Appends an amax slot: itself, or a copy where a member output already is it. */
 static int append_amax(PyObject *list, PyObject *state, int copy) {
     PyObject *amax = PyTuple_GET_ITEM(state, 1);
-    PyObject *v = copy ? PyObject_CallMethod(amax, "clone", NULL) : Py_NewRef(amax);
+    PyObject *v = unaliased(amax, copy ? amax : NULL);
     int rc = v ? PyList_Append(list, v) : -1;
     Py_XDECREF(v);
     return rc;
@@ -84,20 +207,27 @@ static PyObject *contiguous(PyObject *t) {
 }
 
 static PyObject *linear_fwd_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6) {
-        PyErr_Format(PyExc_TypeError, "linear_fwd_op takes 6 arguments (%zd given)", nargs);
+    if (nargs != 6 && nargs != 7) {
+        PyErr_Format(PyExc_TypeError, "linear_fwd_op takes 6 or 7 arguments (%zd given)", nargs);
         return NULL;
     }
     tqx_state *st = tqx_module_state(module);
     const long needs = PyLong_AsLong(args[4]);
     if (needs == -1 && PyErr_Occurred()) return NULL;
-    PyObject *plan = plan_of(st, args[3]), *inp = NULL, *device = NULL, *cache = NULL;
+    PyObject *hist = nargs == 7 ? args[6] : Py_None;
+    PyObject *entry = entry_of(st, args[3]), *inp = NULL, *device = NULL, *cache = NULL;
     PyObject *x_state = Py_NewRef(Py_None), *w_state = Py_NewRef(Py_None);
     PyObject *fwd = NULL, *list = NULL;
+    copies c = COPIES_INIT;
     int delayed = 0;
-    if (plan == NULL || tqx_torch_import(st) < 0 || plan_is_delayed(st, plan, &delayed) < 0
+    if (entry == NULL || tqx_torch_import(st) < 0
+        || plan_is_delayed(st, PyTuple_GET_ITEM(entry, 0), &delayed) < 0
         || (inp = contiguous(args[0])) == NULL || (cache = PyList_New(0)) == NULL)
         goto done;
+    if (!delayed && hist != Py_None) {
+        PyErr_SetString(PyExc_ValueError, "linear_fwd: hist_fwd is for DelayedScaling only");
+        goto done;
+    }
     if (delayed) {
         if (args[5] == Py_None) {
             PyErr_SetString(PyExc_ValueError, "linear_fwd: DelayedScaling needs scale_fwd");
@@ -105,32 +235,44 @@ static PyObject *linear_fwd_op(PyObject *module, PyObject *const *args, Py_ssize
         }
         Py_SETREF(x_state, NULL);
         Py_SETREF(w_state, NULL);
-        if ((device = PyObject_GetAttrString(inp, "device")) == NULL
-            || (x_state = delayed_state(st, args[5], 0, device)) == NULL
-            || (w_state = delayed_state(st, args[5], 1, device)) == NULL)
+        if (hist != Py_None) {
+            if (delayed_copies(st, entry, 0, hist, args[5], inp, &c) < 0) goto done;
+            x_state = Py_NewRef(c.states[0]);
+            w_state = Py_NewRef(c.states[1]);
+        } else if ((device = PyObject_GetAttrString(inp, "device")) == NULL
+                   || (x_state = delayed_state(st, args[5], 0, device, NULL)) == NULL
+                   || (w_state = delayed_state(st, args[5], 1, device, NULL)) == NULL) {
             goto done;
+        }
     }
-    PyObject *call[9] = {plan, inp, args[1], args[2], args[4], cache, Py_None, x_state, w_state};
+    PyObject *call[9] = {PyTuple_GET_ITEM(entry, 0), inp, args[1], args[2], args[4], cache,
+                         Py_None, x_state, w_state};
     const int previous = tqx_gemm_workspace_per_call(1);
     fwd = tqx_linear_forward(module, call, 9);
     tqx_gemm_workspace_per_call(previous);
     if (fwd == NULL) goto done;
     PyObject *saved = PyTuple_GET_ITEM(fwd, 1);
     const int members = (needs & TQX_PACKED) == 0;
+    /* members hold the amax slots: fresh ones come back twice (the copy last), the history's
+     * views as copies */
+    PyObject *x_alias = c.hist ? PyTuple_GET_ITEM(x_state, 1) : NULL;
+    PyObject *w_alias = c.hist ? PyTuple_GET_ITEM(w_state, 1) : NULL;
     if ((list = PyList_New(0)) == NULL || PyList_Append(list, PyTuple_GET_ITEM(fwd, 0)) < 0
-        || append_kept(list, PyTuple_GET_ITEM(saved, 0)) < 0
-        || append_kept(list, PyTuple_GET_ITEM(saved, 1)) < 0
-        || (delayed && (append_amax(list, x_state, members) < 0
-                        || append_amax(list, w_state, members) < 0)))
+        || append_kept(list, PyTuple_GET_ITEM(saved, 0), x_alias) < 0
+        || append_kept(list, PyTuple_GET_ITEM(saved, 1), w_alias) < 0
+        || (c.hist && PyList_Append(list, c.hist) < 0)
+        || (delayed && !c.hist && (append_amax(list, x_state, members) < 0
+                                   || append_amax(list, w_state, members) < 0)))
         Py_CLEAR(list);
 done:
-    Py_XDECREF(plan);
+    Py_XDECREF(entry);
     Py_XDECREF(inp);
     Py_XDECREF(device);
     Py_XDECREF(cache);
     Py_XDECREF(x_state);
     Py_XDECREF(w_state);
     Py_XDECREF(fwd);
+    copies_clear(&c);
     return list;
 }
 
@@ -140,10 +282,12 @@ static PyObject *kept_pair(PyObject *buffer, PyObject *amax) {
 }
 
 static PyObject *linear_bwd_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 10) {
-        PyErr_Format(PyExc_TypeError, "linear_bwd_op takes 10 arguments (%zd given)", nargs);
+    if (nargs != 10 && nargs != 11) {
+        PyErr_Format(PyExc_TypeError, "linear_bwd_op takes 10 or 11 arguments (%zd given)",
+                     nargs);
         return NULL;
     }
+    PyObject *hist = nargs == 11 ? args[10] : Py_None;
     tqx_state *st = tqx_module_state(module);
     PyObject *shape = PySequence_Tuple(args[5]);
     if (shape == NULL) return NULL;
@@ -153,9 +297,11 @@ static PyObject *linear_bwd_op(PyObject *module, PyObject *const *args, Py_ssize
     const long long k = ndim ? PyLong_AsLongLong(PyTuple_GET_ITEM(shape, ndim - 1)) : 0;
     const tq_dtype x_dtype = tqx_dtype_of_torch(st, args[6]);
     const tq_dtype w_dtype = tqx_dtype_of_torch(st, args[7]);
-    PyObject *plan = NULL, *dy = NULL, *dy_shape = NULL, *x_kept = NULL, *w_kept = NULL;
+    PyObject *entry = NULL, *plan = NULL, *dy = NULL, *dy_shape = NULL, *x_kept = NULL;
+    PyObject *w_kept = NULL;
     PyObject *saved = NULL, *state = Py_NewRef(Py_None), *device = NULL, *bwd = NULL;
     PyObject *list = NULL;
+    copies c = COPIES_INIT;
     int delayed = 0;
     if (PyErr_Occurred() || ndim < 1) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "linear_bwd: empty inp_shape");
@@ -166,8 +312,8 @@ static PyObject *linear_bwd_op(PyObject *module, PyObject *const *args, Py_ssize
                         "bfloat16 or float16");
         goto done;
     }
-    if ((plan = plan_of(st, args[3])) == NULL || tqx_torch_import(st) < 0
-        || plan_is_delayed(st, plan, &delayed) < 0
+    if ((entry = entry_of(st, args[3])) == NULL || tqx_torch_import(st) < 0
+        || plan_is_delayed(st, (plan = PyTuple_GET_ITEM(entry, 0)), &delayed) < 0
         || (dy = contiguous(args[0])) == NULL
         || (dy_shape = PyObject_GetAttrString(dy, "shape")) == NULL)
         goto done;
@@ -187,12 +333,19 @@ static PyObject *linear_bwd_op(PyObject *module, PyObject *const *args, Py_ssize
             goto done;
         }
         Py_SETREF(state, NULL);
-        if ((device = PyObject_GetAttrString(dy, "device")) == NULL
-            || (state = delayed_state(st, args[9], 0, device)) == NULL)
+        if (hist != Py_None) {
+            if (delayed_copies(st, entry, 1, hist, args[9], dy, &c) < 0) goto done;
+            state = Py_NewRef(c.states[0]);
+        } else if ((device = PyObject_GetAttrString(dy, "device")) == NULL
+                   || (state = delayed_state(st, args[9], 0, device, NULL)) == NULL) {
             goto done;
+        }
+    } else if (hist != Py_None) {
+        PyErr_SetString(PyExc_ValueError, "linear_bwd: hist_bwd is for DelayedScaling only");
+        goto done;
     }
     /* A delayed kept pair names an amax slot, which no GEMM reads: the forward's went into the
-     * history, so dy's fresh slot stands in (None for the other scalings, as linear.c keeps) */
+     * history, so dy's slot stands in (None for the other scalings, as linear.c keeps) */
     PyObject *amax = delayed ? PyTuple_GET_ITEM(state, 1) : Py_None;
     if ((x_kept = kept_pair(args[1], amax)) == NULL || (w_kept = kept_pair(args[2], amax)) == NULL
         || (saved = Py_BuildValue("(OOLLLLii)", x_kept, w_kept, rows, padded, n, k,
@@ -202,15 +355,22 @@ static PyObject *linear_bwd_op(PyObject *module, PyObject *const *args, Py_ssize
     const int previous = tqx_gemm_workspace_per_call(1);
     bwd = tqx_linear_backward(module, call, 8);
     tqx_gemm_workspace_per_call(previous);
-    if (bwd == NULL || (list = PyList_New(0)) == NULL) goto done;
+    /* dy's amax is in the copy's row 0: the module's update, as eager's at the end of backward */
+    if (bwd == NULL
+        || (c.hist && tqx_amax_update_buffers(st, c.hist, c.scale, PyTuple_GET_ITEM(entry, 1),
+                                              "hist_bwd", "scale_bwd") < 0)
+        || (list = PyList_New(0)) == NULL)
+        goto done;
     for (Py_ssize_t i = 0; i < 3 && list; i++) {
         PyObject *g = PyTuple_GET_ITEM(bwd, i);
         if (g != Py_None && PyList_Append(list, g) < 0) Py_CLEAR(list);
     }
-    if (list && delayed && append_amax(list, state, 0) < 0) Py_CLEAR(list);
+    if (list && c.hist && (PyList_Append(list, c.hist) < 0 || PyList_Append(list, c.scale) < 0))
+        Py_CLEAR(list);
+    if (list && delayed && !c.hist && append_amax(list, state, 0) < 0) Py_CLEAR(list);
 done:
     Py_DECREF(shape);
-    Py_XDECREF(plan);
+    Py_XDECREF(entry);
     Py_XDECREF(dy);
     Py_XDECREF(dy_shape);
     Py_XDECREF(x_kept);
@@ -219,7 +379,49 @@ done:
     Py_XDECREF(state);
     Py_XDECREF(device);
     Py_XDECREF(bwd);
+    copies_clear(&c);
     return list;
+}
+
+/* For the Python-bodied ops: _linear_delayed_copies(recipe_id, backward, hist, scale, like) ->
+ * (copy of hist, copy of scale (backward) or None, the states on the copy: (x's, W's) or
+ * (dy's,)) */
+static PyObject *py_delayed_copies(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "_linear_delayed_copies(recipe_id, backward, hist, "
+                        "scale, like)");
+        return NULL;
+    }
+    tqx_state *st = tqx_module_state(module);
+    const int backward = PyObject_IsTrue(args[1]);
+    PyObject *entry = backward < 0 ? NULL : entry_of(st, args[0]), *result = NULL;
+    copies c = COPIES_INIT;
+    if (entry != NULL && delayed_copies(st, entry, backward, args[2], args[3], args[4], &c) == 0)
+        result = backward ? Py_BuildValue("(OO(O))", c.hist, c.scale, c.states[0])
+                          : Py_BuildValue("(OO(OO))", c.hist, Py_None, c.states[0], c.states[1]);
+    Py_XDECREF(entry);
+    copies_clear(&c);
+    return result;
+}
+
+/* _linear_delayed_update(recipe_id, hist, scale): linear_bwd_op's update of its copies. */
+static PyObject *py_delayed_update(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "_linear_delayed_update(recipe_id, hist, scale)");
+        return NULL;
+    }
+    tqx_state *st = tqx_module_state(module);
+    PyObject *entry = entry_of(st, args[0]);
+    if (entry == NULL) return NULL;
+    PyObject *update = PyTuple_GET_ITEM(entry, 1);
+    int rc = update == Py_None ? -1 : tqx_amax_update_buffers(st, args[1], args[2], update,
+                                                              "hist_bwd", "scale_bwd");
+    if (update == Py_None)
+        PyErr_SetString(PyExc_ValueError, "_linear_delayed_update: the recipe's update rule is "
+                        "not the fused one");
+    Py_DECREF(entry);
+    if (rc < 0) return NULL;
+    Py_RETURN_NONE;
 }
 
 static PyObject *set_linear_plan_of(PyObject *module, PyObject *fn) {
@@ -252,13 +454,19 @@ static PyObject *packed_bytes(PyObject *module, PyObject *const *args, Py_ssize_
 
 PyMethodDef tqx_linear_ops_methods[] = {
     {"linear_fwd_op", (PyCFunction)(void (*)(void))linear_fwd_op, METH_FASTCALL,
-     "linear_fwd_op(inp, weight, bias, recipe_id, needs, scale_fwd) -> list\n\nThe kernel of "
-     "tequant::linear_fwd; see csrc/ext/linear_ops.c."},
+     "linear_fwd_op(inp, weight, bias, recipe_id, needs, scale_fwd[, hist_fwd]) -> list\n\nThe "
+     "kernel of tequant::linear_fwd; see csrc/ext/linear_ops.c."},
     {"linear_bwd_op", (PyCFunction)(void (*)(void))linear_bwd_op, METH_FASTCALL,
      "linear_bwd_op(dy, x_kept, w_kept, recipe_id, needs, inp_shape, x_dtype, w_dtype, "
-     "bias_dtype, scale_bwd) -> list\n\nThe kernel of tequant::linear_bwd."},
+     "bias_dtype, scale_bwd[, hist_bwd]) -> list\n\nThe kernel of tequant::linear_bwd."},
     {"_set_linear_plan_of", set_linear_plan_of, METH_O,
-     "_set_linear_plan_of(fn): fn(recipe_id) gives the linear plan tuple of a recipe id."},
+     "_set_linear_plan_of(fn): fn(recipe_id) gives (the linear plan tuple, the DelayedScaling "
+     "backward update (history_len, algo, (scaled max,)) or None) of a recipe id."},
+    {"_linear_delayed_copies", (PyCFunction)(void (*)(void))py_delayed_copies, METH_FASTCALL,
+     "_linear_delayed_copies(recipe_id, backward, hist, scale, like) -> (hist copy, scale copy "
+     "or None, states)\n\nlinear_fwd_op's / linear_bwd_op's copies of a module's buffers."},
+    {"_linear_delayed_update", (PyCFunction)(void (*)(void))py_delayed_update, METH_FASTCALL,
+     "_linear_delayed_update(recipe_id, hist, scale)\n\nlinear_bwd_op's update of its copies."},
     {"_packed_bytes", (PyCFunction)(void (*)(void))packed_bytes, METH_FASTCALL,
      "_packed_bytes(config, rows, cols, usage, parts) -> bytes of a packed buffer."},
     {NULL, NULL, 0, NULL}};

@@ -347,6 +347,16 @@ extern PyMethodDef tqx_linear_ops_methods[];
 
 /* amax_update.c: _amax_update, delayed scaling's history roll and scale update */
 extern PyMethodDef tqx_amax_update_methods[];
+/* "max" / "most_recent" (a callable: TQ_AMAX_ALGO_CUSTOM, which the core refuses); -1 with an
+ * exception otherwise. */
+int tqx_amax_algo_from_py(PyObject *obj, tq_amax_algo *out);
+/* The fused update, in place, of one module's history (float32 [history_len, n]) and scale
+ * (contiguous float32 [n], on the history's device), column j with scaled max j; update is
+ * (history_len, algo, tuple of n scaled maxes). Runs on the history's current stream. -1 with
+ * an exception (ValueError naming the tensors for a wrong shape, dtype or device). */
+#define TQX_UPDATE_COLUMNS 4
+int tqx_amax_update_buffers(tqx_state *st, PyObject *history, PyObject *scale, PyObject *update,
+                            const char *history_name, const char *scale_name);
 
 /* autocast.c + state.c */
 int tqx_autocast_init(PyObject *module, tqx_state *st);

@@ -4,9 +4,12 @@ the `tequant::linear_fwd`, `tequant::linear_bwd` and `tequant::amax_update` ops 
 Eager te.Linear makes one C call per direction (csrc/ext/linear.c); traced code cannot, so the
 same C calls run inside torch.library ops whose schemas carry only tensors, ints and strings
 (the recipe as its `_tequant_id`). Ops return fresh tensors and mutate nothing: DelayedScaling's
-amaxes come back as outputs and are max-accumulated into the module's history in traced torch
-code, and the history roll / scale update returns new tensors that are copied in, so
-functionalization and CUDA graphs see ordinary buffer updates.
+ops take the module's history and return an updated copy (forward: the amaxes of x and W
+max-accumulated into row 0; backward: dy's, then the roll and scale update, the new scale with
+it), which the traced code copies into the buffers (one write each), so functionalization and
+CUDA graphs see ordinary buffer updates. Where the backward update needs an amax all-reduce or
+TE's unfused rule (a callable algo), the backward op returns dy's amax instead and the traced
+code accumulates, reduces and updates (tequant::amax_update).
 DelayedScaling under compile: the forward update of a module runs at the outermost autocast's
 exit (traced, when that autocast is entered in the compiled code; eager, when the compiled code
 runs inside an eager te.autocast: the module's buffers register with it after the graph runs);
@@ -22,7 +25,8 @@ _act_fn.ActInput, its activation run as tequant::act_fwd the same way; where fc1
 norm's codes, the activation's backward (tequant::act_bwd) quantizes fc1's grad_output, which
 reaches fc1's backward as the gradients of the placeholders its Function returns
 (_act_fn.GradOutput), multiplied there by tequant::linear_bwd_dy_given.
-Tests: tests/test_compile.py, tests/test_fused_norm_compile.py, tests/test_fused_act_modules.py.
+Tests: tests/test_compile.py, tests/test_compile_delayed.py, tests/test_fused_norm_compile.py,
+tests/test_fused_act_modules.py.
 """
 import weakref
 
@@ -56,19 +60,11 @@ def _accumulated(history, amaxes):
     return torch.cat((torch.maximum(history[:1], amaxes.view(1, -1)), history[1:]))
 
 
-def _accumulate(history, amaxes):
-    """In place, as one whole-tensor write (an in-place write through a view of a Function's
-    input is not functionalized)."""
-    with torch.no_grad():
-        history.copy_(_accumulated(history, amaxes))
-
-
 def _reduced(currents, recipe_id, group):
     """currents (histories) with row 0 all-reduced (MAX) over the amax reduction group in one
     collective, as delayed._reduce does in eager (traced: Dynamo turns the collective into a
     functional one in the graph)."""
-    if group is None or not info(recipe_id, 0)[7] or not torch.distributed.is_initialized() \
-            or torch.distributed.get_world_size(group) <= 1:
+    if not _reduces(recipe_id, group):
         return currents
     rows = torch.cat([c[0] for c in currents])
     torch.distributed.all_reduce(rows, op=torch.distributed.ReduceOp.MAX, group=group)
@@ -78,6 +74,26 @@ def _reduced(currents, recipe_id, group):
         reduced.append(torch.cat((rows[start:start + width].view(1, width), c[1:])))
         start += width
     return reduced
+
+
+def _reduces(recipe_id, group):
+    """Whether DelayedScaling's update all-reduces amaxes over `group` first (traced: the checks
+    are evaluated while tracing)."""
+    return group is not None and info(recipe_id, 0)[7] and torch.distributed.is_initialized() \
+        and torch.distributed.get_world_size(group) > 1
+
+
+@_compile.constant
+def _fused_rule(recipe_id):
+    """Whether the recipe's update is the fused rule that the backward ops run themselves."""
+    plan = _plan.of_id(recipe_id)
+    return plan.delayed and delayed.fused_update(plan, delayed.BACKWARD) is not None
+
+
+def _op_updates(recipe_id, group):
+    """Whether a DelayedScaling module's backward op runs the module's backward update itself:
+    the fused rule, and no all-reduce between its amax and the update."""
+    return _fused_rule(recipe_id) and not _reduces(recipe_id, group)
 
 
 def _apply_update(histories, scales, recipe_id, direction, currents=None, group=None):
@@ -163,11 +179,13 @@ class _CompiledLinear(torch.autograd.Function):
         else:  # packed: x's columnwise buffer (wgrad) and W's
             c_needs = (needs if override is None else 0) | PACKED
             n_x, n_w = (1 if c_needs & NEED_WGRAD else 0), 1
-        outs = torch.ops.tequant.linear_fwd(inp, weight, bias, recipe_id, c_needs, scale_fwd)
+        outs = torch.ops.tequant.linear_fwd(inp, weight, bias, recipe_id, c_needs, scale_fwd,
+                                            hist_fwd)
         x_members, w_members = outs[1:1 + n_x], outs[1 + n_x:1 + n_x + n_w]
         if is_delayed:
-            _accumulate(hist_fwd, torch.cat(outs[1 + n_x + n_w:]))
+            _copy_in(hist_fwd, outs[-1])
         ctx.recipe_id, ctx.needs, ctx.override, ctx.group = recipe_id, needs, override, group
+        ctx.fused_update = is_delayed and _op_updates(recipe_id, group)
         ctx.n_x, ctx.shape, ctx.is_delayed = n_x, tuple(inp.shape), is_delayed
         ctx.x_kept, ctx.w_kept, ctx.align = x_kept, w_kept, align
         ctx.x_dtype, ctx.w_dtype = inp.dtype, weight.dtype
@@ -203,19 +221,36 @@ class _CompiledLinear(torch.autograd.Function):
         x_kept = saved[0] if n_x else None
         outs = torch.ops.tequant.linear_bwd(dy, x_kept, saved[n_x], ctx.recipe_id, needs,
                                             list(ctx.shape), ctx.x_dtype, ctx.w_dtype, bias_dtype,
-                                            scale_bwd)
+                                            scale_bwd, _op_hist(ctx, hist_bwd))
         return _grads(ctx, outs, bias_dtype, scale_bwd, hist_bwd)
 
 
+def _op_hist(ctx, hist_bwd):
+    """hist_bwd for a backward op that updates the module itself, else None (it returns dy's
+    amax and _grads updates)."""
+    return hist_bwd if ctx.fused_update else None
+
+
+def _copy_in(buffer, new):
+    """buffer = new as one whole-tensor write (an in-place write through a view of a Function's
+    input is not functionalized)."""
+    with torch.no_grad():
+        buffer.copy_(new)
+
+
 def _grads(ctx, outs, bias_dtype, scale_bwd, hist_bwd):
-    """_CompiledLinear.backward's result from a backward op's [dx?, dW?, db?, amax dy?], after
-    DelayedScaling's backward update of the module."""
+    """_CompiledLinear.backward's result from a backward op's [dx?, dW?, db?, then new hist_bwd
+    and scale_bwd (the op updated the module) or amax dy], after DelayedScaling's backward
+    update of the module."""
     it = iter(outs)
     dx = next(it) if ctx.needs & NEED_DGRAD else None
     dw = next(it) if ctx.needs & NEED_WGRAD else None
     db = next(it) if bias_dtype is not None else None
-    if ctx.is_delayed:
-        # One write per buffer: AOT's partitioner refuses a buffer written twice in backward.
+    # One write per buffer: AOT's partitioner refuses a buffer written twice in backward.
+    if ctx.fused_update:
+        _copy_in(hist_bwd, next(it))
+        _copy_in(scale_bwd, next(it))
+    elif ctx.is_delayed:
         _apply_update((hist_bwd,), (scale_bwd,), ctx.recipe_id, delayed.BACKWARD,
                       [_accumulated(hist_bwd, next(it))], ctx.group)
     return (dx, dw, db) + _NONE_ARGS
@@ -233,13 +268,14 @@ def _given_forward(ctx, needs, inp, weight, bias, scale_fwd, hist_fwd, scale_bwd
     activation writes dy's codes (_act_fn.GradOutput): (y, *placeholders)."""
     members = [x_data, x_scale_inv, None, None, x_amax, None]
     outs = torch.ops.tequant.linear_fwd_given(members, list(inp.shape), inp.dtype, weight, bias,
-                                              recipe_id, needs, scale_fwd)
+                                              recipe_id, needs, scale_fwd, hist_fwd)
     if is_delayed:
-        _accumulate(hist_fwd, torch.cat((x_amax.view(1, 1), outs[2].view(1, 1))))
+        _copy_in(hist_fwd, outs[2])
     x_kept = ()
     if needs & NEED_WGRAD:
         x_kept = (torch.ops.tequant.transpose_codes(x_data), x_scale_inv, x_amax)
     ctx.recipe_id, ctx.needs, ctx.group, ctx.is_delayed = recipe_id, needs, group, is_delayed
+    ctx.fused_update = is_delayed and _op_updates(recipe_id, group)
     ctx.shape, ctx.x_dtype, ctx.w_dtype = tuple(inp.shape), inp.dtype, weight.dtype
     ctx.bias_dtype = bias.dtype if bias is not None else None
     ctx.save_for_backward(*x_kept, outs[1], *((scale_bwd, hist_bwd) if is_delayed else ()))
@@ -262,15 +298,18 @@ def _given_backward(ctx, dy, dy_q):
         scale_bwd, hist_bwd = saved[1:3]
     bias_dtype = ctx.bias_dtype if ctx.needs_input_grad[2] else None
     if dy_q and dy_q[0] is not None:  # dy's codes, amax and dbias from the activation
+        hist = _op_hist(ctx, hist_bwd)
         outs = torch.ops.tequant.linear_bwd_dy_given(list(dy_q[:3]), x_members, saved[0],
                                                      ctx.recipe_id, needs, list(ctx.shape),
-                                                     ctx.x_dtype, ctx.w_dtype)
-        outs = (list(outs) + ([dy_q[3].to(bias_dtype)] if bias_dtype is not None else [])
-                + ([dy_q[2]] if ctx.is_delayed else []))  # new lists: Dynamo's rule here
+                                                     ctx.x_dtype, ctx.w_dtype, scale_bwd, hist)
+        n = len(outs) - (2 if hist is not None else 0)  # dx?, dW?, then the op's copies
+        tail = list(outs[n:]) if hist is not None else [dy_q[2]] if ctx.is_delayed else []
+        outs = (list(outs[:n]) + ([dy_q[3].to(bias_dtype)] if bias_dtype is not None else [])
+                + tail)  # new lists: Dynamo's rule here
         return _grads(ctx, outs, bias_dtype, scale_bwd, hist_bwd)
     outs = torch.ops.tequant.linear_bwd_given(dy, x_members, saved[0], ctx.recipe_id, needs,
                                               list(ctx.shape), ctx.x_dtype, ctx.w_dtype,
-                                              bias_dtype, scale_bwd)
+                                              bias_dtype, scale_bwd, _op_hist(ctx, hist_bwd))
     return _grads(ctx, outs, bias_dtype, scale_bwd, hist_bwd)
 
 

@@ -15,10 +15,13 @@ implementations resolve them with _C._recipe_of_key and _C.quantizer_config (cac
 Rules the ops keep for functionalization: quantize, dequantize and gemm return fresh tensors
 (never an input, never each other); gemm_out mutates `out` and returns nothing. DelayedScaling:
 quantize takes `scale` read-only and returns the amax of x in a fresh tensor (the traced code
-max-accumulates it into the history slot). Stochastic rounding without rng: quantize draws
-(seed, offset) from the default generator of x's device when it runs, as each eager call does
-(inside a CUDA graph capture, as a device tensor that each replay draws anew: _rng.py).
-Tests: tests/test_compile_ops.py, tests/test_compile.py.
+max-accumulates it into the history slot); te.Linear's ops take the module's history read-only
+and return an updated copy (forward: amaxes accumulated; backward, with the fused update rule:
+also rolled, with the new scale), which the traced code copies into the buffers. Stochastic
+rounding without rng: quantize draws (seed, offset) from the default generator of x's device
+when it runs, as each eager call does (inside a CUDA graph capture, as a device tensor that each
+replay draws anew: _rng.py).
+Tests: tests/test_compile_ops.py, tests/test_compile.py, tests/test_compile_delayed.py.
 """
 import contextlib
 from typing import Optional
@@ -206,15 +209,25 @@ def _transposed_like(x):
 
 # The compiled te.Linear (_compile_linear.py) runs linear.c's forward and backward as these ops,
 # whose kernels are C functions of tequant._C (csrc/ext/linear_ops.c): the dispatcher calls them
-# with no Python frame in between. linear_ops.c asks for a recipe id's plan tuple once.
+# with no Python frame in between. linear_ops.c asks for a recipe id's entry once.
 
-_C._set_linear_plan_of(lambda recipe_id: _plan.of_id(recipe_id).c_args)
+def _linear_entry(recipe_id):
+    """What linear_ops.c asks of a recipe id once: (the plan tuple linear.c takes, DelayedScaling's
+    backward update for the ops that update a module themselves: delayed.fused_update, None for
+    TE's unfused rule or another recipe)."""
+    plan = _plan.of_id(recipe_id)
+    return plan.c_args, delayed.fused_update(plan, delayed.BACKWARD) if plan.delayed else None
+
+
+_C._set_linear_plan_of(_linear_entry)
 
 
 @op("tequant::linear_fwd", mutates_args=(), kernel=_C.linear_fwd_op)
 def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe_id: str,
-               needs: int, scale_fwd: torch.Tensor | None) -> list[torch.Tensor]:
-    """[y, what backward keeps] (+ [amax x, amax W] for DelayedScaling): with needs bit 8
+               needs: int, scale_fwd: torch.Tensor | None,
+               hist_fwd: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """[y, what backward keeps] (+ for DelayedScaling: [hist_fwd's copy with x's and W's amaxes
+    max-accumulated into row 0] given hist_fwd, else [amax x, amax W]): with needs bit 8
     (packed) x's columnwise buffer when wgrad runs and W's buffer, else the kept members of x
     and W (csrc/ext/linear_ops.c, the kernel)."""
 
@@ -232,7 +245,7 @@ def _fake_buffer(config, rows, cols, parts, like):
 
 
 @fake("tequant::linear_fwd")
-def _linear_fwd_fake(inp, weight, bias, recipe_id, needs, scale_fwd):
+def _linear_fwd_fake(inp, weight, bias, recipe_id, needs, scale_fwd, hist_fwd=None):
     plan = _plan.of_id(recipe_id)
     n, k = weight.shape
     rows = inp.numel() // k
@@ -248,23 +261,32 @@ def _linear_fwd_fake(inp, weight, bias, recipe_id, needs, scale_fwd):
                                 inp.device)
         result += _fake_members(plan.w, n, k, ROWWISE | COLUMNWISE, _plan.w_kept(plan),
                                 inp.device)
-    if plan.delayed:
-        result += [inp.new_empty((1, 1), dtype=torch.float32) for _ in range(2)]
-    return result
+    return result + _delayed_fake(plan, inp, hist_fwd, None, 2)
+
+
+def _delayed_fake(plan, like, hist, scale, n_amax):
+    """The trailing DelayedScaling outputs: the history's (and scale's) copies, or n amaxes."""
+    if not plan.delayed:
+        return []
+    if hist is not None:
+        return [torch.empty_like(t) for t in (hist, scale) if t is not None]
+    return [like.new_empty((1, 1), dtype=torch.float32) for _ in range(n_amax)]
 
 
 @op("tequant::linear_bwd", mutates_args=(), kernel=_C.linear_bwd_op)
 def linear_bwd(dy: torch.Tensor, x_kept: torch.Tensor | None, w_kept: torch.Tensor,
                recipe_id: str, needs: int, inp_shape: list[int], x_dtype: torch.dtype,
                w_dtype: torch.dtype, bias_dtype: torch.dtype | None,
-               scale_bwd: torch.Tensor | None) -> list[torch.Tensor]:
-    """[dx if dgrad, dW if wgrad, db if bias_dtype] (+ [amax dy] for DelayedScaling) from the
-    packed buffers linear_fwd kept (csrc/ext/linear_ops.c, the kernel)."""
+               scale_bwd: torch.Tensor | None,
+               hist_bwd: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """[dx if dgrad, dW if wgrad, db if bias_dtype] from the packed buffers linear_fwd kept (+ for
+    DelayedScaling: [the module's new hist_bwd and scale_bwd] given hist_bwd (the fused update
+    rule, no amax reduction), else [amax dy]) (csrc/ext/linear_ops.c, the kernel)."""
 
 
 @fake("tequant::linear_bwd")
 def _linear_bwd_fake(dy, x_kept, w_kept, recipe_id, needs, inp_shape, x_dtype, w_dtype,
-                     bias_dtype, scale_bwd):
+                     bias_dtype, scale_bwd, hist_bwd=None):
     result = []
     if needs & NEED_DGRAD:
         result.append(dy.new_empty(tuple(inp_shape), dtype=x_dtype))
@@ -272,9 +294,7 @@ def _linear_bwd_fake(dy, x_kept, w_kept, recipe_id, needs, inp_shape, x_dtype, w
         result.append(dy.new_empty((dy.shape[-1], inp_shape[-1]), dtype=w_dtype))
     if bias_dtype is not None:
         result.append(dy.new_empty((dy.shape[-1],), dtype=bias_dtype))
-    if _plan.of_id(recipe_id).delayed:
-        result.append(dy.new_empty((1, 1), dtype=torch.float32))
-    return result
+    return result + _delayed_fake(_plan.of_id(recipe_id), dy, hist_bwd, scale_bwd, 1)
 
 
 # The fused norm's codes (_norm_fn.NormInput) reach te.Linear already quantized: these two run
@@ -285,46 +305,60 @@ def _linear_bwd_fake(dy, x_kept, w_kept, recipe_id, needs, inp_shape, x_dtype, w
 @op("tequant::linear_fwd_given", mutates_args=())
 def linear_fwd_given(x_members: list[Optional[torch.Tensor]], x_shape: list[int],
                      x_dtype: torch.dtype, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                     recipe_id: str, needs: int, scale_fwd: Optional[torch.Tensor]
-                     ) -> list[torch.Tensor]:
-    """[y, W's packed buffer] (+ [amax W] for DelayedScaling) of y = x W^T + b for x given as
-    its members (needs: linear.c's bits, packed; x's own members are not returned: the caller
-    holds them)."""
+                     recipe_id: str, needs: int, scale_fwd: Optional[torch.Tensor],
+                     hist_fwd: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+    """[y, W's packed buffer] of y = x W^T + b for x given as its members (needs: linear.c's
+    bits, packed; x's own members are not returned: the caller holds them), + for
+    DelayedScaling [hist_fwd's copy with x's amax (x_members[4], which came with the codes) and
+    W's max-accumulated into row 0] given hist_fwd, else [amax W]."""
     plan = _plan.of_id(recipe_id)
-    w_state = None
-    if plan.delayed:  # x's amax came with its codes; W's goes to a fresh slot
+    w_state = hist = None
+    if plan.delayed and hist_fwd is not None:
+        hist, _, (x_state, w_state) = _C._linear_delayed_copies(recipe_id, False, hist_fwd,
+                                                                scale_fwd, weight)
+        _max_into(x_state[1], x_members[4])
+    elif plan.delayed:  # W's amax goes to a fresh slot
         w_state = (scale_fwd[1:2], weight.new_zeros((1, 1), dtype=torch.float32))
     x = (tuple(x_members), tuple(x_shape), _TQ_DTYPE[x_dtype])
     with graph_safe_workspace():
         out, saved = _C.linear_forward(plan.c_args, x, weight, bias, needs | PACKED, [], None,
                                        None, w_state)
-    return [out, saved[1][0]] + ([w_state[1]] if plan.delayed else [])
+    return [out, saved[1][0]] + ([] if not plan.delayed else [hist] if hist is not None
+                                 else [w_state[1]])
+
+
+def _max_into(slot, amax):
+    """slot = max(slot, amax) for the op's own history copy (amax: one element)."""
+    slot.copy_(torch.maximum(slot, amax.reshape(slot.shape)))
 
 
 @fake("tequant::linear_fwd_given")
 def _linear_fwd_given_fake(x_members, x_shape, x_dtype, weight, bias, recipe_id, needs,
-                           scale_fwd):
+                           scale_fwd, hist_fwd=None):
     plan = _plan.of_id(recipe_id)
     n, k = weight.shape
     like = weight if x_members[0] is None else x_members[0]
-    result = [like.new_empty(tuple(x_shape[:-1]) + (n,), dtype=x_dtype),
-              _fake_buffer(plan.w, n, k, ROWWISE | COLUMNWISE, like)]
-    if plan.delayed:
-        result.append(like.new_empty((1, 1), dtype=torch.float32))
-    return result
+    return [like.new_empty(tuple(x_shape[:-1]) + (n,), dtype=x_dtype),
+            _fake_buffer(plan.w, n, k, ROWWISE | COLUMNWISE, like)] + _delayed_fake(
+                plan, like, hist_fwd, None, 1)
 
 
 @op("tequant::linear_bwd_given", mutates_args=())
 def linear_bwd_given(dy: torch.Tensor, x_members: list[Optional[torch.Tensor]],
                      w_kept: torch.Tensor, recipe_id: str, needs: int, inp_shape: list[int],
                      x_dtype: torch.dtype, w_dtype: torch.dtype, bias_dtype: torch.dtype | None,
-                     scale_bwd: torch.Tensor | None) -> list[torch.Tensor]:
+                     scale_bwd: torch.Tensor | None,
+                     hist_bwd: torch.Tensor | None = None) -> list[torch.Tensor]:
     """linear_bwd for an x that came as members (x_members: its six, the columnwise ones for
-    wgrad) and W's packed buffer: [dx if dgrad, dW if wgrad, db if bias_dtype] (+ [amax dy])."""
+    wgrad) and W's packed buffer: [dx if dgrad, dW if wgrad, db if bias_dtype] (+ linear_bwd's
+    DelayedScaling outputs)."""
     plan = _plan.of_id(recipe_id)
     rows, k = _rows_cols(inp_shape)
-    state = None
-    if plan.delayed:
+    state = copies = None
+    if plan.delayed and hist_bwd is not None:
+        copies = _C._linear_delayed_copies(recipe_id, True, hist_bwd, scale_bwd, dy)
+        state = copies[2][0]
+    elif plan.delayed:
         state = (scale_bwd[0:1], dy.new_zeros((1, 1), dtype=torch.float32))
     saved = (tuple(x_members), (w_kept, state[1] if state else None), rows,
              _plan.padded(rows, plan.align), dy.shape[-1], k, _TQ_DTYPE[x_dtype],
@@ -332,14 +366,23 @@ def linear_bwd_given(dy: torch.Tensor, x_members: list[Optional[torch.Tensor]],
     with graph_safe_workspace():
         grads = _C.linear_backward(plan.c_args, saved, dy.contiguous(), needs, state,
                                    tuple(inp_shape), bias_dtype, None)
-    return [g for g in grads if g is not None] + ([state[1]] if state else [])
+    return [g for g in grads if g is not None] + delayed_outputs(recipe_id, copies, state)
+
+
+def delayed_outputs(recipe_id, copies, state):
+    """A backward op's trailing DelayedScaling outputs: its copies of the module's buffers after
+    the update (copies from _C._linear_delayed_copies), or the amax slot of `state`, or none."""
+    if copies is not None:
+        _C._linear_delayed_update(recipe_id, copies[0], copies[1])
+        return list(copies[:2])
+    return [state[1]] if state else []
 
 
 @fake("tequant::linear_bwd_given")
 def _linear_bwd_given_fake(dy, x_members, w_kept, recipe_id, needs, inp_shape, x_dtype, w_dtype,
-                           bias_dtype, scale_bwd):
+                           bias_dtype, scale_bwd, hist_bwd=None):
     return _linear_bwd_fake(dy, None, w_kept, recipe_id, needs, inp_shape, x_dtype, w_dtype,
-                            bias_dtype, scale_bwd)
+                            bias_dtype, scale_bwd, hist_bwd)
 
 
 _SCALED_MAX = {}  # (recipe_id, direction) -> each column's scaled fmax (delayed.slots_of's)

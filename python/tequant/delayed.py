@@ -91,14 +91,28 @@ def slots_of(plan, hist, scale, direction):
             for column, scaled_max in enumerate(scaled_maxes(plan, direction))]
 
 
+def _unfused(recipe):
+    return callable(recipe.amax_compute_algo) or recipe.scaling_factor_compute_algo is not None
+
+
+def fused_update(plan, direction):
+    """(history_len, algo, each column's scaled max) of the fused rule (tq_amax_update) for one
+    module's `direction` buffers, or None where the recipe takes TE's unfused rule: what the
+    compiled te.Linear's backward op needs to update a module itself (csrc/ext/linear_ops.c)."""
+    recipe = plan.recipe
+    if _unfused(recipe):
+        return None
+    return (recipe.amax_history_len, recipe.amax_compute_algo,
+            tuple(scaled_maxes(plan, direction)))
+
+
 def update_slots(slots, recipe, group):
     """All-reduce (MAX over group) then the fused or TE-unfused roll and scale update."""
     reduced = _reduce(slots, recipe, group)
-    algo, scale_algo = recipe.amax_compute_algo, recipe.scaling_factor_compute_algo
-    if callable(algo) or scale_algo is not None:
+    if _unfused(recipe):
         _update_unfused(slots, reduced, recipe)
     else:
-        _C._amax_update(slots, recipe.amax_history_len, algo, reduced)
+        _C._amax_update(slots, recipe.amax_history_len, recipe.amax_compute_algo, reduced)
 
 
 class _CompiledEntry:

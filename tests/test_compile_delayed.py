@@ -1,0 +1,235 @@
+"""DelayedScaling's per-module bookkeeping inside the compiled te.Linear's ops (issue 23): the
+forward ops (tequant::linear_fwd in csrc/ext/linear_ops.c, linear_fwd_given in _compile_ops.py)
+take the module's amax history and return a copy with x's and W's amaxes max-accumulated into
+row 0; the backward ops (linear_bwd, linear_bwd_given, linear_bwd_dy_given in _act_fn.py), under
+the fused update rule and without an amax all-reduce, return the module's new history and scale
+(dy's amax accumulated, then rolled: amax_update.c's tqx_amax_update_buffers), so the traced
+code (_compile_linear.py) only copies them into the buffers.
+
+- The graphs AOT records: the backward of a te.Linear and of a te.LayerNormMLP (the fused codes'
+  ops) holds no tequant::amax_update, maximum or cat; a callable amax_compute_algo (TE's unfused
+  rule) keeps the traced update.
+- Bit-identical to eager over two steps (outputs, gradients, histories, scales): "most_recent",
+  a one-row history, another margin, a callable algo, a callable scale rule; inductor for one.
+- The ops alone: their copies equal the old outputs accumulated and updated by hand
+  (_C._amax_update), the fake kernels promise the real outputs' shapes, and bad histories are
+  refused with ValueErrors naming them.
+The amax all-reduce over two gloo ranks (the backward update stays traced there):
+tests/test_compile.py::test_amax_reduction_group_under_compile_matches_eager.
+"""
+import copy
+
+import pytest
+import torch
+import torch._dynamo.testing
+
+import tequant as te
+from tequant import _C, _plan, delayed
+from tequant.recipe import DelayedScaling, Float8CurrentScaling, Format
+
+from test_compile import _check, _input, _inside, _model, gpu
+from test_fused_act_modules import _mlp
+from test_linear import one_cpu_thread
+
+assert one_cpu_thread  # the autouse fixture, imported to apply here too
+
+
+def _mean_amax(history):
+    return history.mean()
+
+
+def _half_scale(amax, scale, fmax, recipe):
+    return torch.where(amax > 0, fmax / amax / 2, scale)
+
+
+RECIPES = {
+    "max": DelayedScaling(amax_history_len=4),
+    "most_recent": DelayedScaling(amax_history_len=4, amax_compute_algo="most_recent"),
+    "one_row": DelayedScaling(amax_history_len=1),
+    "margin": DelayedScaling(amax_history_len=3, margin=2, fp8_format=Format.E4M3),
+    "callable_algo": DelayedScaling(amax_history_len=3, amax_compute_algo=_mean_amax),
+    "callable_scale": DelayedScaling(amax_history_len=4, scaling_factor_compute_algo=_half_scale),
+}
+TRACED_UPDATE = {"tequant.amax_update.default", "aten.maximum.default", "aten.cat.default"}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _graph_ops(model, recipe, x):
+    """The call_function targets of the forward and backward graphs of one compiled step."""
+    recorder = torch._dynamo.testing.AotEagerAndRecordGraphs()
+    step = torch.compile(_inside(recipe), backend=recorder, fullgraph=True)
+    step(model, x.clone().requires_grad_()).float().square().mean().backward()
+
+    def ops(graphs):
+        return [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+    return ops(recorder.fw_graphs), ops(recorder.bw_graphs)
+
+
+def test_backward_graph_copies_the_ops_update_in():
+    fw, bw = _graph_ops(_model("mlp", "cpu"), RECIPES["max"], _input("mlp", "cpu"))
+    assert bw.count("tequant.linear_bwd.default") == 2
+    assert not TRACED_UPDATE & set(bw), bw
+    assert bw.count("aten.copy_.default") == 4  # each module's history and scale, once
+    # forward: no traced accumulation; one update of both modules at the autocast's exit
+    assert fw.count("tequant.linear_fwd.default") == 2
+    assert "aten.maximum.default" not in fw and "aten.cat.default" not in fw
+    assert fw.count("tequant.amax_update.default") == 1
+
+
+def test_fused_codes_backward_graph_has_no_traced_update():
+    """te.LayerNormMLP: fc1 multiplies the norm's codes and gets dy's codes from the activation
+    (linear_bwd_dy_given), fc2 the activation's codes (linear_bwd_given)."""
+    x = torch.randn(3, 7, 64).to(torch.bfloat16)
+    fw, bw = _graph_ops(_mlp("swiglu"), RECIPES["max"], x)
+    assert {"tequant.linear_bwd_dy_given.default", "tequant.linear_bwd_given.default"} <= set(bw)
+    assert not TRACED_UPDATE & set(bw), bw
+    assert fw.count("tequant.linear_fwd_given.default") == 2
+    assert "aten.maximum.default" not in fw and "aten.cat.default" not in fw
+
+
+@pytest.mark.parametrize("name", ["callable_algo", "callable_scale"])
+def test_unfused_rule_keeps_the_traced_update(name):
+    _, bw = _graph_ops(_model("linear", "cpu"), RECIPES[name], _input("linear", "cpu"))
+    assert bw.count("tequant.amax_update.default") == 1
+
+
+@pytest.mark.parametrize("name", [n for n in RECIPES if n != "max"])  # max: test_compile.py
+def test_compiled_steps_are_bit_identical_to_eager(name):
+    _check(_inside(RECIPES[name]), "mlp", "cpu")
+
+
+def test_fused_codes_most_recent_bit_identical_to_eager():
+    model = _mlp("swiglu")
+    twin = copy.deepcopy(model)
+    step = _inside(RECIPES["most_recent"])
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    for i in range(2):
+        x = torch.randn(3, 7, 64).to(torch.bfloat16) * (i + 1)
+        outs = []
+        for fn, m in ((step, model), (compiled, twin)):
+            xi = x.clone().requires_grad_()
+            y = fn(m, xi)
+            y.float().square().mean().backward()
+            outs.append([y, xi.grad] + [p.grad for p in m.parameters()] + list(m.buffers()))
+        assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
+def test_inductor_most_recent_bit_identical_to_eager():
+    _check(_inside(RECIPES["most_recent"]), "linear", "cpu", backend="inductor")
+
+
+def _ops_inputs(recipe):
+    g = torch.Generator().manual_seed(0)
+    x, w, dy = (torch.randn(*s, generator=g) for s in ((3, 7, 64), (32, 64), (3, 7, 32)))
+    hist_fwd = torch.rand(recipe.amax_history_len, 2, generator=g)
+    hist_bwd = torch.rand(recipe.amax_history_len, 1, generator=g)
+    hist_fwd[0] = hist_bwd[0] = 0.01  # below this step's amaxes: row 0 takes them
+    return x, w, dy, hist_fwd, torch.rand(2, generator=g) + 0.5, hist_bwd, \
+        torch.rand(1, generator=g) + 0.5
+
+
+@pytest.mark.parametrize("name", ["max", "most_recent", "one_row"])
+def test_ops_copies_equal_the_old_outputs_updated_by_hand(name):
+    """linear_fwd / linear_bwd with a history against the same ops without (fresh amaxes), whose
+    amaxes are accumulated and the backward update run by hand, as the traced code did."""
+    recipe = RECIPES[name]
+    rid = str(_C.recipe_key(recipe))
+    x, w, dy, hist_fwd, scale_fwd, hist_bwd, scale_bwd = _ops_inputs(recipe)
+    before = [t.clone() for t in (hist_fwd, scale_fwd, hist_bwd, scale_bwd)]
+    fwd, bwd = torch.ops.tequant.linear_fwd, torch.ops.tequant.linear_bwd
+    old = fwd(x, w, None, rid, 8 | 3, scale_fwd)
+    new = fwd(x, w, None, rid, 8 | 3, scale_fwd, hist_fwd)
+    assert len(new) == len(old) - 1
+    assert torch.equal(old[0], new[0])  # (the packed buffers hold unwritten alignment bytes)
+    want = hist_fwd.clone()
+    want[0] = torch.maximum(want[0], torch.cat(old[-2:]).view(2))
+    assert torch.equal(new[-1], want) and want[0].min() > 0.01
+    args = (rid, 3, [3, 7, 64], x.dtype, w.dtype, None, scale_bwd)
+    old = bwd(dy, new[1], new[2], *args)
+    got = bwd(dy, new[1], new[2], *args, hist_bwd)
+    assert len(got) == len(old) + 1
+    assert all(torch.equal(a, b) for a, b in zip(old[:-1], got[:-2]))
+    hist, scale = hist_bwd.clone(), scale_bwd.clone()
+    hist[0] = torch.maximum(hist[0], old[-1].view(1))
+    scaled = delayed.scaled_maxes(_plan.of_id(rid), delayed.BACKWARD)[0]
+    _C._amax_update([(hist, scale, scaled)], recipe.amax_history_len,
+                    recipe.amax_compute_algo, None)
+    assert torch.equal(got[-2], hist) and torch.equal(got[-1], scale)
+    assert not torch.equal(scale, scale_bwd)  # the update ran
+    after = (hist_fwd, scale_fwd, hist_bwd, scale_bwd)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))  # the ops mutate nothing
+
+
+def test_ops_with_histories_match_their_fake_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    recipe = RECIPES["max"]
+    rid = str(_C.recipe_key(recipe))
+    x, w, dy, hist_fwd, scale_fwd, hist_bwd, scale_bwd = _ops_inputs(recipe)
+    fwd, bwd = torch.ops.tequant.linear_fwd, torch.ops.tequant.linear_bwd
+
+    def shapes(outs):
+        return [(tuple(t.shape), t.stride(), t.dtype) for t in outs]
+    for needs in (8 | 3, 3):  # packed, and the members (the amax members copied out)
+        real = fwd(x, w, None, rid, needs, scale_fwd, hist_fwd)
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake = fwd(*(mode.from_tensor(t) for t in (x, w)), None, rid, needs,
+                       mode.from_tensor(scale_fwd), mode.from_tensor(hist_fwd))
+        assert shapes(real) == shapes(fake)
+        aliased = {t.untyped_storage().data_ptr() for t in real}
+        assert len(aliased) == len(real)  # op outputs alias nothing
+    real = fwd(x, w, None, rid, 8 | 3, scale_fwd, hist_fwd)
+    args = (rid, 3, [3, 7, 64], x.dtype, w.dtype, torch.float32)
+    got = bwd(dy, real[1], real[2], *args, scale_bwd, hist_bwd)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = bwd(mode.from_tensor(dy), real[1], real[2], *args, mode.from_tensor(scale_bwd),
+                   mode.from_tensor(hist_bwd))
+    assert shapes(got) == shapes(fake)
+
+
+def test_ops_refuse_bad_histories():
+    rid = str(_C.recipe_key(RECIPES["max"]))  # a 4-row history
+    x, w = torch.randn(16, 32), torch.randn(16, 32)
+    fwd, bwd = torch.ops.tequant.linear_fwd, torch.ops.tequant.linear_bwd
+    two, four_two = torch.ones(2), torch.zeros(4, 2)
+    with pytest.raises(ValueError, match="hist_fwd has dtype float64"):
+        fwd(x, w, None, rid, 8 | 3, two, four_two.double())
+    with pytest.raises(ValueError, match=r"hist_fwd must be float32 \[history_len, 2\]"):
+        fwd(x, w, None, rid, 8 | 3, two, torch.zeros(4, 3))
+    with pytest.raises(ValueError, match="hist_fwd must be"):
+        fwd(x, w, None, rid, 8 | 3, two, torch.zeros(8))
+    with pytest.raises(ValueError, match=r"scale_fwd float32 \[2\]; got .* 3 elements"):
+        fwd(x, w, None, rid, 8 | 3, torch.ones(3), four_two)
+    with pytest.raises(ValueError, match="hist_fwd is for DelayedScaling only"):
+        fwd(x, w, None, str(_C.recipe_key(Float8CurrentScaling())), 8 | 3, None, four_two)
+    outs = fwd(x, w, None, rid, 8 | 3, two)
+    args = (rid, 3, [16, 32], x.dtype, w.dtype, None)
+    dy = torch.randn(16, 16)
+    with pytest.raises(ValueError, match=r"hist_bwd must be float32 \[4, 1\]"):
+        bwd(dy, outs[1], outs[2], *args, torch.ones(1), torch.zeros(3, 1))
+    with pytest.raises(ValueError, match=r"scale_bwd float32 \[1\]"):
+        bwd(dy, outs[1], outs[2], *args, torch.ones(2), torch.zeros(4, 1))
+    with pytest.raises(ValueError, match="hist_bwd is for DelayedScaling only"):
+        bwd(dy, outs[1], outs[2], str(_C.recipe_key(Float8CurrentScaling())), *args[1:], None,
+            torch.zeros(4, 1))
+    unfused = str(_C.recipe_key(RECIPES["callable_algo"]))
+    outs = fwd(x, w, None, unfused, 8 | 3, two)
+    with pytest.raises(ValueError, match="fused update rule"):
+        bwd(dy, outs[1], outs[2], unfused, *args[1:], torch.ones(1), torch.zeros(3, 1))
+    with pytest.raises(ValueError, match=r"hist_bwd must be float32 \[4, 1\]"):
+        _C._linear_delayed_copies(rid, True, torch.zeros(4, 2), torch.ones(1), dy)
+
+
+@gpu
+@pytest.mark.gpu
+def test_ops_refuse_a_history_on_another_device():
+    rid = str(_C.recipe_key(RECIPES["max"]))
+    x, w = torch.randn(16, 32, device="cuda"), torch.randn(16, 32, device="cuda")
+    with pytest.raises(ValueError, match="must be on the input's device, cuda:0"):
+        torch.ops.tequant.linear_fwd(x, w, None, rid, 8 | 3, torch.ones(2, device="cuda"),
+                                     torch.zeros(4, 2))
