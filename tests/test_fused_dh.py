@@ -53,9 +53,9 @@ def spied():
     acts, dys = [], []
     into, linear_backward = _act_fn._backward_into, _C.linear_backward
 
-    def act_spy(dy, h, activation, recipe_id, padded, scale, want_dbias, slot):
+    def act_spy(dy, h, activation, recipe_id, padded, scale, dbias_dtype, slot):
         before = None if scale is None else scale.clone()
-        outs = into(dy, h, activation, recipe_id, padded, scale, want_dbias, slot)
+        outs = into(dy, h, activation, recipe_id, padded, scale, dbias_dtype, slot)
         if recipe_id is not None:
             acts.append(dict(dy=dy.clone(), h=h.clone(), act=activation, scale=before,
                              outs=[t.clone() for t in outs], returned=outs))
@@ -70,14 +70,14 @@ def spied():
         yield acts, dys
 
 
-def standalone(dy, h, act, recipe, scale):
-    """[codes [M, K] (uint8), scale_inv, amax, dbias] of the kernel run by hand with fc1's
-    grad_output quantizer."""
+def standalone(dy, h, act, recipe, scale, dbias_dtype=torch.float32):
+    """[codes [M, K] (uint8), scale_inv, amax, dbias (dbias_dtype)] of the kernel run by hand
+    with fc1's grad_output quantizer."""
     config = te.quantizer_config(recipe, "grad_output")
     m, k = h.shape
     codes = torch.empty(m, k, dtype=torch.uint8, device=h.device)
     scale_inv, amax = torch.empty(1, device=h.device), torch.zeros(1, device=h.device)
-    dbias = torch.empty(k, device=h.device)
+    dbias = torch.empty(k, dtype=dbias_dtype, device=h.device)
     if config.scaling == "delayed":
         _C._act_backward(dy, h, act, amax=amax, config=config, dh_q=codes, scale_inv=scale_inv,
                          scale=scale, dbias=dbias)
@@ -191,13 +191,16 @@ def test_codes_amax_and_dbias_are_the_kernels(act, name, dtype, device):
     assert len(acts) == 2
     for rec in acts:
         codes, scale_inv, amax, dbias = rec["outs"]
-        want = standalone(rec["dy"], rec["h"], act, recipe, rec["scale"])
+        assert dbias.dtype == dtype  # stored in fc1's bias dtype by the kernel: no cast after
+        want = standalone(rec["dy"], rec["h"], act, recipe, rec["scale"], dtype)
         k = 192 if act in ("swiglu", "reglu") else 96
         assert codes.shape == (32, k) and not codes.view(torch.uint8)[21:].any()
         assert torch.equal(codes.view(torch.uint8)[:21], want[0])
         for got, ref in zip((scale_inv, amax, dbias), want[1:]):
             assert same_bits(got.reshape(-1), ref)
-        if dtype != torch.float32:
+        if dtype != torch.float32:  # the kernel's rounding of its float32 sums, as a cast's
+            sums = standalone(rec["dy"], rec["h"], act, recipe, rec["scale"])[3]
+            assert same_bits(dbias, sums.to(dtype))
             continue
         dh = torch.empty_like(rec["h"])
         _C._act_backward(rec["dy"], rec["h"], act, dh=dh)

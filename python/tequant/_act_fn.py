@@ -161,11 +161,12 @@ def _act_fwd_fake(h, activation, want_hp, recipe_id, scale, padded):
     return outs
 
 
-def _backward_into(dy, h, activation, recipe_id, padded, scale, want_dbias, slot):
+def _backward_into(dy, h, activation, recipe_id, padded, scale, dbias_dtype, slot):
     """[dh [M, K] (h's dtype)] of h [M, K] from dy [M, N] in h's dtype; with recipe_id (a
     per-tensor FP8 recipe) fc1's grad_output instead (GradOutput): [codes [padded, K] (rows
-    past M zero) of its "grad_output" quantizer, scale_inv, amax [1, 1], dbias (float32 [K])
-    if want_dbias]. slot: the tensor to max-accumulate amax(dh) into (DelayedScaling's history
+    past M zero) of its "grad_output" quantizer, scale_inv, amax [1, 1], dbias ([K] of
+    dbias_dtype, fc1's bias dtype: the kernel rounds its float32 sums to it) if dbias_dtype].
+    slot: the tensor to max-accumulate amax(dh) into (DelayedScaling's history
     slot, eager), or None for a fresh one."""
     if recipe_id is None:
         dh = torch.empty_like(h)
@@ -173,7 +174,7 @@ def _backward_into(dy, h, activation, recipe_id, padded, scale, want_dbias, slot
         return [dh]
     m, k = h.shape
     config, data, scale_inv, amax = fp8_outputs(h, recipe_id, padded, m, k, slot, "grad_output")
-    dbias = h.new_empty((k,), dtype=torch.float32) if want_dbias else None
+    dbias = h.new_empty((k,), dtype=dbias_dtype) if dbias_dtype is not None else None
     if config.scaling == "delayed":  # one pass: cast with fc1's scale, amax and dbias alongside
         _C._act_backward(dy, h, activation, amax=amax, config=config, dh_q=data[:m],
                          scale_inv=scale_inv, scale=scale, dbias=dbias)
@@ -181,23 +182,24 @@ def _backward_into(dy, h, activation, recipe_id, padded, scale, want_dbias, slot
         _C._act_backward(dy, h, activation, amax=amax, dbias=dbias)
         _C._act_backward(dy, h, activation, config=config, dh_q=data[:m], scale_inv=scale_inv,
                          amax_in=amax)
-    return [data, scale_inv, amax.view(1, 1)] + ([dbias] if want_dbias else [])
+    return [data, scale_inv, amax.view(1, 1)] + ([dbias] if dbias is not None else [])
 
 
 @op("tequant::act_bwd", mutates_args=())
 def _act_bwd(dy: torch.Tensor, h: torch.Tensor, activation: str, recipe_id: Optional[str],
-             padded: int, scale: Optional[torch.Tensor], want_dbias: bool) -> list[torch.Tensor]:
+             padded: int, scale: Optional[torch.Tensor],
+             dbias_dtype: Optional[torch.dtype]) -> list[torch.Tensor]:
     """_backward_into with a fresh amax (compiled code max-accumulates it into fc1's history)."""
-    return _backward_into(dy, h, activation, recipe_id, padded, scale, want_dbias, None)
+    return _backward_into(dy, h, activation, recipe_id, padded, scale, dbias_dtype, None)
 
 
 @fake("tequant::act_bwd")
-def _act_bwd_fake(dy, h, activation, recipe_id, padded, scale, want_dbias):
+def _act_bwd_fake(dy, h, activation, recipe_id, padded, scale, dbias_dtype):
     if recipe_id is None:
         return [torch.empty_like(h)]
     k = h.shape[1]
     outs = _fake_codes(h, recipe_id, "grad_output", padded, k)
-    return outs + ([h.new_empty((k,), dtype=torch.float32)] if want_dbias else [])
+    return outs + ([h.new_empty((k,), dtype=dbias_dtype)] if dbias_dtype is not None else [])
 
 
 # ---- the Function -----------------------------------------------------------------------------
@@ -232,7 +234,8 @@ class ActFunction(torch.autograd.Function):
             ctx.activation, ctx.shape = activation, h.shape
             # fc1's grad_output quantizer (recipe id, padded rows) and its DelayedScaling scale
             # and slot, read when backward runs, as te.Linear's backward reads them
-            ctx.dh = (dh, dh_scale, dh_slot, len(dh_tokens) == 4) if dh_tokens else None
+            ctx.dh = (dh, dh_scale, dh_slot, dh_tokens[3].dtype if len(dh_tokens) == 4
+                      else None) if dh_tokens else None
         if recipe_id is None:
             return y
         return (y,) + codes_returned(ctx, it, amax)
@@ -244,8 +247,8 @@ class ActFunction(torch.autograd.Function):
         dy2d = dy.reshape(h2d.shape[0], _cols(ctx.activation, h2d.shape[1])).to(
             h2d.dtype).contiguous()
         dh = ctx.dh
-        (recipe_id, padded), scale, slot, want_dbias = dh or ((None, 0), None, None, False)
-        args = (dy2d, h2d, ctx.activation, recipe_id, padded, scale, want_dbias)
+        (recipe_id, padded), scale, slot, dbias_dtype = dh or ((None, 0), None, None, None)
+        args = (dy2d, h2d, ctx.activation, recipe_id, padded, scale, dbias_dtype)
         if torch.compiler.is_compiling():
             outs = torch.ops.tequant.act_bwd(*args)
         else:
@@ -355,13 +358,15 @@ def _codes_dtype(recipe_id):
     return _C._quantize_layout(config_of(recipe_id, "grad_output"), 16, 16, _plan.ROWWISE)[0][2]
 
 
-def placeholders(like, spec, n, with_dbias):
+def placeholders(like, spec, n, dbias_dtype):
     """The tokens fc1's Function returns (GradOutput): one expanded scalar (no storage) per
     tensor the activation's backward makes, of its shape and dtype: codes [padded, n],
-    scale_inv and amax [1, 1], then dbias [n] (float32) with_dbias."""
+    scale_inv and amax [1, 1], then dbias [n] of dbias_dtype (fc1's bias dtype, where its bias
+    learns; None: no dbias)."""
     recipe_id, padded = spec
     shapes = [((padded, n), _codes_dtype(recipe_id)), ((1, 1), torch.float32),
-              ((1, 1), torch.float32)] + ([((n,), torch.float32)] if with_dbias else [])
+              ((1, 1), torch.float32)] + ([((n,), dbias_dtype)] if dbias_dtype is not None
+                                          else [])
     return tuple(like.new_empty((), dtype=dtype).expand(shape) for shape, dtype in shapes)
 
 

@@ -282,8 +282,8 @@ def _given_forward(ctx, needs, inp, weight, bias, scale_fwd, hist_fwd, scale_bwd
     if dh is None:
         return outs[0]
     ctx.set_materialize_grads(False)  # tokens without gradients: dy is quantized here
-    return (outs[0],) + _act_fn.placeholders(outs[0], dh, outs[0].shape[-1],
-                                             ctx.needs_input_grad[2])
+    return (outs[0],) + _act_fn.placeholders(
+        outs[0], dh, outs[0].shape[-1], ctx.bias_dtype if ctx.needs_input_grad[2] else None)
 
 
 def _given_backward(ctx, dy, dy_q):
@@ -304,7 +304,7 @@ def _given_backward(ctx, dy, dy_q):
                                                      ctx.x_dtype, ctx.w_dtype, scale_bwd, hist)
         n = len(outs) - (2 if hist is not None else 0)  # dx?, dW?, then the op's copies
         tail = list(outs[n:]) if hist is not None else [dy_q[2]] if ctx.is_delayed else []
-        outs = (list(outs[:n]) + ([dy_q[3].to(bias_dtype)] if bias_dtype is not None else [])
+        outs = (list(outs[:n]) + ([dy_q[3]] if bias_dtype is not None else [])
                 + tail)  # new lists: Dynamo's rule here
         return _grads(ctx, outs, bias_dtype, scale_bwd, hist_bwd)
     outs = torch.ops.tequant.linear_bwd_given(dy, x_members, saved[0], ctx.recipe_id, needs,

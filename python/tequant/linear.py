@@ -91,7 +91,8 @@ class _QuantizedLinear(torch.autograd.Function):
         if dh is None:
             return out
         ctx.set_materialize_grads(False)  # tokens without gradients: dy is quantized here
-        return (out,) + _act_fn.placeholders(out, dh, out.shape[-1], ctx.needs_input_grad[2])
+        return (out,) + _act_fn.placeholders(
+            out, dh, out.shape[-1], ctx.bias_dtype if ctx.needs_input_grad[2] else None)
 
     @staticmethod
     def backward(ctx, dy, *dy_q):
@@ -101,7 +102,7 @@ class _QuantizedLinear(torch.autograd.Function):
         if dy_q and dy_q[0] is not None:  # dy's codes from the activation (_act_fn.GradOutput)
             dx, dw = _act_fn.given_dy_backward(plan.c_args, saved, dy_q, needs, ctx.shape,
                                                ctx.pending)
-            db = dy_q[3].to(ctx.bias_dtype) if ctx.needs_input_grad[2] else None
+            db = dy_q[3] if ctx.needs_input_grad[2] else None  # in the bias dtype already
             return dx, dw, db, None, None, None, None, None, None, None, None
         dy = _operands.waited(dy).contiguous()  # a collective's output (DTensor's)
         bias_dtype = ctx.bias_dtype if ctx.needs_input_grad[2] else None
