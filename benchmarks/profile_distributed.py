@@ -1,5 +1,5 @@
 """Where a distributed training step's GPU time goes: torch.profiler over bench_distributed's
-configurations, kernels grouped by category, per rank 0's step.
+configurations, kernels grouped by category, per step of one rank (--rank, default 0).
 
     python3 benchmarks/profile_distributed.py --gpus 4 --mode tp --model gpt --layers 2 \
         --recipes current,delayed --overlap on,off --out prof.md
@@ -7,7 +7,8 @@ configurations, kernels grouped by category, per rank 0's step.
 For bf16 and each recipe, with te.Linear's tp_comm_overlap on and/or off (--overlap), eager or
 with each block compiled (--exec): build the configuration exactly as bench_distributed.py does (Rank.build, the same step: fwd+bwd of
 mean(y^2) under te.autocast with the amax reduction group), warm up, time --iters steps (the
-median, the slowest rank's: the `step` column), then profile --steps steps on every rank; rank 0 parses its Chrome trace and prints, in ms per step:
+median, the slowest rank's: the `step` column), then profile --steps steps on every rank; the
+rank named by --rank parses its Chrome trace and prints, in ms per step:
 the host step time, the kernel time per category (GEMM, tequant's quantize/amax/cast kernels,
 NCCL, attention, norm, elementwise/other), the time the compute streams were busy (the union of
 non-NCCL kernel intervals) and the time they sat idle (step - busy: exposed communication,
@@ -169,7 +170,7 @@ def rank_main(rank, world, port, args, lines):
                 step()
             me.sync()
         step_ms = 1e3 * float(worst[0])
-        if rank == 0:
+        if rank == args.rank:
             with tempfile.TemporaryDirectory() as folder:
                 path = os.path.join(folder, "trace.json")
                 prof.export_chrome_trace(path)
@@ -203,9 +204,12 @@ def main():
                          "(the warmup steps compile)")
     ap.add_argument("--steps", type=int, default=3, help="profiled steps")
     ap.add_argument("--top", action="store_true",
-                    help="also print rank 0's kernels with the most GPU time (CPU: ops)")
+                    help="also print the rank's kernels with the most GPU time (CPU: ops)")
     ap.add_argument("--waits", action="store_true",
-                    help="also print why rank 0's compute streams sat idle (idle_waits)")
+                    help="also print why the rank's compute streams sat idle (idle_waits)")
+    ap.add_argument("--rank", type=int, default=0,
+                    help="the rank whose trace is parsed (a rank that others wait for in "
+                         "collectives shows its own gaps)")
     ap.add_argument("--time-limit", type=float, default=600.0,
                     help="the ranks are killed this many seconds (plus 60) after the start")
     ap.add_argument("--out")
@@ -218,6 +222,8 @@ def main():
             setattr(args, name, default)
     args.heads = max(1, args.width // 128) if args.device == "cuda" else 4
     args.gpus = args.gpus or (torch.cuda.device_count() if args.device == "cuda" else 2)
+    if not 0 <= args.rank < args.gpus:
+        ap.error(f"--rank {args.rank}: the ranks are 0 to {args.gpus - 1}")
     args.modes = [args.mode]
     args.recipes = [n for n, _ in bd.benchutil.make_recipes(args.recipes)]
     args.overlap = [v.strip() for v in args.overlap.split(",")]
@@ -233,7 +239,7 @@ def main():
             rows = [json.loads(line) for line in f if line.strip()]
     head = (f"### profile: {args.model}, {args.mode}, {args.exec}, {args.gpus} ranks, "
             f"{args.layers} layers, "
-            f"d={args.width}, [s, b] = [{args.seq}, {args.batch}]; ms per step, rank 0")
+            f"d={args.width}, [s, b] = [{args.seq}, {args.batch}]; ms per step, rank {args.rank}")
     text = [head, "", "| recipe | tp_comm_overlap | " + " | ".join(COLUMNS) + " |",
             "|---|---|" + "---:|" * len(COLUMNS)]
     for r in rows:

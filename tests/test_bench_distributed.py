@@ -218,14 +218,20 @@ def test_profile_idle_waits():
 
 
 def test_profile_cpu_smoke(tmp_path):
-    """Two gloo ranks, TP, bf16 and current with tp_comm_overlap on and off: one row each."""
+    """Two gloo ranks, TP, bf16 and current with tp_comm_overlap on and off: one row each, from
+    rank 1's trace (--rank)."""
     out = str(tmp_path / "prof.md")
     cmd = [sys.executable, PROFILE, "--device", "cpu", "--mode", "tp", "--recipes", "current",
            "--overlap", "on,off", "--steps", "1", "--warmup", "1", "--iters", "1", "--waits",
-           "--out", out]
+           "--rank", "1", "--out", out]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = [line for line in open(out).read().splitlines()
+    text = open(out).read()
+    assert "ms per step, rank 1" in text
+    rows = [line for line in text.splitlines()
             if re.match(r"\| (bf16|current) \| (on|off) \|", line)]
     assert len(rows) == 4, rows
+    bad = subprocess.run(cmd[:-2] + ["--rank", "2"], capture_output=True, text=True, timeout=60,
+                         env=env, cwd=ROOT)
+    assert bad.returncode == 2 and "--rank 2: the ranks are 0 to 1" in bad.stderr
