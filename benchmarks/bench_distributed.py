@@ -42,8 +42,9 @@ Models (distbench.py): a GPT block stack (LayerNorm, QKV / proj / 4x MLP with GE
 and a Llama-style one (RMSNorm, SwiGLU gate / up / down), d=--width, --ffn (GPT) and
 --llama-ffn, [s, b, h] = [--seq, --batch, d] per data-parallel replica (a TP group splits its
 tokens). --exec eager,compile: compile wraps each block (nn.Module.compile) before sharding (a
-te.Linear whose weight came through FSDP2's quantized gather runs eagerly behind a graph break
-there: _compile_linear._eager_local). A configuration that raises is recorded with its error,
+te.Linear whose weight came through FSDP2's quantized gather is traced under the per-tensor FP8
+recipes, current and delayed: _compile_gathered.py; under the other recipes it runs eagerly
+behind a graph break: _compile_linear._eager_local). A configuration that raises is recorded with its error,
 every rank raising alike, and the run goes on.
 A step is fwd+bwd of mean(y^2) (no optimizer; TP adds reduce_sequence_parallel_grads), timed on
 the host with a synchronize, median of --iters after --warmup, the slowest rank's. Reported per

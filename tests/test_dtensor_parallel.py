@@ -235,7 +235,9 @@ def fsdp_tp_worker(rank, world, name, quantized_gather):
             b /= 2
             b = b.chunk(2, 0)[dp_rank]  # FSDP2's dp shard of it
             assert rel(a, b) < 1e-6, (name, s, i, rel(a, b))
-    gathered = "GatheredWeight" if quantized_gather else "Tensor"
+    # per-tensor FP8: the subclass torch.compile traces (fsdp.TraceableGatheredWeight)
+    gathered = ("Tensor" if not quantized_gather else "TraceableGatheredWeight"
+                if name in ("current", "delayed") else "GatheredWeight")
     assert seen == [gathered] * 2 and not te.distributed.fallbacks, (seen, te.distributed.fallbacks)
     return True
 

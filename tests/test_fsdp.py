@@ -124,7 +124,7 @@ def check_gathered(model, ref, recipe, dtype):
             ((n, m) for n, m in model.named_modules() if isinstance(m, te.Linear)),
             (m for m in ref.modules() if isinstance(m, te.Linear))):
         w = mod.weight
-        assert type(w).__name__ == "GatheredWeight", (name, type(w))
+        assert isinstance(w, te.distributed.GatheredWeight), (name, type(w))
         full = ref_mod.weight.detach().to(dtype)
         kwargs = {}
         if recipe.delayed():
@@ -285,46 +285,72 @@ def test_fsdp_uneven_shards_three_ranks():
     assert sent["block"][1] == sent["block"][0]  # none of its weights can
 
 
-def compile_worker(rank, world, names):
+def compiled_steps(name, fullgraph, reshard, dtype, steps=3, backend="aot_eager"):
     """Each block compiled (nn.Module.compile; te.autocast around the model, outside the
-    compiled code) with the quantized all-gather: the te.Linear layers, whose gathered weight
-    Dynamo cannot trace, run eagerly at a graph break, so outputs and gradients equal the same
-    sharded model run eagerly, bit for bit. fullgraph=True refuses with the reason."""
-    for name in names:
-        recipe = RECIPES[name]
-        torch.manual_seed(0)
-        base = Model("cpu", width=64, hidden=128)
-        eager = sharded(base, reshard=True, dtype=None)
-        compiled = sharded(base, reshard=True, dtype=None)
-        for block in compiled.blocks:
-            block.compile(backend="aot_eager")
-        for step in range(2):
-            outs = []
-            for model in (eager, compiled):
-                torch.manual_seed(100 + 7 * step + rank)
-                x = torch.randn(2, 24, 64)
-                with te.autocast(recipe=recipe):
-                    y = model(x)
-                y.square().mean().backward()
-                outs.append(y.detach())
-            assert torch.equal(*outs), (name, step)
-        for (pname, p), q in zip(eager.named_parameters(), compiled.parameters()):
-            assert torch.equal(p.grad.to_local(), q.grad.to_local()), (name, pname)
-    torch._dynamo.reset()  # the layers' frames above may have reached the recompile limit
-    strict = sharded(base, reshard=True, dtype=None)
+    compiled code) with the quantized all-gather, against the same sharded model run eagerly:
+    outputs, gradients and buffers (DelayedScaling's histories and scales) bit for bit over
+    `steps` steps with an optimizer step between (FSDP2 refills its all-gather buffers and
+    unsharded parameters in place). Returns Dynamo's graph-break counter."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    recipe = RECIPES[name]
+    torch.manual_seed(0)
+    base = Model("cpu", width=64, hidden=256)
+    eager = sharded(base, reshard=reshard, dtype=dtype)
+    compiled = sharded(base, reshard=reshard, dtype=dtype)
+    for block in compiled.blocks:
+        block.compile(backend=backend, fullgraph=fullgraph)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (eager, compiled)]
+    for step in range(steps):
+        outs, grads = [], []
+        for model in (eager, compiled):
+            torch.manual_seed(100 + 7 * step + dist.get_rank())
+            x = torch.randn(2, 24, 64, dtype=dtype or torch.float32)
+            with te.autocast(recipe=recipe):
+                y = model(x)
+            y.float().square().mean().backward()
+            outs.append(y.detach())
+            grads.append([p.grad.to_local() for p in model.parameters()])
+        assert torch.equal(*outs), (name, step)
+        for i, (a, b) in enumerate(zip(*grads)):
+            assert torch.equal(a, b), (name, step, i)
+        buffers = list(zip(eager.named_buffers(), compiled.buffers()))
+        assert bool(buffers) == recipe.delayed(), name
+        for (bname, a), b in buffers:
+            assert torch.equal(a, b), (name, step, bname)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+    return dict(counters["graph_break"])
+
+
+def compile_worker(rank, world):
+    """Per-tensor FP8 (current, delayed): the gathered weight is traced (fullgraph=True, no
+    graph break), with and without resharding after forward, in float32 and bfloat16. MXFP8:
+    its gathered weight runs eagerly at a graph break, with eager's bits, and fullgraph=True
+    refuses with the reason."""
+    for name in ("current", "delayed"):
+        for reshard, dtype in ((True, None), (False, torch.bfloat16)):
+            breaks = compiled_steps(name, True, reshard, dtype)
+            assert breaks == {}, (name, breaks)
+    breaks = compiled_steps("mxfp8", False, True, None, steps=2)
+    assert any("quantized all-gather" in reason for reason in breaks), breaks
+    torch._dynamo.reset()
+    strict = sharded(Model("cpu", width=64, hidden=256), reshard=True, dtype=None)
     strict.blocks[0].compile(backend="aot_eager", fullgraph=True)
     try:
-        with te.autocast(recipe=RECIPES[names[0]]):
+        with te.autocast(recipe=RECIPES["mxfp8"]):
             strict(torch.randn(2, 24, 64))
     except Exception as e:  # Dynamo's Unsupported, quoting the reason
         assert "quantized all-gather" in str(e), str(e)[-2000:]
     else:
-        raise AssertionError("fullgraph=True compiled a te.Linear on a quantized gathered weight")
+        raise AssertionError("fullgraph=True compiled a te.Linear on an MXFP8 gathered weight")
     return True
 
 
 def test_fsdp_compiled_blocks_with_quantized_gather():
-    assert run_ranks(compile_worker, 2, ["current", "delayed", "mxfp8"], timeout=300) == [True] * 2
+    assert run_ranks(compile_worker, 2, timeout=400) == [True] * 2
 
 
 def fsdp_worker_cuda(rank, world, names, configs):

@@ -25,8 +25,11 @@ _act_fn.ActInput, its activation run as tequant::act_fwd the same way; where fc1
 norm's codes, the activation's backward (tequant::act_bwd) quantizes fc1's grad_output, which
 reaches fc1's backward as the gradients of the placeholders its Function returns
 (_act_fn.GradOutput), multiplied there by tequant::linear_bwd_dy_given.
+A weight FSDP2 all-gathered in the recipe's format (distributed/fsdp.py) is traced under the
+per-tensor FP8 recipes (a TraceableGatheredWeight: _compile_gathered.py's Function); under the
+others the layer runs eagerly behind a graph break (_eager_local).
 Tests: tests/test_compile.py, tests/test_compile_delayed.py, tests/test_fused_norm_compile.py,
-tests/test_fused_act_modules.py.
+tests/test_fused_act_modules.py, tests/test_fsdp.py (compile_worker).
 """
 import weakref
 
@@ -140,14 +143,16 @@ def register_after_graph(entries):
 
 
 def _eager_local(module, inp, weight, bias):
-    """Eager te.Linear's local linear (linear.py) on a weight FSDP2 gathered quantized, run
-    outside the graph under the eager te.autocast state."""
+    """Eager te.Linear's local linear (linear.py) on a weight FSDP2 gathered quantized in a
+    format Dynamo cannot trace (all but per-tensor FP8: _compile_gathered.py), run outside the
+    graph under the eager te.autocast state."""
     return module._compute(inp, weight, bias, None, None, None, False, None)
 
 
 _FSDP_GATHERED = ("te.Linear's weight arrived through FSDP2's quantized all-gather "
-                  "(tequant.distributed.enable_quantized_all_gather), whose gathered members "
-                  "Dynamo cannot trace: the layer runs eagerly. Compile without fullgraph=True, "
+                  "(tequant.distributed.enable_quantized_all_gather) in a format whose gathered "
+                  "members Dynamo cannot trace (all but per-tensor FP8 without "
+                  "backward_override): the layer runs eagerly. Compile without fullgraph=True, "
                   "or gather in high precision")
 
 
@@ -392,12 +397,18 @@ def _local(module, inp, weight, bias, is_first_microbatch):
         raise NotImplementedError("te.Linear(is_first_microbatch=...) caches the quantized weight "
                                   "between calls, which torch.compile does not trace; pass None "
                                   "(the default) inside compiled code")
-    if quantized_weight(weight) is not None:
-        # FSDP2 gathered W in the recipe's format (distributed/fsdp.py): its members are
-        # assembled in Python when first read, which Dynamo cannot trace, so this layer runs
-        # eagerly (a graph break; fullgraph=True refuses it), with eager's bits (but a fused
-        # norm's: its output in high precision, then te.Linear's own quantization).
-        return _eager_local(module, _norm_fn.resolved(inp), weight, bias)
+    gathered = _compile_gathered.traceable(weight)
+    if gathered or quantized_weight(weight) is not None:
+        # FSDP2 gathered W in the recipe's format (distributed/fsdp.py). Per-tensor FP8 (a
+        # TraceableGatheredWeight): traced, its members multiplied by _compile_gathered's
+        # Function. Other formats: its members are assembled in Python when first read, which
+        # Dynamo cannot trace, so this layer runs eagerly (a graph break; fullgraph=True
+        # refuses it). Both with eager's bits (but a fused norm's: its output in high precision,
+        # then te.Linear's own quantization).
+        inp, norm_in = _norm_fn.resolved(inp), None
+        if not gathered:
+            return _eager_local(module, inp, weight, bias)
+        _compile_gathered.check_recipe(weight, recipe_id)
     n, k = weight.shape
     if inp.shape[-1] != k:
         raise ValueError(f"input has {inp.shape[-1]} features in its last dim; this Linear "
@@ -429,6 +440,9 @@ def _local(module, inp, weight, bias, is_first_microbatch):
         if torch.is_grad_enabled():
             _register_delayed(module, state, hist_fwd, scale_fwd, recipe_id)
     group = state.group if is_delayed else None
+    if gathered:
+        return _compile_gathered._GatheredLinear.apply(inp, weight, bias, scale_fwd, hist_fwd,
+                                                       scale_bwd, hist_bwd, recipe_id, group)
     if norm_in is not None:  # x's codes from the norm (a fresh amax: accumulated with W's)
         carrier, x = norm_in.fused(recipe_id, align, scale_fwd[0:1] if is_delayed else None, None)
         dh = None  # LayerNormMLP's fc1: dy's codes from the activation's backward (eager's rule)
@@ -506,3 +520,6 @@ def _register_delayed(module, state, hist_fwd, scale_fwd, recipe_id):
                 "under torch.compile a DelayedScaling te.Linear can run once per te.autocast "
                 "(eager updates a repeated module once, after all its uses)")
     root.delayed.append((module, hist_fwd, scale_fwd, recipe_id, state.group))
+
+
+from . import _compile_gathered  # noqa: E402  (it reads this module's helpers)

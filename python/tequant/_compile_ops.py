@@ -1,6 +1,7 @@
 """The tequant:: custom ops that torch.compile traces: quantize / dequantize / gemm / gemm_out
 (te.ops), linear_fwd / linear_bwd / amax_update (te.Linear), linear_fwd_given / linear_bwd_given
-(te.Linear on the fused norm's codes) and transpose_codes (the quantized gathers' columnwise
+(te.Linear on the fused norm's codes), linear_fwd_wgiven / linear_bwd_wgiven (te.Linear on a
+weight FSDP2 gathered in a per-tensor FP8 format) and transpose_codes (the quantized gathers' columnwise
 codes). The norm's own ops, norm_fwd / norm_bwd, are in _norm_fn.py, beside their Function.
 
 Dynamo cannot trace te.ops' C calls, so under torch.compile each one runs as a torch.library
@@ -352,6 +353,14 @@ def linear_bwd_given(dy: torch.Tensor, x_members: list[Optional[torch.Tensor]],
     """linear_bwd for an x that came as members (x_members: its six, the columnwise ones for
     wgrad) and W's packed buffer: [dx if dgrad, dW if wgrad, db if bias_dtype] (+ linear_bwd's
     DelayedScaling outputs)."""
+    return _backward_given(dy, tuple(x_members), None, w_kept, recipe_id, needs, inp_shape,
+                           x_dtype, w_dtype, bias_dtype, scale_bwd, hist_bwd)
+
+
+def _backward_given(dy, x_kept, w_members, w_kept, recipe_id, needs, inp_shape, x_dtype,
+                    w_dtype, bias_dtype, scale_bwd, hist_bwd):
+    """linear.c's backward on x's kept form (six members or a packed pair, None without wgrad)
+    and W's six members (w_members) or packed buffer (w_kept)."""
     plan = _plan.of_id(recipe_id)
     rows, k = _rows_cols(inp_shape)
     state = copies = None
@@ -360,7 +369,8 @@ def linear_bwd_given(dy: torch.Tensor, x_members: list[Optional[torch.Tensor]],
         state = copies[2][0]
     elif plan.delayed:
         state = (scale_bwd[0:1], dy.new_zeros((1, 1), dtype=torch.float32))
-    saved = (tuple(x_members), (w_kept, state[1] if state else None), rows,
+    w = tuple(w_members) if w_members is not None else (w_kept, state[1] if state else None)
+    saved = (x_kept, w, rows,
              _plan.padded(rows, plan.align), dy.shape[-1], k, _TQ_DTYPE[x_dtype],
              _TQ_DTYPE[w_dtype])
     with graph_safe_workspace():
@@ -382,6 +392,68 @@ def delayed_outputs(recipe_id, copies, state):
 def _linear_bwd_given_fake(dy, x_members, w_kept, recipe_id, needs, inp_shape, x_dtype, w_dtype,
                            bias_dtype, scale_bwd, hist_bwd=None):
     return _linear_bwd_fake(dy, None, w_kept, recipe_id, needs, inp_shape, x_dtype, w_dtype,
+                            bias_dtype, scale_bwd, hist_bwd)
+
+
+# A weight FSDP2 all-gathered in a per-tensor FP8 format (distributed/fsdp.py
+# TraceableGatheredWeight) reaches te.Linear as its members: these two run linear.c's calls on
+# such a W (eager's bits: linear.py hands C the same members) and a high-precision x.
+
+@op("tequant::linear_fwd_wgiven", mutates_args=())
+def linear_fwd_wgiven(inp: torch.Tensor, w_members: list[Optional[torch.Tensor]],
+                      w_dtype: torch.dtype, bias: Optional[torch.Tensor], recipe_id: str,
+                      needs: int, scale_fwd: Optional[torch.Tensor],
+                      hist_fwd: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+    """[y, x's packed columnwise buffer if wgrad] of y = x W^T + b for W given as its six members
+    (rowwise), + for DelayedScaling [hist_fwd's copy with x's amax max-accumulated into row 0]
+    given hist_fwd, else [amax x] (W's amax went into the history at the gather)."""
+    plan = _plan.of_id(recipe_id)
+    x_state = hist = None
+    if plan.delayed and hist_fwd is not None:
+        hist, _, (x_state, _) = _C._linear_delayed_copies(recipe_id, False, hist_fwd, scale_fwd,
+                                                           inp)
+    elif plan.delayed:
+        x_state = (scale_fwd[0:1], inp.new_zeros((1, 1), dtype=torch.float32))
+    n, k = w_members[0].shape
+    w = (tuple(w_members), n, k, _TQ_DTYPE[w_dtype])
+    with graph_safe_workspace():
+        out, saved = _C.linear_forward(plan.c_args, inp.contiguous(), w, bias, needs | PACKED,
+                                       [], None, x_state, None)
+    result = [out] + ([saved[0][0]] if needs & NEED_WGRAD else [])
+    return result + ([] if not plan.delayed else [hist] if hist is not None else [x_state[1]])
+
+
+@fake("tequant::linear_fwd_wgiven")
+def _linear_fwd_wgiven_fake(inp, w_members, w_dtype, bias, recipe_id, needs, scale_fwd,
+                            hist_fwd=None):
+    plan = _plan.of_id(recipe_id)
+    n, k = w_members[0].shape
+    result = [inp.new_empty(tuple(inp.shape[:-1]) + (n,))]
+    if needs & NEED_WGRAD:
+        padded = _plan.padded(inp.numel() // k, plan.align)
+        result.append(_fake_buffer(plan.x, padded, k, COLUMNWISE, inp))
+    return result + _delayed_fake(plan, inp, hist_fwd, None, 1)
+
+
+@op("tequant::linear_bwd_wgiven", mutates_args=())
+def linear_bwd_wgiven(dy: torch.Tensor, x_kept: Optional[torch.Tensor],
+                      w_members: list[Optional[torch.Tensor]], recipe_id: str, needs: int,
+                      inp_shape: list[int], x_dtype: torch.dtype, w_dtype: torch.dtype,
+                      bias_dtype: Optional[torch.dtype], scale_bwd: Optional[torch.Tensor],
+                      hist_bwd: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+    """linear_bwd for x's packed columnwise buffer (linear_fwd_wgiven's, None without wgrad) and
+    W's six members (its columnwise codes for dgrad): linear_bwd's outputs."""
+    # x's amax: no GEMM reads it; linear.c wants a tensor in a DelayedScaling pair
+    amax = dy.new_zeros((1, 1), dtype=torch.float32) if _plan.of_id(recipe_id).delayed else None
+    return _backward_given(dy, None if x_kept is None else (x_kept, amax), w_members, None,
+                           recipe_id, needs, inp_shape, x_dtype, w_dtype, bias_dtype, scale_bwd,
+                           hist_bwd)
+
+
+@fake("tequant::linear_bwd_wgiven")
+def _linear_bwd_wgiven_fake(dy, x_kept, w_members, recipe_id, needs, inp_shape, x_dtype,
+                            w_dtype, bias_dtype, scale_bwd, hist_bwd=None):
+    return _linear_bwd_fake(dy, None, None, recipe_id, needs, inp_shape, x_dtype, w_dtype,
                             bias_dtype, scale_bwd, hist_bwd)
 
 

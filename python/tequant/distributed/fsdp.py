@@ -10,7 +10,12 @@ fsdp_pre_all_gather / fsdp_post_all_gather (torch/distributed/fsdp/_fully_shard/
   shards' amaxes all-reduced with MAX; DelayedScaling's module scale, the global W amax recorded
   into its history once per forward) and the all-gather moves codes and scales
   (gather_layout.py); post_all_gather gives the module a GatheredWeight, which te.Linear
-  multiplies as it is, with no second quantization. The gathered members are bit-identical to
+  multiplies as it is, with no second quantization. Under per-tensor FP8 (DelayedScaling,
+  Float8CurrentScaling; no backward_override) it is a TraceableGatheredWeight, whose rowwise
+  codes (a view of the all-gather output), scale_inv and amax are inner tensors that a compiled
+  te.Linear traces with no graph break (_compile_gathered.py); under the other recipes compiled
+  code runs the layer eagerly behind a graph break (members assembled lazily in Python, which
+  Dynamo cannot trace). The gathered members are bit-identical to
   te.ops.quantize of the whole weight. Forward gathers the rowwise direction; backward's
   re-gather (reshard_after_forward=True) the columnwise one where the format cannot derive it
   from the rowwise (MXFP8, 1-D NVFP4; without resharding their forward gathers both).
@@ -22,7 +27,8 @@ FSDP2 reuses a parameter's all-gather buffers across steps, sized by the first g
 payload changes (autocast on/off, another recipe) the FSDPParam's buffers are dropped so FSDP2
 sizes them anew. tequant reaches the FSDPParam that calls its hooks through the caller's frame
 (FSDPParam.all_gather_inputs / init_unsharded_param), and keeps its own per-parameter state on it.
-Tests: tests/test_fsdp.py (gloo, 2 and 4 ranks), GPU with NCCL: the same file.
+Tests: tests/test_fsdp.py (gloo, 2 and 4 ranks; compiled: compile_worker), GPU with NCCL: the
+same file.
 """
 import collections
 import sys
@@ -38,7 +44,8 @@ from ..linear import Linear
 from ..quantized import COLUMNWISE, ROWWISE
 from . import gather_layout
 
-__all__ = ["ShardedWeight", "GatheredWeight", "enable_quantized_all_gather", "fallbacks"]
+__all__ = ["ShardedWeight", "GatheredWeight", "TraceableGatheredWeight",
+           "enable_quantized_all_gather", "fallbacks"]
 
 aten = torch.ops.aten
 # What FSDP2 does to a parameter when it shards it, moves it or rebuilds its local tensor: these
@@ -142,14 +149,24 @@ class ShardedWeight(torch.Tensor):
         _, plan, usage, n, k, world, factors, state, group, sharded, local = metadata
         outputs = tuple(all_gather_outputs) + tuple(local)
         held = _Held(plan, usage, outputs, n, k, world, factors, state, group, sharded)
+        traceable = _traceable(plan)
+        if traceable:
+            held.assemble()  # the inner tensors: rowwise codes a view of the gathered buffer
         if out is not None:
             # `out` is the unsharded parameter: on a 2-D mesh a DTensor around the GatheredWeight
             # (setting an attribute on the wrapper left the weight computing with the previous
             # gather's members). In place: an alias of it made earlier (to_local, detach) shares
-            # the _Held object.
+            # the _Held object. A traceable one's inner tensors are rebound on `out` (compiled
+            # code flattens the parameter it reads on each call), not written in place: a
+            # compiled backward may hold the previous ones, saved (the codes view the gathered
+            # buffer, whose refill FSDP2 keeps from bumping its version counter).
             gathered = out._local_tensor if is_dtensor(out) else out
             gathered._held.take(held)
+            if traceable:
+                gathered._set_inner(held)
             return None
+        if traceable:
+            return TraceableGatheredWeight(held, param_dtype), all_gather_outputs
         return GatheredWeight(held, param_dtype), all_gather_outputs
 
 
@@ -339,6 +356,23 @@ class _Held:
         for name in self.__slots__:
             setattr(self, name, getattr(other, name))
 
+    def assemble(self):
+        """The six members of the gathered directions (assembled once, views of the buffers)."""
+        if self.members is None:
+            plan, n, k = self.plan, self.n, self.k
+            dtypes = [m[2] if m else None for m in _C._quantize_layout(plan.w, n, k, 3)[:4]]
+            self.members = gather_layout.assemble(plan.w, self.outputs, self.usage, n,
+                                                  self.world, dtypes, self.factors)
+        return self.members
+
+
+def _traceable(plan):
+    """Whether the gathered weight is a TraceableGatheredWeight: per-tensor FP8 (its columnwise
+    codes derive from the rowwise ones) and no backward_override (compiled te.Linear's
+    _compile_gathered.py). Other recipes keep the lazily assembled GatheredWeight, which
+    compiled code runs eagerly behind a graph break."""
+    return plan.w.scaling in gather_layout.PER_TENSOR and plan.backward_override is None
+
 
 class GatheredWeight(torch.Tensor):
     """The unsharded te.Linear weight FSDP2 gives the module after a quantized all-gather: a
@@ -366,11 +400,14 @@ class GatheredWeight(torch.Tensor):
                 func in (aten.as_strided.default, aten.view.default)
                 and tuple(args[1]) == tuple(me.shape)):
             # FSDP2 wrapping it in a Parameter; DTensor's to_local (tensor parallelism)
-            return GatheredWeight(me._held, me.dtype)
+            return me._alias()
         raise NotImplementedError(
             f"{func} on a te.Linear weight that FSDP2 all-gathered in the recipe's quantized "
             "format: only te.Linear computes with it (use the module, or gather outside "
             "te.autocast)")
+
+    def _alias(self):
+        return GatheredWeight(self._held, self.dtype)
 
     @property
     def tq_recipe_key(self):
@@ -380,11 +417,7 @@ class GatheredWeight(torch.Tensor):
         """The members holding `usage` (linear.py's quantized-weight protocol)."""
         held = self._held
         plan, n, k = held.plan, held.n, held.k
-        if held.members is None:
-            dtypes = [m[2] if m else None for m in _C._quantize_layout(plan.w, n, k, 3)[:4]]
-            held.members = gather_layout.assemble(plan.w, held.outputs, held.usage, n,
-                                                  held.world, dtypes, held.factors)
-        members = held.members
+        members = held.assemble()
         index = 0 if usage == ROWWISE else 2
         if members[index] is None:
             if gather_layout.derivable(plan.w):
@@ -399,6 +432,57 @@ class GatheredWeight(torch.Tensor):
         out = torch.empty(held.n, held.k, dtype=self.dtype, device=self.device)
         _C._dequantize(held.plan.w, held.n, held.k, kept, ROWWISE, out)
         return out
+
+
+class TraceableGatheredWeight(GatheredWeight):
+    """A GatheredWeight of a per-tensor FP8 recipe that torch.compile traces: its rowwise codes
+    (a view of FSDP2's all-gather output), scale_inv and amax are inner tensors
+    (__tensor_flatten__; metadata: the recipe key and W's dtype), which compiled te.Linear
+    multiplies (_compile_gathered.py) with no graph break; eager te.Linear reads it as any
+    GatheredWeight. Made at fsdp_post_all_gather; FSDP2's in-place refill rebinds the inner
+    tensors (_set_inner)."""
+
+    @staticmethod
+    def __new__(cls, held, dtype, inner=None, key=None):
+        data = inner[0] if inner is not None else held.members[0]
+        return torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=dtype,
+                                                   device=data.device)
+
+    def __init__(self, held, dtype, inner=None, key=None):
+        self._held = held
+        if inner is None:
+            self._set_inner(held)
+        else:
+            self._data, self._scale_inv, self._amax = inner
+            self._key = key
+
+    def _set_inner(self, held):
+        members = held.members
+        self._data, self._scale_inv, self._amax = members[0], members[1], members[4]
+        self._key = held.plan.key
+
+    def _alias(self):
+        return TraceableGatheredWeight(self._held, self.dtype,
+                                       (self._data, self._scale_inv, self._amax), self._key)
+
+    def __repr__(self):
+        return f"TraceableGatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    def __tensor_flatten__(self):
+        return ["_data", "_scale_inv", "_amax"], (self._key, self.dtype)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return TraceableGatheredWeight(None, meta[1], (inner["_data"], inner["_scale_inv"],
+                                                       inner["_amax"]), meta[0])
+
+    @property
+    def tq_recipe_key(self):
+        return self._key
+
+    def tq_members(self):
+        """W's six members, rowwise direction (compiled te.Linear reads them)."""
+        return [self._data, self._scale_inv, None, None, self._amax, None]
 
 
 def _gather_now(held, usage):
