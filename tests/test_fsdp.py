@@ -18,8 +18,13 @@ and without activation checkpointing:
   or, for per-tensor FP8, quantized with a padded last shard; outputs stay exact;
 - the weights change between steps (doubled: a stale amax would saturate codes), and the
   per-tensor recipes reduce the whole weights' amaxes with one all-reduce per fully_shard module
-  and forward, not one per weight.
-Code: python/tequant/distributed/fsdp.py, gather_layout.py; linear.py's quantized-weight path.
+  and forward, not one per weight;
+- each block compiled (nn.Module.compile before fully_shard, compile_worker): per-tensor FP8
+  (current, delayed) traces the gathered weight with fullgraph=True (no graph break), outputs,
+  gradients and DelayedScaling's buffers bit-identical to the eager sharded run over three steps
+  with an optimizer step between; MXFP8 runs it eagerly behind a graph break, same bits.
+Code: python/tequant/distributed/fsdp.py, gather_layout.py; linear.py's quantized-weight path;
+_compile_gathered.py.
 """
 import copy
 import os

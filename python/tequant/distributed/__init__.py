@@ -12,8 +12,10 @@ It imports the core (tequant), which never imports it. Tests: tests/test_fsdp.py
 tests/test_ddp_dcp.py, tests/test_tensor_parallel.py, tests/test_dtensor_parallel.py.
 """
 from .dtensor import ColwiseParallel, RowwiseParallel
-from .fsdp import GatheredWeight, ShardedWeight, enable_quantized_all_gather, fallbacks
+from .fsdp import (GatheredWeight, ShardedWeight, TraceableGatheredWeight,
+                   enable_quantized_all_gather, fallbacks)
 from .tensor_parallel import reduce_sequence_parallel_grads
 
 __all__ = ["ColwiseParallel", "RowwiseParallel", "GatheredWeight", "ShardedWeight",
-           "enable_quantized_all_gather", "fallbacks", "reduce_sequence_parallel_grads"]
+           "TraceableGatheredWeight", "enable_quantized_all_gather", "fallbacks",
+           "reduce_sequence_parallel_grads"]
