@@ -19,11 +19,11 @@ import torch
 from . import _compile_linear as _cl
 from ._plan import NEED_DGRAD, NEED_WGRAD
 
-_NONE_ARGS = (None,) * 6  # _GatheredLinear's arguments after the bias
+_NONE_ARGS = (None,) * 6  # GatheredLinear's arguments after the bias
 
 
 def traceable(weight):
-    """Whether `weight` goes through _GatheredLinear: a TraceableGatheredWeight (per-tensor FP8,
+    """Whether `weight` goes through GatheredLinear: a TraceableGatheredWeight (per-tensor FP8,
     no backward_override: fsdp._traceable). (An isinstance check: Dynamo reads neither hasattr
     nor type() of such a parameter as eager does.)"""
     fsdp = sys.modules.get("tequant.distributed.fsdp")
@@ -39,7 +39,7 @@ def check_recipe(weight, recipe_id):
             "FSDP module's forward")
 
 
-class _GatheredLinear(torch.autograd.Function):
+class GatheredLinear(torch.autograd.Function):
     """y = x W^T + b for a high-precision x and W given as its members."""
 
     @staticmethod
@@ -82,3 +82,6 @@ class _GatheredLinear(torch.autograd.Function):
                                                    bias_dtype, scale_bwd,
                                                    _cl._op_hist(ctx, hist_bwd))
         return _cl._grads(ctx, outs, bias_dtype, scale_bwd, hist_bwd)[:3] + _NONE_ARGS
+
+
+_cl.register_gathered(sys.modules[__name__])

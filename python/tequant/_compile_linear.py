@@ -397,7 +397,7 @@ def _local(module, inp, weight, bias, is_first_microbatch):
         raise NotImplementedError("te.Linear(is_first_microbatch=...) caches the quantized weight "
                                   "between calls, which torch.compile does not trace; pass None "
                                   "(the default) inside compiled code")
-    gathered = _compile_gathered.traceable(weight)
+    gathered = _gathered.traceable(weight)
     if gathered or quantized_weight(weight) is not None:
         # FSDP2 gathered W in the recipe's format (distributed/fsdp.py). Per-tensor FP8 (a
         # TraceableGatheredWeight): traced, its members multiplied by _compile_gathered's
@@ -408,7 +408,7 @@ def _local(module, inp, weight, bias, is_first_microbatch):
         inp, norm_in = _norm_fn.resolved(inp), None
         if not gathered:
             return _eager_local(module, inp, weight, bias)
-        _compile_gathered.check_recipe(weight, recipe_id)
+        _gathered.check_recipe(weight, recipe_id)
     n, k = weight.shape
     if inp.shape[-1] != k:
         raise ValueError(f"input has {inp.shape[-1]} features in its last dim; this Linear "
@@ -441,8 +441,8 @@ def _local(module, inp, weight, bias, is_first_microbatch):
             _register_delayed(module, state, hist_fwd, scale_fwd, recipe_id)
     group = state.group if is_delayed else None
     if gathered:
-        return _compile_gathered._GatheredLinear.apply(inp, weight, bias, scale_fwd, hist_fwd,
-                                                       scale_bwd, hist_bwd, recipe_id, group)
+        return _gathered.GatheredLinear.apply(inp, weight, bias, scale_fwd, hist_fwd, scale_bwd,
+                                              hist_bwd, recipe_id, group)
     if norm_in is not None:  # x's codes from the norm (a fresh amax: accumulated with W's)
         carrier, x = norm_in.fused(recipe_id, align, scale_fwd[0:1] if is_delayed else None, None)
         dh = None  # LayerNormMLP's fc1: dy's codes from the activation's backward (eager's rule)
@@ -522,4 +522,10 @@ def _register_delayed(module, state, hist_fwd, scale_fwd, recipe_id):
     root.delayed.append((module, hist_fwd, scale_fwd, recipe_id, state.group))
 
 
-from . import _compile_gathered  # noqa: E402  (it reads this module's helpers)
+_gathered = None  # _compile_gathered, once imported (linear.py imports it; it imports this module)
+
+
+def register_gathered(module):
+    """_compile_gathered registers itself: the Function of a traced FSDP2-gathered weight."""
+    global _gathered
+    _gathered = module

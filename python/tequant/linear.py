@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from . import (_C, _act_fn, _compile_linear, _custom_linear, _norm_fn, _operands, _plan,
                checkpoint, delayed)
+from . import _compile_gathered  # noqa: F401  (registers with _compile_linear)
 from ._act_fn import ActInput
 from ._norm_fn import NormInput
 from .recipe import Recipe
