@@ -359,8 +359,10 @@ def linear_bwd_given(dy: torch.Tensor, x_members: list[Optional[torch.Tensor]],
 
 def _backward_given(dy, x_kept, w_members, w_kept, recipe_id, needs, inp_shape, x_dtype,
                     w_dtype, bias_dtype, scale_bwd, hist_bwd):
-    """linear.c's backward on x's kept form (six members or a packed pair, None without wgrad)
-    and W's six members (w_members) or packed buffer (w_kept)."""
+    """linear.c's backward on x's kept form (a tuple of its six members, its packed buffer, or
+    None without wgrad) and W's six members (w_members) or packed buffer (w_kept). A packed
+    buffer is paired with dy's amax slot under DelayedScaling: no GEMM reads a kept operand's
+    amax, and linear.c wants a tensor there (linear_ops.c does the same)."""
     plan = _plan.of_id(recipe_id)
     rows, k = _rows_cols(inp_shape)
     state = copies = None
@@ -369,7 +371,10 @@ def _backward_given(dy, x_kept, w_members, w_kept, recipe_id, needs, inp_shape, 
         state = copies[2][0]
     elif plan.delayed:
         state = (scale_bwd[0:1], dy.new_zeros((1, 1), dtype=torch.float32))
-    w = tuple(w_members) if w_members is not None else (w_kept, state[1] if state else None)
+    slot = state[1] if state else None
+    w = tuple(w_members) if w_members is not None else (w_kept, slot)
+    if isinstance(x_kept, torch.Tensor):
+        x_kept = (x_kept, slot)
     saved = (x_kept, w, rows,
              _plan.padded(rows, plan.align), dy.shape[-1], k, _TQ_DTYPE[x_dtype],
              _TQ_DTYPE[w_dtype])
@@ -443,11 +448,8 @@ def linear_bwd_wgiven(dy: torch.Tensor, x_kept: Optional[torch.Tensor],
                       hist_bwd: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
     """linear_bwd for x's packed columnwise buffer (linear_fwd_wgiven's, None without wgrad) and
     W's six members (its columnwise codes for dgrad): linear_bwd's outputs."""
-    # x's amax: no GEMM reads it; linear.c wants a tensor in a DelayedScaling pair
-    amax = dy.new_zeros((1, 1), dtype=torch.float32) if _plan.of_id(recipe_id).delayed else None
-    return _backward_given(dy, None if x_kept is None else (x_kept, amax), w_members, None,
-                           recipe_id, needs, inp_shape, x_dtype, w_dtype, bias_dtype, scale_bwd,
-                           hist_bwd)
+    return _backward_given(dy, x_kept, w_members, None, recipe_id, needs, inp_shape, x_dtype,
+                           w_dtype, bias_dtype, scale_bwd, hist_bwd)
 
 
 @fake("tequant::linear_bwd_wgiven")

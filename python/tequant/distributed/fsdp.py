@@ -480,10 +480,6 @@ class TraceableGatheredWeight(GatheredWeight):
     def tq_recipe_key(self):
         return self._key
 
-    def tq_members(self):
-        """W's six members, rowwise direction (compiled te.Linear reads them)."""
-        return [self._data, self._scale_inv, None, None, self._amax, None]
-
 
 def _gather_now(held, usage):
     """The members of one direction gathered outside FSDP2 (a synchronous all-gather of the shards
