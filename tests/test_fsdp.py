@@ -290,7 +290,7 @@ def test_fsdp_uneven_shards_three_ranks():
     assert sent["block"][1] == sent["block"][0]  # none of its weights can
 
 
-def compiled_steps(name, fullgraph, reshard, dtype, steps=3, backend="aot_eager"):
+def compiled_steps(name, fullgraph, reshard, dtype, steps=3, backend="aot_eager", device="cpu"):
     """Each block compiled (nn.Module.compile; te.autocast around the model, outside the
     compiled code) with the quantized all-gather, against the same sharded model run eagerly:
     outputs, gradients and buffers (DelayedScaling's histories and scales) bit for bit over
@@ -301,7 +301,7 @@ def compiled_steps(name, fullgraph, reshard, dtype, steps=3, backend="aot_eager"
     counters.clear()
     recipe = RECIPES[name]
     torch.manual_seed(0)
-    base = Model("cpu", width=64, hidden=256)
+    base = Model(device, width=64, hidden=256)
     eager = sharded(base, reshard=reshard, dtype=dtype)
     compiled = sharded(base, reshard=reshard, dtype=dtype)
     for block in compiled.blocks:
@@ -311,7 +311,7 @@ def compiled_steps(name, fullgraph, reshard, dtype, steps=3, backend="aot_eager"
         outs, grads = [], []
         for model in (eager, compiled):
             torch.manual_seed(100 + 7 * step + dist.get_rank())
-            x = torch.randn(2, 24, 64, dtype=dtype or torch.float32)
+            x = torch.randn(2, 24, 64, dtype=dtype or torch.float32, device=device)
             with te.autocast(recipe=recipe):
                 y = model(x)
             y.float().square().mean().backward()

@@ -8,6 +8,8 @@ over NCCL, every recipe:
   te.ops.quantize of the whole weight bit for bit, outputs of quantized and high-precision steps
   equal one process's, gradients its ranks' mean, bytes per forward within the bounds; 4 GPUs:
   width 512 / hidden 1024, so every format's shards hold whole blocks (128 rows per rank);
+  compiled blocks (test_fsdp.compiled_steps) trace the per-tensor FP8 gathered weight with no
+  graph break, bit-identical to eager;
 - TransformerEngine's tensor parallelism (test_tensor_parallel): column output, weight and bias
   gradients bit-identical to one process's shard, row parallel within ROW_BOUND, the
   sequence-parallel quantized all-gathers equal te.ops.quantize of the whole tensor; 2 GPUs: the
@@ -85,6 +87,24 @@ def test_fsdp_quantized_all_gather_nccl(world):
         assert set(report) == {(n, *c[:1], str(c[1]), c[2]) for n in NAMES for c in configs}
         check_bytes(report, NAMES)
         assert all(sent[1] > 0 for sent in report.values())  # the ranks did gather
+
+
+def compiled_gather_worker(rank, world):
+    """test_fsdp's compiled blocks over NCCL on CUDA tensors: per-tensor FP8's gathered weight
+    traced with fullgraph=True (no graph break), outputs, gradients and DelayedScaling buffers
+    bit-identical to the eager sharded model over 3 SGD steps (aot_eager: the CUDA kernels
+    without Inductor's own codegen of the torch ops around them, whose bits may differ)."""
+    from test_fsdp import compiled_steps
+    for name in ("current", "delayed"):
+        for reshard, dtype in ((True, None), (False, torch.bfloat16)):
+            breaks = compiled_steps(name, True, reshard, dtype, device="cuda")
+            assert breaks == {}, (name, reshard, breaks)
+    return True
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_fsdp_compiled_gather_nccl(world):
+    assert nccl(world, [("test_multi_gpu", "compiled_gather_worker", {}, ())]) == [[True]] * world
 
 
 @pytest.mark.parametrize("world", WORLDS)
