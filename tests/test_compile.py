@@ -394,6 +394,65 @@ def test_amax_reduction_group_under_compile_matches_eager(where, compiled_reduct
     assert results[0][4] == results[1][4] and max(results[0][4]) == 3.0  # rank 1's last amax
 
 
+def _one_backward_reduction_worker(rank, world):
+    """Three compiled te.Linear under DelayedScaling with an amax reduction group (te.autocast
+    outside the compiled code): their backward graphs hold no collective, each module's
+    backward queues its update (tequant::amax_defer_bwd), and the end of the backward pass runs
+    one all-reduce for the three (as eager: a collective per module would be a point where every
+    rank waits for the slowest); the buffers equal an eager model's after three steps."""
+    import torch.distributed as dist
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from tequant import delayed
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(str(gm.graph))
+        return make_boxed_func(gm.forward)
+    backend = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward), bw_compiler=keep)
+    torch._dynamo.reset()
+    recipe, group = RECIPES["delayed"], dist.group.WORLD
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(*(te.Linear(16, 16) for _ in range(3)))
+    compiled_model = copy.deepcopy(eager)
+    step = torch.compile(_outside, backend=backend, fullgraph=True)
+    reductions = []
+    reduce = delayed._reduce
+
+    def counting(slots, recipe, group):
+        reductions.append(len(slots))
+        return reduce(slots, recipe, group)
+    delayed._reduce = counting
+    try:
+        counts = []
+        for i in range(3):
+            x = torch.full((4, 16), float(rank + 1 + i))
+            for model in (eager, compiled_model):
+                with te.autocast(recipe=recipe, amax_reduction_group=group):
+                    y = step(model, x) if model is compiled_model else model(x)
+                before = len(reductions)
+                y.mul(rank + 1).sum().backward()
+                counts.append(reductions[before:])
+    finally:
+        delayed._reduce = reduce
+    same = [torch.equal(a, b) for a, b in zip(eager.buffers(), compiled_model.buffers())]
+    return counts, same, graphs
+
+
+def test_compiled_backward_one_amax_reduction_per_pass():
+    import os
+    import sys
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed is not available")
+    sys.path.insert(0, os.path.dirname(__file__))
+    from dist_util import run_ranks
+    for counts, same, graphs in run_ranks(_one_backward_reduction_worker, 2, timeout=300):
+        assert counts == [[3]] * 6, counts  # eager and compiled: one all-reduce of 3 rows
+        assert same == [True] * 12, same
+        assert graphs and all("all_reduce" not in g for g in graphs), graphs
+        assert sum(g.count("tequant.amax_defer_bwd") for g in graphs) == 3, graphs
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", RECIPES)
 @pytest.mark.parametrize("needs", [3, 1, 2, 8 | 3, 8 | 1, 8])

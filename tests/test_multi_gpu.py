@@ -108,6 +108,17 @@ def test_fsdp_compiled_gather_nccl(world):
 
 
 @pytest.mark.parametrize("world", WORLDS)
+def test_compiled_delayed_one_backward_reduction_nccl(world):
+    """test_compile's check over NCCL on CUDA: compiled DelayedScaling modules under an amax
+    reduction group queue their backward updates for one all-reduce at the end of the backward
+    pass, and their buffers equal an eager model's."""
+    for ((counts, same, graphs),) in nccl(world, [("test_compile",
+                                                   "_one_backward_reduction_worker", {}, ())]):
+        assert counts == [[3]] * 6 and same == [True] * 12, (counts, same)
+        assert sum(g.count("tequant.amax_defer_bwd") for g in graphs) == 3, graphs
+
+
+@pytest.mark.parametrize("world", WORLDS)
 def test_tensor_parallel_nccl(world):
     sizes = {} if world == 2 else {"K": 128, "N": 256, "TOKENS": 512}
     jobs = [("test_tensor_parallel", "column_worker", sizes, (NAMES,)),

@@ -55,8 +55,8 @@ class GatheredLinear(torch.autograd.Function):
             _cl._copy_in(hist_fwd, outs[-1])
         x_kept = (outs[1],) if needs & NEED_WGRAD else ()
         w_kept = (w_members[0], w_members[1], w_members[4]) if needs & NEED_DGRAD else ()
-        ctx.recipe_id, ctx.needs, ctx.group, ctx.is_delayed = recipe_id, needs, group, is_delayed
-        ctx.fused_update = is_delayed and _cl._op_updates(recipe_id, group)
+        ctx.recipe_id, ctx.needs = recipe_id, needs
+        _cl.delayed_ctx(ctx, recipe_id, group, is_delayed)
         ctx.shape, ctx.x_dtype, ctx.w_dtype = tuple(inp.shape), inp.dtype, weight.dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.save_for_backward(*x_kept, *w_kept, *((scale_bwd, hist_bwd) if is_delayed else ()))

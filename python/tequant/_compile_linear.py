@@ -189,9 +189,9 @@ class _CompiledLinear(torch.autograd.Function):
         x_members, w_members = outs[1:1 + n_x], outs[1 + n_x:1 + n_x + n_w]
         if is_delayed:
             _copy_in(hist_fwd, outs[-1])
-        ctx.recipe_id, ctx.needs, ctx.override, ctx.group = recipe_id, needs, override, group
-        ctx.fused_update = is_delayed and _op_updates(recipe_id, group)
-        ctx.n_x, ctx.shape, ctx.is_delayed = n_x, tuple(inp.shape), is_delayed
+        ctx.recipe_id, ctx.needs, ctx.override = recipe_id, needs, override
+        delayed_ctx(ctx, recipe_id, group, is_delayed)
+        ctx.n_x, ctx.shape = n_x, tuple(inp.shape)
         ctx.x_kept, ctx.w_kept, ctx.align = x_kept, w_kept, align
         ctx.x_dtype, ctx.w_dtype = inp.dtype, weight.dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
@@ -230,6 +230,20 @@ class _CompiledLinear(torch.autograd.Function):
         return _grads(ctx, outs, bias_dtype, scale_bwd, hist_bwd)
 
 
+def delayed_ctx(ctx, recipe_id, group, is_delayed):
+    """A Function's DelayedScaling backward plan on ctx: whether its backward op updates the
+    module (fused_update), or the name of the amax reduction group when the update waits for
+    the end of the backward pass (group_name; Dynamo evaluates c10d's group lookups as
+    constants: a process group itself is no op argument)."""
+    ctx.group, ctx.is_delayed = group, is_delayed
+    ctx.fused_update = is_delayed and _op_updates(recipe_id, group)
+    ctx.group_name = None
+    if is_delayed and _reduces(recipe_id, group):
+        from torch.distributed import distributed_c10d as c10d
+        ctx.group_name = c10d._resolve_group_name_by_ranks_and_tag(
+            c10d.get_process_group_ranks(group), c10d._get_group_tag(group))
+
+
 def _op_hist(ctx, hist_bwd):
     """hist_bwd for a backward op that updates the module itself, else None (it returns dy's
     amax and _grads updates)."""
@@ -246,7 +260,8 @@ def _copy_in(buffer, new):
 def _grads(ctx, outs, bias_dtype, scale_bwd, hist_bwd):
     """_CompiledLinear.backward's result from a backward op's [dx?, dW?, db?, then new hist_bwd
     and scale_bwd (the op updated the module) or amax dy], after DelayedScaling's backward
-    update of the module."""
+    update of the module (with an amax all-reduce: queued for the end of the backward pass,
+    one collective for every module, as eager)."""
     it = iter(outs)
     dx = next(it) if ctx.needs & NEED_DGRAD else None
     dw = next(it) if ctx.needs & NEED_WGRAD else None
@@ -255,9 +270,12 @@ def _grads(ctx, outs, bias_dtype, scale_bwd, hist_bwd):
     if ctx.fused_update:
         _copy_in(hist_bwd, next(it))
         _copy_in(scale_bwd, next(it))
+    elif ctx.group_name is not None:
+        _copy_in(hist_bwd, torch.ops.tequant.amax_defer_bwd(
+            hist_bwd, scale_bwd, next(it), ctx.recipe_id, ctx.group_name))
     elif ctx.is_delayed:
         _apply_update((hist_bwd,), (scale_bwd,), ctx.recipe_id, delayed.BACKWARD,
-                      [_accumulated(hist_bwd, next(it))], ctx.group)
+                      [_accumulated(hist_bwd, next(it))])
     return (dx, dw, db) + _NONE_ARGS
 
 
@@ -279,8 +297,8 @@ def _given_forward(ctx, needs, inp, weight, bias, scale_fwd, hist_fwd, scale_bwd
     x_kept = ()
     if needs & NEED_WGRAD:
         x_kept = (torch.ops.tequant.transpose_codes(x_data), x_scale_inv, x_amax)
-    ctx.recipe_id, ctx.needs, ctx.group, ctx.is_delayed = recipe_id, needs, group, is_delayed
-    ctx.fused_update = is_delayed and _op_updates(recipe_id, group)
+    ctx.recipe_id, ctx.needs = recipe_id, needs
+    delayed_ctx(ctx, recipe_id, group, is_delayed)
     ctx.shape, ctx.x_dtype, ctx.w_dtype = tuple(inp.shape), inp.dtype, weight.dtype
     ctx.bias_dtype = bias.dtype if bias is not None else None
     ctx.save_for_backward(*x_kept, outs[1], *((scale_bwd, hist_bwd) if is_delayed else ()))

@@ -485,3 +485,22 @@ def amax_update(histories: list[torch.Tensor], scales: list[torch.Tensor], recip
 def _amax_update_fake(histories, scales, recipe_id, direction):
     return [torch.cat([torch.empty_like(h) for h in histories], 1),
             torch.cat([torch.empty_like(s) for s in scales])]
+
+
+@op("tequant::amax_defer_bwd", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+def amax_defer_bwd(hist_bwd: torch.Tensor, scale_bwd: torch.Tensor, amax_dy: torch.Tensor,
+                   recipe_id: str, group_name: str) -> torch.Tensor:
+    """DelayedScaling's backward under an amax all-reduce over the process group named
+    group_name: returns the module's history with dy's amax max-accumulated into row 0 (the
+    traced caller writes it into hist_bwd), and queues the module's all-reduce and update for
+    the end of the backward pass (delayed.defer_backward), on the buffers themselves: unsafe to
+    record in a CUDA graph, whose replay would skip it."""
+    history = torch.cat((torch.maximum(hist_bwd[:1], amax_dy.view(1, -1)), hist_bwd[1:]))
+    group = torch.distributed.distributed_c10d._resolve_process_group(group_name)
+    delayed.defer_backward(hist_bwd, scale_bwd, _plan.of_id(recipe_id), group)
+    return history
+
+
+@fake("tequant::amax_defer_bwd")
+def _amax_defer_bwd_fake(hist_bwd, scale_bwd, amax_dy, recipe_id, group_name):
+    return torch.empty_like(hist_bwd)

@@ -132,6 +132,43 @@ def register_compiled(hist, scale, plan, group):
     _C._delayed_register(_CompiledEntry(hist, scale, plan, group))
 
 
+class _PendingBackward:
+    """A compiled te.Linear's backward buffers awaiting the end of the backward pass (a module
+    stand-in for _update)."""
+
+    __slots__ = ("_delayed_plan", "_delayed_group", "delayed_amax_history_bwd",
+                 "delayed_scale_bwd")
+
+    def __init__(self, hist, scale, plan, group):
+        self._delayed_plan, self._delayed_group = plan, group
+        self.delayed_amax_history_bwd, self.delayed_scale_bwd = hist, scale
+
+
+_PENDING = []  # _PendingBackward of the running backward pass
+
+
+def defer_backward(hist, scale, plan, group):
+    """A compiled module's backward update with an amax all-reduce: queued for the end of the
+    backward pass, where every queued module is updated at once with one all-reduce per
+    (recipe, group), as eager's update at the end of the backward of the module that ran first
+    in forward. A per-module all-reduce inside the compiled backward graphs would be a
+    collective per te.Linear, each one a point where every rank waits for the slowest. Outside
+    a backward pass (no autograd engine to call back) the module is updated at once."""
+    _PENDING.append(_PendingBackward(hist, scale, plan, group))
+    if len(_PENDING) > 1:
+        return
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(_flush_backward)
+    except RuntimeError:  # not inside a backward pass
+        _flush_backward()
+
+
+def _flush_backward():
+    modules = _PENDING[:]
+    _PENDING.clear()
+    _update(modules, BACKWARD)
+
+
 def _buffers_of(module, direction):
     """(history, scale) of a module or a _CompiledEntry (no backward buffers: (None, None));
     nn.Module's _buffers dict first, its __getattr__ costs ~1 us per read on the H200 host."""
