@@ -315,3 +315,46 @@ def test_compiled_checkpointed_blocks(name, mode, device):
                 with pytest.raises(Exception, match="graph break|graph_break"):
                     train(ckpt, recipe, device, steps=1, step_fn=compiled(ckpt, True))
     torch._dynamo.reset()
+
+
+def _compile_blocks(model, fullgraph=False):
+    torch._dynamo.reset()
+    for block in model.blocks:
+        block.compile(backend="aot_eager", fullgraph=fullgraph)
+    return model
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
+@pytest.mark.parametrize("name", [n for n in RECIPES if n != "delayed"])
+def test_compiled_blocks_inside_eager_checkpoint(name, mode, device):
+    """The other nesting: each block compiled (nn.Module.compile), checkpointed eagerly around
+    it, te.autocast outside both. The recompute runs on the autograd thread outside the user's
+    te.autocast; it enters the autocast the forward ran in (a stateless recipe), so the compiled
+    graphs see the state they were traced under: gradients bit-identical to eager without
+    checkpointing (before: the recompute ran in high precision; non-reentrant mode then refused
+    its saved tensors, reentrant mode gave high-precision gradients)."""
+    recipe = RECIPES[name]
+    model = base_model(device)
+    want = train(copy.deepcopy(model), recipe, device, steps=2)
+    got = train(_compile_blocks(checkpointed(model, mode)), recipe, device, steps=2)
+    assert_same(got, want)
+    assert te.autocast_depth() == 0
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
+def test_compiled_delayed_blocks_inside_eager_checkpoint_refuse(mode):
+    """DelayedScaling, the same nesting: the compiled forward keeps no record of the scales it
+    used and the autocast's exit has updated them before the recompute, so the recompute raises
+    saying so and what to do, instead of running in high precision (reentrant mode gave wrong
+    gradients silently before)."""
+    recipe = RECIPES["delayed"]
+    model = _compile_blocks(checkpointed(base_model("cpu"), mode))
+    with pytest.raises(RuntimeError, match="inside an eager torch.utils.checkpoint region that "
+                       "ran under DelayedScaling"):
+        train(model, recipe, "cpu", steps=1)
+    assert te.autocast_depth() == 0
+    from tequant import checkpoint as te_checkpoint
+    assert te_checkpoint.STATEFUL_REPLAY is False
+    torch._dynamo.reset()

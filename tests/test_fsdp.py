@@ -290,7 +290,8 @@ def test_fsdp_uneven_shards_three_ranks():
     assert sent["block"][1] == sent["block"][0]  # none of its weights can
 
 
-def compiled_steps(name, fullgraph, reshard, dtype, steps=3, backend="aot_eager", device="cpu"):
+def compiled_steps(name, fullgraph, reshard, dtype, steps=3, backend="aot_eager", device="cpu",
+                   checkpointed=False):
     """Each block compiled (nn.Module.compile; te.autocast around the model, outside the
     compiled code) with the quantized all-gather, against the same sharded model run eagerly:
     outputs, gradients and buffers (DelayedScaling's histories and scales) bit for bit over
@@ -301,7 +302,7 @@ def compiled_steps(name, fullgraph, reshard, dtype, steps=3, backend="aot_eager"
     counters.clear()
     recipe = RECIPES[name]
     torch.manual_seed(0)
-    base = Model(device, width=64, hidden=256)
+    base = Model(device, width=64, hidden=256, checkpointed=checkpointed)
     eager = sharded(base, reshard=reshard, dtype=dtype)
     compiled = sharded(base, reshard=reshard, dtype=dtype)
     for block in compiled.blocks:
@@ -339,6 +340,10 @@ def compile_worker(rank, world):
         for reshard, dtype in ((True, None), (False, torch.bfloat16)):
             breaks = compiled_steps(name, True, reshard, dtype)
             assert breaks == {}, (name, breaks)
+    # each compiled block inside an eager torch.utils.checkpoint (non-reentrant): the
+    # recompute re-enters the forward's te.autocast and traces the gathered weight again
+    breaks = compiled_steps("current", True, True, None, steps=2, checkpointed=True)
+    assert breaks == {}, breaks
     breaks = compiled_steps("mxfp8", False, True, None, steps=2)
     assert any("quantized all-gather" in reason for reason in breaks), breaks
     torch._dynamo.reset()

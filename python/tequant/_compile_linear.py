@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _C, _act_fn, _compile, _custom_linear, _norm_fn, _plan, delayed
+from . import checkpoint as _checkpoint
 from ._act_fn import ActInput
 from ._norm_fn import NormInput
 from ._operands import is_dtensor, quantized_weight
@@ -398,6 +399,8 @@ def forward(module, inp, is_first_microbatch):
 
 def _local(module, inp, weight, bias, is_first_microbatch):
     """The linear on this rank's tensors (all of a non-parallel layer's)."""
+    if _checkpoint.STATEFUL_REPLAY:
+        raise RuntimeError(_checkpoint.STATEFUL_REPLAY_ERROR)
     state = _compile.current()
     recipe_id = state.recipe_id
     norm_in = None  # a NormInput / ActInput whose norm / activation writes x's codes

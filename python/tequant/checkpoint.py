@@ -32,11 +32,25 @@ import contextvars
 import torch
 import torch.utils.checkpoint as _torch_checkpoint
 
+from . import _C
+
 __all__ = ["REGIONS", "Call", "source"]
 
 # The regions around the calling code, outermost first: _Tape while recorded, _Replay while
 # replayed; None outside any (the only case te.Linear's forward pays for: one ContextVar read).
 REGIONS = contextvars.ContextVar("tequant_checkpoint_regions", default=None)
+# True while a region recorded under DelayedScaling is recomputed. Compiled te.Linear code reads
+# it (Dynamo guards on it, so a graph traced outside a recompute is not reused inside one) and
+# refuses: its forward left no record of the scales it used (_compile_linear._local).
+STATEFUL_REPLAY = False
+STATEFUL_REPLAY_ERROR = (
+    "te.Linear compiled with torch.compile inside an eager torch.utils.checkpoint region that "
+    "ran under DelayedScaling: its recompute cannot quantize as the forward did (the "
+    "autocast's exit has updated the module's scales since, and compiled code records no call "
+    "with the ones it used). Put the checkpoint inside the compiled code (compile the "
+    "checkpointed module or function: the region then runs eagerly and replays its scales), "
+    "or use a recipe without state between steps (Float8CurrentScaling, Float8BlockScaling, "
+    "MXFP8BlockScaling, NVFP4BlockScaling)")
 
 
 class Call:
@@ -53,13 +67,22 @@ class Call:
 
 class _Tape:
     """A region being recorded: its forward's calls in order. trains: the forward counts as a
-    training step even where it runs under no_grad (the reentrant mode runs it so)."""
+    training step even where it runs under no_grad (the reentrant mode runs it so). autocast:
+    (recipe, amax_reduction_group) of the te.autocast live around the region when its recipe
+    keeps no state between steps (all but DelayedScaling), else None: the recompute enters it
+    again for te.Linear code compiled with torch.compile inside the region, which reads the
+    live autocast (its graph was traced and guarded under it) and not the tape."""
 
-    __slots__ = ("calls", "trains")
+    __slots__ = ("calls", "trains", "autocast", "stateful")
 
     def __init__(self, trains):
         self.calls = []
         self.trains = trains
+        live = _C._live
+        recipe = live.recipe if live.enabled and not live.calibrating else None
+        self.stateful = recipe is not None and recipe.delayed()
+        self.autocast = None if recipe is None or self.stateful else \
+            (recipe, live.amax_reduction_group)
 
 
 class _Replay:
@@ -76,10 +99,13 @@ class _Replay:
         if i >= len(calls) or calls[i].module is not module:
             ran = "no more te.Linear calls" if i >= len(calls) else \
                 f"{type(calls[i].module).__name__} {id(calls[i].module):#x}"
+            mismatch = (f"the recompute called te.Linear {id(module):#x} as its call #{i + 1}, "
+                        f"where the forward made {ran}")
+            if self.tape.stateful:  # a compiled te.Linear's frame, run eagerly, lands here
+                raise RuntimeError(f"{STATEFUL_REPLAY_ERROR} ({mismatch})")
             raise RuntimeError(
-                f"activation checkpointing: the recompute called te.Linear {id(module):#x} as its "
-                f"call #{i + 1}, where the forward made {ran}; a checkpointed function must call "
-                "the same te.Linear modules in the same order when it is recomputed")
+                f"activation checkpointing: {mismatch}; a checkpointed function must call the "
+                "same te.Linear modules in the same order when it is recomputed")
         self.position = i + 1
         return calls[i]
 
@@ -103,10 +129,25 @@ def _inside(region):
 
 
 def _replaying(function, tape):
-    """function, run as a recompute of the forward `tape` recorded."""
+    """function, run as a recompute of the forward `tape` recorded, inside the te.autocast the
+    forward ran in where its recipe is stateless (the eager te.Linear calls replay their Call
+    whatever the live state; compiled ones see the same state as in the forward). The same
+    quantization of the same inputs gives the same bits; NVFP4's stochastic rounding draws
+    from the generator state torch's checkpoint restores."""
     def recompute(*args, **kwargs):
+        global STATEFUL_REPLAY
         with _inside(_Replay(tape)):
-            return function(*args, **kwargs)
+            if tape.autocast is not None:
+                recipe, group = tape.autocast
+                with _C.autocast(recipe=recipe, amax_reduction_group=group):
+                    return function(*args, **kwargs)
+            if not tape.stateful:
+                return function(*args, **kwargs)
+            STATEFUL_REPLAY = True
+            try:
+                return function(*args, **kwargs)
+            finally:
+                STATEFUL_REPLAY = False
     return recompute
 
 
