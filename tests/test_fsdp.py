@@ -291,12 +291,14 @@ def test_fsdp_uneven_shards_three_ranks():
 
 
 def compiled_steps(name, fullgraph, reshard, dtype, steps=3, backend="aot_eager", device="cpu",
-                   checkpointed=False):
+                   checkpointed=False, amax_group=False):
     """Each block compiled (nn.Module.compile; te.autocast around the model, outside the
     compiled code) with the quantized all-gather, against the same sharded model run eagerly:
     outputs, gradients and buffers (DelayedScaling's histories and scales) bit for bit over
     `steps` steps with an optimizer step between (FSDP2 refills its all-gather buffers and
-    unsharded parameters in place). Returns Dynamo's graph-break counter."""
+    unsharded parameters in place). amax_group: DelayedScaling's amaxes all-reduced over the
+    ranks (the compiled backward queues its updates for one all-reduce at the end of the
+    backward pass, eager's one). Returns Dynamo's graph-break counter."""
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
     counters.clear()
@@ -313,7 +315,8 @@ def compiled_steps(name, fullgraph, reshard, dtype, steps=3, backend="aot_eager"
         for model in (eager, compiled):
             torch.manual_seed(100 + 7 * step + dist.get_rank())
             x = torch.randn(2, 24, 64, dtype=dtype or torch.float32, device=device)
-            with te.autocast(recipe=recipe):
+            with te.autocast(recipe=recipe,
+                             amax_reduction_group=dist.group.WORLD if amax_group else None):
                 y = model(x)
             y.float().square().mean().backward()
             outs.append(y.detach())
@@ -340,6 +343,8 @@ def compile_worker(rank, world):
         for reshard, dtype in ((True, None), (False, torch.bfloat16)):
             breaks = compiled_steps(name, True, reshard, dtype)
             assert breaks == {}, (name, breaks)
+    breaks = compiled_steps("delayed", True, True, None, steps=2, amax_group=True)
+    assert breaks == {}, breaks
     # each compiled block inside an eager torch.utils.checkpoint (non-reentrant): the
     # recompute re-enters the forward's te.autocast and traces the gathered weight again
     breaks = compiled_steps("current", True, True, None, steps=2, checkpointed=True)

@@ -99,6 +99,8 @@ def compiled_gather_worker(rank, world):
         for reshard, dtype in ((True, None), (False, torch.bfloat16)):
             breaks = compiled_steps(name, True, reshard, dtype, device="cuda")
             assert breaks == {}, (name, reshard, breaks)
+    breaks = compiled_steps("delayed", True, True, None, device="cuda", amax_group=True)
+    assert breaks == {}, breaks
     return True
 
 
