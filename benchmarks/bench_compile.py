@@ -13,8 +13,12 @@ interleaved modes, median of rounds), after warm-up steps that compile and recor
 Outputs of the three modes are checked equal (bitwise for the GEMM set; the block's torch ops are
 fused by inductor, so its check is a relative error < 5e-2).
 
+--profile STEPS adds, per row and mode, what torch.profiler sees over STEPS more steps: host
+launches, GPU kernel time and the host ops with the most self CPU time per step (where a
+host-bound step's time goes, e.g. compiled DelayedScaling against current scaling).
+
 Run: python3 benchmarks/bench_compile.py [--quick] [--recipes ...] [--workloads block,qkv,...]
-         [--out FILE]
+         [--profile STEPS] [--out FILE]
 """
 import os
 import sys
@@ -29,6 +33,7 @@ import tequant as te  # noqa: E402
 
 WORKLOADS = ("block", "gpt") + benchutil.GEMM_SET
 MODES = ("eager", "compiled", "reduce-overhead")
+profiles = []  # --profile: (workload, recipe, {mode: profile()}) of each row, in order
 
 
 class Block(torch.nn.Module):
@@ -135,7 +140,52 @@ def run(workload, name, recipe, args, device, failures):
         if (exact and not torch.equal(outputs[mode], ref)) or err > 5e-2:
             failures.append(f"{workload} {name} {mode}: output differs from eager (rel err {err:.2e})")
     times = benchutil.time_host(step_fns, device, args.calls, args.repeats)
+    if args.profile:
+        profiles.append((label, name, {mode: profile(step, device, args.profile)
+                                       for mode, step in zip(modes, step_fns)}))
     return label, dict(zip(modes, times))
+
+
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
+            "cudaGraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync")
+
+
+def profile(step, device, steps, top=8):
+    """torch.profiler over `steps` more steps: per step, the host's launches (kernels, graphs,
+    copies, memsets), the GPU's kernel time, and the host ops with the most self CPU time
+    (what a host-bound step spends its time on). {launches, gpu_us, ops: [(name, calls, us)]}."""
+    acts = [torch.profiler.ProfilerActivity.CPU] + \
+        ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
+    benchutil.sync(device)
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(steps):
+            step()
+        benchutil.sync(device)
+    launches, gpu_us, ops = 0, 0.0, []
+    for e in prof.key_averages():
+        if e.key in LAUNCHES:
+            launches += e.count
+        gpu_us += getattr(e, "self_device_time_total", 0.0) if e.device_type.name == "CPU" else 0.0
+        if e.self_cpu_time_total > 0 and e.key not in LAUNCHES:
+            ops.append((e.key, e.count / steps, e.self_cpu_time_total / steps))
+    ops.sort(key=lambda o: -o[2])
+    return {"launches": launches / steps, "gpu_us": gpu_us / steps, "ops": ops[:top]}
+
+
+def profile_lines(profiles):
+    """The --profile section: per row and mode, launches and GPU kernel time per step, then the
+    host ops with the most self CPU time per step."""
+    lines = ["", "Per step under torch.profiler (--profile): host launches (kernels, graphs, copies,"
+             " memsets), GPU kernel time, and the host ops with the most self CPU time (calls, us);"
+             " profiler overhead included, so read the shares, not the totals.", ""]
+    lines += benchutil.table_head(["workload", "recipe", "mode", "launches", "GPU kernel us",
+                                   "top host ops (calls, self us)"], 3)
+    for where, name, by_mode in profiles:
+        for mode, p in by_mode.items():
+            ops = "; ".join(f"{benchutil.one_line(k, 48)} ({c:.0f}, {us:.0f})" for k, c, us in p["ops"])
+            lines.append(f"| {where} | {name} | {mode} | {p['launches']:.0f} | "
+                         f"{p['gpu_us']:.0f} | {ops} |")
+    return lines
 
 
 def main():
@@ -146,6 +196,9 @@ def main():
     ap.add_argument("--calls", type=int, default=None, help="steps per timed loop")
     ap.add_argument("--repeats", type=int, default=5, help="timed rounds (median)")
     ap.add_argument("--out", help="append the Markdown table to this file")
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="also profile STEPS steps of each mode (torch.profiler): launches, GPU "
+                         "kernel time and the top host ops per step")
     args = benchutil.parse(ap)
     device = args.device
     if args.calls is None:
@@ -175,6 +228,8 @@ def main():
         ratios = [benchutil.ratio_text(t["eager"], t.get(m)) for m in MODES[1:]]
         lines.append("| " + " | ".join([where, name] + cells + ratios) + " |")
     lines += targets(rows)
+    if profiles:
+        lines += profile_lines(profiles)
     return benchutil.finish("\n".join(lines), args.out, failures)
 
 

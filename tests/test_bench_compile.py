@@ -24,3 +24,20 @@ def test_targets_against_bf16_and_eager():
         "gpt, current: reduce-overhead vs bf16 reduce-overhead": ("0.91x", "NO"),  # 4 / 4.4
         "block, delayed: compiled vs eager": ("0.75x", "NO"),
     }
+
+
+def test_profile_counts_host_ops_per_step():
+    """--profile's summary of a CPU step: per-step call counts of its host ops (two torch.mm per
+    step here), no launches without CUDA, and the section's row for it."""
+    import torch
+    a = torch.randn(64, 64)
+
+    def step():
+        torch.mm(torch.mm(a, a), a)
+    p = bench_compile.profile(step, "cpu", 3)
+    assert p["launches"] == 0 and p["gpu_us"] == 0
+    calls = {name: count for name, count, _ in p["ops"]}
+    assert calls.get("aten::mm") == 2, p["ops"]
+    lines = bench_compile.profile_lines([("tiny", "current", {"eager": p})])
+    row = _cells(lines, "tiny")[0]
+    assert row[:4] == ["tiny", "current", "eager", "0"] and "aten::mm (2," in row[5]
