@@ -378,3 +378,26 @@ def test_cuda_mixed_devices():
         _C._amax_update([(hist.cuda(), scale.cuda(), 448.0), (hist, scale, 448.0)], 2, "max", None)
     with pytest.raises(ValueError, match="reduced is on cpu"):
         _C._amax_update([(hist.cuda(), scale.cuda(), 448.0)], 2, "max", torch.zeros(1))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_update_columns_matches_the_model(algo, device):
+    """_amax_update_columns (tequant::amax_update's batch of modules' [L, n] histories side by
+    side: n = 10 columns, past the stack's 4) against the independent model, column by column,
+    with zero, Inf, NaN and tiny amaxes in row 0; a wrong shape raises naming the tensors."""
+    rng = np.random.default_rng(7)
+    L, n = 5, 10
+    h = rng.uniform(0, 10, (L, n)).astype(np.float32)
+    h[0] = special_amaxes(rng, n)
+    scale = rng.uniform(0.5, 2, n).astype(np.float32)
+    scaled = tuple(E4M3_MAX if j % 2 == 0 else E5M2_MAX for j in range(n))
+    hist_t = torch.from_numpy(h.copy()).to(device)
+    scale_t = torch.from_numpy(scale.copy()).to(device)
+    _C._amax_update_columns(hist_t, scale_t, (L, algo, scaled))
+    for j in range(n):
+        want_h, want_s = model_update(h[:, j], scale[j], np.float32(scaled[j]), None, algo)
+        assert torch.equal(bits(hist_t[:, j]), bits(torch.from_numpy(want_h))), j
+        assert bits(scale_t[j:j + 1]).item() == bits(torch.tensor([want_s])).item(), j
+    with pytest.raises(ValueError, match="history must be float32"):
+        _C._amax_update_columns(hist_t[:, :3], scale_t, (L, algo, scaled))

@@ -6,9 +6,11 @@
  * stride n), scale a float32 tensor of one element, scaled_max a float; algo "max" or
  * "most_recent"; reduced None or a contiguous float32 tensor of len(slots) all-reduced amaxes.
  * Everything on one device; runs on that device's current stream with the GIL released.
- * tqx_amax_update_buffers (module.h): the same fused update of one module's whole [L, n] history
- * and [n] scale, for the compiled te.Linear's backward op (linear_ops.c), which runs it on its
- * copies of the module's buffers. Tests: tests/test_amax_update.py, tests/test_compile.py.
+ * tqx_amax_update_buffers (module.h): the same fused update of a whole [L, n] history and [n]
+ * scale, for the compiled te.Linear's backward op (linear_ops.c), which runs it on its copies of
+ * the module's buffers, and as _amax_update_columns for tequant::amax_update (_compile_ops.py),
+ * which runs it on a batch of modules' buffers side by side. Tests: tests/test_amax_update.py,
+ * tests/test_compile.py, tests/test_compile_delayed.py.
  */
 #include <stdio.h>
 
@@ -175,29 +177,56 @@ int tqx_amax_update_buffers(tqx_state *st, PyObject *history, PyObject *scale, P
     if (tqx_tensor_from_py(st, history, history_name, 1u << TQ_DTYPE_FLOAT32, &h, &info) < 0
         || tqx_tensor_from_py(st, scale, scale_name, 1u << TQ_DTYPE_FLOAT32, &s, NULL) < 0)
         return -1;
-    if (info.ndim != 2 || h.rows != uargs.history_len || h.cols != n
-        || s.rows * s.cols != n || (s.rows > 1 && s.ld != s.cols) || n > TQX_UPDATE_COLUMNS) {
+    if (info.ndim != 2 || h.rows != uargs.history_len || h.cols != n || n < 1
+        || s.rows * s.cols != n || (s.rows > 1 && s.ld != s.cols)) {
         PyErr_Format(PyExc_ValueError, "%s must be float32 [history_len, n] = [%lld, %zd] and %s "
-                     "contiguous float32 [%zd] (n <= %d); got %d dims [%lld, %lld] and %lld "
-                     "elements", history_name, (long long)uargs.history_len, n, scale_name, n,
-                     TQX_UPDATE_COLUMNS, info.ndim, (long long)h.rows, (long long)h.cols,
-                     (long long)(s.rows * s.cols));
+                     "contiguous float32 [%zd]; got %d dims [%lld, %lld] and %lld elements",
+                     history_name, (long long)uargs.history_len, n, scale_name, n, info.ndim,
+                     (long long)h.rows, (long long)h.cols, (long long)(s.rows * s.cols));
         return -1;
     }
     if (same_device(&s, scale_name, h.device, history_name) < 0) return -1;
-    tq_amax_slot slots[TQX_UPDATE_COLUMNS];
-    for (Py_ssize_t j = 0; j < n; j++) {
+    /* a module's few columns on the stack; a batch of modules' (the compiled forward update) on
+     * the heap */
+    tq_amax_slot few[TQX_UPDATE_COLUMNS];
+    tq_amax_slot *slots = n <= TQX_UPDATE_COLUMNS ? few : PyMem_Malloc(sizeof(*slots) * (size_t)n);
+    if (slots == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    int rc = 0;
+    for (Py_ssize_t j = 0; j < n && rc == 0; j++) {
         const double scaled_max = PyFloat_AsDouble(PyTuple_GET_ITEM(scaled, j));
-        if (scaled_max == -1.0 && PyErr_Occurred()) return -1;
+        if (scaled_max == -1.0 && PyErr_Occurred()) rc = -1;
         slots[j].history = (float *)h.data + j;
         slots[j].stride = h.rows > 1 ? h.ld : 1;
         slots[j].scale = (float *)s.data + j;
         slots[j].scaled_max = (float)scaled_max; /* as slot_from_py rounds it */
     }
-    return run(st, slots, (int64_t)n, &uargs, h.device, info.stream);
+    if (rc == 0) rc = run(st, slots, (int64_t)n, &uargs, h.device, info.stream);
+    if (slots != few) PyMem_Free(slots);
+    return rc;
+}
+
+/* _amax_update_columns(history, scale, update): the fused update of every column of a float32
+ * [L, n] history and its [n] scales in place (update: (L, algo, n scaled maxes)). */
+static PyObject *py_amax_update_columns(PyObject *module, PyObject *const *args,
+                                        Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "_amax_update_columns(history, scale, update)");
+        return NULL;
+    }
+    if (tqx_amax_update_buffers(tqx_module_state(module), args[0], args[1], args[2], "history",
+                                "scale") < 0)
+        return NULL;
+    Py_RETURN_NONE;
 }
 
 PyMethodDef tqx_amax_update_methods[] = {
+    {"_amax_update_columns", (PyCFunction)(void (*)(void))py_amax_update_columns, METH_FASTCALL,
+     "_amax_update_columns(history, scale, update)\n\nDelayed scaling's fused roll and scale "
+     "update of every column of a float32 [L, n] history and its contiguous float32 [n] scales, in "
+     "place. update: (L, algo, tuple of n scaled maxes), algo 'max' or 'most_recent'."},
     {"_amax_update", (PyCFunction)(void (*)(void))py_amax_update, METH_FASTCALL,
      "_amax_update(slots, history_len, algo, reduced)\n\nDelayed scaling's amax-history roll and "
      "scale update, in place. slots: list/tuple of (history [L, 1] float32 view, scale float32 "

@@ -350,8 +350,9 @@ extern PyMethodDef tqx_amax_update_methods[];
 /* "max" / "most_recent" (a callable: TQ_AMAX_ALGO_CUSTOM, which the core refuses); -1 with an
  * exception otherwise. */
 int tqx_amax_algo_from_py(PyObject *obj, tq_amax_algo *out);
-/* The fused update, in place, of one module's history (float32 [history_len, n]) and scale
- * (contiguous float32 [n], on the history's device), column j with scaled max j; update is
+/* The fused update, in place, of a history (float32 [history_len, n]: one module's, or a batch
+ * of modules' side by side) and scale (contiguous float32 [n], on the history's device), column j
+ * with scaled max j; update is
  * (history_len, algo, tuple of n scaled maxes). Runs on the history's current stream. -1 with
  * an exception (ValueError naming the tensors for a wrong shape, dtype or device). */
 #define TQX_UPDATE_COLUMNS 4

@@ -459,7 +459,7 @@ def _linear_bwd_wgiven_fake(dy, x_kept, w_members, recipe_id, needs, inp_shape, 
                             bias_dtype, scale_bwd, hist_bwd)
 
 
-_SCALED_MAX = {}  # (recipe_id, direction) -> each column's scaled fmax (delayed.slots_of's)
+_UPDATES = {}  # (recipe_id, direction, columns) -> the fused update's argument, or None
 
 
 @op("tequant::amax_update", mutates_args=())
@@ -469,12 +469,20 @@ def amax_update(histories: list[torch.Tensor], scales: list[torch.Tensor], recip
     one batch, as eager's update runs (delayed.update_slots): [the new histories side by side
     [L, n * c], the new scales [n * c]] (two fresh tensors: the traced caller copies each
     module's columns back into its buffers)."""
-    plan = _plan.of_id(recipe_id)
-    scaled = _SCALED_MAX.get((recipe_id, direction))
-    if scaled is None:
-        scaled = _SCALED_MAX[(recipe_id, direction)] = delayed.scaled_maxes(plan, direction)
     history = torch.cat(histories, 1)  # fresh: the op mutates none of its inputs
     scale = torch.cat(scales)
+    key = (recipe_id, direction, history.shape[1])
+    update = _UPDATES.get(key)
+    if update is None:
+        plan = _plan.of_id(recipe_id)
+        fused = delayed.fused_update(plan, direction)  # None: TE's unfused rule (callables)
+        update = _UPDATES[key] = None if fused is None else \
+            fused[:2] + (fused[2] * (history.shape[1] // len(fused[2])),)
+    if update is not None:  # every module's columns in one C call
+        _C._amax_update_columns(history, scale, update)
+        return [history, scale]
+    plan = _plan.of_id(recipe_id)
+    scaled = delayed.scaled_maxes(plan, direction)
     c = len(scaled)
     delayed.update_slots([(history[:, j:j + 1], scale[j:j + 1], scaled[j % c])
                           for j in range(history.shape[1])], plan.recipe, None)
