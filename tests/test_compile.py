@@ -439,6 +439,41 @@ def _one_backward_reduction_worker(rank, world):
     return counts, same, graphs
 
 
+def test_deferred_backward_update_survives_a_failed_pass():
+    """delayed.defer_backward's queue: a backward pass that raises after queueing runs no
+    end-of-pass callback; its module is then updated at the end of the next pass, with that
+    pass's module (a flag per pass would have left both waiting forever)."""
+    from tequant import _plan, delayed
+    recipe = DelayedScaling(amax_history_len=4)
+    plan = _plan.of_id(str(te._C.recipe_key(recipe)))
+    hists = [torch.zeros(4, 1), torch.zeros(4, 1)]
+    scales = [torch.ones(1), torch.ones(1)]
+    hists[0][0, 0], hists[1][0, 0] = 2.0, 4.0
+
+    class Defer(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, i, fail):
+            ctx.i, ctx.fail = i, fail
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            delayed.defer_backward(hists[ctx.i], scales[ctx.i], plan, None)
+            if ctx.fail:
+                raise RuntimeError("backward failed on purpose")
+            return g, None, None
+    x = torch.ones(2, requires_grad=True)
+    with pytest.raises(RuntimeError, match="on purpose"):
+        Defer.apply(x, 0, True).sum().backward()
+    assert hists[0][0, 0] == 2.0 and scales[0].item() == 1.0  # its pass ended without the update
+    Defer.apply(x, 1, False).sum().backward()
+    fmax = delayed.scaled_maxes(plan, delayed.BACKWARD)[0]
+    for i, amax in enumerate((2.0, 4.0)):
+        assert hists[i][:, 0].tolist() == [0.0, 0.0, 0.0, amax], i  # rolled: row 0 to the end
+        assert scales[i].item() == fmax / amax, i
+    assert delayed._PENDING == []
+
+
 def test_compiled_backward_one_amax_reduction_per_pass():
     import os
     import sys

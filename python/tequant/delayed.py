@@ -155,8 +155,9 @@ def defer_backward(hist, scale, plan, group):
     collective per te.Linear, each one a point where every rank waits for the slowest. Outside
     a backward pass (no autograd engine to call back) the module is updated at once."""
     _PENDING.append(_PendingBackward(hist, scale, plan, group))
-    if len(_PENDING) > 1:
-        return
+    # A callback per module, not per pass: the first one flushes every module queued by then and
+    # the others find nothing. A backward pass that raised runs no callback; its modules are
+    # then flushed by the next pass's instead of waiting forever behind a flag.
     try:
         torch.autograd.Variable._execution_engine.queue_callback(_flush_backward)
     except RuntimeError:  # not inside a backward pass
@@ -164,6 +165,8 @@ def defer_backward(hist, scale, plan, group):
 
 
 def _flush_backward():
+    if not _PENDING:
+        return
     modules = _PENDING[:]
     _PENDING.clear()
     _update(modules, BACKWARD)
