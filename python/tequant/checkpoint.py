@@ -101,11 +101,12 @@ class _Replay:
                 f"{type(calls[i].module).__name__} {id(calls[i].module):#x}"
             mismatch = (f"the recompute called te.Linear {id(module):#x} as its call #{i + 1}, "
                         f"where the forward made {ran}")
-            if self.tape.stateful:  # a compiled te.Linear's frame, run eagerly, lands here
-                raise RuntimeError(f"{STATEFUL_REPLAY_ERROR} ({mismatch})")
+            # Under DelayedScaling a compiled te.Linear's frame, run eagerly in the recompute
+            # (_compile_linear._local refuses while tracing), lands here too.
+            also = f"; or: {STATEFUL_REPLAY_ERROR}" if self.tape.stateful else ""
             raise RuntimeError(
                 f"activation checkpointing: {mismatch}; a checkpointed function must call the "
-                "same te.Linear modules in the same order when it is recomputed")
+                f"same te.Linear modules in the same order when it is recomputed{also}")
         self.position = i + 1
         return calls[i]
 

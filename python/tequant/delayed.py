@@ -9,7 +9,10 @@ exit (csrc/ext/autocast.c calls `_update_forward`), and for the backward columns
 the backward of the module that ran first in forward; amaxes are all-reduced (MAX) over the
 autocast's amax_reduction_group first. The fused rule runs in one C call per batch of modules
 (tq_amax_update); callable amax_compute_algo / scaling_factor_compute_algo use TE's unfused rule
-in torch. Tests: tests/test_linear_delayed.py.
+in torch. Compiled te.Linear under an amax reduction group queues its backward update here
+(defer_backward, from tequant::amax_defer_bwd) for the end of the backward pass, one all-reduce
+for every queued module as eager. Tests: tests/test_linear_delayed.py, tests/test_compile.py
+(the deferred update), tests/test_compile_delayed.py.
 """
 import torch
 
