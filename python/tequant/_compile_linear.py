@@ -59,11 +59,6 @@ def _six(present, kept):
     return tuple(next(it) if k else None for k in kept)
 
 
-def _accumulated(history, amaxes):
-    """history with row 0 max-accumulating n amaxes, as a new tensor."""
-    return torch.cat((torch.maximum(history[:1], amaxes.view(1, -1)), history[1:]))
-
-
 def _reduced(currents, recipe_id, group):
     """currents (histories) with row 0 all-reduced (MAX) over the amax reduction group in one
     collective, as delayed._reduce does in eager (traced: Dynamo turns the collective into a
@@ -276,7 +271,7 @@ def _grads(ctx, outs, bias_dtype, scale_bwd, hist_bwd):
             hist_bwd, scale_bwd, next(it), ctx.recipe_id, ctx.group_name))
     elif ctx.is_delayed:
         _apply_update((hist_bwd,), (scale_bwd,), ctx.recipe_id, delayed.BACKWARD,
-                      [_accumulated(hist_bwd, next(it))])
+                      [delayed.accumulated(hist_bwd, next(it))])
     return (dx, dw, db) + _NONE_ARGS
 
 

@@ -503,7 +503,7 @@ def amax_defer_bwd(hist_bwd: torch.Tensor, scale_bwd: torch.Tensor, amax_dy: tor
     traced caller writes it into hist_bwd), and queues the module's all-reduce and update for
     the end of the backward pass (delayed.defer_backward), on the buffers themselves: unsafe to
     record in a CUDA graph, whose replay would skip it."""
-    history = torch.cat((torch.maximum(hist_bwd[:1], amax_dy.view(1, -1)), hist_bwd[1:]))
+    history = delayed.accumulated(hist_bwd, amax_dy)
     group = torch.distributed.distributed_c10d._resolve_process_group(group_name)
     delayed.defer_backward(hist_bwd, scale_bwd, _plan.of_id(recipe_id), group)
     return history

@@ -82,6 +82,12 @@ def calibrate(module, length, inp):
             hist[0, column] = torch.maximum(hist[0, column], amax)
 
 
+def accumulated(history, amaxes):
+    """history with row 0 max-accumulating n amaxes, as a new tensor (the compiled ops' form of
+    a quantization's accumulation into the buffer)."""
+    return torch.cat((torch.maximum(history[:1], amaxes.view(1, -1)), history[1:]))
+
+
 def scaled_maxes(plan, direction):
     """Per column of `direction`, the format's max divided by 2^margin (the scale's numerator)."""
     return [getattr(plan, role).fmax * 2.0 ** -getattr(plan, role).margin
