@@ -382,22 +382,38 @@ def test_cuda_mixed_devices():
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
-def test_update_columns_matches_the_model(algo, device):
-    """_amax_update_columns (tequant::amax_update's batch of modules' [L, n] histories side by
-    side: n = 10 columns, past the stack's 4) against the independent model, column by column,
-    with zero, Inf, NaN and tiny amaxes in row 0; a wrong shape raises naming the tensors."""
+@pytest.mark.parametrize("with_reduced", [False, True])
+def test_update_buffers_matches_the_model(algo, device, with_reduced):
+    """_amax_update_buffers (tequant::amax_update's batch of modules' [L, c_i] histories, one
+    C call: 10 columns in buffers of widths 2, 1, 3, 4, past the stack's 4) against the
+    independent model, column by column, with zero, Inf, NaN and tiny amaxes in row 0 (and in
+    the all-reduced amaxes); wrong shapes and counts raise naming the tensors."""
     rng = np.random.default_rng(7)
-    L, n = 5, 10
+    L, widths = 5, (2, 1, 3, 4)
+    n = sum(widths)
     h = rng.uniform(0, 10, (L, n)).astype(np.float32)
     h[0] = special_amaxes(rng, n)
     scale = rng.uniform(0.5, 2, n).astype(np.float32)
+    reduced = special_amaxes(rng, n) if with_reduced else None
     scaled = tuple(E4M3_MAX if j % 2 == 0 else E5M2_MAX for j in range(n))
-    hist_t = torch.from_numpy(h.copy()).to(device)
-    scale_t = torch.from_numpy(scale.copy()).to(device)
-    _C._amax_update_columns(hist_t, scale_t, (L, algo, scaled))
+    starts = np.cumsum((0,) + widths)
+    hists = [torch.from_numpy(h[:, a:b].copy()).to(device) for a, b in zip(starts, starts[1:])]
+    scales = [torch.from_numpy(scale[a:b].copy()).to(device) for a, b in zip(starts, starts[1:])]
+    red_t = None if reduced is None else torch.from_numpy(reduced.copy()).to(device)
+    _C._amax_update_buffers(hists, scales, (L, algo, scaled), red_t)
+    hist_t, scale_t = torch.cat(hists, 1), torch.cat(scales)
     for j in range(n):
-        want_h, want_s = model_update(h[:, j], scale[j], np.float32(scaled[j]), None, algo)
+        want_h, want_s = model_update(h[:, j], scale[j], np.float32(scaled[j]),
+                                      None if reduced is None else reduced[j], algo)
         assert torch.equal(bits(hist_t[:, j]), bits(torch.from_numpy(want_h))), j
         assert bits(scale_t[j:j + 1]).item() == bits(torch.tensor([want_s])).item(), j
-    with pytest.raises(ValueError, match="history must be float32"):
-        _C._amax_update_columns(hist_t[:, :3], scale_t, (L, algo, scaled))
+    with pytest.raises(ValueError, match=r"histories\[1\] must be float32"):
+        _C._amax_update_buffers([hists[0], hists[1][:3]], scales[:2], (L, algo, scaled[:3]), None)
+    with pytest.raises(ValueError, match="10 columns in all; the update has 11"):
+        _C._amax_update_buffers(hists, scales, (L, algo, scaled + (E4M3_MAX,)), None)
+    with pytest.raises(ValueError, match=r"with 9 columns in all .* after 6 columns"):
+        _C._amax_update_buffers(hists, scales, (L, algo, scaled[:9]), None)
+    with pytest.raises(ValueError, match="reduced must be a contiguous float32 tensor of 10"):
+        _C._amax_update_buffers(hists, scales, (L, algo, scaled), torch.zeros(9, device=device))
+    with pytest.raises(TypeError, match="lists of the same length"):
+        _C._amax_update_buffers(hists, scales[:2], (L, algo, scaled), None)

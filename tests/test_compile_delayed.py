@@ -18,6 +18,7 @@ The amax all-reduce over two gloo ranks (the backward update stays traced there)
 tests/test_compile.py::test_amax_reduction_group_under_compile_matches_eager.
 """
 import copy
+import re
 
 import pytest
 import torch
@@ -66,8 +67,11 @@ def _graph_ops(model, recipe, x):
     step = torch.compile(_inside(recipe), backend=recorder, fullgraph=True)
     step(model, x.clone().requires_grad_()).float().square().mean().backward()
 
+    def name(node):  # a mutating op (tequant::amax_update) as the op auto_functionalized wraps
+        return str(node.args[0]) if "auto_functionalized" in str(node.target) else str(node.target)
+
     def ops(graphs):
-        return [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+        return [name(n) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
     return ops(recorder.fw_graphs), ops(recorder.bw_graphs)
 
 
@@ -91,6 +95,27 @@ def test_fused_codes_backward_graph_has_no_traced_update():
     assert not TRACED_UPDATE & set(bw), bw
     assert fw.count("tequant.linear_fwd_given.default") == 2
     assert "aten.maximum.default" not in fw and "aten.cat.default" not in fw
+
+
+def test_inductor_updates_the_buffers_in_place():
+    """The forward update at the autocast's exit (tequant::amax_update, a mutating op) runs on
+    the modules' scale buffers themselves in Inductor's code: re-inplaced on the graph inputs,
+    no copy of a scale into its buffer afterwards. Against eager: _check's bit-identity tests."""
+    from torch._inductor.utils import run_and_get_code
+    model, x = _model("mlp", "cpu"), _input("mlp", "cpu")
+    step = torch.compile(_inside(RECIPES["max"]), backend="inductor", fullgraph=True)
+    _, codes = run_and_get_code(lambda: step(model, x.clone().requires_grad_()))
+    forward = [code for code in codes if "torch.ops.tequant.amax_update.default(" in code]
+    assert len(forward) == 1
+    lines = forward[0].split("def call(", 1)[1].split("def get_args(", 1)[0].splitlines()
+    at = next(i for i, line in enumerate(lines) if "tequant.amax_update.default(" in line)
+    scales = lines[at].split("], [")[1].split("]")[0].split(", ")
+    assert len(scales) == 2 and all(a.startswith(("primals_", "arg")) for a in scales), \
+        lines[at]  # the graph's inputs: the modules' delayed_scale_fwd buffers
+    after = [line.strip() for line in lines[at + 1:]]
+    for name in scales:  # nothing writes them after the op (before: a copy kernel each)
+        assert all(line == f"del {name}" or not re.search(rf"\b{name}\b", line)
+                   for line in after), (name, after)
 
 
 @pytest.mark.parametrize("name", ["callable_algo", "callable_scale"])

@@ -6,10 +6,10 @@
  * stride n), scale a float32 tensor of one element, scaled_max a float; algo "max" or
  * "most_recent"; reduced None or a contiguous float32 tensor of len(slots) all-reduced amaxes.
  * Everything on one device; runs on that device's current stream with the GIL released.
- * tqx_amax_update_buffers (module.h): the same fused update of a whole [L, n] history and [n]
- * scale, for the compiled te.Linear's backward op (linear_ops.c), which runs it on its copies of
- * the module's buffers, and as _amax_update_columns for tequant::amax_update (_compile_ops.py),
- * which runs it on a batch of modules' buffers side by side. Tests: tests/test_amax_update.py,
+ * tqx_amax_update_buffers (module.h): the same fused update of whole [L, c] histories and [c]
+ * scales, for the compiled te.Linear's backward op (linear_ops.c), which runs it on a module's
+ * buffers, and as _amax_update_buffers for tequant::amax_update (_compile_ops.py), which runs it
+ * on a batch of modules' buffers in one call. Tests: tests/test_amax_update.py,
  * tests/test_compile.py, tests/test_compile_delayed.py.
  */
 #include <stdio.h>
@@ -157,7 +157,56 @@ static PyObject *py_amax_update(PyObject *module, PyObject *const *args, Py_ssiz
     Py_RETURN_NONE;
 }
 
-int tqx_amax_update_buffers(tqx_state *st, PyObject *history, PyObject *scale, PyObject *update,
+/* name of buffer i ("hist_bwd", or "histories[3]" among several) into out */
+static const char *buffer_name(char *out, size_t size, const char *name, Py_ssize_t i,
+                               Py_ssize_t n) {
+    if (n == 1) snprintf(out, size, "%s", name);
+    else snprintf(out, size, "%s[%zd]", name, i);
+    return out;
+}
+
+/* Buffer i's slots (columns first_column...) into slots[], after its checks. */
+static int buffer_slots(tqx_state *st, PyObject *history, PyObject *scale, const char *h_name,
+                        const char *s_name, int64_t history_len, int64_t columns, int *device,
+                        void **stream, int64_t first_column, PyObject *scaled,
+                        tq_amax_slot *slots) {
+    tq_tensor h, s;
+    tqx_tensor_info info;
+    if (tqx_tensor_from_py(st, history, h_name, 1u << TQ_DTYPE_FLOAT32, &h, &info) < 0
+        || tqx_tensor_from_py(st, scale, s_name, 1u << TQ_DTYPE_FLOAT32, &s, NULL) < 0)
+        return -1;
+    if (info.ndim != 2 || h.rows != history_len || h.cols < 1
+        || first_column + h.cols > columns || s.rows * s.cols != h.cols
+        || (s.rows > 1 && s.ld != s.cols)) {
+        PyErr_Format(PyExc_ValueError, "%s must be float32 [history_len, n] = [%lld, n] and %s "
+                     "contiguous float32 [n], with %lld columns in all (the update's scaled "
+                     "maxes); got %d dims [%lld, %lld] and %lld elements after %lld columns",
+                     h_name, (long long)history_len, s_name, (long long)columns, info.ndim,
+                     (long long)h.rows, (long long)h.cols, (long long)(s.rows * s.cols),
+                     (long long)first_column);
+        return -1;
+    }
+    if (first_column == 0) {
+        *device = h.device;
+        *stream = info.stream;
+    } else if (same_device(&h, h_name, *device, "the first history") < 0) {
+        return -1;
+    }
+    if (same_device(&s, s_name, h.device, h_name) < 0) return -1;
+    for (int64_t j = 0; j < h.cols; j++) {
+        const double scaled_max = PyFloat_AsDouble(PyTuple_GET_ITEM(scaled, first_column + j));
+        if (scaled_max == -1.0 && PyErr_Occurred()) return -1;
+        tq_amax_slot *slot = &slots[first_column + j];
+        slot->history = (float *)h.data + j;
+        slot->stride = h.rows > 1 ? h.ld : 1;
+        slot->scale = (float *)s.data + j;
+        slot->scaled_max = (float)scaled_max; /* as slot_from_py rounds it */
+    }
+    return (int)h.cols;
+}
+
+int tqx_amax_update_buffers(tqx_state *st, Py_ssize_t n_buffers, PyObject *const *histories,
+                            PyObject *const *scales, PyObject *update, PyObject *reduced,
                             const char *history_name, const char *scale_name) {
     tq_amax_update_args uargs = TQ_AMAX_UPDATE_ARGS_INIT;
     PyObject *algo, *scaled;
@@ -171,21 +220,12 @@ int tqx_amax_update_buffers(tqx_state *st, PyObject *history, PyObject *scale, P
         return -1;
     }
     if (tqx_amax_algo_from_py(algo, &uargs.amax_algo) < 0) return -1;
-    tq_tensor h, s;
-    tqx_tensor_info info;
     const Py_ssize_t n = PyTuple_GET_SIZE(scaled);
-    if (tqx_tensor_from_py(st, history, history_name, 1u << TQ_DTYPE_FLOAT32, &h, &info) < 0
-        || tqx_tensor_from_py(st, scale, scale_name, 1u << TQ_DTYPE_FLOAT32, &s, NULL) < 0)
-        return -1;
-    if (info.ndim != 2 || h.rows != uargs.history_len || h.cols != n || n < 1
-        || s.rows * s.cols != n || (s.rows > 1 && s.ld != s.cols)) {
-        PyErr_Format(PyExc_ValueError, "%s must be float32 [history_len, n] = [%lld, %zd] and %s "
-                     "contiguous float32 [%zd]; got %d dims [%lld, %lld] and %lld elements",
-                     history_name, (long long)uargs.history_len, n, scale_name, n, info.ndim,
-                     (long long)h.rows, (long long)h.cols, (long long)(s.rows * s.cols));
+    if (n_buffers < 1 || n < 1) {
+        PyErr_SetString(PyExc_ValueError, "a delayed update needs at least one history and "
+                        "one scaled max");
         return -1;
     }
-    if (same_device(&s, scale_name, h.device, history_name) < 0) return -1;
     /* a module's few columns on the stack; a batch of modules' (the compiled forward update) on
      * the heap */
     tq_amax_slot few[TQX_UPDATE_COLUMNS];
@@ -194,39 +234,69 @@ int tqx_amax_update_buffers(tqx_state *st, PyObject *history, PyObject *scale, P
         PyErr_NoMemory();
         return -1;
     }
-    int rc = 0;
-    for (Py_ssize_t j = 0; j < n && rc == 0; j++) {
-        const double scaled_max = PyFloat_AsDouble(PyTuple_GET_ITEM(scaled, j));
-        if (scaled_max == -1.0 && PyErr_Occurred()) rc = -1;
-        slots[j].history = (float *)h.data + j;
-        slots[j].stride = h.rows > 1 ? h.ld : 1;
-        slots[j].scale = (float *)s.data + j;
-        slots[j].scaled_max = (float)scaled_max; /* as slot_from_py rounds it */
+    int device = TQ_DEVICE_CPU, rc = 0;
+    void *stream = NULL;
+    int64_t column = 0;
+    char h_name[48], s_name[48];
+    for (Py_ssize_t i = 0; i < n_buffers && rc == 0; i++) {
+        const int c = buffer_slots(st, histories[i], scales[i],
+                                   buffer_name(h_name, sizeof h_name, history_name, i, n_buffers),
+                                   buffer_name(s_name, sizeof s_name, scale_name, i, n_buffers),
+                                   uargs.history_len, n, &device, &stream, column, scaled, slots);
+        if (c < 0) rc = -1;
+        else column += c;
     }
-    if (rc == 0) rc = run(st, slots, (int64_t)n, &uargs, h.device, info.stream);
+    if (rc == 0 && column != n) {
+        PyErr_Format(PyExc_ValueError, "the histories have %lld columns in all; the update has "
+                     "%zd scaled maxes", (long long)column, n);
+        rc = -1;
+    }
+    if (rc == 0 && reduced != NULL && reduced != Py_None) {
+        tq_tensor r;
+        rc = tqx_tensor_from_py(st, reduced, "reduced", 1u << TQ_DTYPE_FLOAT32, &r, NULL);
+        if (rc == 0 && (r.rows * r.cols != n || (r.rows > 1 && r.ld != r.cols))) {
+            PyErr_Format(PyExc_ValueError, "reduced must be a contiguous float32 tensor of %zd "
+                         "elements (one per column), got [%lld, %lld] with row stride %lld", n,
+                         (long long)r.rows, (long long)r.cols, (long long)r.ld);
+            rc = -1;
+        }
+        if (rc == 0) rc = same_device(&r, "reduced", device, "the first history");
+        if (rc == 0) uargs.reduced_amax = (const float *)r.data;
+    }
+    if (rc == 0) rc = run(st, slots, (int64_t)n, &uargs, device, stream);
     if (slots != few) PyMem_Free(slots);
     return rc;
 }
 
-/* _amax_update_columns(history, scale, update): the fused update of every column of a float32
- * [L, n] history and its [n] scales in place (update: (L, algo, n scaled maxes)). */
-static PyObject *py_amax_update_columns(PyObject *module, PyObject *const *args,
+/* _amax_update_buffers(histories, scales, update, reduced): the fused update of every column
+ * of a list of float32 [L, c_i] histories and their [c_i] scales, in place. */
+static PyObject *py_amax_update_buffers(PyObject *module, PyObject *const *args,
                                         Py_ssize_t nargs) {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "_amax_update_columns(history, scale, update)");
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "_amax_update_buffers(histories, scales, update, "
+                        "reduced)");
         return NULL;
     }
-    if (tqx_amax_update_buffers(tqx_module_state(module), args[0], args[1], args[2], "history",
-                                "scale") < 0)
+    if (!PyList_Check(args[0]) || !PyList_Check(args[1])
+        || PyList_GET_SIZE(args[0]) != PyList_GET_SIZE(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "_amax_update_buffers: histories and scales must be "
+                        "lists of the same length");
+        return NULL;
+    }
+    PyObject **h = PySequence_Fast_ITEMS(args[0]), **s = PySequence_Fast_ITEMS(args[1]);
+    if (tqx_amax_update_buffers(tqx_module_state(module), PyList_GET_SIZE(args[0]), h, s,
+                                args[2], args[3], "histories", "scales") < 0)
         return NULL;
     Py_RETURN_NONE;
 }
 
 PyMethodDef tqx_amax_update_methods[] = {
-    {"_amax_update_columns", (PyCFunction)(void (*)(void))py_amax_update_columns, METH_FASTCALL,
-     "_amax_update_columns(history, scale, update)\n\nDelayed scaling's fused roll and scale "
-     "update of every column of a float32 [L, n] history and its contiguous float32 [n] scales, in "
-     "place. update: (L, algo, tuple of n scaled maxes), algo 'max' or 'most_recent'."},
+    {"_amax_update_buffers", (PyCFunction)(void (*)(void))py_amax_update_buffers, METH_FASTCALL,
+     "_amax_update_buffers(histories, scales, update, reduced)\n\nDelayed scaling's fused roll "
+     "and scale update, in place, of every column of a list of float32 [L, c_i] histories and "
+     "their contiguous float32 [c_i] scales (one C call). update: (L, algo, tuple of the sum of "
+     "c_i scaled maxes), algo 'max' or 'most_recent'; reduced: None or a contiguous float32 "
+     "tensor of one all-reduced amax per column."},
     {"_amax_update", (PyCFunction)(void (*)(void))py_amax_update, METH_FASTCALL,
      "_amax_update(slots, history_len, algo, reduced)\n\nDelayed scaling's amax-history roll and "
      "scale update, in place. slots: list/tuple of (history [L, 1] float32 view, scale float32 "

@@ -357,8 +357,9 @@ static PyObject *linear_bwd_op(PyObject *module, PyObject *const *args, Py_ssize
     tqx_gemm_workspace_per_call(previous);
     /* dy's amax is in the copy's row 0: the module's update, as eager's at the end of backward */
     if (bwd == NULL
-        || (c.hist && tqx_amax_update_buffers(st, c.hist, c.scale, PyTuple_GET_ITEM(entry, 1),
-                                              "hist_bwd", "scale_bwd") < 0)
+        || (c.hist && tqx_amax_update_buffers(st, 1, &c.hist, &c.scale,
+                                              PyTuple_GET_ITEM(entry, 1), NULL, "hist_bwd",
+                                              "scale_bwd") < 0)
         || (list = PyList_New(0)) == NULL)
         goto done;
     for (Py_ssize_t i = 0; i < 3 && list; i++) {
@@ -414,8 +415,8 @@ static PyObject *py_delayed_update(PyObject *module, PyObject *const *args, Py_s
     PyObject *entry = entry_of(st, args[0]);
     if (entry == NULL) return NULL;
     PyObject *update = PyTuple_GET_ITEM(entry, 1);
-    int rc = update == Py_None ? -1 : tqx_amax_update_buffers(st, args[1], args[2], update,
-                                                              "hist_bwd", "scale_bwd");
+    int rc = update == Py_None ? -1 : tqx_amax_update_buffers(st, 1, &args[1], &args[2], update,
+                                                              NULL, "hist_bwd", "scale_bwd");
     if (update == Py_None)
         PyErr_SetString(PyExc_ValueError, "_linear_delayed_update: the recipe's update rule is "
                         "not the fused one");

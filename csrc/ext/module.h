@@ -350,13 +350,16 @@ extern PyMethodDef tqx_amax_update_methods[];
 /* "max" / "most_recent" (a callable: TQ_AMAX_ALGO_CUSTOM, which the core refuses); -1 with an
  * exception otherwise. */
 int tqx_amax_algo_from_py(PyObject *obj, tq_amax_algo *out);
-/* The fused update, in place, of a history (float32 [history_len, n]: one module's, or a batch
- * of modules' side by side) and scale (contiguous float32 [n], on the history's device), column j
- * with scaled max j; update is
- * (history_len, algo, tuple of n scaled maxes). Runs on the history's current stream. -1 with
- * an exception (ValueError naming the tensors for a wrong shape, dtype or device). */
+/* The fused update, in place, of n_buffers histories (float32 [history_len, c_i]: a module's
+ * direction) and their scales (contiguous float32 [c_i], on the first history's device), the
+ * columns taken in order (buffer 0's first), column j with scaled max j; update is
+ * (history_len, algo, tuple of sum c_i scaled maxes); reduced NULL / None or a contiguous
+ * float32 tensor of sum c_i all-reduced amaxes (tq_amax_update_args.reduced_amax). Runs on the
+ * first history's current stream. -1 with an exception (ValueError naming the tensors, indexed
+ * when n_buffers > 1, for a wrong shape, dtype or device). */
 #define TQX_UPDATE_COLUMNS 4
-int tqx_amax_update_buffers(tqx_state *st, PyObject *history, PyObject *scale, PyObject *update,
+int tqx_amax_update_buffers(tqx_state *st, Py_ssize_t n_buffers, PyObject *const *histories,
+                            PyObject *const *scales, PyObject *update, PyObject *reduced,
                             const char *history_name, const char *scale_name);
 
 /* autocast.c + state.c */

@@ -59,20 +59,17 @@ def _six(present, kept):
     return tuple(next(it) if k else None for k in kept)
 
 
-def _reduced(currents, recipe_id, group):
-    """currents (histories) with row 0 all-reduced (MAX) over the amax reduction group in one
-    collective, as delayed._reduce does in eager (traced: Dynamo turns the collective into a
-    functional one in the graph)."""
+def _reduced(histories, rows, recipe_id, group):
+    """The row-0 amaxes the update takes: `rows` (None: the histories' own row 0, which the
+    update reads itself), all-reduced (MAX) over the amax reduction group in one collective
+    where it reduces, as delayed._reduce does in eager (traced: Dynamo turns the collective into
+    a functional one in the graph)."""
     if not _reduces(recipe_id, group):
-        return currents
-    rows = torch.cat([c[0] for c in currents])
+        return rows
+    if rows is None:
+        rows = torch.cat([h[0] for h in histories])
     torch.distributed.all_reduce(rows, op=torch.distributed.ReduceOp.MAX, group=group)
-    reduced, start = [], 0
-    for c in currents:
-        width = c.shape[1]
-        reduced.append(torch.cat((rows[start:start + width].view(1, width), c[1:])))
-        start += width
-    return reduced
+    return rows
 
 
 def _reduces(recipe_id, group):
@@ -95,18 +92,12 @@ def _op_updates(recipe_id, group):
     return _fused_rule(recipe_id) and not _reduces(recipe_id, group)
 
 
-def _apply_update(histories, scales, recipe_id, direction, currents=None, group=None):
-    """The roll and scale update of `currents` (default: the histories themselves) after the
-    group's all-reduce, in one tequant::amax_update call, written into histories and scales."""
-    currents = _reduced(list(histories) if currents is None else currents, recipe_id, group)
-    history, scale = torch.ops.tequant.amax_update(currents, list(scales), recipe_id, direction)
-    start = 0
-    with torch.no_grad():
-        for h, s in zip(histories, scales):
-            width = s.shape[0]
-            h.copy_(history[:, start:start + width])
-            s.copy_(scale[start:start + width])
-            start += width
+def _apply_update(histories, scales, recipe_id, direction, rows=None, group=None):
+    """The roll and scale update of histories and scales in place (tequant::amax_update, one
+    call for the batch), from `rows` (default: the histories' row 0) after the group's
+    all-reduce."""
+    reduced = _reduced(histories, rows, recipe_id, group)
+    torch.ops.tequant.amax_update(list(histories), list(scales), reduced, recipe_id, direction)
 
 
 @_compile.at_root_exit
@@ -269,9 +260,9 @@ def _grads(ctx, outs, bias_dtype, scale_bwd, hist_bwd):
     elif ctx.group_name is not None:
         _copy_in(hist_bwd, torch.ops.tequant.amax_defer_bwd(
             hist_bwd, scale_bwd, next(it), ctx.recipe_id, ctx.group_name))
-    elif ctx.is_delayed:
+    elif ctx.is_delayed:  # dy's amax accumulated with row 0, as the update's row 0
         _apply_update((hist_bwd,), (scale_bwd,), ctx.recipe_id, delayed.BACKWARD,
-                      [delayed.accumulated(hist_bwd, next(it))])
+                      torch.maximum(hist_bwd[0], next(it).view(-1)))
     return (dx, dw, db) + _NONE_ARGS
 
 

@@ -18,7 +18,11 @@ Rules the ops keep for functionalization: quantize, dequantize and gemm return f
 quantize takes `scale` read-only and returns the amax of x in a fresh tensor (the traced code
 max-accumulates it into the history slot); te.Linear's ops take the module's history read-only
 and return an updated copy (forward: amaxes accumulated; backward, with the fused update rule:
-also rolled, with the new scale), which the traced code copies into the buffers. Stochastic
+also rolled, with the new scale), which the traced code copies into the buffers (their schemas
+return lists, which functionalization cannot pair with a mutated argument). amax_update, the
+batched roll and scale update, mutates the histories and scales in place and says so in its
+schema: AOT functionalizes it and Inductor re-inplaces it into the modules' buffers (graph
+inputs written back at the graph's end), so that update copies nothing. Stochastic
 rounding without rng: quantize draws (seed, offset) from the default generator of x's device
 when it runs, as each eager call does (inside a CUDA graph capture, as a device tensor that each
 replay draws anew: _rng.py).
@@ -462,37 +466,31 @@ def _linear_bwd_wgiven_fake(dy, x_kept, w_members, recipe_id, needs, inp_shape, 
 _UPDATES = {}  # (recipe_id, direction, columns) -> the fused update's argument, or None
 
 
-@op("tequant::amax_update", mutates_args=())
-def amax_update(histories: list[torch.Tensor], scales: list[torch.Tensor], recipe_id: str,
-                direction: str) -> list[torch.Tensor]:
+@op("tequant::amax_update", mutates_args=("histories", "scales"))
+def amax_update(histories: list[torch.Tensor], scales: list[torch.Tensor],
+                reduced: Optional[torch.Tensor], recipe_id: str, direction: str) -> None:
     """DelayedScaling's roll and scale update of n modules' [L, c] histories and [c] scales in
-    one batch, as eager's update runs (delayed.update_slots): [the new histories side by side
-    [L, n * c], the new scales [n * c]] (two fresh tensors: the traced caller copies each
-    module's columns back into its buffers)."""
-    history = torch.cat(histories, 1)  # fresh: the op mutates none of its inputs
-    scale = torch.cat(scales)
-    key = (recipe_id, direction, history.shape[1])
+    place, in one batch as eager's update runs (delayed.update_slots); reduced: None, or the
+    n * c row-0 amaxes all-reduced over the amax reduction group (they replace row 0)."""
+    columns = sum(h.shape[1] for h in histories)
+    key = (recipe_id, direction, columns)
     update = _UPDATES.get(key)
-    if update is None:
-        plan = _plan.of_id(recipe_id)
-        fused = delayed.fused_update(plan, direction)  # None: TE's unfused rule (callables)
+    if update is None and key not in _UPDATES:
+        fused = delayed.fused_update(_plan.of_id(recipe_id), direction)  # None: TE's unfused
         update = _UPDATES[key] = None if fused is None else \
-            fused[:2] + (fused[2] * (history.shape[1] // len(fused[2])),)
+            fused[:2] + (fused[2] * (columns // len(fused[2])),)
     if update is not None:  # every module's columns in one C call
-        _C._amax_update_columns(history, scale, update)
-        return [history, scale]
+        _C._amax_update_buffers(histories, scales, update, reduced)
+        return
     plan = _plan.of_id(recipe_id)
-    scaled = delayed.scaled_maxes(plan, direction)
-    c = len(scaled)
-    delayed.update_slots([(history[:, j:j + 1], scale[j:j + 1], scaled[j % c])
-                          for j in range(history.shape[1])], plan.recipe, None)
-    return [history, scale]
+    slots = [slot for h, s in zip(histories, scales)
+             for slot in delayed.slots_of(plan, h, s, direction)]
+    delayed.update_unfused(slots, reduced, plan.recipe)
 
 
 @fake("tequant::amax_update")
-def _amax_update_fake(histories, scales, recipe_id, direction):
-    return [torch.cat([torch.empty_like(h) for h in histories], 1),
-            torch.cat([torch.empty_like(s) for s in scales])]
+def _amax_update_fake(histories, scales, reduced, recipe_id, direction):
+    return None
 
 
 @op("tequant::amax_defer_bwd", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))

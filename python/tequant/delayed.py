@@ -119,7 +119,7 @@ def update_slots(slots, recipe, group):
     """All-reduce (MAX over group) then the fused or TE-unfused roll and scale update."""
     reduced = _reduce(slots, recipe, group)
     if _unfused(recipe):
-        _update_unfused(slots, reduced, recipe)
+        update_unfused(slots, reduced, recipe)
     else:
         _C._amax_update(slots, recipe.amax_history_len, recipe.amax_compute_algo, reduced)
 
@@ -221,7 +221,7 @@ def _reduce(slots, recipe, group):
     return amaxes
 
 
-def _update_unfused(slots, reduced, recipe):
+def update_unfused(slots, reduced, recipe):
     """TE's unfused update (quantization.py): reduced amaxes into row 0, amax from the callable
     (or max / most recent), roll by one with row 0 zeroed, scale from the callable or
     (fmax / amax) / 2^margin kept where amax is not finite and positive, Inf -> FLT_MAX."""
