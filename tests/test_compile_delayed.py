@@ -75,13 +75,13 @@ def _graph_ops(model, recipe, x):
     return ops(recorder.fw_graphs), ops(recorder.bw_graphs)
 
 
-def test_backward_graph_copies_the_ops_update_in():
+def test_graphs_update_the_buffers_through_the_ops():
     fw, bw = _graph_ops(_model("mlp", "cpu"), RECIPES["max"], _input("mlp", "cpu"))
-    assert bw.count("tequant.linear_bwd.default") == 2
+    assert bw.count("tequant.linear_bwd_delayed.default") == 2
     assert not TRACED_UPDATE & set(bw), bw
-    assert bw.count("aten.copy_.default") == 4  # each module's history and scale, once
+    assert bw.count("aten.copy_.default") == 4  # functionalization's write-back of each buffer
     # forward: no traced accumulation; one update of both modules at the autocast's exit
-    assert fw.count("tequant.linear_fwd.default") == 2
+    assert fw.count("tequant.linear_fwd_delayed.default") == 2
     assert "aten.maximum.default" not in fw and "aten.cat.default" not in fw
     assert fw.count("tequant.amax_update.default") == 1
 
@@ -97,25 +97,46 @@ def test_fused_codes_backward_graph_has_no_traced_update():
     assert "aten.maximum.default" not in fw and "aten.cat.default" not in fw
 
 
+def _call_lines(code):
+    return code.split("def call(", 1)[1].split("def get_args(", 1)[0].splitlines()
+
+
+def _untouched_after(lines, at, names):
+    """Whether no line after lines[at] reads or writes any of `names` (but `del name`)."""
+    after = [line.strip() for line in lines[at + 1:]]
+    return all(line == f"del {n}" or not re.search(rf"\b{n}\b", line)
+               for n in names for line in after)
+
+
 def test_inductor_updates_the_buffers_in_place():
-    """The forward update at the autocast's exit (tequant::amax_update, a mutating op) runs on
-    the modules' scale buffers themselves in Inductor's code: re-inplaced on the graph inputs,
-    no copy of a scale into its buffer afterwards. Against eager: _check's bit-identity tests."""
+    """Inductor's code for a compiled step updates the modules' DelayedScaling buffers through
+    the mutating ops themselves (re-inplaced on the graph's inputs): the forward ops accumulate
+    into the histories, the update at the autocast's exit (tequant::amax_update) rolls them and
+    writes the scales, the backward ops update hist_bwd and scale_bwd, and no kernel copies into
+    a buffer after them (before: a copy of each history and scale). Against eager: _check's
+    bit-identity tests."""
     from torch._inductor.utils import run_and_get_code
     model, x = _model("mlp", "cpu"), _input("mlp", "cpu")
     step = torch.compile(_inside(RECIPES["max"]), backend="inductor", fullgraph=True)
-    _, codes = run_and_get_code(lambda: step(model, x.clone().requires_grad_()))
+    y, codes = run_and_get_code(lambda: step(model, x.clone().requires_grad_()))
+    _, bw_codes = run_and_get_code(lambda: y.float().square().mean().backward())
     forward = [code for code in codes if "torch.ops.tequant.amax_update.default(" in code]
     assert len(forward) == 1
-    lines = forward[0].split("def call(", 1)[1].split("def get_args(", 1)[0].splitlines()
+    lines = _call_lines(forward[0])
     at = next(i for i, line in enumerate(lines) if "tequant.amax_update.default(" in line)
-    scales = lines[at].split("], [")[1].split("]")[0].split(", ")
-    assert len(scales) == 2 and all(a.startswith(("primals_", "arg")) for a in scales), \
-        lines[at]  # the graph's inputs: the modules' delayed_scale_fwd buffers
-    after = [line.strip() for line in lines[at + 1:]]
-    for name in scales:  # nothing writes them after the op (before: a copy kernel each)
-        assert all(line == f"del {name}" or not re.search(rf"\b{name}\b", line)
-                   for line in after), (name, after)
+    hists, scales = (part.split("]")[0].split(", ") for part in lines[at].split("[")[1:3])
+    for names in (hists, scales):  # the graph's inputs: the modules' buffers
+        assert len(names) == 2 and all(n.startswith(("primals_", "arg")) for n in names), \
+            lines[at]
+    assert _untouched_after(lines, at, hists + scales), lines[at:]
+    backward = [code for code in bw_codes if "tequant.linear_bwd_delayed.default(" in code]
+    assert len(backward) == 1
+    lines = _call_lines(backward[0])
+    ats = [i for i, line in enumerate(lines) if "tequant.linear_bwd_delayed.default(" in line]
+    assert len(ats) == 2
+    buffers = [n.strip(" )") for i in ats for n in lines[i].split(", ")[-2:]]
+    assert all(n.startswith(("primals_", "arg")) for n in buffers), buffers
+    assert _untouched_after(lines, ats[-1], buffers), lines[ats[-1]:]
 
 
 @pytest.mark.parametrize("name", ["callable_algo", "callable_scale"])
@@ -189,6 +210,60 @@ def test_ops_copies_equal_the_old_outputs_updated_by_hand(name):
     assert not torch.equal(scale, scale_bwd)  # the update ran
     after = (hist_fwd, scale_fwd, hist_bwd, scale_bwd)
     assert all(torch.equal(a, b) for a, b in zip(before, after))  # the ops mutate nothing
+
+
+@pytest.mark.parametrize("name", ["max", "most_recent", "one_row"])
+@pytest.mark.parametrize("needs", [8 | 3, 8 | 1])  # packed, with and without wgrad
+def test_in_place_ops_write_the_copies_into_the_buffers(name, needs):
+    """linear_fwd_delayed / linear_bwd_delayed leave in the module's buffers exactly what
+    linear_fwd / linear_bwd return as copies, give the same outputs (an empty uint8 [0] for
+    each absent one) and match their fake kernels."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    recipe = RECIPES[name]
+    rid = str(_C.recipe_key(recipe))
+    x, w, dy, hist_fwd, scale_fwd, hist_bwd, scale_bwd = _ops_inputs(recipe)
+    ops = torch.ops.tequant
+    copied = ops.linear_fwd(x, w, None, rid, needs, scale_fwd, hist_fwd)
+    got = ops.linear_fwd_delayed(x, w, None, rid, needs, scale_fwd, hist_fwd)
+    assert torch.equal(hist_fwd, copied[-1]) and torch.equal(got[0], copied[0])
+    assert [t.shape for t in got[1:]] == ([copied[1].shape] if needs & 2 else [(0,)]) \
+        + [copied[-2].shape]
+    empty = torch.empty(0, dtype=torch.uint8)
+
+    def shapes(outs):
+        return [(tuple(t.shape), t.stride(), t.dtype) for t in outs]
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = ops.linear_fwd_delayed(*(mode.from_tensor(t) for t in (x, w)), None, rid, needs,
+                                      *(mode.from_tensor(t) for t in (scale_fwd, hist_fwd)))
+    assert shapes(got) == shapes(fake)
+    x_kept = got[1] if needs & 2 else None
+    args = (rid, needs & 3, [3, 7, 64], x.dtype, w.dtype, torch.float32)
+    copied = ops.linear_bwd(dy, x_kept, got[2], *args, scale_bwd, hist_bwd)
+    dx, dw, db = ops.linear_bwd_delayed(dy, x_kept, got[2], *args, scale_bwd, hist_bwd)
+    assert torch.equal(hist_bwd, copied[-2]) and torch.equal(scale_bwd, copied[-1])
+    assert torch.equal(dx, copied[0]) and torch.equal(db, copied[-3])
+    assert torch.equal(dw, copied[1]) if needs & 2 else torch.equal(dw, empty)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = ops.linear_bwd_delayed(mode.from_tensor(dy), x_kept, got[2], *args,
+                                      *(mode.from_tensor(t) for t in (scale_bwd, hist_bwd)))
+    assert shapes((dx, dw, db)) == shapes(fake)
+
+
+def test_in_place_ops_refuse_what_they_cannot_update():
+    rid = str(_C.recipe_key(RECIPES["max"]))
+    x, w = torch.randn(16, 32), torch.randn(16, 32)
+    ops = torch.ops.tequant
+    with pytest.raises(ValueError, match="in-place op is for DelayedScaling .* packed form"):
+        ops.linear_fwd_delayed(x, w, None, rid, 3, torch.ones(2), torch.zeros(4, 2))
+    with pytest.raises(ValueError, match="hist_fwd is for DelayedScaling only"):
+        ops.linear_fwd_delayed(x, w, None, str(_C.recipe_key(Float8CurrentScaling())), 8 | 3,
+                               torch.ones(2), torch.zeros(4, 2))
+    outs = ops.linear_fwd(x, w, None, rid, 8 | 3, torch.ones(2))
+    args = (rid, 3, [16, 32], x.dtype, w.dtype, None)
+    unfused = str(_C.recipe_key(RECIPES["callable_algo"]))
+    with pytest.raises(ValueError, match="fused update rule"):
+        ops.linear_bwd_delayed(torch.randn(16, 16), outs[1], outs[2], unfused, *args[1:],
+                               torch.ones(1), torch.zeros(3, 1))
 
 
 def test_ops_with_histories_match_their_fake_shapes():

@@ -7,6 +7,10 @@
  *   linear_bwd_op(dy, x_kept, w_kept, recipe_id, needs, inp_shape, x_dtype, w_dtype,
  *                 bias_dtype, scale_bwd[, hist_bwd])
  *       -> [dx?, dW?, db?, new hist_bwd, new scale_bwd | amax dy]
+ *   linear_fwd_delayed_op / linear_bwd_delayed_op: the same for DelayedScaling with the module's
+ *       buffers, updated in place instead of copied (tequant::linear_fwd_delayed /
+ *       linear_bwd_delayed declare the mutation, which a list return cannot: their outputs are
+ *       fixed, (y, x buffer, W buffer) and (dx, dW, db), an empty uint8 [0] where absent)
  *   _set_linear_plan_of(fn): fn(recipe_id) -> (linear.c's plan tuple, DelayedScaling's backward
  *       update (history_len, algo, (scaled max of dy,)) or None: TE's unfused rule), once per id
  *   _linear_delayed_copies / _linear_delayed_update: the DelayedScaling steps below, for the
@@ -145,9 +149,10 @@ static int check_buffers(tqx_state *st, const char *fn, PyObject *hist, const ch
 }
 
 /* Fills *c for the module buffers hist, scale of a recipe entry (forward: backward 0); like: the
- * op's input (its device). -1 with an exception. */
+ * op's input (its device). in_place: c holds the buffers themselves (new references), not
+ * copies. -1 with an exception. */
 static int delayed_copies(tqx_state *st, PyObject *entry, int backward, PyObject *hist,
-                          PyObject *scale, PyObject *like, copies *c) {
+                          PyObject *scale, PyObject *like, int in_place, copies *c) {
     const char *fn = backward ? "linear_bwd" : "linear_fwd";
     PyObject *update = PyTuple_GET_ITEM(entry, 1);
     int64_t rows = 0;
@@ -163,8 +168,10 @@ static int delayed_copies(tqx_state *st, PyObject *entry, int backward, PyObject
     }
     if (check_buffers(st, fn, hist, backward ? "hist_bwd" : "hist_fwd", scale,
                       backward ? "scale_bwd" : "scale_fwd", rows, backward ? 1 : 2, like) < 0
-        || (c->hist = PyObject_CallMethod(hist, "clone", NULL)) == NULL
-        || (backward && (c->scale = PyObject_CallMethod(scale, "clone", NULL)) == NULL))
+        || (c->hist = in_place ? Py_NewRef(hist) : PyObject_CallMethod(hist, "clone", NULL))
+               == NULL
+        || (backward && (c->scale = in_place ? Py_NewRef(scale)
+                                             : PyObject_CallMethod(scale, "clone", NULL)) == NULL))
         return -1;
     for (int i = 0; i < (backward ? 1 : 2); i++)
         if ((c->states[i] = delayed_state(st, scale, i, NULL, c->hist)) == NULL) return -1;
@@ -206,9 +213,33 @@ static PyObject *contiguous(PyObject *t) {
     return PyObject_CallMethod(t, "contiguous", NULL);
 }
 
-static PyObject *linear_fwd_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6 && nargs != 7) {
-        PyErr_Format(PyExc_TypeError, "linear_fwd_op takes 6 or 7 arguments (%zd given)", nargs);
+/* An empty uint8 [0] tensor on like's device: a fixed-arity op's absent output (new
+ * reference). */
+static PyObject *absent(tqx_state *st, PyObject *like) {
+    void *data;
+    PyObject *device = PyObject_GetAttrString(like, "device");
+    PyObject *shape = device ? Py_BuildValue("(i)", 0) : NULL;
+    PyObject *t = shape ? tqx_torch_new_shaped(st, shape, TQ_DTYPE_UINT8, device, &data) : NULL;
+    Py_XDECREF(shape);
+    Py_XDECREF(device);
+    return t;
+}
+
+/* The in-place ops' checks: DelayedScaling with a history (forward: packed; backward: the fused
+ * update rule, which delayed_copies checks). */
+static int in_place_args(const char *fn, int delayed, PyObject *hist, long needs, int backward) {
+    if (delayed && hist != Py_None && (backward || (needs & TQX_PACKED))) return 0;
+    PyErr_Format(PyExc_ValueError, "%s: the in-place op is for DelayedScaling with the module's "
+                 "history%s; use %s", fn, backward ? "" : " and the packed form (needs bit 8)",
+                 backward ? "linear_bwd" : "linear_fwd");
+    return -1;
+}
+
+static PyObject *forward(PyObject *module, PyObject *const *args, Py_ssize_t nargs, int in_place) {
+    const char *fn = in_place ? "linear_fwd_delayed_op" : "linear_fwd_op";
+    if (nargs != 6 + in_place && (in_place || nargs != 7)) {
+        PyErr_Format(PyExc_TypeError, "%s takes %s arguments (%zd given)", fn,
+                     in_place ? "7" : "6 or 7", nargs);
         return NULL;
     }
     tqx_state *st = tqx_module_state(module);
@@ -228,6 +259,7 @@ static PyObject *linear_fwd_op(PyObject *module, PyObject *const *args, Py_ssize
         PyErr_SetString(PyExc_ValueError, "linear_fwd: hist_fwd is for DelayedScaling only");
         goto done;
     }
+    if (in_place && in_place_args("linear_fwd_delayed", delayed, hist, needs, 0) < 0) goto done;
     if (delayed) {
         if (args[5] == Py_None) {
             PyErr_SetString(PyExc_ValueError, "linear_fwd: DelayedScaling needs scale_fwd");
@@ -236,7 +268,7 @@ static PyObject *linear_fwd_op(PyObject *module, PyObject *const *args, Py_ssize
         Py_SETREF(x_state, NULL);
         Py_SETREF(w_state, NULL);
         if (hist != Py_None) {
-            if (delayed_copies(st, entry, 0, hist, args[5], inp, &c) < 0) goto done;
+            if (delayed_copies(st, entry, 0, hist, args[5], inp, in_place, &c) < 0) goto done;
             x_state = Py_NewRef(c.states[0]);
             w_state = Py_NewRef(c.states[1]);
         } else if ((device = PyObject_GetAttrString(inp, "device")) == NULL
@@ -260,10 +292,19 @@ static PyObject *linear_fwd_op(PyObject *module, PyObject *const *args, Py_ssize
     if ((list = PyList_New(0)) == NULL || PyList_Append(list, PyTuple_GET_ITEM(fwd, 0)) < 0
         || append_kept(list, PyTuple_GET_ITEM(saved, 0), x_alias) < 0
         || append_kept(list, PyTuple_GET_ITEM(saved, 1), w_alias) < 0
-        || (c.hist && PyList_Append(list, c.hist) < 0)
+        || (c.hist && !in_place && PyList_Append(list, c.hist) < 0)
         || (delayed && !c.hist && (append_amax(list, x_state, members) < 0
                                    || append_amax(list, w_state, members) < 0)))
         Py_CLEAR(list);
+    if (list && in_place) { /* (y, x's buffer or an empty tensor, W's buffer) */
+        PyObject *x_buf = PyList_GET_SIZE(list) == 3 ? Py_NewRef(PyList_GET_ITEM(list, 1))
+                                                     : absent(st, inp);
+        PyObject *fixed = x_buf ? PyTuple_Pack(3, PyList_GET_ITEM(list, 0), x_buf,
+                                               PyList_GET_ITEM(list, PyList_GET_SIZE(list) - 1))
+                                : NULL;
+        Py_XDECREF(x_buf);
+        Py_SETREF(list, fixed);
+    }
 done:
     Py_XDECREF(entry);
     Py_XDECREF(inp);
@@ -281,10 +322,21 @@ static PyObject *kept_pair(PyObject *buffer, PyObject *amax) {
     return buffer == Py_None ? Py_NewRef(Py_None) : PyTuple_Pack(2, buffer, amax);
 }
 
-static PyObject *linear_bwd_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 10 && nargs != 11) {
-        PyErr_Format(PyExc_TypeError, "linear_bwd_op takes 10 or 11 arguments (%zd given)",
-                     nargs);
+static PyObject *linear_fwd_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    return forward(module, args, nargs, 0);
+}
+
+static PyObject *linear_fwd_delayed_op(PyObject *module, PyObject *const *args,
+                                       Py_ssize_t nargs) {
+    return forward(module, args, nargs, 1);
+}
+
+static PyObject *backward(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
+                          int in_place) {
+    const char *fn = in_place ? "linear_bwd_delayed_op" : "linear_bwd_op";
+    if (nargs != 10 + in_place && (in_place || nargs != 11)) {
+        PyErr_Format(PyExc_TypeError, "%s takes %s arguments (%zd given)", fn,
+                     in_place ? "11" : "10 or 11", nargs);
         return NULL;
     }
     PyObject *hist = nargs == 11 ? args[10] : Py_None;
@@ -327,6 +379,7 @@ static PyObject *linear_bwd_op(PyObject *module, PyObject *const *args, Py_ssize
         goto done;
     }
     const long long padded = (rows + align - 1) / align * align;
+    if (in_place && in_place_args("linear_bwd_delayed", delayed, hist, 0, 1) < 0) goto done;
     if (delayed) {
         if (args[9] == Py_None) {
             PyErr_SetString(PyExc_ValueError, "linear_bwd: DelayedScaling needs scale_bwd");
@@ -334,7 +387,7 @@ static PyObject *linear_bwd_op(PyObject *module, PyObject *const *args, Py_ssize
         }
         Py_SETREF(state, NULL);
         if (hist != Py_None) {
-            if (delayed_copies(st, entry, 1, hist, args[9], dy, &c) < 0) goto done;
+            if (delayed_copies(st, entry, 1, hist, args[9], dy, in_place, &c) < 0) goto done;
             state = Py_NewRef(c.states[0]);
         } else if ((device = PyObject_GetAttrString(dy, "device")) == NULL
                    || (state = delayed_state(st, args[9], 0, device, NULL)) == NULL) {
@@ -364,9 +417,17 @@ static PyObject *linear_bwd_op(PyObject *module, PyObject *const *args, Py_ssize
         goto done;
     for (Py_ssize_t i = 0; i < 3 && list; i++) {
         PyObject *g = PyTuple_GET_ITEM(bwd, i);
-        if (g != Py_None && PyList_Append(list, g) < 0) Py_CLEAR(list);
+        if (in_place) { /* (dx, dW, db), an empty tensor for each absent one */
+            PyObject *v = g != Py_None ? Py_NewRef(g) : absent(st, dy);
+            if (v == NULL || PyList_Append(list, v) < 0) Py_CLEAR(list);
+            Py_XDECREF(v);
+        } else if (g != Py_None && PyList_Append(list, g) < 0) {
+            Py_CLEAR(list);
+        }
     }
-    if (list && c.hist && (PyList_Append(list, c.hist) < 0 || PyList_Append(list, c.scale) < 0))
+    if (list && in_place) Py_SETREF(list, PyList_AsTuple(list));
+    if (list && c.hist && !in_place
+        && (PyList_Append(list, c.hist) < 0 || PyList_Append(list, c.scale) < 0))
         Py_CLEAR(list);
     if (list && delayed && !c.hist && append_amax(list, state, 0) < 0) Py_CLEAR(list);
 done:
@@ -384,6 +445,15 @@ done:
     return list;
 }
 
+static PyObject *linear_bwd_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    return backward(module, args, nargs, 0);
+}
+
+static PyObject *linear_bwd_delayed_op(PyObject *module, PyObject *const *args,
+                                       Py_ssize_t nargs) {
+    return backward(module, args, nargs, 1);
+}
+
 /* For the Python-bodied ops: _linear_delayed_copies(recipe_id, backward, hist, scale, like) ->
  * (copy of hist, copy of scale (backward) or None, the states on the copy: (x's, W's) or
  * (dy's,)) */
@@ -397,7 +467,8 @@ static PyObject *py_delayed_copies(PyObject *module, PyObject *const *args, Py_s
     const int backward = PyObject_IsTrue(args[1]);
     PyObject *entry = backward < 0 ? NULL : entry_of(st, args[0]), *result = NULL;
     copies c = COPIES_INIT;
-    if (entry != NULL && delayed_copies(st, entry, backward, args[2], args[3], args[4], &c) == 0)
+    if (entry != NULL
+        && delayed_copies(st, entry, backward, args[2], args[3], args[4], 0, &c) == 0)
         result = backward ? Py_BuildValue("(OO(O))", c.hist, c.scale, c.states[0])
                           : Py_BuildValue("(OO(OO))", c.hist, Py_None, c.states[0], c.states[1]);
     Py_XDECREF(entry);
@@ -460,6 +531,14 @@ PyMethodDef tqx_linear_ops_methods[] = {
     {"linear_bwd_op", (PyCFunction)(void (*)(void))linear_bwd_op, METH_FASTCALL,
      "linear_bwd_op(dy, x_kept, w_kept, recipe_id, needs, inp_shape, x_dtype, w_dtype, "
      "bias_dtype, scale_bwd[, hist_bwd]) -> list\n\nThe kernel of tequant::linear_bwd."},
+    {"linear_fwd_delayed_op", (PyCFunction)(void (*)(void))linear_fwd_delayed_op, METH_FASTCALL,
+     "linear_fwd_delayed_op(inp, weight, bias, recipe_id, needs, scale_fwd, hist_fwd) -> (y, x "
+     "buffer or empty, W buffer)\n\nThe kernel of tequant::linear_fwd_delayed: hist_fwd "
+     "accumulated in place."},
+    {"linear_bwd_delayed_op", (PyCFunction)(void (*)(void))linear_bwd_delayed_op, METH_FASTCALL,
+     "linear_bwd_delayed_op(dy, x_kept, w_kept, recipe_id, needs, inp_shape, x_dtype, w_dtype, "
+     "bias_dtype, scale_bwd, hist_bwd) -> (dx, dW, db), empty where absent\n\nThe kernel of "
+     "tequant::linear_bwd_delayed: hist_bwd and scale_bwd updated in place."},
     {"_set_linear_plan_of", set_linear_plan_of, METH_O,
      "_set_linear_plan_of(fn): fn(recipe_id) gives (the linear plan tuple, the DelayedScaling "
      "backward update (history_len, algo, (scaled max,)) or None) of a recipe id."},

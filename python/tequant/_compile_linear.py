@@ -171,11 +171,16 @@ class _CompiledLinear(torch.autograd.Function):
         else:  # packed: x's columnwise buffer (wgrad) and W's
             c_needs = (needs if override is None else 0) | PACKED
             n_x, n_w = (1 if c_needs & NEED_WGRAD else 0), 1
-        outs = torch.ops.tequant.linear_fwd(inp, weight, bias, recipe_id, c_needs, scale_fwd,
-                                            hist_fwd)
-        x_members, w_members = outs[1:1 + n_x], outs[1 + n_x:1 + n_x + n_w]
-        if is_delayed:
-            _copy_in(hist_fwd, outs[-1])
+        if is_delayed and c_needs & PACKED:  # the module's history accumulated in place
+            outs = torch.ops.tequant.linear_fwd_delayed(inp, weight, bias, recipe_id, c_needs,
+                                                        scale_fwd, hist_fwd)
+            x_members, w_members = outs[1:1 + n_x], outs[2:]
+        else:
+            outs = torch.ops.tequant.linear_fwd(inp, weight, bias, recipe_id, c_needs, scale_fwd,
+                                                hist_fwd)
+            x_members, w_members = outs[1:1 + n_x], outs[1 + n_x:1 + n_x + n_w]
+            if is_delayed:
+                _copy_in(hist_fwd, outs[-1])
         ctx.recipe_id, ctx.needs, ctx.override = recipe_id, needs, override
         delayed_ctx(ctx, recipe_id, group, is_delayed)
         ctx.n_x, ctx.shape = n_x, tuple(inp.shape)
@@ -211,6 +216,12 @@ class _CompiledLinear(torch.autograd.Function):
         else:
             scale_bwd = hist_bwd = None
         x_kept = saved[0] if n_x else None
+        if ctx.fused_update:  # the module's buffers updated in place
+            dx, dw, db = torch.ops.tequant.linear_bwd_delayed(
+                dy, x_kept, saved[n_x], ctx.recipe_id, needs, list(ctx.shape), ctx.x_dtype,
+                ctx.w_dtype, bias_dtype, scale_bwd, hist_bwd)
+            return (dx if needs & NEED_DGRAD else None, dw if needs & NEED_WGRAD else None,
+                    db if bias_dtype is not None else None) + _NONE_ARGS
         outs = torch.ops.tequant.linear_bwd(dy, x_kept, saved[n_x], ctx.recipe_id, needs,
                                             list(ctx.shape), ctx.x_dtype, ctx.w_dtype, bias_dtype,
                                             scale_bwd, _op_hist(ctx, hist_bwd))

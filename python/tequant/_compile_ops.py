@@ -16,13 +16,14 @@ implementations resolve them with _C._recipe_of_key and _C.quantizer_config (cac
 Rules the ops keep for functionalization: quantize, dequantize and gemm return fresh tensors
 (never an input, never each other); gemm_out mutates `out` and returns nothing. DelayedScaling:
 quantize takes `scale` read-only and returns the amax of x in a fresh tensor (the traced code
-max-accumulates it into the history slot); te.Linear's ops take the module's history read-only
-and return an updated copy (forward: amaxes accumulated; backward, with the fused update rule:
-also rolled, with the new scale), which the traced code copies into the buffers (their schemas
-return lists, which functionalization cannot pair with a mutated argument). amax_update, the
-batched roll and scale update, mutates the histories and scales in place and says so in its
-schema: AOT functionalizes it and Inductor re-inplaces it into the modules' buffers (graph
-inputs written back at the graph's end), so that update copies nothing. Stochastic
+max-accumulates it into the history slot). te.Linear's linear_fwd_delayed / linear_bwd_delayed
+(packed operands) and amax_update, the batched roll and scale update, mutate the module's
+buffers in place and say so in their schemas: AOT functionalizes them and Inductor re-inplaces
+them onto the buffers (graph inputs written back at the graph's end), so nothing is copied.
+The list-returning ops cannot declare a mutation (torch's auto_functionalize takes no Tensor[]
+return): given a history they return an updated copy (forward: amaxes accumulated; backward,
+with the fused update rule: also rolled, with the new scale), which the traced code copies into
+the buffers. Stochastic
 rounding without rng: quantize draws (seed, offset) from the default generator of x's device
 when it runs, as each eager call does (inside a CUDA graph capture, as a device tensor that each
 replay draws anew: _rng.py).
@@ -300,6 +301,47 @@ def _linear_bwd_fake(dy, x_kept, w_kept, recipe_id, needs, inp_shape, x_dtype, w
     if bias_dtype is not None:
         result.append(dy.new_empty((dy.shape[-1],), dtype=bias_dtype))
     return result + _delayed_fake(_plan.of_id(recipe_id), dy, hist_bwd, scale_bwd, 1)
+
+
+# DelayedScaling with the module's buffers: the same C calls, the buffers updated in place as
+# eager's are (no copy of a history or scale, Inductor re-inplaces the mutation onto the module's
+# buffers). A mutating op must return fixed Tensors (torch's auto_functionalize takes no list),
+# so an absent output is an empty uint8 [0] tensor.
+
+@op("tequant::linear_fwd_delayed", mutates_args=("hist_fwd",), kernel=_C.linear_fwd_delayed_op)
+def linear_fwd_delayed(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       recipe_id: str, needs: int, scale_fwd: torch.Tensor,
+                       hist_fwd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, x's packed columnwise buffer or an empty tensor without wgrad, W's packed buffer) with
+    x's and W's amaxes max-accumulated into row 0 of hist_fwd in place (needs: packed)."""
+
+
+@fake("tequant::linear_fwd_delayed")
+def _linear_fwd_delayed_fake(inp, weight, bias, recipe_id, needs, scale_fwd, hist_fwd):
+    outs = _linear_fwd_fake(inp, weight, bias, recipe_id, needs, scale_fwd, hist_fwd)[:-1]
+    x_buf = outs[1] if len(outs) == 3 else inp.new_empty((0,), dtype=torch.uint8)
+    return outs[0], x_buf, outs[-1]
+
+
+@op("tequant::linear_bwd_delayed", mutates_args=("scale_bwd", "hist_bwd"),
+    kernel=_C.linear_bwd_delayed_op)
+def linear_bwd_delayed(dy: torch.Tensor, x_kept: torch.Tensor | None, w_kept: torch.Tensor,
+                       recipe_id: str, needs: int, inp_shape: list[int], x_dtype: torch.dtype,
+                       w_dtype: torch.dtype, bias_dtype: torch.dtype | None,
+                       scale_bwd: torch.Tensor,
+                       hist_bwd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dW, db), an empty tensor for each one not asked for, with dy's amax max-accumulated
+    into row 0 of hist_bwd and the module's update of hist_bwd and scale_bwd in place (the fused
+    update rule, no amax reduction)."""
+
+
+@fake("tequant::linear_bwd_delayed")
+def _linear_bwd_delayed_fake(dy, x_kept, w_kept, recipe_id, needs, inp_shape, x_dtype, w_dtype,
+                             bias_dtype, scale_bwd, hist_bwd):
+    it = iter(_linear_bwd_fake(dy, x_kept, w_kept, recipe_id, needs, inp_shape, x_dtype,
+                               w_dtype, bias_dtype, scale_bwd, hist_bwd))
+    wanted = (needs & NEED_DGRAD, needs & NEED_WGRAD, bias_dtype is not None)
+    return tuple(next(it) if w else dy.new_empty((0,), dtype=torch.uint8) for w in wanted)
 
 
 # The fused norm's codes (_norm_fn.NormInput) reach te.Linear already quantized: these two run
