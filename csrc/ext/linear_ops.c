@@ -454,21 +454,22 @@ static PyObject *linear_bwd_delayed_op(PyObject *module, PyObject *const *args,
     return backward(module, args, nargs, 1);
 }
 
-/* For the Python-bodied ops: _linear_delayed_copies(recipe_id, backward, hist, scale, like) ->
- * (copy of hist, copy of scale (backward) or None, the states on the copy: (x's, W's) or
- * (dy's,)) */
+/* For the Python-bodied ops: _linear_delayed_copies(recipe_id, backward, hist, scale, like[,
+ * in_place]) -> (copy of hist, copy of scale (backward) or None, the states on the copy: (x's,
+ * W's) or (dy's,)); in_place true: hist and scale themselves and the states on them. */
 static PyObject *py_delayed_copies(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5) {
+    if (nargs != 5 && nargs != 6) {
         PyErr_SetString(PyExc_TypeError, "_linear_delayed_copies(recipe_id, backward, hist, "
-                        "scale, like)");
+                        "scale, like[, in_place])");
         return NULL;
     }
     tqx_state *st = tqx_module_state(module);
     const int backward = PyObject_IsTrue(args[1]);
-    PyObject *entry = backward < 0 ? NULL : entry_of(st, args[0]), *result = NULL;
+    const int in_place = nargs == 6 ? PyObject_IsTrue(args[5]) : 0;
+    PyObject *entry = backward < 0 || in_place < 0 ? NULL : entry_of(st, args[0]), *result = NULL;
     copies c = COPIES_INIT;
     if (entry != NULL
-        && delayed_copies(st, entry, backward, args[2], args[3], args[4], 0, &c) == 0)
+        && delayed_copies(st, entry, backward, args[2], args[3], args[4], in_place, &c) == 0)
         result = backward ? Py_BuildValue("(OO(O))", c.hist, c.scale, c.states[0])
                           : Py_BuildValue("(OO(OO))", c.hist, Py_None, c.states[0], c.states[1]);
     Py_XDECREF(entry);
@@ -543,8 +544,9 @@ PyMethodDef tqx_linear_ops_methods[] = {
      "_set_linear_plan_of(fn): fn(recipe_id) gives (the linear plan tuple, the DelayedScaling "
      "backward update (history_len, algo, (scaled max,)) or None) of a recipe id."},
     {"_linear_delayed_copies", (PyCFunction)(void (*)(void))py_delayed_copies, METH_FASTCALL,
-     "_linear_delayed_copies(recipe_id, backward, hist, scale, like) -> (hist copy, scale copy "
-     "or None, states)\n\nlinear_fwd_op's / linear_bwd_op's copies of a module's buffers."},
+     "_linear_delayed_copies(recipe_id, backward, hist, scale, like[, in_place]) -> (hist copy, "
+     "scale copy or None, states)\n\nlinear_fwd_op's / linear_bwd_op's copies of a module's "
+     "buffers (in_place: the buffers themselves)."},
     {"_linear_delayed_update", (PyCFunction)(void (*)(void))py_delayed_update, METH_FASTCALL,
      "_linear_delayed_update(recipe_id, hist, scale)\n\nlinear_bwd_op's update of its copies."},
     {"_packed_bytes", (PyCFunction)(void (*)(void))packed_bytes, METH_FASTCALL,

@@ -7,8 +7,9 @@ amax) go to the ops as W's members, as eager te.Linear hands them to C (linear.p
 _operands.given_kept): the same bits. Backward derives W's columnwise codes with
 tequant::transpose_codes (gather_layout.derive_columnwise in eager) and returns a plain
 gradient for W, which FSDP2 reduce-scatters. DelayedScaling: W's amax went into the module's
-history at the gather (fsdp.py, eager, outside the graph); the forward op accumulates x's into a
-copy of the history, written back once, and backward updates as _CompiledLinear does.
+history at the gather (fsdp.py, eager, outside the graph); the forward op accumulates x's into
+the history in place (declared: Inductor writes the buffer itself), and backward updates as
+_CompiledLinear does.
 Other recipes (block formats, backward_override) keep the graph break of _compile_linear._local.
 Tests: tests/test_fsdp.py (compile_worker, traced_worker).
 """
@@ -51,8 +52,6 @@ class GatheredLinear(torch.autograd.Function):
         w_members = [weight._data, weight._scale_inv, None, None, weight._amax, None]
         outs = torch.ops.tequant.linear_fwd_wgiven(inp, w_members, weight.dtype, bias, recipe_id,
                                                    needs, scale_fwd, hist_fwd)
-        if is_delayed:
-            _cl._copy_in(hist_fwd, outs[-1])
         x_kept = (outs[1],) if needs & NEED_WGRAD else ()
         w_kept = (w_members[0], w_members[1], w_members[4]) if needs & NEED_DGRAD else ()
         ctx.recipe_id, ctx.needs = recipe_id, needs

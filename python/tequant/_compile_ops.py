@@ -450,28 +450,26 @@ def _linear_bwd_given_fake(dy, x_members, w_kept, recipe_id, needs, inp_shape, x
 # TraceableGatheredWeight) reaches te.Linear as its members: these two run linear.c's calls on
 # such a W (eager's bits: linear.py hands C the same members) and a high-precision x.
 
-@op("tequant::linear_fwd_wgiven", mutates_args=())
+@op("tequant::linear_fwd_wgiven", mutates_args=("hist_fwd",))
 def linear_fwd_wgiven(inp: torch.Tensor, w_members: list[Optional[torch.Tensor]],
                       w_dtype: torch.dtype, bias: Optional[torch.Tensor], recipe_id: str,
                       needs: int, scale_fwd: Optional[torch.Tensor],
-                      hist_fwd: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
-    """[y, x's packed columnwise buffer if wgrad] of y = x W^T + b for W given as its six members
-    (rowwise), + for DelayedScaling [hist_fwd's copy with x's amax max-accumulated into row 0]
-    given hist_fwd, else [amax x] (W's amax went into the history at the gather)."""
+                      hist_fwd: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, x's packed columnwise buffer, or an empty uint8 [0] tensor without wgrad) of
+    y = x W^T + b for W given as its six members (rowwise); DelayedScaling: x's amax
+    max-accumulated into row 0 of hist_fwd in place (W's went into it at the gather)."""
     plan = _plan.of_id(recipe_id)
-    x_state = hist = None
-    if plan.delayed and hist_fwd is not None:
-        hist, _, (x_state, _) = _C._linear_delayed_copies(recipe_id, False, hist_fwd, scale_fwd,
-                                                           inp)
-    elif plan.delayed:
-        x_state = (scale_fwd[0:1], inp.new_zeros((1, 1), dtype=torch.float32))
+    x_state = None
+    if plan.delayed:
+        if hist_fwd is None:
+            raise ValueError("linear_fwd_wgiven: DelayedScaling needs the module's hist_fwd")
+        x_state = _C._linear_delayed_copies(recipe_id, False, hist_fwd, scale_fwd, inp, True)[2][0]
     n, k = w_members[0].shape
     w = (tuple(w_members), n, k, _TQ_DTYPE[w_dtype])
     with graph_safe_workspace():
         out, saved = _C.linear_forward(plan.c_args, inp.contiguous(), w, bias, needs | PACKED,
                                        [], None, x_state, None)
-    result = [out] + ([saved[0][0]] if needs & NEED_WGRAD else [])
-    return result + ([] if not plan.delayed else [hist] if hist is not None else [x_state[1]])
+    return out, (saved[0][0] if needs & NEED_WGRAD else inp.new_empty((0,), dtype=torch.uint8))
 
 
 @fake("tequant::linear_fwd_wgiven")
@@ -479,11 +477,12 @@ def _linear_fwd_wgiven_fake(inp, w_members, w_dtype, bias, recipe_id, needs, sca
                             hist_fwd=None):
     plan = _plan.of_id(recipe_id)
     n, k = w_members[0].shape
-    result = [inp.new_empty(tuple(inp.shape[:-1]) + (n,))]
     if needs & NEED_WGRAD:
         padded = _plan.padded(inp.numel() // k, plan.align)
-        result.append(_fake_buffer(plan.x, padded, k, COLUMNWISE, inp))
-    return result + _delayed_fake(plan, inp, hist_fwd, None, 1)
+        x_buf = _fake_buffer(plan.x, padded, k, COLUMNWISE, inp)
+    else:
+        x_buf = inp.new_empty((0,), dtype=torch.uint8)
+    return inp.new_empty(tuple(inp.shape[:-1]) + (n,)), x_buf
 
 
 @op("tequant::linear_bwd_wgiven", mutates_args=())
