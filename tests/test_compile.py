@@ -146,6 +146,16 @@ def _check(step, kind, device, eager_autocast=None, backend="aot_eager"):
     return model, x
 
 
+def op_names(graphs):
+    """The call_function targets of AOT-recorded graphs, in order, as names; an op that mutates
+    its arguments (DelayedScaling's in-place ops) is named as the op auto_functionalized wraps."""
+    def name(node):
+        if "auto_functionalized" in str(node.target):
+            return str(node.args[0])
+        return str(node.target)
+    return [name(n) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+
+
 def _graph_breaks(step, model, x, eager_autocast=None):
     explain = torch._dynamo.explain(step)
     if eager_autocast is None:

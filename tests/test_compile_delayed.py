@@ -28,7 +28,7 @@ import tequant as te
 from tequant import _C, _plan, delayed
 from tequant.recipe import DelayedScaling, Float8CurrentScaling, Format
 
-from test_compile import _check, _input, _inside, _model, gpu
+from test_compile import _check, _input, _inside, _model, gpu, op_names
 from test_fused_act_modules import _mlp
 from test_linear import one_cpu_thread
 
@@ -67,12 +67,7 @@ def _graph_ops(model, recipe, x):
     step = torch.compile(_inside(recipe), backend=recorder, fullgraph=True)
     step(model, x.clone().requires_grad_()).float().square().mean().backward()
 
-    def name(node):  # a mutating op (tequant::amax_update) as the op auto_functionalized wraps
-        return str(node.args[0]) if "auto_functionalized" in str(node.target) else str(node.target)
-
-    def ops(graphs):
-        return [name(n) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
-    return ops(recorder.fw_graphs), ops(recorder.bw_graphs)
+    return op_names(recorder.fw_graphs), op_names(recorder.bw_graphs)
 
 
 def test_graphs_update_the_buffers_through_the_ops():
@@ -108,15 +103,21 @@ def _untouched_after(lines, at, names):
                for n in names for line in after)
 
 
-def test_inductor_updates_the_buffers_in_place():
+@pytest.mark.parametrize("kind", ["linear", "layernorm_mlp"])
+def test_inductor_updates_the_buffers_in_place(kind):
     """Inductor's code for a compiled step updates the modules' DelayedScaling buffers through
     the mutating ops themselves (re-inplaced on the graph's inputs): the forward ops accumulate
     into the histories, the update at the autocast's exit (tequant::amax_update) rolls them and
     writes the scales, the backward ops update hist_bwd and scale_bwd, and no kernel copies into
-    a buffer after them (before: a copy of each history and scale). Against eager: _check's
+    a buffer after them (before: a copy of each history and scale). te.Linear's own ops, and
+    te.LayerNormMLP's on the fused norm's and activation's codes. Against eager: the
     bit-identity tests."""
     from torch._inductor.utils import run_and_get_code
-    model, x = _model("mlp", "cpu"), _input("mlp", "cpu")
+    if kind == "linear":
+        model, x, bw_ops = _model("mlp", "cpu"), _input("mlp", "cpu"), ("linear_bwd_delayed",)
+    else:
+        model, x = _mlp("relu"), torch.randn(3, 7, 64).to(torch.bfloat16)
+        bw_ops = ("linear_bwd_given", "linear_bwd_dy_given")
     step = torch.compile(_inside(RECIPES["max"]), backend="inductor", fullgraph=True)
     y, codes = run_and_get_code(lambda: step(model, x.clone().requires_grad_()))
     _, bw_codes = run_and_get_code(lambda: y.float().square().mean().backward())
@@ -129,10 +130,11 @@ def test_inductor_updates_the_buffers_in_place():
         assert len(names) == 2 and all(n.startswith(("primals_", "arg")) for n in names), \
             lines[at]
     assert _untouched_after(lines, at, hists + scales), lines[at:]
-    backward = [code for code in bw_codes if "tequant.linear_bwd_delayed.default(" in code]
+    calls = tuple(f"tequant.{op}.default(" for op in bw_ops)
+    backward = [code for code in bw_codes if any(c in code for c in calls)]
     assert len(backward) == 1
     lines = _call_lines(backward[0])
-    ats = [i for i, line in enumerate(lines) if "tequant.linear_bwd_delayed.default(" in line]
+    ats = [i for i, line in enumerate(lines) if any(c in line for c in calls)]
     assert len(ats) == 2
     buffers = [n.strip(" )") for i in ats for n in lines[i].split(", ")[-2:]]
     assert all(n.startswith(("primals_", "arg")) for n in buffers), buffers

@@ -28,7 +28,7 @@ from tequant import _C, _act_fn
 from tequant.layernorm_mlp import activate as torch_activate
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_compile import DEVICES, RECIPES  # noqa: E402  (DelayedScaling with a 4-row history)
+from test_compile import DEVICES, RECIPES, op_names  # noqa: E402  (Delayed: 4-row history)
 from test_fused_norm_modules import rel, same_bits  # noqa: E402
 from test_linear import one_cpu_thread  # noqa: E402
 
@@ -356,9 +356,7 @@ def test_compile_bit_identical(act, name, device, fresh_dynamo):
     want = _run(step, model, xs)
     recorder = torch._dynamo.testing.AotEagerAndRecordGraphs()
     _assert_same(_run(torch.compile(step, backend=recorder, fullgraph=True), twin, xs), want)
-    ops = set()
-    for gm in recorder.fw_graphs + recorder.bw_graphs:
-        ops |= {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    ops = set(op_names(recorder.fw_graphs + recorder.bw_graphs))
     assert {"tequant.act_fwd.default", "tequant.act_bwd.default"} <= ops
     assert not any(a in op for op in ops for a in ("gelu", "silu", "relu", "sigmoid")), ops
 

@@ -22,7 +22,7 @@ import torch._dynamo.testing
 
 import tequant as te
 
-from test_compile import DEVICES, RECIPES  # DelayedScaling with a 4-row history
+from test_compile import DEVICES, RECIPES, op_names  # DelayedScaling: 4-row history
 from test_linear import one_cpu_thread
 
 assert one_cpu_thread  # the autouse fixture, imported to apply here too
@@ -39,10 +39,7 @@ def _fresh_dynamo():
 
 def _graph_ops(backend):
     """The op names (str(node.target)) in every forward and backward graph AOT recorded."""
-    names = set()
-    for gm in backend.fw_graphs + backend.bw_graphs:
-        names |= {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
-    return names
+    return set(op_names(backend.fw_graphs + backend.bw_graphs))
 
 
 def _run(step, model, xs, eager_autocast=None):

@@ -20,7 +20,7 @@ fc1's grad_output instead of dh: the rowwise FP8 codes of the FP32 dh with fc1's
 quantizer (its DelayedScaling scale and history slot), its amax and dbias (the kernel's
 fixed-order FP32 column sums) in the same pass; fc1's backward multiplies those codes
 (given_dy_backward, tequant::linear_bwd_dy_given, which compiled under DelayedScaling also
-accumulates that amax into a copy of fc1's history and runs its update, as linear_bwd does).
+accumulates that amax into fc1's history and runs its update in place, as linear_bwd does).
 Tests: tests/test_fused_act_modules.py, tests/test_fused_dh.py, tests/test_compile_delayed.py.
 """
 from typing import Optional
@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from . import _C, _compile, _plan
-from ._compile_ops import (_linear_bwd_fake, _max_into, _rows_cols, config_of, delayed_outputs,
-                           fake, graph_safe_workspace, op)
+from ._compile_ops import (_delayed_states, _max_into, _or_absent, _rows_cols, config_of,
+                           delayed_step, fake, graph_safe_workspace, op)
 from ._norm_fn import (PER_TENSOR, codes_returned, fp8_outputs, refusal as _norm_refusal,
                        with_columnwise)
 from ._operands import TQ_DTYPE
@@ -389,35 +389,36 @@ def given_dy_backward(c_args, saved, dy_q, needs, inp_shape, pending):
     return (None if dx is None else dx[:rows].view(inp_shape)), dw
 
 
-@op("tequant::linear_bwd_dy_given", mutates_args=())
+@op("tequant::linear_bwd_dy_given", mutates_args=("scale_bwd", "hist_bwd"))
 def _linear_bwd_dy_given(dy_q: list[torch.Tensor], x_members: list[Optional[torch.Tensor]],
                          w_kept: torch.Tensor, recipe_id: str, needs: int, inp_shape: list[int],
                          x_dtype: torch.dtype, w_dtype: torch.dtype,
                          scale_bwd: Optional[torch.Tensor] = None,
-                         hist_bwd: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
-    """[dx if dgrad, dW if wgrad] of tequant::linear_bwd_given's te.Linear (x as the fused
-    norm's members, W's packed buffer) for the grad_output the activation quantized; given
-    DelayedScaling's hist_bwd (and scale_bwd), + [the module's new hist_bwd and scale_bwd]: dy's
-    amax (dy_q[2]) max-accumulated into a copy of hist_bwd, then the update (linear_bwd's)."""
+                         hist_bwd: Optional[torch.Tensor] = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dW), an empty uint8 [0] for one not asked for, of tequant::linear_bwd_given's
+    te.Linear (x as the fused norm's members, W's packed buffer) for the grad_output the
+    activation quantized; given DelayedScaling's hist_bwd (and scale_bwd): dy's amax (dy_q[2])
+    max-accumulated into its row 0, then the module's update of both in place (linear_bwd's)."""
     plan = _plan.of_id(recipe_id)
     rows, k = _rows_cols(inp_shape)
-    copies = None
+    state = None
     if plan.delayed and hist_bwd is not None:
-        copies = _C._linear_delayed_copies(recipe_id, True, hist_bwd, scale_bwd, dy_q[0])
-        _max_into(copies[2][0][1], dy_q[2])
+        state = _delayed_states(recipe_id, True, hist_bwd, scale_bwd, dy_q[0])[0]
+        _max_into(state[1], dy_q[2])
     saved = (tuple(x_members), (w_kept, dy_q[2] if plan.delayed else None), rows,
              _plan.padded(rows, plan.align), dy_q[0].shape[1], k, TQ_DTYPE[x_dtype],
              TQ_DTYPE[w_dtype])
     with graph_safe_workspace():
         grads = given_dy_backward(plan.c_args, saved, dy_q, needs, tuple(inp_shape), None)
-    return [g for g in grads if g is not None] + delayed_outputs(recipe_id, copies, None)
+    delayed_step(recipe_id, hist_bwd, scale_bwd, state)
+    return tuple(_or_absent(g, dy_q[0]) for g in grads)
 
 
 @fake("tequant::linear_bwd_dy_given")
 def _linear_bwd_dy_given_fake(dy_q, x_members, w_kept, recipe_id, needs, inp_shape, x_dtype,
                               w_dtype, scale_bwd=None, hist_bwd=None):
-    outs = _linear_bwd_fake(dy_q[0], None, w_kept, recipe_id, needs, inp_shape, x_dtype,
-                            w_dtype, None, scale_bwd, hist_bwd)
-    if hist_bwd is not None:  # with the copies
-        return outs
-    return outs[:bin(needs & (_plan.NEED_DGRAD | _plan.NEED_WGRAD)).count("1")]
+    dy, absent = dy_q[0], dy_q[0].new_empty((0,), dtype=torch.uint8)
+    return (dy.new_empty(tuple(inp_shape), dtype=x_dtype) if needs & _plan.NEED_DGRAD else absent,
+            dy.new_empty((dy.shape[-1], inp_shape[-1]), dtype=w_dtype)
+            if needs & _plan.NEED_WGRAD else absent)

@@ -78,9 +78,10 @@ class GatheredLinear(torch.autograd.Function):
         bias_dtype = ctx.bias_dtype if ctx.needs_input_grad[2] else None
         outs = torch.ops.tequant.linear_bwd_wgiven(dy, x_kept, w_members, ctx.recipe_id, needs,
                                                    list(ctx.shape), ctx.x_dtype, ctx.w_dtype,
-                                                   bias_dtype, scale_bwd,
+                                                   bias_dtype, _cl.op_scale(ctx, scale_bwd),
                                                    _cl._op_hist(ctx, hist_bwd))
-        return _cl._grads(ctx, outs, bias_dtype, scale_bwd, hist_bwd)[:3] + _NONE_ARGS
+        return _cl._grads(ctx, _cl.present(ctx, outs, bias_dtype), bias_dtype, scale_bwd,
+                          hist_bwd)[:3] + _NONE_ARGS
 
 
 _cl.register_gathered(sys.modules[__name__])

@@ -242,6 +242,14 @@ def delayed_ctx(ctx, recipe_id, group, is_delayed):
             c10d.get_process_group_ranks(group), c10d._get_group_tag(group))
 
 
+def op_scale(ctx, scale_bwd):
+    """scale_bwd for a backward op that declares it mutated (the in-place ops): a copy where
+    the update is deferred (tequant::amax_defer_bwd queues the module's buffers themselves,
+    which an op's declared mutation would hand it as functionalization's copies where Inductor
+    does not re-inplace, e.g. aot_eager)."""
+    return scale_bwd.clone() if ctx.group_name is not None else scale_bwd
+
+
 def _op_hist(ctx, hist_bwd):
     """hist_bwd for a backward op that updates the module itself, else None (it returns dy's
     amax and _grads updates)."""
@@ -256,22 +264,19 @@ def _copy_in(buffer, new):
 
 
 def _grads(ctx, outs, bias_dtype, scale_bwd, hist_bwd):
-    """_CompiledLinear.backward's result from a backward op's [dx?, dW?, db?, then new hist_bwd
-    and scale_bwd (the op updated the module) or amax dy], after DelayedScaling's backward
-    update of the module (with an amax all-reduce: queued for the end of the backward pass,
-    one collective for every module, as eager)."""
+    """_CompiledLinear.backward's result from a backward op's [dx?, dW?, db?, then amax dy where
+    the op did not update the module itself], after DelayedScaling's backward update of the
+    module (with an amax all-reduce: queued for the end of the backward pass, one collective for
+    every module, as eager)."""
     it = iter(outs)
     dx = next(it) if ctx.needs & NEED_DGRAD else None
     dw = next(it) if ctx.needs & NEED_WGRAD else None
     db = next(it) if bias_dtype is not None else None
     # One write per buffer: AOT's partitioner refuses a buffer written twice in backward.
-    if ctx.fused_update:
-        _copy_in(hist_bwd, next(it))
-        _copy_in(scale_bwd, next(it))
-    elif ctx.group_name is not None:
+    if ctx.group_name is not None:
         _copy_in(hist_bwd, torch.ops.tequant.amax_defer_bwd(
             hist_bwd, scale_bwd, next(it), ctx.recipe_id, ctx.group_name))
-    elif ctx.is_delayed:  # dy's amax accumulated with row 0, as the update's row 0
+    elif ctx.is_delayed and not ctx.fused_update:  # dy's amax with row 0, as the update's
         _apply_update((hist_bwd,), (scale_bwd,), ctx.recipe_id, delayed.BACKWARD,
                       torch.maximum(hist_bwd[0], next(it).view(-1)))
     return (dx, dw, db) + _NONE_ARGS
@@ -290,8 +295,6 @@ def _given_forward(ctx, needs, inp, weight, bias, scale_fwd, hist_fwd, scale_bwd
     members = [x_data, x_scale_inv, None, None, x_amax, None]
     outs = torch.ops.tequant.linear_fwd_given(members, list(inp.shape), inp.dtype, weight, bias,
                                               recipe_id, needs, scale_fwd, hist_fwd)
-    if is_delayed:
-        _copy_in(hist_fwd, outs[2])
     x_kept = ()
     if needs & NEED_WGRAD:
         x_kept = (torch.ops.tequant.transpose_codes(x_data), x_scale_inv, x_amax)
@@ -320,18 +323,27 @@ def _given_backward(ctx, dy, dy_q):
     bias_dtype = ctx.bias_dtype if ctx.needs_input_grad[2] else None
     if dy_q and dy_q[0] is not None:  # dy's codes, amax and dbias from the activation
         hist = _op_hist(ctx, hist_bwd)
-        outs = torch.ops.tequant.linear_bwd_dy_given(list(dy_q[:3]), x_members, saved[0],
-                                                     ctx.recipe_id, needs, list(ctx.shape),
-                                                     ctx.x_dtype, ctx.w_dtype, scale_bwd, hist)
-        n = len(outs) - (2 if hist is not None else 0)  # dx?, dW?, then the op's copies
-        tail = list(outs[n:]) if hist is not None else [dy_q[2]] if ctx.is_delayed else []
-        outs = (list(outs[:n]) + ([dy_q[3]] if bias_dtype is not None else [])
-                + tail)  # new lists: Dynamo's rule here
-        return _grads(ctx, outs, bias_dtype, scale_bwd, hist_bwd)
+        dx, dw = torch.ops.tequant.linear_bwd_dy_given(list(dy_q[:3]), x_members, saved[0],
+                                                       ctx.recipe_id, needs, list(ctx.shape),
+                                                       ctx.x_dtype, ctx.w_dtype,
+                                                       op_scale(ctx, scale_bwd), hist)
+        outs = (dx, dw, dy_q[3] if bias_dtype is not None else None,
+                dy_q[2] if ctx.is_delayed and hist is None else None)
+        return _grads(ctx, present(ctx, outs, bias_dtype), bias_dtype, scale_bwd, hist_bwd)
     outs = torch.ops.tequant.linear_bwd_given(dy, x_members, saved[0], ctx.recipe_id, needs,
                                               list(ctx.shape), ctx.x_dtype, ctx.w_dtype,
-                                              bias_dtype, scale_bwd, _op_hist(ctx, hist_bwd))
-    return _grads(ctx, outs, bias_dtype, scale_bwd, hist_bwd)
+                                              bias_dtype, op_scale(ctx, scale_bwd),
+                                              _op_hist(ctx, hist_bwd))
+    return _grads(ctx, present(ctx, outs, bias_dtype), bias_dtype, scale_bwd, hist_bwd)
+
+
+def present(ctx, outs, bias_dtype):
+    """A fixed-arity backward op's (dx, dW, db, amax dy) as _grads reads them: the outputs
+    asked for, in order (an absent one is an empty placeholder); amax dy where the op did not
+    update the module itself."""
+    wanted = (ctx.needs & NEED_DGRAD, ctx.needs & NEED_WGRAD, bias_dtype is not None,
+              ctx.is_delayed and not ctx.fused_update)
+    return [t for t, w in zip(outs, wanted) if w]
 
 
 def _dequantized_operands(ctx, saved, dtype):

@@ -16,14 +16,16 @@ implementations resolve them with _C._recipe_of_key and _C.quantizer_config (cac
 Rules the ops keep for functionalization: quantize, dequantize and gemm return fresh tensors
 (never an input, never each other); gemm_out mutates `out` and returns nothing. DelayedScaling:
 quantize takes `scale` read-only and returns the amax of x in a fresh tensor (the traced code
-max-accumulates it into the history slot). te.Linear's linear_fwd_delayed / linear_bwd_delayed
-(packed operands) and amax_update, the batched roll and scale update, mutate the module's
-buffers in place and say so in their schemas: AOT functionalizes them and Inductor re-inplaces
+max-accumulates it into the history slot). te.Linear's ops that take DelayedScaling's buffers
+(linear_fwd_delayed / linear_bwd_delayed, the *_given and *_wgiven ops) and amax_update, the
+batched roll and scale update, mutate the module's buffers in place as eager's C calls do
+(forward: amaxes accumulated into row 0; backward with the fused update rule: also rolled, with
+the new scale) and say so in their schemas: AOT functionalizes them and Inductor re-inplaces
 them onto the buffers (graph inputs written back at the graph's end), so nothing is copied.
-The list-returning ops cannot declare a mutation (torch's auto_functionalize takes no Tensor[]
-return): given a history they return an updated copy (forward: amaxes accumulated; backward,
-with the fused update rule: also rolled, with the new scale), which the traced code copies into
-the buffers. Stochastic
+They return fixed tuples (torch's auto_functionalize takes no Tensor[] return from a mutating
+op), an empty uint8 [0] tensor standing for an absent output. linear_fwd / linear_bwd return
+lists; given a history they return an updated copy, which the traced code copies into the
+buffers (backward_override="dequantized" under DelayedScaling). Stochastic
 rounding without rng: quantize draws (seed, offset) from the default generator of x's device
 when it runs, as each eager call does (inside a CUDA graph capture, as a device tensor that each
 replay draws anew: _rng.py).
@@ -349,33 +351,37 @@ def _linear_bwd_delayed_fake(dy, x_kept, w_kept, recipe_id, needs, inp_shape, x_
 # eager calls' bits. Python kernels: the fused path's op pair, beside the C-kernel linear_fwd /
 # linear_bwd of a high-precision x.
 
-@op("tequant::linear_fwd_given", mutates_args=())
+@op("tequant::linear_fwd_given", mutates_args=("hist_fwd",))
 def linear_fwd_given(x_members: list[Optional[torch.Tensor]], x_shape: list[int],
                      x_dtype: torch.dtype, weight: torch.Tensor, bias: Optional[torch.Tensor],
                      recipe_id: str, needs: int, scale_fwd: Optional[torch.Tensor],
-                     hist_fwd: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
-    """[y, W's packed buffer] of y = x W^T + b for x given as its members (needs: linear.c's
-    bits, packed; x's own members are not returned: the caller holds them), + for
-    DelayedScaling [hist_fwd's copy with x's amax (x_members[4], which came with the codes) and
-    W's max-accumulated into row 0] given hist_fwd, else [amax W]."""
+                     hist_fwd: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, W's packed buffer) of y = x W^T + b for x given as its members (needs: linear.c's
+    bits, packed; x's own members are not returned: the caller holds them). DelayedScaling: x's
+    amax (x_members[4], which came with the codes) and W's max-accumulated into row 0 of
+    hist_fwd in place."""
     plan = _plan.of_id(recipe_id)
-    w_state = hist = None
-    if plan.delayed and hist_fwd is not None:
-        hist, _, (x_state, w_state) = _C._linear_delayed_copies(recipe_id, False, hist_fwd,
-                                                                scale_fwd, weight)
+    w_state = None
+    if plan.delayed:
+        x_state, w_state = _delayed_states(recipe_id, False, hist_fwd, scale_fwd, weight)
         _max_into(x_state[1], x_members[4])
-    elif plan.delayed:  # W's amax goes to a fresh slot
-        w_state = (scale_fwd[1:2], weight.new_zeros((1, 1), dtype=torch.float32))
     x = (tuple(x_members), tuple(x_shape), _TQ_DTYPE[x_dtype])
     with graph_safe_workspace():
         out, saved = _C.linear_forward(plan.c_args, x, weight, bias, needs | PACKED, [], None,
                                        None, w_state)
-    return [out, saved[1][0]] + ([] if not plan.delayed else [hist] if hist is not None
-                                 else [w_state[1]])
+    return out, saved[1][0]
+
+
+def _delayed_states(recipe_id, backward, hist, scale, like):
+    """The (scale, amax slot) states on a module's own DelayedScaling buffers, which the
+    in-place ops update (forward: x's and W's; backward: dy's)."""
+    if hist is None:
+        raise ValueError(f"DelayedScaling needs the module's {'hist_bwd' if backward else 'hist_fwd'}")
+    return _C._linear_delayed_copies(recipe_id, backward, hist, scale, like, True)[2]
 
 
 def _max_into(slot, amax):
-    """slot = max(slot, amax) for the op's own history copy (amax: one element)."""
+    """slot = max(slot, amax), in place (a module history's slot; amax: one element)."""
     slot.copy_(torch.maximum(slot, amax.reshape(slot.shape)))
 
 
@@ -385,20 +391,21 @@ def _linear_fwd_given_fake(x_members, x_shape, x_dtype, weight, bias, recipe_id,
     plan = _plan.of_id(recipe_id)
     n, k = weight.shape
     like = weight if x_members[0] is None else x_members[0]
-    return [like.new_empty(tuple(x_shape[:-1]) + (n,), dtype=x_dtype),
-            _fake_buffer(plan.w, n, k, ROWWISE | COLUMNWISE, like)] + _delayed_fake(
-                plan, like, hist_fwd, None, 1)
+    return (like.new_empty(tuple(x_shape[:-1]) + (n,), dtype=x_dtype),
+            _fake_buffer(plan.w, n, k, ROWWISE | COLUMNWISE, like))
 
 
-@op("tequant::linear_bwd_given", mutates_args=())
+_GRADS = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@op("tequant::linear_bwd_given", mutates_args=("scale_bwd", "hist_bwd"))
 def linear_bwd_given(dy: torch.Tensor, x_members: list[Optional[torch.Tensor]],
                      w_kept: torch.Tensor, recipe_id: str, needs: int, inp_shape: list[int],
                      x_dtype: torch.dtype, w_dtype: torch.dtype, bias_dtype: torch.dtype | None,
                      scale_bwd: torch.Tensor | None,
-                     hist_bwd: torch.Tensor | None = None) -> list[torch.Tensor]:
+                     hist_bwd: torch.Tensor | None = None) -> _GRADS:
     """linear_bwd for an x that came as members (x_members: its six, the columnwise ones for
-    wgrad) and W's packed buffer: [dx if dgrad, dW if wgrad, db if bias_dtype] (+ linear_bwd's
-    DelayedScaling outputs)."""
+    wgrad) and W's packed buffer: _backward_given's (dx, dW, db, amax dy)."""
     return _backward_given(dy, tuple(x_members), None, w_kept, recipe_id, needs, inp_shape,
                            x_dtype, w_dtype, bias_dtype, scale_bwd, hist_bwd)
 
@@ -406,15 +413,17 @@ def linear_bwd_given(dy: torch.Tensor, x_members: list[Optional[torch.Tensor]],
 def _backward_given(dy, x_kept, w_members, w_kept, recipe_id, needs, inp_shape, x_dtype,
                     w_dtype, bias_dtype, scale_bwd, hist_bwd):
     """linear.c's backward on x's kept form (a tuple of its six members, its packed buffer, or
-    None without wgrad) and W's six members (w_members) or packed buffer (w_kept). A packed
-    buffer is paired with dy's amax slot under DelayedScaling: no GEMM reads a kept operand's
-    amax, and linear.c wants a tensor there (linear_ops.c does the same)."""
+    None without wgrad) and W's six members (w_members) or packed buffer (w_kept): (dx, dW, db,
+    DelayedScaling's amax of dy without hist_bwd), an empty uint8 [0] for each absent one; given
+    hist_bwd, dy's amax goes into its row 0 and the module's update runs on hist_bwd and
+    scale_bwd in place. A packed buffer is paired with dy's amax slot under DelayedScaling: no
+    GEMM reads a kept operand's amax, and linear.c wants a tensor there (linear_ops.c does the
+    same)."""
     plan = _plan.of_id(recipe_id)
     rows, k = _rows_cols(inp_shape)
-    state = copies = None
+    state = None
     if plan.delayed and hist_bwd is not None:
-        copies = _C._linear_delayed_copies(recipe_id, True, hist_bwd, scale_bwd, dy)
-        state = copies[2][0]
+        state = _delayed_states(recipe_id, True, hist_bwd, scale_bwd, dy)[0]
     elif plan.delayed:
         state = (scale_bwd[0:1], dy.new_zeros((1, 1), dtype=torch.float32))
     slot = state[1] if state else None
@@ -427,23 +436,40 @@ def _backward_given(dy, x_kept, w_members, w_kept, recipe_id, needs, inp_shape, 
     with graph_safe_workspace():
         grads = _C.linear_backward(plan.c_args, saved, dy.contiguous(), needs, state,
                                    tuple(inp_shape), bias_dtype, None)
-    return [g for g in grads if g is not None] + delayed_outputs(recipe_id, copies, state)
+    amax = delayed_step(recipe_id, hist_bwd, scale_bwd, state)
+    return tuple(_or_absent(t, dy) for t in (*grads[:3], amax))
 
 
-def delayed_outputs(recipe_id, copies, state):
-    """A backward op's trailing DelayedScaling outputs: its copies of the module's buffers after
-    the update (copies from _C._linear_delayed_copies), or the amax slot of `state`, or none."""
-    if copies is not None:
-        _C._linear_delayed_update(recipe_id, copies[0], copies[1])
-        return list(copies[:2])
-    return [state[1]] if state else []
+def delayed_step(recipe_id, hist_bwd, scale_bwd, state):
+    """A backward op's DelayedScaling step after its GEMMs: given the module's hist_bwd (dy's
+    amax already in its row 0), its update of hist_bwd and scale_bwd in place (no amax out);
+    else the amax slot of `state` (None: not DelayedScaling)."""
+    if hist_bwd is not None and state is not None:
+        _C._linear_delayed_update(recipe_id, hist_bwd, scale_bwd)
+        return None
+    return state[1] if state else None
+
+
+def _or_absent(t, like):
+    """t, or an empty uint8 [0] tensor standing for it in a fixed-arity output."""
+    return t if t is not None else like.new_empty((0,), dtype=torch.uint8)
+
+
+def _backward_given_fake(dy, recipe_id, needs, inp_shape, x_dtype, w_dtype, bias_dtype, hist_bwd):
+    absent = dy.new_empty((0,), dtype=torch.uint8)
+    return (dy.new_empty(tuple(inp_shape), dtype=x_dtype) if needs & NEED_DGRAD else absent,
+            dy.new_empty((dy.shape[-1], inp_shape[-1]), dtype=w_dtype) if needs & NEED_WGRAD
+            else absent,
+            dy.new_empty((dy.shape[-1],), dtype=bias_dtype) if bias_dtype is not None else absent,
+            dy.new_empty((1, 1), dtype=torch.float32)
+            if _plan.of_id(recipe_id).delayed and hist_bwd is None else absent)
 
 
 @fake("tequant::linear_bwd_given")
 def _linear_bwd_given_fake(dy, x_members, w_kept, recipe_id, needs, inp_shape, x_dtype, w_dtype,
                            bias_dtype, scale_bwd, hist_bwd=None):
-    return _linear_bwd_fake(dy, None, w_kept, recipe_id, needs, inp_shape, x_dtype, w_dtype,
-                            bias_dtype, scale_bwd, hist_bwd)
+    return _backward_given_fake(dy, recipe_id, needs, inp_shape, x_dtype, w_dtype, bias_dtype,
+                                hist_bwd)
 
 
 # A weight FSDP2 all-gathered in a per-tensor FP8 format (distributed/fsdp.py
@@ -461,9 +487,7 @@ def linear_fwd_wgiven(inp: torch.Tensor, w_members: list[Optional[torch.Tensor]]
     plan = _plan.of_id(recipe_id)
     x_state = None
     if plan.delayed:
-        if hist_fwd is None:
-            raise ValueError("linear_fwd_wgiven: DelayedScaling needs the module's hist_fwd")
-        x_state = _C._linear_delayed_copies(recipe_id, False, hist_fwd, scale_fwd, inp, True)[2][0]
+        x_state = _delayed_states(recipe_id, False, hist_fwd, scale_fwd, inp)[0]
     n, k = w_members[0].shape
     w = (tuple(w_members), n, k, _TQ_DTYPE[w_dtype])
     with graph_safe_workspace():
@@ -485,14 +509,14 @@ def _linear_fwd_wgiven_fake(inp, w_members, w_dtype, bias, recipe_id, needs, sca
     return inp.new_empty(tuple(inp.shape[:-1]) + (n,)), x_buf
 
 
-@op("tequant::linear_bwd_wgiven", mutates_args=())
+@op("tequant::linear_bwd_wgiven", mutates_args=("scale_bwd", "hist_bwd"))
 def linear_bwd_wgiven(dy: torch.Tensor, x_kept: Optional[torch.Tensor],
                       w_members: list[Optional[torch.Tensor]], recipe_id: str, needs: int,
                       inp_shape: list[int], x_dtype: torch.dtype, w_dtype: torch.dtype,
                       bias_dtype: Optional[torch.dtype], scale_bwd: Optional[torch.Tensor],
-                      hist_bwd: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+                      hist_bwd: Optional[torch.Tensor] = None) -> _GRADS:
     """linear_bwd for x's packed columnwise buffer (linear_fwd_wgiven's, None without wgrad) and
-    W's six members (its columnwise codes for dgrad): linear_bwd's outputs."""
+    W's six members (its columnwise codes for dgrad): _backward_given's (dx, dW, db, amax dy)."""
     return _backward_given(dy, x_kept, w_members, None, recipe_id, needs, inp_shape, x_dtype,
                            w_dtype, bias_dtype, scale_bwd, hist_bwd)
 
@@ -500,8 +524,8 @@ def linear_bwd_wgiven(dy: torch.Tensor, x_kept: Optional[torch.Tensor],
 @fake("tequant::linear_bwd_wgiven")
 def _linear_bwd_wgiven_fake(dy, x_kept, w_members, recipe_id, needs, inp_shape, x_dtype,
                             w_dtype, bias_dtype, scale_bwd, hist_bwd=None):
-    return _linear_bwd_fake(dy, None, None, recipe_id, needs, inp_shape, x_dtype, w_dtype,
-                            bias_dtype, scale_bwd, hist_bwd)
+    return _backward_given_fake(dy, recipe_id, needs, inp_shape, x_dtype, w_dtype, bias_dtype,
+                                hist_bwd)
 
 
 _UPDATES = {}  # (recipe_id, direction, columns) -> the fused update's argument, or None
