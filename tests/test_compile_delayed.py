@@ -182,10 +182,23 @@ def _ops_inputs(recipe):
         torch.rand(1, generator=g) + 0.5
 
 
+def _updated_by_hand(rid, hist, scale, amax):
+    """(hist, scale) of a module's backward buffers after dy's amax is accumulated into row 0
+    and the fused update runs (_C._amax_update, eager's call), on copies."""
+    recipe = _plan.of_id(rid).recipe
+    hist, scale = hist.clone(), scale.clone()
+    hist[0] = torch.maximum(hist[0], amax.view(1))
+    scaled = delayed.scaled_maxes(_plan.of_id(rid), delayed.BACKWARD)[0]
+    _C._amax_update([(hist, scale, scaled)], recipe.amax_history_len,
+                    recipe.amax_compute_algo, None)
+    return hist, scale
+
+
 @pytest.mark.parametrize("name", ["max", "most_recent", "one_row"])
 def test_ops_copies_equal_the_old_outputs_updated_by_hand(name):
-    """linear_fwd / linear_bwd with a history against the same ops without (fresh amaxes), whose
-    amaxes are accumulated and the backward update run by hand, as the traced code did."""
+    """linear_fwd with a history (its copy) and linear_bwd_delayed (in place, on copies of the
+    buffers) against the same ops without one (fresh amaxes), whose amaxes are accumulated and
+    the backward update run by hand, as the traced code did."""
     recipe = RECIPES[name]
     rid = str(_C.recipe_key(recipe))
     x, w, dy, hist_fwd, scale_fwd, hist_bwd, scale_bwd = _ops_inputs(recipe)
@@ -198,28 +211,24 @@ def test_ops_copies_equal_the_old_outputs_updated_by_hand(name):
     want = hist_fwd.clone()
     want[0] = torch.maximum(want[0], torch.cat(old[-2:]).view(2))
     assert torch.equal(new[-1], want) and want[0].min() > 0.01
-    args = (rid, 3, [3, 7, 64], x.dtype, w.dtype, None, scale_bwd)
-    old = bwd(dy, new[1], new[2], *args)
-    got = bwd(dy, new[1], new[2], *args, hist_bwd)
-    assert len(got) == len(old) + 1
-    assert all(torch.equal(a, b) for a, b in zip(old[:-1], got[:-2]))
+    args = (rid, 3, [3, 7, 64], x.dtype, w.dtype, None)
+    old = bwd(dy, new[1], new[2], *args, scale_bwd)
     hist, scale = hist_bwd.clone(), scale_bwd.clone()
-    hist[0] = torch.maximum(hist[0], old[-1].view(1))
-    scaled = delayed.scaled_maxes(_plan.of_id(rid), delayed.BACKWARD)[0]
-    _C._amax_update([(hist, scale, scaled)], recipe.amax_history_len,
-                    recipe.amax_compute_algo, None)
-    assert torch.equal(got[-2], hist) and torch.equal(got[-1], scale)
+    got = torch.ops.tequant.linear_bwd_delayed(dy, new[1], new[2], *args, scale, hist)
+    assert all(torch.equal(a, b) for a, b in zip(old[:-1], got[:2]))
+    want_hist, want_scale = _updated_by_hand(rid, hist_bwd, scale_bwd, old[-1])
+    assert torch.equal(hist, want_hist) and torch.equal(scale, want_scale)
     assert not torch.equal(scale, scale_bwd)  # the update ran
     after = (hist_fwd, scale_fwd, hist_bwd, scale_bwd)
-    assert all(torch.equal(a, b) for a, b in zip(before, after))  # the ops mutate nothing
+    assert all(torch.equal(a, b) for a, b in zip(before, after))  # linear_fwd mutates nothing
 
 
 @pytest.mark.parametrize("name", ["max", "most_recent", "one_row"])
 @pytest.mark.parametrize("needs", [8 | 3, 8 | 1])  # packed, with and without wgrad
 def test_in_place_ops_write_the_copies_into_the_buffers(name, needs):
     """linear_fwd_delayed / linear_bwd_delayed leave in the module's buffers exactly what
-    linear_fwd / linear_bwd return as copies, give the same outputs (an empty uint8 [0] for
-    each absent one) and match their fake kernels."""
+    linear_fwd returns as a copy (backward: the update by hand), give the same outputs (an empty
+    uint8 [0] for each absent one) and match their fake kernels."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     recipe = RECIPES[name]
     rid = str(_C.recipe_key(recipe))
@@ -240,10 +249,12 @@ def test_in_place_ops_write_the_copies_into_the_buffers(name, needs):
     assert shapes(got) == shapes(fake)
     x_kept = got[1] if needs & 2 else None
     args = (rid, needs & 3, [3, 7, 64], x.dtype, w.dtype, torch.float32)
-    copied = ops.linear_bwd(dy, x_kept, got[2], *args, scale_bwd, hist_bwd)
+    fresh = ops.linear_bwd(dy, x_kept, got[2], *args, scale_bwd)
+    want_hist, want_scale = _updated_by_hand(rid, hist_bwd, scale_bwd, fresh[-1])
     dx, dw, db = ops.linear_bwd_delayed(dy, x_kept, got[2], *args, scale_bwd, hist_bwd)
-    assert torch.equal(hist_bwd, copied[-2]) and torch.equal(scale_bwd, copied[-1])
-    assert torch.equal(dx, copied[0]) and torch.equal(db, copied[-3])
+    assert torch.equal(hist_bwd, want_hist) and torch.equal(scale_bwd, want_scale)
+    copied = fresh[:-1]
+    assert torch.equal(dx, copied[0]) and torch.equal(db, copied[-1])
     assert torch.equal(dw, copied[1]) if needs & 2 else torch.equal(dw, empty)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fake = ops.linear_bwd_delayed(mode.from_tensor(dy), x_kept, got[2], *args,
@@ -287,10 +298,9 @@ def test_ops_with_histories_match_their_fake_shapes():
         assert len(aliased) == len(real)  # op outputs alias nothing
     real = fwd(x, w, None, rid, 8 | 3, scale_fwd, hist_fwd)
     args = (rid, 3, [3, 7, 64], x.dtype, w.dtype, torch.float32)
-    got = bwd(dy, real[1], real[2], *args, scale_bwd, hist_bwd)
+    got = bwd(dy, real[1], real[2], *args, scale_bwd)  # + dy's amax
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        fake = bwd(mode.from_tensor(dy), real[1], real[2], *args, mode.from_tensor(scale_bwd),
-                   mode.from_tensor(hist_bwd))
+        fake = bwd(mode.from_tensor(dy), real[1], real[2], *args, mode.from_tensor(scale_bwd))
     assert shapes(got) == shapes(fake)
 
 
@@ -312,19 +322,20 @@ def test_ops_refuse_bad_histories():
     outs = fwd(x, w, None, rid, 8 | 3, two)
     args = (rid, 3, [16, 32], x.dtype, w.dtype, None)
     dy = torch.randn(16, 16)
+    bwd = torch.ops.tequant.linear_bwd_delayed
     with pytest.raises(ValueError, match=r"hist_bwd must be float32 \[4, 1\]"):
         bwd(dy, outs[1], outs[2], *args, torch.ones(1), torch.zeros(3, 1))
     with pytest.raises(ValueError, match=r"scale_bwd float32 \[1\]"):
         bwd(dy, outs[1], outs[2], *args, torch.ones(2), torch.zeros(4, 1))
-    with pytest.raises(ValueError, match="hist_bwd is for DelayedScaling only"):
-        bwd(dy, outs[1], outs[2], str(_C.recipe_key(Float8CurrentScaling())), *args[1:], None,
-            torch.zeros(4, 1))
+    with pytest.raises(ValueError, match="in-place op is for DelayedScaling"):
+        bwd(dy, outs[1], outs[2], str(_C.recipe_key(Float8CurrentScaling())), *args[1:],
+            torch.ones(1), torch.zeros(4, 1))
     unfused = str(_C.recipe_key(RECIPES["callable_algo"]))
     outs = fwd(x, w, None, unfused, 8 | 3, two)
     with pytest.raises(ValueError, match="fused update rule"):
         bwd(dy, outs[1], outs[2], unfused, *args[1:], torch.ones(1), torch.zeros(3, 1))
     with pytest.raises(ValueError, match=r"hist_bwd must be float32 \[4, 1\]"):
-        _C._linear_delayed_copies(rid, True, torch.zeros(4, 2), torch.ones(1), dy)
+        _C._linear_delayed_states(rid, True, torch.zeros(4, 2), torch.ones(1), dy)
 
 
 @gpu

@@ -5,27 +5,27 @@
  *   linear_fwd_op(inp, weight, bias, recipe_id, needs, scale_fwd[, hist_fwd])
  *       -> [y, kept..., new hist_fwd | amax x, amax W]
  *   linear_bwd_op(dy, x_kept, w_kept, recipe_id, needs, inp_shape, x_dtype, w_dtype,
- *                 bias_dtype, scale_bwd[, hist_bwd])
- *       -> [dx?, dW?, db?, new hist_bwd, new scale_bwd | amax dy]
+ *                 bias_dtype, scale_bwd)
+ *       -> [dx?, dW?, db? (, amax dy under DelayedScaling)]
  *   linear_fwd_delayed_op / linear_bwd_delayed_op: the same for DelayedScaling with the module's
  *       buffers, updated in place instead of copied (tequant::linear_fwd_delayed /
  *       linear_bwd_delayed declare the mutation, which a list return cannot: their outputs are
  *       fixed, (y, x buffer, W buffer) and (dx, dW, db), an empty uint8 [0] where absent)
  *   _set_linear_plan_of(fn): fn(recipe_id) -> (linear.c's plan tuple, DelayedScaling's backward
  *       update (history_len, algo, (scaled max of dy,)) or None: TE's unfused rule), once per id
- *   _linear_delayed_copies / _linear_delayed_update: the DelayedScaling steps below, for the
+ *   _linear_delayed_states / _linear_delayed_update: the DelayedScaling steps below, for the
  *       Python-bodied ops on the fused norm's and activation's codes (_compile_ops.py, _act_fn.py)
  *   _packed_bytes(config, rows, cols, usage, parts) -> bytes of a packed buffer (fake kernels)
  *
  * Op outputs must be fresh tensors that alias nothing, so the ops keep linear.c's packed form
  * (one uint8 buffer per kept operand), the fewest tensors and allocations; with needs bit 4
  * (backward_override="dequantized") forward returns the present members instead. DelayedScaling:
- * given the module's history, the op copies it (backward: the scale too), its quantizations
- * max-accumulate into the copy's row 0 as eager's into the buffer (x column 0, W 1, dy 0),
- * backward rolls the copies and updates the scale (amax_update.c, eager's rule), and the copies
- * come back last, for the traced code to copy into the buffers. Without a history (backward: an
- * amax all-reduce comes first, or TE's unfused rule), fresh zeroed amax slots come back and the
- * traced code accumulates and updates. The GEMMs make a cuBLASLt workspace per call (the op may
+ * the *_delayed ops take the module's buffers and update them in place as eager's C calls do:
+ * the quantizations max-accumulate into the history's row 0 (x column 0, W 1, dy 0), and
+ * backward rolls it and updates the scale (amax_update.c, eager's rule). linear_fwd_op given a
+ * history (the members form) copies it and returns the copy last, for the traced code to write
+ * back. Without a history (backward: an amax all-reduce comes first, or TE's unfused rule),
+ * fresh zeroed amax slots come back and the traced code accumulates and updates. The GEMMs make a cuBLASLt workspace per call (the op may
  * run in a CUDA-graph pool). Tests: tests/test_compile.py, tests/test_compile_delayed.py.
  */
 #include "module.h"
@@ -334,12 +334,12 @@ static PyObject *linear_fwd_delayed_op(PyObject *module, PyObject *const *args,
 static PyObject *backward(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
                           int in_place) {
     const char *fn = in_place ? "linear_bwd_delayed_op" : "linear_bwd_op";
-    if (nargs != 10 + in_place && (in_place || nargs != 11)) {
-        PyErr_Format(PyExc_TypeError, "%s takes %s arguments (%zd given)", fn,
-                     in_place ? "11" : "10 or 11", nargs);
+    if (nargs != 10 + in_place) {
+        PyErr_Format(PyExc_TypeError, "%s takes %d arguments (%zd given)", fn, 10 + in_place,
+                     nargs);
         return NULL;
     }
-    PyObject *hist = nargs == 11 ? args[10] : Py_None;
+    PyObject *hist = in_place ? args[10] : Py_None;
     tqx_state *st = tqx_module_state(module);
     PyObject *shape = PySequence_Tuple(args[5]);
     if (shape == NULL) return NULL;
@@ -387,7 +387,7 @@ static PyObject *backward(PyObject *module, PyObject *const *args, Py_ssize_t na
         }
         Py_SETREF(state, NULL);
         if (hist != Py_None) {
-            if (delayed_copies(st, entry, 1, hist, args[9], dy, in_place, &c) < 0) goto done;
+            if (delayed_copies(st, entry, 1, hist, args[9], dy, 1, &c) < 0) goto done;
             state = Py_NewRef(c.states[0]);
         } else if ((device = PyObject_GetAttrString(dy, "device")) == NULL
                    || (state = delayed_state(st, args[9], 0, device, NULL)) == NULL) {
@@ -426,9 +426,6 @@ static PyObject *backward(PyObject *module, PyObject *const *args, Py_ssize_t na
         }
     }
     if (list && in_place) Py_SETREF(list, PyList_AsTuple(list));
-    if (list && c.hist && !in_place
-        && (PyList_Append(list, c.hist) < 0 || PyList_Append(list, c.scale) < 0))
-        Py_CLEAR(list);
     if (list && delayed && !c.hist && append_amax(list, state, 0) < 0) Py_CLEAR(list);
 done:
     Py_DECREF(shape);
@@ -454,30 +451,29 @@ static PyObject *linear_bwd_delayed_op(PyObject *module, PyObject *const *args,
     return backward(module, args, nargs, 1);
 }
 
-/* For the Python-bodied ops: _linear_delayed_copies(recipe_id, backward, hist, scale, like[,
- * in_place]) -> (copy of hist, copy of scale (backward) or None, the states on the copy: (x's,
- * W's) or (dy's,)); in_place true: hist and scale themselves and the states on them. */
-static PyObject *py_delayed_copies(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5 && nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "_linear_delayed_copies(recipe_id, backward, hist, "
-                        "scale, like[, in_place])");
+/* For the Python-bodied ops: _linear_delayed_states(recipe_id, backward, hist, scale, like) ->
+ * the states on the module's buffers themselves, (x's, W's) or (dy's,), after the C ops' checks
+ * of the buffers. */
+static PyObject *py_delayed_states(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "_linear_delayed_states(recipe_id, backward, hist, "
+                        "scale, like)");
         return NULL;
     }
     tqx_state *st = tqx_module_state(module);
     const int backward = PyObject_IsTrue(args[1]);
-    const int in_place = nargs == 6 ? PyObject_IsTrue(args[5]) : 0;
-    PyObject *entry = backward < 0 || in_place < 0 ? NULL : entry_of(st, args[0]), *result = NULL;
+    PyObject *entry = backward < 0 ? NULL : entry_of(st, args[0]), *result = NULL;
     copies c = COPIES_INIT;
-    if (entry != NULL
-        && delayed_copies(st, entry, backward, args[2], args[3], args[4], in_place, &c) == 0)
-        result = backward ? Py_BuildValue("(OO(O))", c.hist, c.scale, c.states[0])
-                          : Py_BuildValue("(OO(OO))", c.hist, Py_None, c.states[0], c.states[1]);
+    if (entry != NULL && delayed_copies(st, entry, backward, args[2], args[3], args[4], 1, &c) == 0)
+        result = backward ? PyTuple_Pack(1, c.states[0])
+                          : PyTuple_Pack(2, c.states[0], c.states[1]);
     Py_XDECREF(entry);
     copies_clear(&c);
     return result;
 }
 
-/* _linear_delayed_update(recipe_id, hist, scale): linear_bwd_op's update of its copies. */
+/* _linear_delayed_update(recipe_id, hist, scale): linear_bwd_delayed_op's update of a module's
+ * backward buffers, in place. */
 static PyObject *py_delayed_update(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "_linear_delayed_update(recipe_id, hist, scale)");
@@ -531,7 +527,7 @@ PyMethodDef tqx_linear_ops_methods[] = {
      "kernel of tequant::linear_fwd; see csrc/ext/linear_ops.c."},
     {"linear_bwd_op", (PyCFunction)(void (*)(void))linear_bwd_op, METH_FASTCALL,
      "linear_bwd_op(dy, x_kept, w_kept, recipe_id, needs, inp_shape, x_dtype, w_dtype, "
-     "bias_dtype, scale_bwd[, hist_bwd]) -> list\n\nThe kernel of tequant::linear_bwd."},
+     "bias_dtype, scale_bwd) -> list\n\nThe kernel of tequant::linear_bwd."},
     {"linear_fwd_delayed_op", (PyCFunction)(void (*)(void))linear_fwd_delayed_op, METH_FASTCALL,
      "linear_fwd_delayed_op(inp, weight, bias, recipe_id, needs, scale_fwd, hist_fwd) -> (y, x "
      "buffer or empty, W buffer)\n\nThe kernel of tequant::linear_fwd_delayed: hist_fwd "
@@ -543,12 +539,13 @@ PyMethodDef tqx_linear_ops_methods[] = {
     {"_set_linear_plan_of", set_linear_plan_of, METH_O,
      "_set_linear_plan_of(fn): fn(recipe_id) gives (the linear plan tuple, the DelayedScaling "
      "backward update (history_len, algo, (scaled max,)) or None) of a recipe id."},
-    {"_linear_delayed_copies", (PyCFunction)(void (*)(void))py_delayed_copies, METH_FASTCALL,
-     "_linear_delayed_copies(recipe_id, backward, hist, scale, like[, in_place]) -> (hist copy, "
-     "scale copy or None, states)\n\nlinear_fwd_op's / linear_bwd_op's copies of a module's "
-     "buffers (in_place: the buffers themselves)."},
+    {"_linear_delayed_states", (PyCFunction)(void (*)(void))py_delayed_states, METH_FASTCALL,
+     "_linear_delayed_states(recipe_id, backward, hist, scale, like) -> states\n\nThe (scale, "
+     "amax slot) states on a module's DelayedScaling buffers, checked as the C ops check them: "
+     "(x's, W's), or (dy's,) with backward."},
     {"_linear_delayed_update", (PyCFunction)(void (*)(void))py_delayed_update, METH_FASTCALL,
-     "_linear_delayed_update(recipe_id, hist, scale)\n\nlinear_bwd_op's update of its copies."},
+     "_linear_delayed_update(recipe_id, hist, scale)\n\nlinear_bwd_delayed_op's update of a "
+     "module's backward buffers, in place."},
     {"_packed_bytes", (PyCFunction)(void (*)(void))packed_bytes, METH_FASTCALL,
      "_packed_bytes(config, rows, cols, usage, parts) -> bytes of a packed buffer."},
     {NULL, NULL, 0, NULL}};

@@ -1,15 +1,18 @@
 """te.Linear inside torch.compile: the forward and the autograd Function Dynamo traces, around
-the `tequant::linear_fwd`, `tequant::linear_bwd` and `tequant::amax_update` ops (_compile_ops.py).
+the `tequant::linear_fwd` / `linear_bwd` ops, DelayedScaling's `linear_fwd_delayed` /
+`linear_bwd_delayed` and `tequant::amax_update` (_compile_ops.py).
 
 Eager te.Linear makes one C call per direction (csrc/ext/linear.c); traced code cannot, so the
 same C calls run inside torch.library ops whose schemas carry only tensors, ints and strings
-(the recipe as its `_tequant_id`). Ops return fresh tensors and mutate nothing: DelayedScaling's
-ops take the module's history and return an updated copy (forward: the amaxes of x and W
-max-accumulated into row 0; backward: dy's, then the roll and scale update, the new scale with
-it), which the traced code copies into the buffers (one write each), so functionalization and
-CUDA graphs see ordinary buffer updates. Where the backward update needs an amax all-reduce or
-TE's unfused rule (a callable algo), the backward op returns dy's amax instead and the traced
-code accumulates, reduces and updates (tequant::amax_update).
+(the recipe as its `_tequant_id`). Ops return fresh tensors; DelayedScaling's take the module's
+buffers and update them in place as eager's calls do (forward: the amaxes of x and W
+max-accumulated into row 0; backward: dy's, then the roll and scale update), declaring the
+mutation, so AOT functionalizes it and Inductor writes the buffers themselves (no copy; CUDA
+graphs see ordinary buffer updates). backward_override="dequantized" keeps linear_fwd's members
+form, which returns a copy of the history that the traced code writes back. Where the backward
+update needs an amax all-reduce or TE's unfused rule (a callable algo), the backward op returns
+dy's amax instead and the traced code accumulates, reduces and updates (tequant::amax_update,
+tequant::amax_defer_bwd).
 DelayedScaling under compile: the forward update of a module runs at the outermost autocast's
 exit (traced, when that autocast is entered in the compiled code; eager, when the compiled code
 runs inside an eager te.autocast: the module's buffers register with it after the graph runs);
@@ -224,7 +227,7 @@ class _CompiledLinear(torch.autograd.Function):
                     db if bias_dtype is not None else None) + _NONE_ARGS
         outs = torch.ops.tequant.linear_bwd(dy, x_kept, saved[n_x], ctx.recipe_id, needs,
                                             list(ctx.shape), ctx.x_dtype, ctx.w_dtype, bias_dtype,
-                                            scale_bwd, _op_hist(ctx, hist_bwd))
+                                            scale_bwd)
         return _grads(ctx, outs, bias_dtype, scale_bwd, hist_bwd)
 
 

@@ -269,15 +269,15 @@ def _linear_fwd_fake(inp, weight, bias, recipe_id, needs, scale_fwd, hist_fwd=No
                                 inp.device)
         result += _fake_members(plan.w, n, k, ROWWISE | COLUMNWISE, _plan.w_kept(plan),
                                 inp.device)
-    return result + _delayed_fake(plan, inp, hist_fwd, None, 2)
+    return result + _delayed_fake(plan, inp, hist_fwd, 2)
 
 
-def _delayed_fake(plan, like, hist, scale, n_amax):
-    """The trailing DelayedScaling outputs: the history's (and scale's) copies, or n amaxes."""
+def _delayed_fake(plan, like, hist, n_amax):
+    """The trailing DelayedScaling outputs: the history's copy, or n amaxes."""
     if not plan.delayed:
         return []
     if hist is not None:
-        return [torch.empty_like(t) for t in (hist, scale) if t is not None]
+        return [torch.empty_like(hist)]
     return [like.new_empty((1, 1), dtype=torch.float32) for _ in range(n_amax)]
 
 
@@ -285,16 +285,15 @@ def _delayed_fake(plan, like, hist, scale, n_amax):
 def linear_bwd(dy: torch.Tensor, x_kept: torch.Tensor | None, w_kept: torch.Tensor,
                recipe_id: str, needs: int, inp_shape: list[int], x_dtype: torch.dtype,
                w_dtype: torch.dtype, bias_dtype: torch.dtype | None,
-               scale_bwd: torch.Tensor | None,
-               hist_bwd: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """[dx if dgrad, dW if wgrad, db if bias_dtype] from the packed buffers linear_fwd kept (+ for
-    DelayedScaling: [the module's new hist_bwd and scale_bwd] given hist_bwd (the fused update
-    rule, no amax reduction), else [amax dy]) (csrc/ext/linear_ops.c, the kernel)."""
+               scale_bwd: torch.Tensor | None) -> list[torch.Tensor]:
+    """[dx if dgrad, dW if wgrad, db if bias_dtype] from the packed buffers linear_fwd kept, +
+    [amax dy] under DelayedScaling (csrc/ext/linear_ops.c, the kernel; linear_bwd_delayed
+    updates the module's buffers itself)."""
 
 
 @fake("tequant::linear_bwd")
 def _linear_bwd_fake(dy, x_kept, w_kept, recipe_id, needs, inp_shape, x_dtype, w_dtype,
-                     bias_dtype, scale_bwd, hist_bwd=None):
+                     bias_dtype, scale_bwd):
     result = []
     if needs & NEED_DGRAD:
         result.append(dy.new_empty(tuple(inp_shape), dtype=x_dtype))
@@ -302,7 +301,7 @@ def _linear_bwd_fake(dy, x_kept, w_kept, recipe_id, needs, inp_shape, x_dtype, w
         result.append(dy.new_empty((dy.shape[-1], inp_shape[-1]), dtype=w_dtype))
     if bias_dtype is not None:
         result.append(dy.new_empty((dy.shape[-1],), dtype=bias_dtype))
-    return result + _delayed_fake(_plan.of_id(recipe_id), dy, hist_bwd, scale_bwd, 1)
+    return result + _delayed_fake(_plan.of_id(recipe_id), dy, None, 1)
 
 
 # DelayedScaling with the module's buffers: the same C calls, the buffers updated in place as
@@ -341,7 +340,7 @@ def linear_bwd_delayed(dy: torch.Tensor, x_kept: torch.Tensor | None, w_kept: to
 def _linear_bwd_delayed_fake(dy, x_kept, w_kept, recipe_id, needs, inp_shape, x_dtype, w_dtype,
                              bias_dtype, scale_bwd, hist_bwd):
     it = iter(_linear_bwd_fake(dy, x_kept, w_kept, recipe_id, needs, inp_shape, x_dtype,
-                               w_dtype, bias_dtype, scale_bwd, hist_bwd))
+                               w_dtype, bias_dtype, scale_bwd))  # (its trailing amax unread)
     wanted = (needs & NEED_DGRAD, needs & NEED_WGRAD, bias_dtype is not None)
     return tuple(next(it) if w else dy.new_empty((0,), dtype=torch.uint8) for w in wanted)
 
@@ -377,7 +376,7 @@ def _delayed_states(recipe_id, backward, hist, scale, like):
     in-place ops update (forward: x's and W's; backward: dy's)."""
     if hist is None:
         raise ValueError(f"DelayedScaling needs the module's {'hist_bwd' if backward else 'hist_fwd'}")
-    return _C._linear_delayed_copies(recipe_id, backward, hist, scale, like, True)[2]
+    return _C._linear_delayed_states(recipe_id, backward, hist, scale, like)
 
 
 def _max_into(slot, amax):
