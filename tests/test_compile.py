@@ -404,12 +404,15 @@ def test_amax_reduction_group_under_compile_matches_eager(where, compiled_reduct
     assert results[0][4] == results[1][4] and max(results[0][4]) == 3.0  # rank 1's last amax
 
 
-def _one_backward_reduction_worker(rank, world):
-    """Three compiled te.Linear under DelayedScaling with an amax reduction group (te.autocast
-    outside the compiled code): their backward graphs hold no collective, each module's
-    backward queues its update (tequant::amax_defer_bwd), and the end of the backward pass runs
-    one all-reduce for the three (as eager: a collective per module would be a point where every
-    rank waits for the slowest); the buffers equal an eager model's after three steps."""
+def _one_backward_reduction_worker(rank, world, kind="linear"):
+    """Three compiled te.Linear (kind "linear"), or a te.LayerNormMLP whose fc1 and fc2 multiply
+    the fused norm's and activation's codes (kind "layernorm_mlp": the in-place *_given ops),
+    under DelayedScaling with an amax reduction group (te.autocast outside the compiled code):
+    their backward graphs hold no collective, each module's backward queues its update
+    (tequant::amax_defer_bwd, handed the module's buffers themselves), and the end of the
+    backward pass runs one all-reduce for all (as eager: a collective per module would be a
+    point where every rank waits for the slowest); the buffers equal an eager model's after
+    three steps."""
     import torch.distributed as dist
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
@@ -423,7 +426,11 @@ def _one_backward_reduction_worker(rank, world):
     torch._dynamo.reset()
     recipe, group = RECIPES["delayed"], dist.group.WORLD
     torch.manual_seed(0)
-    eager = torch.nn.Sequential(*(te.Linear(16, 16) for _ in range(3)))
+    if kind == "linear":
+        eager, shape = torch.nn.Sequential(*(te.Linear(16, 16) for _ in range(3))), (4, 16)
+    else:
+        from test_fused_act_modules import _mlp
+        eager, shape = _mlp("swiglu", dtype=torch.float32), (4, 64)
     compiled_model = copy.deepcopy(eager)
     step = torch.compile(_outside, backend=backend, fullgraph=True)
     reductions = []
@@ -436,7 +443,7 @@ def _one_backward_reduction_worker(rank, world):
     try:
         counts = []
         for i in range(3):
-            x = torch.full((4, 16), float(rank + 1 + i))
+            x = torch.linspace(-1, 1, shape[0] * shape[1]).view(shape) * (rank + 1 + i)
             for model in (eager, compiled_model):
                 with te.autocast(recipe=recipe, amax_reduction_group=group):
                     y = step(model, x) if model is compiled_model else model(x)
@@ -496,6 +503,26 @@ def test_compiled_backward_one_amax_reduction_per_pass():
         assert same == [True] * 12, same
         assert graphs and all("all_reduce" not in g for g in graphs), graphs
         assert sum(g.count("tequant.amax_defer_bwd") for g in graphs) == 3, graphs
+
+
+def test_compiled_fused_codes_one_amax_reduction_per_pass():
+    """The same for te.LayerNormMLP's fused-codes ops (linear_bwd_dy_given, linear_bwd_given),
+    which declare scale_bwd mutated: the deferred update must still reach the module's own
+    buffers (it fails when the op is handed the buffer, whose functionalized copy amax_defer_bwd
+    would then queue under aot_eager)."""
+    import os
+    import sys
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed is not available")
+    sys.path.insert(0, os.path.dirname(__file__))
+    from dist_util import run_ranks
+    for counts, same, graphs in run_ranks(_one_backward_reduction_worker, 2, "layernorm_mlp",
+                                          timeout=300):
+        assert counts == [[2]] * 6, counts  # fc1 and fc2: one all-reduce of 2 rows
+        assert len(same) == 8 and all(same), same
+        assert graphs and all("all_reduce" not in g for g in graphs), graphs
+        assert sum(g.count("tequant.amax_defer_bwd") for g in graphs) == 2, graphs
+        assert any("linear_bwd_dy_given" in g for g in graphs), graphs
 
 
 @pytest.mark.parametrize("device", DEVICES)
