@@ -25,8 +25,9 @@
  * backward rolls it and updates the scale (amax_update.c, eager's rule). linear_fwd_op given a
  * history (the members form) copies it and returns the copy last, for the traced code to write
  * back. Without a history (backward: an amax all-reduce comes first, or TE's unfused rule),
- * fresh zeroed amax slots come back and the traced code accumulates and updates. The GEMMs make a cuBLASLt workspace per call (the op may
- * run in a CUDA-graph pool). Tests: tests/test_compile.py, tests/test_compile_delayed.py.
+ * fresh zeroed amax slots come back and the traced code accumulates and updates. The GEMMs make
+ * a cuBLASLt workspace per call (the op may run in a CUDA-graph pool). Tests:
+ * tests/test_compile.py, tests/test_compile_delayed.py.
  */
 #include "module.h"
 
@@ -408,7 +409,8 @@ static PyObject *backward(PyObject *module, PyObject *const *args, Py_ssize_t na
     const int previous = tqx_gemm_workspace_per_call(1);
     bwd = tqx_linear_backward(module, call, 8);
     tqx_gemm_workspace_per_call(previous);
-    /* dy's amax is in the copy's row 0: the module's update, as eager's at the end of backward */
+    /* dy's amax is in the history's row 0: the module's update, as eager's at the end of
+     * backward */
     if (bwd == NULL
         || (c.hist && tqx_amax_update_buffers(st, 1, &c.hist, &c.scale,
                                               PyTuple_GET_ITEM(entry, 1), NULL, "hist_bwd",

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from . import _C, _compile, _plan
-from ._compile_ops import (_delayed_states, _max_into, _or_absent, _rows_cols, config_of,
-                           delayed_step, fake, graph_safe_workspace, op)
+from ._compile_ops import (_absent, _delayed_states, _max_into, _or_absent, _rows_cols,
+                           config_of, delayed_step, fake, graph_safe_workspace, op)
 from ._norm_fn import (PER_TENSOR, codes_returned, fp8_outputs, refusal as _norm_refusal,
                        with_columnwise)
 from ._operands import TQ_DTYPE
@@ -418,7 +418,7 @@ def _linear_bwd_dy_given(dy_q: list[torch.Tensor], x_members: list[Optional[torc
 @fake("tequant::linear_bwd_dy_given")
 def _linear_bwd_dy_given_fake(dy_q, x_members, w_kept, recipe_id, needs, inp_shape, x_dtype,
                               w_dtype, scale_bwd=None, hist_bwd=None):
-    dy, absent = dy_q[0], dy_q[0].new_empty((0,), dtype=torch.uint8)
+    dy, absent = dy_q[0], _absent(dy_q[0])
     return (dy.new_empty(tuple(inp_shape), dtype=x_dtype) if needs & _plan.NEED_DGRAD else absent,
             dy.new_empty((dy.shape[-1], inp_shape[-1]), dtype=w_dtype)
             if needs & _plan.NEED_WGRAD else absent)

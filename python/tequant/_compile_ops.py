@@ -320,7 +320,7 @@ def linear_fwd_delayed(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 @fake("tequant::linear_fwd_delayed")
 def _linear_fwd_delayed_fake(inp, weight, bias, recipe_id, needs, scale_fwd, hist_fwd):
     outs = _linear_fwd_fake(inp, weight, bias, recipe_id, needs, scale_fwd, hist_fwd)[:-1]
-    x_buf = outs[1] if len(outs) == 3 else inp.new_empty((0,), dtype=torch.uint8)
+    x_buf = outs[1] if len(outs) == 3 else _absent(inp)
     return outs[0], x_buf, outs[-1]
 
 
@@ -342,7 +342,7 @@ def _linear_bwd_delayed_fake(dy, x_kept, w_kept, recipe_id, needs, inp_shape, x_
     it = iter(_linear_bwd_fake(dy, x_kept, w_kept, recipe_id, needs, inp_shape, x_dtype,
                                w_dtype, bias_dtype, scale_bwd))  # (its trailing amax unread)
     wanted = (needs & NEED_DGRAD, needs & NEED_WGRAD, bias_dtype is not None)
-    return tuple(next(it) if w else dy.new_empty((0,), dtype=torch.uint8) for w in wanted)
+    return tuple(next(it) if w else _absent(dy) for w in wanted)
 
 
 # The fused norm's codes (_norm_fn.NormInput) reach te.Linear already quantized: these two run
@@ -375,7 +375,8 @@ def _delayed_states(recipe_id, backward, hist, scale, like):
     """The (scale, amax slot) states on a module's own DelayedScaling buffers, which the
     in-place ops update (forward: x's and W's; backward: dy's)."""
     if hist is None:
-        raise ValueError(f"DelayedScaling needs the module's {'hist_bwd' if backward else 'hist_fwd'}")
+        name = "hist_bwd" if backward else "hist_fwd"
+        raise ValueError(f"DelayedScaling needs the module's {name}")
     return _C._linear_delayed_states(recipe_id, backward, hist, scale, like)
 
 
@@ -449,13 +450,18 @@ def delayed_step(recipe_id, hist_bwd, scale_bwd, state):
     return state[1] if state else None
 
 
+def _absent(like):
+    """The empty uint8 [0] tensor that stands for an absent output of a fixed-arity op."""
+    return like.new_empty((0,), dtype=torch.uint8)
+
+
 def _or_absent(t, like):
-    """t, or an empty uint8 [0] tensor standing for it in a fixed-arity output."""
-    return t if t is not None else like.new_empty((0,), dtype=torch.uint8)
+    """t, or _absent(like) for None."""
+    return t if t is not None else _absent(like)
 
 
 def _backward_given_fake(dy, recipe_id, needs, inp_shape, x_dtype, w_dtype, bias_dtype, hist_bwd):
-    absent = dy.new_empty((0,), dtype=torch.uint8)
+    absent = _absent(dy)
     return (dy.new_empty(tuple(inp_shape), dtype=x_dtype) if needs & NEED_DGRAD else absent,
             dy.new_empty((dy.shape[-1], inp_shape[-1]), dtype=w_dtype) if needs & NEED_WGRAD
             else absent,
@@ -492,7 +498,7 @@ def linear_fwd_wgiven(inp: torch.Tensor, w_members: list[Optional[torch.Tensor]]
     with graph_safe_workspace():
         out, saved = _C.linear_forward(plan.c_args, inp.contiguous(), w, bias, needs | PACKED,
                                        [], None, x_state, None)
-    return out, (saved[0][0] if needs & NEED_WGRAD else inp.new_empty((0,), dtype=torch.uint8))
+    return out, (saved[0][0] if needs & NEED_WGRAD else _absent(inp))
 
 
 @fake("tequant::linear_fwd_wgiven")
@@ -504,7 +510,7 @@ def _linear_fwd_wgiven_fake(inp, w_members, w_dtype, bias, recipe_id, needs, sca
         padded = _plan.padded(inp.numel() // k, plan.align)
         x_buf = _fake_buffer(plan.x, padded, k, COLUMNWISE, inp)
     else:
-        x_buf = inp.new_empty((0,), dtype=torch.uint8)
+        x_buf = _absent(inp)
     return inp.new_empty(tuple(inp.shape[:-1]) + (n,)), x_buf
 
 
