@@ -262,6 +262,46 @@ def test_in_place_ops_write_the_copies_into_the_buffers(name, needs):
     assert shapes((dx, dw, db)) == shapes(fake)
 
 
+def test_in_place_ops_follow_replaced_buffers():
+    """The ops keep a module's slot views between calls (linear_ops.c kept_states); a buffer
+    swapped for new storage (`.data =`), another scale object and a new history object of the
+    same address must each be read and written themselves: every call equals a call on fresh
+    copies of what it was given."""
+    recipe = RECIPES["max"]
+    rid = str(_C.recipe_key(recipe))
+    x, w, dy, hist_fwd, scale_fwd, hist_bwd, scale_bwd = _ops_inputs(recipe)
+    ops = torch.ops.tequant
+
+    def fwd_matches_fresh(hist, scale):
+        hist_want, scale_want = hist.clone(), scale.clone()
+        want = ops.linear_fwd_delayed(x, w, None, rid, 8 | 3, scale_want, hist_want)
+        got = ops.linear_fwd_delayed(x, w, None, rid, 8 | 3, scale, hist)
+        return torch.equal(got[0], want[0]) and torch.equal(hist, hist_want)
+
+    assert fwd_matches_fresh(hist_fwd, scale_fwd)  # fills the kept entry
+    assert fwd_matches_fresh(hist_fwd, scale_fwd)  # uses it
+    old_storage = hist_fwd.data
+    hist_fwd.data = torch.zeros_like(hist_fwd)
+    assert fwd_matches_fresh(hist_fwd, scale_fwd) and hist_fwd[0].min() > 0
+    assert not torch.equal(old_storage, hist_fwd)  # the new storage took the amaxes
+    assert fwd_matches_fresh(hist_fwd, scale_fwd * 4)  # another scale: y quantized with it
+    scale_fwd.data = scale_fwd.data / 8
+    assert fwd_matches_fresh(hist_fwd, scale_fwd)
+    for _ in range(3):  # new objects, possibly at a freed one's address
+        assert fwd_matches_fresh(torch.zeros(recipe.amax_history_len, 2), scale_fwd.clone())
+    kept = ops.linear_fwd_delayed(x, w, None, rid, 8 | 3, scale_fwd, hist_fwd)
+    args = (rid, 3, [3, 7, 64], x.dtype, w.dtype, None)
+    for replace in (False, True):
+        if replace:
+            scale_bwd.data = scale_bwd.data * 2
+            hist_bwd.data = hist_bwd.data.clone()
+        fresh = ops.linear_bwd(dy, kept[1], kept[2], *args, scale_bwd)
+        want_hist, want_scale = _updated_by_hand(rid, hist_bwd, scale_bwd, fresh[-1])
+        got = ops.linear_bwd_delayed(dy, kept[1], kept[2], *args, scale_bwd, hist_bwd)
+        assert torch.equal(got[0], fresh[0]) and torch.equal(hist_bwd, want_hist)
+        assert torch.equal(scale_bwd, want_scale)
+
+
 def test_in_place_ops_refuse_what_they_cannot_update():
     rid = str(_C.recipe_key(RECIPES["max"]))
     x, w = torch.randn(16, 32), torch.randn(16, 32)

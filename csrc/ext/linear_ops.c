@@ -120,7 +120,7 @@ static void copies_clear(copies *c) {
  * cols elements) on like's device; -1 with ValueError naming them. */
 static int check_buffers(tqx_state *st, const char *fn, PyObject *hist, const char *hist_name,
                          PyObject *scale, const char *scale_name, int64_t rows, int64_t cols,
-                         PyObject *like) {
+                         PyObject *like, void **data) {
     tq_tensor h, s, l;
     tqx_tensor_info info;
     if (tqx_tensor_from_py(st, hist, hist_name, 1u << TQ_DTYPE_FLOAT32, &h, &info) < 0
@@ -146,7 +146,61 @@ static int check_buffers(tqx_state *st, const char *fn, PyObject *hist, const ch
                      "device, %s", fn, hist_name, got, scale_name, on, want);
         return -1;
     }
+    data[0] = h.data;
+    data[1] = s.data;
     return 0;
+}
+
+/* The states of a module's own buffers, kept between calls: the slot views cost ~14 us per
+ * forward through torch's indexing (3 views a state), and a compiled step hands the ops the
+ * same buffer objects every time. An entry (weakref hist, weakref scale, hist data, scale data,
+ * states) under hist's address is used while both objects are alive, the same pair and on the
+ * same storage (`.data =` and load_state_dict(assign=True) replace it), as delayed.py's _kept
+ * keeps eager's. Bounded: cleared once it holds TQX_KEPT_STATES_MAX entries (fresh tensors each
+ * call, e.g. functionalization's copies under aot_eager, would otherwise fill it). */
+#define TQX_KEPT_STATES_MAX 4096
+
+static PyObject *weak_target(PyObject *ref) { /* borrowed; NULL when dead */
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject *target = NULL;
+    if (PyWeakref_GetRef(ref, &target) < 0) PyErr_Clear();
+    Py_XDECREF(target); /* the entry's key object is alive while the caller holds it */
+    return target;
+#else
+    PyObject *target = PyWeakref_GetObject(ref);
+    return target == Py_None ? NULL : target;
+#endif
+}
+
+static PyObject *kept_states(tqx_state *st, PyObject *key, PyObject *hist, PyObject *scale,
+                             void *const *data) { /* borrowed; NULL (no error) on a miss */
+    PyObject *entry = st->delayed_states ? PyDict_GetItemWithError(st->delayed_states, key)
+                                         : NULL;
+    if (entry == NULL) return NULL;
+    if (weak_target(PyTuple_GET_ITEM(entry, 0)) != hist
+        || weak_target(PyTuple_GET_ITEM(entry, 1)) != scale
+        || PyLong_AsVoidPtr(PyTuple_GET_ITEM(entry, 2)) != data[0]
+        || PyLong_AsVoidPtr(PyTuple_GET_ITEM(entry, 3)) != data[1])
+        return NULL;
+    return PyTuple_GET_ITEM(entry, 4);
+}
+
+static int keep_states(tqx_state *st, PyObject *key, PyObject *hist, PyObject *scale,
+                       void *const *data, PyObject *states) {
+    if (st->delayed_states == NULL && (st->delayed_states = PyDict_New()) == NULL) return -1;
+    if (PyDict_GET_SIZE(st->delayed_states) >= TQX_KEPT_STATES_MAX)
+        PyDict_Clear(st->delayed_states);
+    PyObject *h = PyWeakref_NewRef(hist, NULL), *s = h ? PyWeakref_NewRef(scale, NULL) : NULL;
+    PyObject *hd = s ? PyLong_FromVoidPtr(data[0]) : NULL;
+    PyObject *sd = hd ? PyLong_FromVoidPtr(data[1]) : NULL;
+    PyObject *entry = sd ? PyTuple_Pack(5, h, s, hd, sd, states) : NULL;
+    const int rc = entry ? PyDict_SetItem(st->delayed_states, key, entry) : -1;
+    Py_XDECREF(h);
+    Py_XDECREF(s);
+    Py_XDECREF(hd);
+    Py_XDECREF(sd);
+    Py_XDECREF(entry);
+    return rc;
 }
 
 /* Fills *c for the module buffers hist, scale of a recipe entry (forward: backward 0); like: the
@@ -167,16 +221,34 @@ static int delayed_copies(tqx_state *st, PyObject *entry, int backward, PyObject
         rows = PyLong_AsLongLong(PyTuple_GET_ITEM(update, 0));
         if (rows == -1 && PyErr_Occurred()) return -1;
     }
+    void *data[2];
     if (check_buffers(st, fn, hist, backward ? "hist_bwd" : "hist_fwd", scale,
-                      backward ? "scale_bwd" : "scale_fwd", rows, backward ? 1 : 2, like) < 0
+                      backward ? "scale_bwd" : "scale_fwd", rows, backward ? 1 : 2, like, data)
+            < 0
         || (c->hist = in_place ? Py_NewRef(hist) : PyObject_CallMethod(hist, "clone", NULL))
                == NULL
         || (backward && (c->scale = in_place ? Py_NewRef(scale)
                                              : PyObject_CallMethod(scale, "clone", NULL)) == NULL))
         return -1;
-    for (int i = 0; i < (backward ? 1 : 2); i++)
-        if ((c->states[i] = delayed_state(st, scale, i, NULL, c->hist)) == NULL) return -1;
-    return 0;
+    const int n = backward ? 1 : 2;
+    PyObject *key = in_place ? PyLong_FromVoidPtr(hist) : NULL, *kept = NULL;
+    if (in_place && (key == NULL || ((kept = kept_states(st, key, hist, scale, data)) == NULL
+                                     && PyErr_Occurred()))) {
+        Py_XDECREF(key);
+        return -1;
+    }
+    int rc = 0;
+    for (int i = 0; i < n && rc == 0; i++)
+        if ((c->states[i] = kept ? Py_NewRef(PyTuple_GET_ITEM(kept, i))
+                                 : delayed_state(st, scale, i, NULL, c->hist)) == NULL)
+            rc = -1;
+    if (rc == 0 && in_place && kept == NULL) {
+        PyObject *states = PyTuple_Pack(n, c->states[0], n > 1 ? c->states[1] : NULL);
+        rc = states ? keep_states(st, key, hist, scale, data, states) : -1;
+        Py_XDECREF(states);
+    }
+    Py_XDECREF(key);
+    return rc;
 }
 
 /* A clone of v where it is `alias` (an amax slot that is also an output or a history's view),

@@ -54,6 +54,7 @@ static int tequant_traverse(PyObject *module, visitproc visit, void *arg) {
     Py_VISIT(st->rng_state);
     Py_VISIT(st->linear_plans);
     Py_VISIT(st->linear_plan_of);
+    Py_VISIT(st->delayed_states);
     const int visited = tqx_torch_traverse(st, visit, arg);
     if (visited != 0) return visited;
     return tqx_registry_traverse(st, visit, arg);
@@ -78,6 +79,7 @@ static int tequant_clear(PyObject *module) {
     Py_CLEAR(st->rng_state);
     Py_CLEAR(st->linear_plans);
     Py_CLEAR(st->linear_plan_of);
+    Py_CLEAR(st->delayed_states);
     Py_CLEAR(st->str_enabled);
     Py_CLEAR(st->str_calibrating);
     Py_CLEAR(st->str_recipe);

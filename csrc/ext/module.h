@@ -133,6 +133,8 @@ typedef struct tqx_state {
     /* linear_ops.c: recipe id (str) -> linear plan tuple, filled through linear_plan_of (set by
      * tequant._compile_linear) on a miss */
     PyObject *linear_plans, *linear_plan_of;
+    /* linear_ops.c: the in-place ops' DelayedScaling states kept per history buffer (kept_states) */
+    PyObject *delayed_states;
     /* interned keyword names for the autocast constructor */
     PyObject *str_enabled, *str_calibrating, *str_recipe, *str_amax_reduction_group;
 } tqx_state;

@@ -328,12 +328,12 @@ def _per_tensor_factors(state, plan, x, module, group, backward):
         return {}
     if not backward:
         local = state.amax_global.view(1)
-        if scaling == "delayed":
+        if scaling == "delayed":  # W's (scale, history slot): the module's kept views
             delayed.ensure(module, plan.x.amax_history_len)
-            hist = module.delayed_amax_history_fwd
+            scale, slot = delayed.slots(module, delayed.FORWARD)[1]
             with torch.no_grad():
-                hist[0, 1:2] = torch.maximum(hist[0, 1:2], local)
-            state.scale = module.delayed_scale_fwd[1:2].clone()
+                torch.maximum(slot, local, out=slot)
+            state.scale = scale.clone()
     if scaling == "delayed":
         return {"scale": state.scale}
     return {"amax": state.amax_global.view(1)}
