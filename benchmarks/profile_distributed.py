@@ -101,6 +101,18 @@ def _short(name):
     return name.split("(")[0].split("<")[0].replace("void ", "")[:60]
 
 
+def _launched_in(launch, ops):
+    """Where the host launched a late kernel: ", in OUTER > INNER", the outermost and innermost
+    CPU ops of its thread around the launch (nothing when it ran in none)."""
+    around = [e for e in ops.get(launch.get("tid"), ())
+              if e["ts"] <= launch["ts"] <= e["ts"] + e["dur"]]
+    if not around:
+        return ""
+    outer = min(around, key=lambda e: (e["ts"], -e["dur"]))["name"][:50]
+    inner = max(around, key=lambda e: (e["ts"], -e["dur"]))["name"][:50]
+    return f", in {outer}" + (f" > {inner}" if inner != outer else "")
+
+
 def idle_waits(trace_events, steps, limit=10):
     """Why the compute streams sat idle: each gap in the union of non-NCCL kernels, up to the
     compute kernel that ends it, is put down to the host when that kernel was launched (its
@@ -109,17 +121,21 @@ def idle_waits(trace_events, steps, limit=10):
     A table of ms and gaps per step per cause."""
     work = [e for e in trace_events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
             and "dur" in e]
-    launches = {e["args"]["correlation"]: e["ts"] for e in trace_events
+    launches = {e["args"]["correlation"]: e for e in trace_events
                 if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    ops = {}  # thread -> its CPU ops, by start
+    for e in trace_events:
+        if e.get("cat") == "cpu_op" and "dur" in e and not e["name"].startswith("ProfilerStep"):
+            ops.setdefault(e.get("tid"), []).append(e)
     compute = sorted((e for e in work if e.get("cat") == "kernel"
                       and category(e["name"]) != "nccl"), key=lambda e: e["ts"])
     causes, end = {}, None
     for k in compute:
         start = k["ts"]
         if end is not None and start > end:
-            launched = launches.get(k.get("args", {}).get("correlation"))
-            if launched is not None and launched > end:
-                cause = "host: launched during the gap"
+            launch = launches.get(k.get("args", {}).get("correlation"))
+            if launch is not None and launch["ts"] > end:
+                cause = "host: launched during the gap" + _launched_in(launch, ops)
             else:
                 stream = k.get("args", {}).get("stream")
                 before = [e for e in work if e.get("args", {}).get("stream") != stream

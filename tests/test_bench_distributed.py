@@ -213,8 +213,18 @@ def test_profile_idle_waits():
     table = prof.idle_waits(events, steps=1).splitlines()
     assert table[1].split()[:2] == ["0.06", "1.0"] and "nccl: ncclDevKernel_AllGather" in table[1]
     assert table[2].split()[:2] == ["0.05", "1.0"] and "no other GPU work" in table[2]
-    assert table[3].split()[:2] == ["0.03", "1.0"] and "host" in table[3]
+    assert table[3].split()[:2] == ["0.03", "1.0"] and table[3].endswith("during the gap")
     assert len(table) == 4
+    # the late launch's CPU ops on its thread name where the host was (outermost > innermost)
+    for e in events:
+        if e["cat"] == "cuda_runtime":
+            e["tid"] = 1
+    cpu_ops = (("ProfilerStep#3", 0, 400, 1), ("autograd::engine", 205, 30, 1),
+               ("tequant::linear_bwd", 220, 10, 1), ("other", 220, 10, 2))
+    events += [{"cat": "cpu_op", "name": n, "ts": ts, "dur": dur, "tid": tid}
+               for n, ts, dur, tid in cpu_ops]
+    host = prof.idle_waits(events, steps=1).splitlines()[3]
+    assert host.endswith("during the gap, in autograd::engine > tequant::linear_bwd"), host
 
 
 def test_profile_cpu_smoke(tmp_path):
