@@ -13,8 +13,9 @@
  *       fixed, (y, x buffer, W buffer) and (dx, dW, db), an empty uint8 [0] where absent)
  *   _set_linear_plan_of(fn): fn(recipe_id) -> (linear.c's plan tuple, DelayedScaling's backward
  *       update (history_len, algo, (scaled max of dy,)) or None: TE's unfused rule), once per id
- *   _linear_delayed_states / _linear_delayed_update: the DelayedScaling steps below, for the
- *       Python-bodied ops on the fused norm's and activation's codes (_compile_ops.py, _act_fn.py)
+ *   _linear_delayed_states / _linear_delayed_update: the DelayedScaling steps (linear_delayed.c)
+ *       for the Python-bodied ops on the fused norm's and activation's codes (_compile_ops.py,
+ *       _act_fn.py)
  *   _packed_bytes(config, rows, cols, usage, parts) -> bytes of a packed buffer (fake kernels)
  *
  * Op outputs must be fresh tensors that alias nothing, so the ops keep linear.c's packed form
@@ -66,191 +67,6 @@ static int plan_is_delayed(tqx_state *st, PyObject *plan, int *delayed) {
     return 0;
 }
 
-/* slice(start, start + 1) (new reference) */
-static PyObject *one_slice(Py_ssize_t start) {
-    PyObject *a = PyLong_FromSsize_t(start), *b = PyLong_FromSsize_t(start + 1);
-    PyObject *slice = a && b ? PySlice_New(a, b, NULL) : NULL;
-    Py_XDECREF(a);
-    Py_XDECREF(b);
-    return slice;
-}
-
-/* DelayedScaling's (scale[column:column + 1], amax slot) pair: the [1, 1] slot history[0:1,
- * column:column + 1] of the op's copy of a history (shaped as a fresh slot: a members output
- * copies it), or without one (history NULL) a fresh zeroed [1, 1] on device (new reference). */
-static PyObject *delayed_state(tqx_state *st, PyObject *scale, Py_ssize_t column, PyObject *device,
-                               PyObject *history) {
-    void *data;
-    PyObject *slot = PySequence_GetSlice(scale, column, column + 1), *amax = NULL;
-    if (slot != NULL && history != NULL) {
-        PyObject *rows = one_slice(0), *cols = one_slice(column);
-        PyObject *index = rows && cols ? PyTuple_Pack(2, rows, cols) : NULL;
-        PyObject *view = index ? PyObject_GetItem(history, index) : NULL;
-        /* strides (1, 1), a fresh slot's: a copy of it (a member) keeps them */
-        amax = view ? PyObject_CallMethod(view, "view", "ii", 1, 1) : NULL;
-        Py_XDECREF(view);
-        Py_XDECREF(index);
-        Py_XDECREF(rows);
-        Py_XDECREF(cols);
-    } else if (slot != NULL) {
-        amax = tqx_torch_new(st, 1, 1, TQ_DTYPE_FLOAT32, device, 1, &data);
-    }
-    PyObject *pair = amax ? PyTuple_Pack(2, slot, amax) : NULL;
-    Py_XDECREF(slot);
-    Py_XDECREF(amax);
-    return pair;
-}
-
-/* The op's copies of a module's DelayedScaling buffers: the history (forward: x and W; backward:
- * dy, with the scale) and the states whose amax slots are the copy's row 0. */
-typedef struct copies {
-    PyObject *hist, *scale; /* scale: NULL in forward (its update runs at the autocast's exit) */
-    PyObject *states[2];    /* forward: x's, W's; backward: dy's */
-} copies;
-#define COPIES_INIT {NULL, NULL, {NULL, NULL}}
-
-static void copies_clear(copies *c) {
-    Py_CLEAR(c->hist);
-    Py_CLEAR(c->scale);
-    Py_CLEAR(c->states[0]);
-    Py_CLEAR(c->states[1]);
-}
-
-/* Checks hist (float32 [rows, cols]; rows: `rows`, or any >= 1 when 0) and scale (float32,
- * cols elements) on like's device; -1 with ValueError naming them. */
-static int check_buffers(tqx_state *st, const char *fn, PyObject *hist, const char *hist_name,
-                         PyObject *scale, const char *scale_name, int64_t rows, int64_t cols,
-                         PyObject *like, void **data) {
-    tq_tensor h, s, l;
-    tqx_tensor_info info;
-    if (tqx_tensor_from_py(st, hist, hist_name, 1u << TQ_DTYPE_FLOAT32, &h, &info) < 0
-        || tqx_tensor_from_py(st, scale, scale_name, 1u << TQ_DTYPE_FLOAT32, &s, NULL) < 0
-        || tqx_tensor_from_py(st, like, "its input", ~0u, &l, NULL) < 0)
-        return -1;
-    char want[32], got[32], on[32];
-    if (rows) snprintf(want, sizeof want, "%lld", (long long)rows);
-    else snprintf(want, sizeof want, "history_len");
-    if (info.ndim != 2 || h.cols != cols || h.rows < 1 || (rows && h.rows != rows)
-        || s.rows * s.cols != cols) {
-        PyErr_Format(PyExc_ValueError, "%s: %s must be float32 [%s, %lld] and %s float32 [%lld]; "
-                     "got %d dims [%lld, %lld] and %lld elements", fn, hist_name, want,
-                     (long long)cols, scale_name, (long long)cols, info.ndim, (long long)h.rows,
-                     (long long)h.cols, (long long)(s.rows * s.cols));
-        return -1;
-    }
-    if (h.device != l.device || s.device != l.device) {
-        tqx_device_name(l.device, want, sizeof want);
-        tqx_device_name(h.device, got, sizeof got);
-        tqx_device_name(s.device, on, sizeof on);
-        PyErr_Format(PyExc_ValueError, "%s: %s (on %s) and %s (on %s) must be on the input's "
-                     "device, %s", fn, hist_name, got, scale_name, on, want);
-        return -1;
-    }
-    data[0] = h.data;
-    data[1] = s.data;
-    return 0;
-}
-
-/* The states of a module's own buffers, kept between calls: the slot views cost ~14 us per
- * forward through torch's indexing (3 views a state), and a compiled step hands the ops the
- * same buffer objects every time. An entry (weakref hist, weakref scale, hist data, scale data,
- * states) under hist's address is used while both objects are alive, the same pair and on the
- * same storage (`.data =` and load_state_dict(assign=True) replace it), as delayed.py's _kept
- * keeps eager's. Bounded: cleared once it holds TQX_KEPT_STATES_MAX entries (fresh tensors each
- * call, e.g. functionalization's copies under aot_eager, would otherwise fill it). */
-#define TQX_KEPT_STATES_MAX 4096
-
-static PyObject *weak_target(PyObject *ref) { /* borrowed; NULL when dead */
-#if PY_VERSION_HEX >= 0x030D0000
-    PyObject *target = NULL;
-    if (PyWeakref_GetRef(ref, &target) < 0) PyErr_Clear();
-    Py_XDECREF(target); /* the entry's key object is alive while the caller holds it */
-    return target;
-#else
-    PyObject *target = PyWeakref_GetObject(ref);
-    return target == Py_None ? NULL : target;
-#endif
-}
-
-static PyObject *kept_states(tqx_state *st, PyObject *key, PyObject *hist, PyObject *scale,
-                             void *const *data) { /* borrowed; NULL (no error) on a miss */
-    PyObject *entry = st->delayed_states ? PyDict_GetItemWithError(st->delayed_states, key)
-                                         : NULL;
-    if (entry == NULL) return NULL;
-    if (weak_target(PyTuple_GET_ITEM(entry, 0)) != hist
-        || weak_target(PyTuple_GET_ITEM(entry, 1)) != scale
-        || PyLong_AsVoidPtr(PyTuple_GET_ITEM(entry, 2)) != data[0]
-        || PyLong_AsVoidPtr(PyTuple_GET_ITEM(entry, 3)) != data[1])
-        return NULL;
-    return PyTuple_GET_ITEM(entry, 4);
-}
-
-static int keep_states(tqx_state *st, PyObject *key, PyObject *hist, PyObject *scale,
-                       void *const *data, PyObject *states) {
-    if (st->delayed_states == NULL && (st->delayed_states = PyDict_New()) == NULL) return -1;
-    if (PyDict_GET_SIZE(st->delayed_states) >= TQX_KEPT_STATES_MAX)
-        PyDict_Clear(st->delayed_states);
-    PyObject *h = PyWeakref_NewRef(hist, NULL), *s = h ? PyWeakref_NewRef(scale, NULL) : NULL;
-    PyObject *hd = s ? PyLong_FromVoidPtr(data[0]) : NULL;
-    PyObject *sd = hd ? PyLong_FromVoidPtr(data[1]) : NULL;
-    PyObject *entry = sd ? PyTuple_Pack(5, h, s, hd, sd, states) : NULL;
-    const int rc = entry ? PyDict_SetItem(st->delayed_states, key, entry) : -1;
-    Py_XDECREF(h);
-    Py_XDECREF(s);
-    Py_XDECREF(hd);
-    Py_XDECREF(sd);
-    Py_XDECREF(entry);
-    return rc;
-}
-
-/* Fills *c for the module buffers hist, scale of a recipe entry (forward: backward 0); like: the
- * op's input (its device). in_place: c holds the buffers themselves (new references), not
- * copies. -1 with an exception. */
-static int delayed_copies(tqx_state *st, PyObject *entry, int backward, PyObject *hist,
-                          PyObject *scale, PyObject *like, int in_place, copies *c) {
-    const char *fn = backward ? "linear_bwd" : "linear_fwd";
-    PyObject *update = PyTuple_GET_ITEM(entry, 1);
-    int64_t rows = 0;
-    if (backward && update == Py_None) {
-        PyErr_Format(PyExc_ValueError, "%s: hist_bwd is for DelayedScaling with the fused update "
-                     "rule ('max' or 'most_recent', no scaling_factor_compute_algo); this recipe "
-                     "updates in Python: pass hist_bwd None", fn);
-        return -1;
-    }
-    if (backward) {
-        rows = PyLong_AsLongLong(PyTuple_GET_ITEM(update, 0));
-        if (rows == -1 && PyErr_Occurred()) return -1;
-    }
-    void *data[2];
-    if (check_buffers(st, fn, hist, backward ? "hist_bwd" : "hist_fwd", scale,
-                      backward ? "scale_bwd" : "scale_fwd", rows, backward ? 1 : 2, like, data)
-            < 0
-        || (c->hist = in_place ? Py_NewRef(hist) : PyObject_CallMethod(hist, "clone", NULL))
-               == NULL
-        || (backward && (c->scale = in_place ? Py_NewRef(scale)
-                                             : PyObject_CallMethod(scale, "clone", NULL)) == NULL))
-        return -1;
-    const int n = backward ? 1 : 2;
-    PyObject *key = in_place ? PyLong_FromVoidPtr(hist) : NULL, *kept = NULL;
-    if (in_place && (key == NULL || ((kept = kept_states(st, key, hist, scale, data)) == NULL
-                                     && PyErr_Occurred()))) {
-        Py_XDECREF(key);
-        return -1;
-    }
-    int rc = 0;
-    for (int i = 0; i < n && rc == 0; i++)
-        if ((c->states[i] = kept ? Py_NewRef(PyTuple_GET_ITEM(kept, i))
-                                 : delayed_state(st, scale, i, NULL, c->hist)) == NULL)
-            rc = -1;
-    if (rc == 0 && in_place && kept == NULL) {
-        PyObject *states = PyTuple_Pack(n, c->states[0], n > 1 ? c->states[1] : NULL);
-        rc = states ? keep_states(st, key, hist, scale, data, states) : -1;
-        Py_XDECREF(states);
-    }
-    Py_XDECREF(key);
-    return rc;
-}
-
 /* A clone of v where it is `alias` (an amax slot that is also an output or a history's view),
  * else v (new reference). */
 static PyObject *unaliased(PyObject *v, PyObject *alias) {
@@ -299,7 +115,7 @@ static PyObject *absent(tqx_state *st, PyObject *like) {
 }
 
 /* The in-place ops' checks: DelayedScaling with a history (forward: packed; backward: the fused
- * update rule, which delayed_copies checks). */
+ * update rule, which tqx_delayed_copies checks). */
 static int in_place_args(const char *fn, int delayed, PyObject *hist, long needs, int backward) {
     if (delayed && hist != Py_None && (backward || (needs & TQX_PACKED))) return 0;
     PyErr_Format(PyExc_ValueError, "%s: the in-place op is for DelayedScaling with the module's "
@@ -322,7 +138,7 @@ static PyObject *forward(PyObject *module, PyObject *const *args, Py_ssize_t nar
     PyObject *entry = entry_of(st, args[3]), *inp = NULL, *device = NULL, *cache = NULL;
     PyObject *x_state = Py_NewRef(Py_None), *w_state = Py_NewRef(Py_None);
     PyObject *fwd = NULL, *list = NULL;
-    copies c = COPIES_INIT;
+    tqx_delayed_copies c = TQX_DELAYED_COPIES_INIT;
     int delayed = 0;
     if (entry == NULL || tqx_torch_import(st) < 0
         || plan_is_delayed(st, PyTuple_GET_ITEM(entry, 0), &delayed) < 0
@@ -341,12 +157,12 @@ static PyObject *forward(PyObject *module, PyObject *const *args, Py_ssize_t nar
         Py_SETREF(x_state, NULL);
         Py_SETREF(w_state, NULL);
         if (hist != Py_None) {
-            if (delayed_copies(st, entry, 0, hist, args[5], inp, in_place, &c) < 0) goto done;
+            if (tqx_delayed_copies(st, entry, 0, hist, args[5], inp, in_place, &c) < 0) goto done;
             x_state = Py_NewRef(c.states[0]);
             w_state = Py_NewRef(c.states[1]);
         } else if ((device = PyObject_GetAttrString(inp, "device")) == NULL
-                   || (x_state = delayed_state(st, args[5], 0, device, NULL)) == NULL
-                   || (w_state = delayed_state(st, args[5], 1, device, NULL)) == NULL) {
+                   || (x_state = tqx_delayed_state(st, args[5], 0, device, NULL)) == NULL
+                   || (w_state = tqx_delayed_state(st, args[5], 1, device, NULL)) == NULL) {
             goto done;
         }
     }
@@ -386,7 +202,7 @@ done:
     Py_XDECREF(x_state);
     Py_XDECREF(w_state);
     Py_XDECREF(fwd);
-    copies_clear(&c);
+    tqx_delayed_copies_clear(&c);
     return list;
 }
 
@@ -426,7 +242,7 @@ static PyObject *backward(PyObject *module, PyObject *const *args, Py_ssize_t na
     PyObject *w_kept = NULL;
     PyObject *saved = NULL, *state = Py_NewRef(Py_None), *device = NULL, *bwd = NULL;
     PyObject *list = NULL;
-    copies c = COPIES_INIT;
+    tqx_delayed_copies c = TQX_DELAYED_COPIES_INIT;
     int delayed = 0;
     if (PyErr_Occurred() || ndim < 1) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "linear_bwd: empty inp_shape");
@@ -460,10 +276,10 @@ static PyObject *backward(PyObject *module, PyObject *const *args, Py_ssize_t na
         }
         Py_SETREF(state, NULL);
         if (hist != Py_None) {
-            if (delayed_copies(st, entry, 1, hist, args[9], dy, 1, &c) < 0) goto done;
+            if (tqx_delayed_copies(st, entry, 1, hist, args[9], dy, 1, &c) < 0) goto done;
             state = Py_NewRef(c.states[0]);
         } else if ((device = PyObject_GetAttrString(dy, "device")) == NULL
-                   || (state = delayed_state(st, args[9], 0, device, NULL)) == NULL) {
+                   || (state = tqx_delayed_state(st, args[9], 0, device, NULL)) == NULL) {
             goto done;
         }
     } else if (hist != Py_None) {
@@ -512,7 +328,7 @@ done:
     Py_XDECREF(state);
     Py_XDECREF(device);
     Py_XDECREF(bwd);
-    copies_clear(&c);
+    tqx_delayed_copies_clear(&c);
     return list;
 }
 
@@ -537,12 +353,13 @@ static PyObject *py_delayed_states(PyObject *module, PyObject *const *args, Py_s
     tqx_state *st = tqx_module_state(module);
     const int backward = PyObject_IsTrue(args[1]);
     PyObject *entry = backward < 0 ? NULL : entry_of(st, args[0]), *result = NULL;
-    copies c = COPIES_INIT;
-    if (entry != NULL && delayed_copies(st, entry, backward, args[2], args[3], args[4], 1, &c) == 0)
+    tqx_delayed_copies c = TQX_DELAYED_COPIES_INIT;
+    if (entry != NULL
+        && tqx_delayed_copies(st, entry, backward, args[2], args[3], args[4], 1, &c) == 0)
         result = backward ? PyTuple_Pack(1, c.states[0])
                           : PyTuple_Pack(2, c.states[0], c.states[1]);
     Py_XDECREF(entry);
-    copies_clear(&c);
+    tqx_delayed_copies_clear(&c);
     return result;
 }
 

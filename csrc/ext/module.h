@@ -133,7 +133,7 @@ typedef struct tqx_state {
     /* linear_ops.c: recipe id (str) -> linear plan tuple, filled through linear_plan_of (set by
      * tequant._compile_linear) on a miss */
     PyObject *linear_plans, *linear_plan_of;
-    /* linear_ops.c: the in-place ops' DelayedScaling states kept per history buffer (kept_states) */
+    /* linear_delayed.c: the in-place ops' DelayedScaling states kept per history buffer */
     PyObject *delayed_states;
     /* interned keyword names for the autocast constructor */
     PyObject *str_enabled, *str_calibrating, *str_recipe, *str_amax_reduction_group;
@@ -346,6 +346,25 @@ int tqx_gemm_workspace_per_call(int on);
 /* gemm.c: 1 while that flag is set, i.e. inside a torch.compile op's call on this thread */
 int tqx_in_compiled_op(void);
 extern PyMethodDef tqx_linear_ops_methods[];
+
+/* linear_delayed.c: a module's DelayedScaling buffers as the compiled ops take them. A state is
+ * the (scale[column:column + 1], amax slot) pair the quantizers cast with and accumulate into;
+ * the slot is history[0, column] (history given) or a fresh zeroed [1, 1] on device. The
+ * buffers or the op's copies of them: the history (forward: x and W; backward: dy, with the
+ * scale) and the states whose amax slots are its row 0. */
+typedef struct tqx_delayed_copies {
+    PyObject *hist, *scale; /* scale: NULL in forward (its update runs at the autocast's exit) */
+    PyObject *states[2];    /* forward: x's, W's; backward: dy's */
+} tqx_delayed_copies;
+#define TQX_DELAYED_COPIES_INIT {NULL, NULL, {NULL, NULL}}
+PyObject *tqx_delayed_state(tqx_state *st, PyObject *scale, Py_ssize_t column, PyObject *device,
+                            PyObject *history); /* new reference */
+void tqx_delayed_copies_clear(tqx_delayed_copies *c);
+/* Fills *c for a module's hist, scale under a linear plan entry (forward: backward 0) after
+ * checking them against like (the op's input); in_place: the buffers themselves and their kept
+ * states, else clones. -1 with an exception. */
+int tqx_delayed_copies(tqx_state *st, PyObject *entry, int backward, PyObject *hist,
+                       PyObject *scale, PyObject *like, int in_place, tqx_delayed_copies *c);
 
 /* amax_update.c: _amax_update, delayed scaling's history roll and scale update */
 extern PyMethodDef tqx_amax_update_methods[];
