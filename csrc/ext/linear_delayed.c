@@ -41,8 +41,8 @@ PyObject *tqx_delayed_state(tqx_state *st, PyObject *scale, Py_ssize_t column, P
     return pair;
 }
 
-/* Drops what a tqx_delayed_copies holds (module.h: the history, the scale, their states). */
-void tqx_delayed_copies_clear(tqx_delayed_copies *c) {
+/* Drops what a tqx_delayed_buffers holds (module.h: the history, the scale, their states). */
+void tqx_delayed_buffers_clear(tqx_delayed_buffers *c) {
     Py_CLEAR(c->hist);
     Py_CLEAR(c->scale);
     Py_CLEAR(c->states[0]);
@@ -140,7 +140,7 @@ static int keep_states(tqx_state *st, PyObject *key, PyObject *hist, PyObject *s
  * op's input (its device). in_place: c holds the buffers themselves (new references), not
  * copies. -1 with an exception. */
 int tqx_delayed_copies(tqx_state *st, PyObject *entry, int backward, PyObject *hist,
-                       PyObject *scale, PyObject *like, int in_place, tqx_delayed_copies *c) {
+                       PyObject *scale, PyObject *like, int in_place, tqx_delayed_buffers *c) {
     const char *fn = backward ? "linear_bwd" : "linear_fwd";
     PyObject *update = PyTuple_GET_ITEM(entry, 1);
     int64_t rows = 0;

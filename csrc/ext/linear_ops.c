@@ -138,7 +138,7 @@ static PyObject *forward(PyObject *module, PyObject *const *args, Py_ssize_t nar
     PyObject *entry = entry_of(st, args[3]), *inp = NULL, *device = NULL, *cache = NULL;
     PyObject *x_state = Py_NewRef(Py_None), *w_state = Py_NewRef(Py_None);
     PyObject *fwd = NULL, *list = NULL;
-    tqx_delayed_copies c = TQX_DELAYED_COPIES_INIT;
+    tqx_delayed_buffers c = TQX_DELAYED_BUFFERS_INIT;
     int delayed = 0;
     if (entry == NULL || tqx_torch_import(st) < 0
         || plan_is_delayed(st, PyTuple_GET_ITEM(entry, 0), &delayed) < 0
@@ -202,7 +202,7 @@ done:
     Py_XDECREF(x_state);
     Py_XDECREF(w_state);
     Py_XDECREF(fwd);
-    tqx_delayed_copies_clear(&c);
+    tqx_delayed_buffers_clear(&c);
     return list;
 }
 
@@ -242,7 +242,7 @@ static PyObject *backward(PyObject *module, PyObject *const *args, Py_ssize_t na
     PyObject *w_kept = NULL;
     PyObject *saved = NULL, *state = Py_NewRef(Py_None), *device = NULL, *bwd = NULL;
     PyObject *list = NULL;
-    tqx_delayed_copies c = TQX_DELAYED_COPIES_INIT;
+    tqx_delayed_buffers c = TQX_DELAYED_BUFFERS_INIT;
     int delayed = 0;
     if (PyErr_Occurred() || ndim < 1) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "linear_bwd: empty inp_shape");
@@ -328,7 +328,7 @@ done:
     Py_XDECREF(state);
     Py_XDECREF(device);
     Py_XDECREF(bwd);
-    tqx_delayed_copies_clear(&c);
+    tqx_delayed_buffers_clear(&c);
     return list;
 }
 
@@ -353,13 +353,13 @@ static PyObject *py_delayed_states(PyObject *module, PyObject *const *args, Py_s
     tqx_state *st = tqx_module_state(module);
     const int backward = PyObject_IsTrue(args[1]);
     PyObject *entry = backward < 0 ? NULL : entry_of(st, args[0]), *result = NULL;
-    tqx_delayed_copies c = TQX_DELAYED_COPIES_INIT;
+    tqx_delayed_buffers c = TQX_DELAYED_BUFFERS_INIT;
     if (entry != NULL
         && tqx_delayed_copies(st, entry, backward, args[2], args[3], args[4], 1, &c) == 0)
         result = backward ? PyTuple_Pack(1, c.states[0])
                           : PyTuple_Pack(2, c.states[0], c.states[1]);
     Py_XDECREF(entry);
-    tqx_delayed_copies_clear(&c);
+    tqx_delayed_buffers_clear(&c);
     return result;
 }
 

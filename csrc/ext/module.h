@@ -352,19 +352,19 @@ extern PyMethodDef tqx_linear_ops_methods[];
  * the slot is history[0, column] (history given) or a fresh zeroed [1, 1] on device. The
  * buffers or the op's copies of them: the history (forward: x and W; backward: dy, with the
  * scale) and the states whose amax slots are its row 0. */
-typedef struct tqx_delayed_copies {
+typedef struct tqx_delayed_buffers {
     PyObject *hist, *scale; /* scale: NULL in forward (its update runs at the autocast's exit) */
     PyObject *states[2];    /* forward: x's, W's; backward: dy's */
-} tqx_delayed_copies;
-#define TQX_DELAYED_COPIES_INIT {NULL, NULL, {NULL, NULL}}
+} tqx_delayed_buffers;
+#define TQX_DELAYED_BUFFERS_INIT {NULL, NULL, {NULL, NULL}}
 PyObject *tqx_delayed_state(tqx_state *st, PyObject *scale, Py_ssize_t column, PyObject *device,
                             PyObject *history); /* new reference */
-void tqx_delayed_copies_clear(tqx_delayed_copies *c);
+void tqx_delayed_buffers_clear(tqx_delayed_buffers *c);
 /* Fills *c for a module's hist, scale under a linear plan entry (forward: backward 0) after
  * checking them against like (the op's input); in_place: the buffers themselves and their kept
  * states, else clones. -1 with an exception. */
 int tqx_delayed_copies(tqx_state *st, PyObject *entry, int backward, PyObject *hist,
-                       PyObject *scale, PyObject *like, int in_place, tqx_delayed_copies *c);
+                       PyObject *scale, PyObject *like, int in_place, tqx_delayed_buffers *c);
 
 /* amax_update.c: _amax_update, delayed scaling's history roll and scale update */
 extern PyMethodDef tqx_amax_update_methods[];
