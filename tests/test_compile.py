@@ -409,7 +409,8 @@ def _one_backward_reduction_worker(rank, world, kind="linear"):
     the fused norm's and activation's codes (kind "layernorm_mlp": the in-place *_given ops),
     under DelayedScaling with an amax reduction group (te.autocast outside the compiled code):
     their backward graphs hold no collective, each module's backward queues its update
-    (tequant::amax_defer_bwd, handed the module's buffers themselves), and the end of the
+    (tequant::amax_defer_queue, handed the module's buffers themselves, before the in-place op
+    accumulates dy's amax into the history), and the end of the
     backward pass runs one all-reduce for all (as eager: a collective per module would be a
     point where every rank waits for the slowest); the buffers equal an eager model's after
     three steps."""
@@ -454,6 +455,38 @@ def _one_backward_reduction_worker(rank, world, kind="linear"):
         delayed._reduce = reduce
     same = [torch.equal(a, b) for a, b in zip(eager.buffers(), compiled_model.buffers())]
     return counts, same, graphs
+
+
+def _inductor_reduction_worker(rank, world):
+    """Two compiled te.Linear under DelayedScaling with an amax reduction group, Inductor (which
+    re-inplaces the backward op's accumulation onto the history and must keep the queue op,
+    which has no output): buffers and gradients equal an eager model's after two steps."""
+    import torch.distributed as dist
+    torch._dynamo.reset()
+    recipe, group = RECIPES["delayed"], dist.group.WORLD
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(te.Linear(16, 16), te.Linear(16, 16))
+    compiled_model = copy.deepcopy(eager)
+    step = torch.compile(_outside, backend="inductor", fullgraph=True)
+    for i in range(2):
+        x = torch.linspace(-1, 1, 64).view(4, 16) * (rank + 1 + i)
+        for model in (eager, compiled_model):
+            with te.autocast(recipe=recipe, amax_reduction_group=group):
+                y = step(model, x) if model is compiled_model else model(x)
+            y.mul(rank + 1).sum().backward()
+    return ([torch.equal(a, b) for a, b in zip(eager.buffers(), compiled_model.buffers())]
+            + [torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(),
+                                                           compiled_model.parameters())])
+
+
+def test_compiled_backward_reduction_inductor():
+    import os
+    import sys
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed is not available")
+    sys.path.insert(0, os.path.dirname(__file__))
+    from dist_util import run_ranks
+    assert run_ranks(_inductor_reduction_worker, 2, timeout=300) == [[True] * 12] * 2
 
 
 def test_deferred_backward_update_survives_a_failed_pass():
@@ -502,14 +535,14 @@ def test_compiled_backward_one_amax_reduction_per_pass():
         assert counts == [[3]] * 6, counts  # eager and compiled: one all-reduce of 3 rows
         assert same == [True] * 12, same
         assert graphs and all("all_reduce" not in g for g in graphs), graphs
-        assert sum(g.count("tequant.amax_defer_bwd") for g in graphs) == 3, graphs
+        assert sum(g.count("tequant.amax_defer_queue") for g in graphs) == 3, graphs
 
 
 def test_compiled_fused_codes_one_amax_reduction_per_pass():
     """The same for te.LayerNormMLP's fused-codes ops (linear_bwd_dy_given, linear_bwd_given),
-    which declare scale_bwd mutated: the deferred update must still reach the module's own
-    buffers (it fails when the op is handed the buffer, whose functionalized copy amax_defer_bwd
-    would then queue under aot_eager)."""
+    which declare hist_bwd and scale_bwd mutated: the deferred update must still reach the
+    module's own buffers (it fails when the queue is handed functionalization's copies, as it
+    would be after the op under aot_eager)."""
     import os
     import sys
     if not torch.distributed.is_available():
@@ -521,7 +554,7 @@ def test_compiled_fused_codes_one_amax_reduction_per_pass():
         assert counts == [[2]] * 6, counts  # fc1 and fc2: one all-reduce of 2 rows
         assert len(same) == 8 and all(same), same
         assert graphs and all("all_reduce" not in g for g in graphs), graphs
-        assert sum(g.count("tequant.amax_defer_bwd") for g in graphs) == 2, graphs
+        assert sum(g.count("tequant.amax_defer_queue") for g in graphs) == 2, graphs
         assert any("linear_bwd_dy_given" in g for g in graphs), graphs
 
 

@@ -302,6 +302,30 @@ def test_in_place_ops_follow_replaced_buffers():
         assert torch.equal(scale_bwd, want_scale)
 
 
+@pytest.mark.parametrize("name", ["max", "callable_algo"])
+def test_deferred_backward_op_only_accumulates(name):
+    """linear_bwd_delayed with needs bit DEFER_UPDATE (an amax all-reduce comes first, at the end
+    of the backward pass): dy's amax max-accumulated into row 0 of hist_bwd, nothing rolled, the
+    scale untouched, for the fused and TE's unfused rule alike; the same gradients as linear_bwd.
+    The copying op refuses the bit."""
+    recipe = RECIPES[name]
+    rid = str(_C.recipe_key(recipe))
+    x, w, dy, hist_fwd, scale_fwd, hist_bwd, scale_bwd = _ops_inputs(recipe)
+    ops = torch.ops.tequant
+    kept = ops.linear_fwd(x, w, None, rid, 8 | 3, scale_fwd)
+    args = (rid, 3, [3, 7, 64], x.dtype, w.dtype, None)
+    fresh = ops.linear_bwd(dy, kept[1], kept[2], *args, scale_bwd)
+    want = hist_bwd.clone()
+    want[0] = torch.maximum(want[0], fresh[-1].view(1))
+    scale_before = scale_bwd.clone()
+    defer = 3 | _plan.DEFER_UPDATE
+    got = ops.linear_bwd_delayed(dy, kept[1], kept[2], rid, defer, *args[2:], scale_bwd, hist_bwd)
+    assert torch.equal(hist_bwd, want) and torch.equal(scale_bwd, scale_before)
+    assert torch.equal(got[0], fresh[0]) and torch.equal(got[1], fresh[1])
+    with pytest.raises(ValueError, match="needs bit 16 .* linear_bwd_delayed"):
+        ops.linear_bwd(dy, kept[1], kept[2], rid, defer, *args[2:], scale_bwd)
+
+
 def test_in_place_ops_refuse_what_they_cannot_update():
     rid = str(_C.recipe_key(RECIPES["max"]))
     x, w = torch.randn(16, 32), torch.randn(16, 32)

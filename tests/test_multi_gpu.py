@@ -117,7 +117,7 @@ def test_compiled_delayed_one_backward_reduction_nccl(world):
     for ((counts, same, graphs),) in nccl(world, [("test_compile",
                                                    "_one_backward_reduction_worker", {}, ())]):
         assert counts == [[3]] * 6 and same == [True] * 12, (counts, same)
-        assert sum(g.count("tequant.amax_defer_bwd") for g in graphs) == 3, graphs
+        assert sum(g.count("tequant.amax_defer_queue") for g in graphs) == 3, graphs
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -136,21 +136,22 @@ static int keep_states(tqx_state *st, PyObject *key, PyObject *hist, PyObject *s
     return rc;
 }
 
-/* Fills *c for the module buffers hist, scale of a recipe entry (forward: backward 0); like: the
- * op's input (its device). in_place: c holds the buffers themselves (new references), not
- * copies. -1 with an exception. */
-int tqx_delayed_copies(tqx_state *st, PyObject *entry, int backward, PyObject *hist,
+/* Fills *c for the module buffers hist, scale of a recipe entry at `step`; like: the op's input
+ * (its device). in_place: c holds the buffers themselves (new references), not copies. -1 with
+ * an exception. */
+int tqx_delayed_copies(tqx_state *st, PyObject *entry, tqx_delayed_step step, PyObject *hist,
                        PyObject *scale, PyObject *like, int in_place, tqx_delayed_buffers *c) {
+    const int backward = step != TQX_DELAYED_FORWARD;
     const char *fn = backward ? "linear_bwd" : "linear_fwd";
     PyObject *update = PyTuple_GET_ITEM(entry, 1);
     int64_t rows = 0;
-    if (backward && update == Py_None) {
+    if (step == TQX_DELAYED_BACKWARD && update == Py_None) {
         PyErr_Format(PyExc_ValueError, "%s: hist_bwd is for DelayedScaling with the fused update "
-                     "rule ('max' or 'most_recent', no scaling_factor_compute_algo); this recipe "
-                     "updates in Python: pass hist_bwd None", fn);
+                     "rule ('max' or 'most_recent', no scaling_factor_compute_algo) or a deferred "
+                     "update; this recipe updates in Python: pass hist_bwd None", fn);
         return -1;
     }
-    if (backward) {
+    if (step == TQX_DELAYED_BACKWARD) {
         rows = PyLong_AsLongLong(PyTuple_GET_ITEM(update, 0));
         if (rows == -1 && PyErr_Occurred()) return -1;
     }

@@ -10,7 +10,9 @@
  *   linear_fwd_delayed_op / linear_bwd_delayed_op: the same for DelayedScaling with the module's
  *       buffers, updated in place instead of copied (tequant::linear_fwd_delayed /
  *       linear_bwd_delayed declare the mutation, which a list return cannot: their outputs are
- *       fixed, (y, x buffer, W buffer) and (dx, dW, db), an empty uint8 [0] where absent)
+ *       fixed, (y, x buffer, W buffer) and (dx, dW, db), an empty uint8 [0] where absent);
+ *       backward with needs bit 16 (TQX_DEFER_UPDATE) only accumulates dy's amax, the update
+ *       waiting for the end of the backward pass (an amax all-reduce first)
  *   _set_linear_plan_of(fn): fn(recipe_id) -> (linear.c's plan tuple, DelayedScaling's backward
  *       update (history_len, algo, (scaled max of dy,)) or None: TE's unfused rule), once per id
  *   _linear_delayed_states / _linear_delayed_update: the DelayedScaling steps (linear_delayed.c)
@@ -115,7 +117,7 @@ static PyObject *absent(tqx_state *st, PyObject *like) {
 }
 
 /* The in-place ops' checks: DelayedScaling with a history (forward: packed; backward: the fused
- * update rule, which tqx_delayed_copies checks). */
+ * update rule or a deferred update, which tqx_delayed_copies checks). */
 static int in_place_args(const char *fn, int delayed, PyObject *hist, long needs, int backward) {
     if (delayed && hist != Py_None && (backward || (needs & TQX_PACKED))) return 0;
     PyErr_Format(PyExc_ValueError, "%s: the in-place op is for DelayedScaling with the module's "
@@ -157,7 +159,9 @@ static PyObject *forward(PyObject *module, PyObject *const *args, Py_ssize_t nar
         Py_SETREF(x_state, NULL);
         Py_SETREF(w_state, NULL);
         if (hist != Py_None) {
-            if (tqx_delayed_copies(st, entry, 0, hist, args[5], inp, in_place, &c) < 0) goto done;
+            if (tqx_delayed_copies(st, entry, TQX_DELAYED_FORWARD, hist, args[5], inp, in_place,
+                                   &c) < 0)
+                goto done;
             x_state = Py_NewRef(c.states[0]);
             w_state = Py_NewRef(c.states[1]);
         } else if ((device = PyObject_GetAttrString(inp, "device")) == NULL
@@ -241,7 +245,7 @@ static PyObject *backward(PyObject *module, PyObject *const *args, Py_ssize_t na
     PyObject *entry = NULL, *plan = NULL, *dy = NULL, *dy_shape = NULL, *x_kept = NULL;
     PyObject *w_kept = NULL;
     PyObject *saved = NULL, *state = Py_NewRef(Py_None), *device = NULL, *bwd = NULL;
-    PyObject *list = NULL;
+    PyObject *list = NULL, *linear_needs = NULL;
     tqx_delayed_buffers c = TQX_DELAYED_BUFFERS_INIT;
     int delayed = 0;
     if (PyErr_Occurred() || ndim < 1) {
@@ -268,7 +272,16 @@ static PyObject *backward(PyObject *module, PyObject *const *args, Py_ssize_t na
         goto done;
     }
     const long long padded = (rows + align - 1) / align * align;
+    const long needs = PyLong_AsLong(args[4]);
+    if (needs == -1 && PyErr_Occurred()) goto done;
+    const int deferred = (needs & TQX_DEFER_UPDATE) != 0;
+    if (deferred && !in_place) {
+        PyErr_SetString(PyExc_ValueError, "linear_bwd: needs bit 16 (defer the update) is for the "
+                        "in-place op, linear_bwd_delayed");
+        goto done;
+    }
     if (in_place && in_place_args("linear_bwd_delayed", delayed, hist, 0, 1) < 0) goto done;
+    if ((linear_needs = PyLong_FromLong(needs & ~(long)TQX_DEFER_UPDATE)) == NULL) goto done;
     if (delayed) {
         if (args[9] == Py_None) {
             PyErr_SetString(PyExc_ValueError, "linear_bwd: DelayedScaling needs scale_bwd");
@@ -276,7 +289,9 @@ static PyObject *backward(PyObject *module, PyObject *const *args, Py_ssize_t na
         }
         Py_SETREF(state, NULL);
         if (hist != Py_None) {
-            if (tqx_delayed_copies(st, entry, 1, hist, args[9], dy, 1, &c) < 0) goto done;
+            const tqx_delayed_step step =
+                deferred ? TQX_DELAYED_BACKWARD_DEFERRED : TQX_DELAYED_BACKWARD;
+            if (tqx_delayed_copies(st, entry, step, hist, args[9], dy, 1, &c) < 0) goto done;
             state = Py_NewRef(c.states[0]);
         } else if ((device = PyObject_GetAttrString(dy, "device")) == NULL
                    || (state = tqx_delayed_state(st, args[9], 0, device, NULL)) == NULL) {
@@ -293,14 +308,14 @@ static PyObject *backward(PyObject *module, PyObject *const *args, Py_ssize_t na
         || (saved = Py_BuildValue("(OOLLLLii)", x_kept, w_kept, rows, padded, n, k,
                                   (int)x_dtype, (int)w_dtype)) == NULL)
         goto done;
-    PyObject *call[8] = {plan, saved, dy, args[4], state, shape, args[8], Py_None};
+    PyObject *call[8] = {plan, saved, dy, linear_needs, state, shape, args[8], Py_None};
     const int previous = tqx_gemm_workspace_per_call(1);
     bwd = tqx_linear_backward(module, call, 8);
     tqx_gemm_workspace_per_call(previous);
     /* dy's amax is in the history's row 0: the module's update, as eager's at the end of
-     * backward */
+     * backward (deferred: the end of the backward pass runs it, after an amax all-reduce) */
     if (bwd == NULL
-        || (c.hist && tqx_amax_update_buffers(st, 1, &c.hist, &c.scale,
+        || (c.hist && !deferred && tqx_amax_update_buffers(st, 1, &c.hist, &c.scale,
                                               PyTuple_GET_ITEM(entry, 1), NULL, "hist_bwd",
                                               "scale_bwd") < 0)
         || (list = PyList_New(0)) == NULL)
@@ -328,6 +343,7 @@ done:
     Py_XDECREF(state);
     Py_XDECREF(device);
     Py_XDECREF(bwd);
+    Py_XDECREF(linear_needs);
     tqx_delayed_buffers_clear(&c);
     return list;
 }
@@ -341,23 +357,29 @@ static PyObject *linear_bwd_delayed_op(PyObject *module, PyObject *const *args,
     return backward(module, args, nargs, 1);
 }
 
-/* For the Python-bodied ops: _linear_delayed_states(recipe_id, backward, hist, scale, like) ->
- * the states on the module's buffers themselves, (x's, W's) or (dy's,), after the C ops' checks
- * of the buffers. */
+/* For the Python-bodied ops: _linear_delayed_states(recipe_id, step, hist, scale, like) -> the
+ * states on the module's buffers themselves, (x's, W's) or (dy's,), after the C ops' checks of
+ * the buffers; step: 0 forward, 1 backward (the op updates), 2 backward (update deferred). */
 static PyObject *py_delayed_states(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "_linear_delayed_states(recipe_id, backward, hist, "
+        PyErr_SetString(PyExc_TypeError, "_linear_delayed_states(recipe_id, step, hist, "
                         "scale, like)");
         return NULL;
     }
     tqx_state *st = tqx_module_state(module);
-    const int backward = PyObject_IsTrue(args[1]);
-    PyObject *entry = backward < 0 ? NULL : entry_of(st, args[0]), *result = NULL;
+    const long step = PyLong_AsLong(args[1]);
+    if (step == -1 && PyErr_Occurred()) return NULL;
+    if (step < TQX_DELAYED_FORWARD || step > TQX_DELAYED_BACKWARD_DEFERRED) {
+        PyErr_Format(PyExc_ValueError, "_linear_delayed_states: step must be 0, 1 or 2; got %ld",
+                     step);
+        return NULL;
+    }
+    PyObject *entry = entry_of(st, args[0]), *result = NULL;
     tqx_delayed_buffers c = TQX_DELAYED_BUFFERS_INIT;
-    if (entry != NULL
-        && tqx_delayed_copies(st, entry, backward, args[2], args[3], args[4], 1, &c) == 0)
-        result = backward ? PyTuple_Pack(1, c.states[0])
-                          : PyTuple_Pack(2, c.states[0], c.states[1]);
+    if (entry != NULL && tqx_delayed_copies(st, entry, (tqx_delayed_step)step, args[2], args[3],
+                                            args[4], 1, &c) == 0)
+        result = step != TQX_DELAYED_FORWARD ? PyTuple_Pack(1, c.states[0])
+                                             : PyTuple_Pack(2, c.states[0], c.states[1]);
     Py_XDECREF(entry);
     tqx_delayed_buffers_clear(&c);
     return result;
@@ -431,9 +453,9 @@ PyMethodDef tqx_linear_ops_methods[] = {
      "_set_linear_plan_of(fn): fn(recipe_id) gives (the linear plan tuple, the DelayedScaling "
      "backward update (history_len, algo, (scaled max,)) or None) of a recipe id."},
     {"_linear_delayed_states", (PyCFunction)(void (*)(void))py_delayed_states, METH_FASTCALL,
-     "_linear_delayed_states(recipe_id, backward, hist, scale, like) -> states\n\nThe (scale, "
+     "_linear_delayed_states(recipe_id, step, hist, scale, like) -> states\n\nThe (scale, "
      "amax slot) states on a module's DelayedScaling buffers, checked as the C ops check them: "
-     "(x's, W's), or (dy's,) with backward."},
+     "(x's, W's) for step 0, (dy's,) for 1 (backward) and 2 (backward, update deferred)."},
     {"_linear_delayed_update", (PyCFunction)(void (*)(void))py_delayed_update, METH_FASTCALL,
      "_linear_delayed_update(recipe_id, hist, scale)\n\nlinear_bwd_delayed_op's update of a "
      "module's backward buffers, in place."},

@@ -31,7 +31,8 @@ static int tequant_exec(PyObject *module) {
         {"USAGE_ROWWISE", TQ_USAGE_ROWWISE},       {"USAGE_COLUMNWISE", TQ_USAGE_COLUMNWISE},
         {"GEMM_ACCUMULATE", TQ_GEMM_ACCUMULATE},   {"GEMM_FAST_ACCUM", TQ_GEMM_FAST_ACCUM},
         {"LINEAR_NEED_DGRAD", TQX_NEED_DGRAD},     {"LINEAR_NEED_WGRAD", TQX_NEED_WGRAD},
-        {"LINEAR_KEEP_X_ROWWISE", TQX_KEEP_X_ROWWISE}, {"LINEAR_PACKED", TQX_PACKED}};
+        {"LINEAR_KEEP_X_ROWWISE", TQX_KEEP_X_ROWWISE}, {"LINEAR_PACKED", TQX_PACKED},
+        {"LINEAR_DEFER_UPDATE", TQX_DEFER_UPDATE}};
     for (size_t i = 0; i < sizeof constants / sizeof constants[0]; i++)
         if (PyModule_AddIntConstant(module, constants[i].name, constants[i].value) < 0) return -1;
     return 0;

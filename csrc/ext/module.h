@@ -41,12 +41,16 @@ typedef enum tqx_mode {
 } tqx_mode;
 
 /* te.Linear's `needs` bits (linear.c, linear_ops.c), exported to Python as _C.LINEAR_NEED_DGRAD,
- * _C.LINEAR_NEED_WGRAD, _C.LINEAR_KEEP_X_ROWWISE and _C.LINEAR_PACKED. */
+ * _C.LINEAR_NEED_WGRAD, _C.LINEAR_KEEP_X_ROWWISE, _C.LINEAR_PACKED and _C.LINEAR_DEFER_UPDATE. */
 typedef enum tqx_linear_needs {
     TQX_NEED_DGRAD = 1,
     TQX_NEED_WGRAD = 2,
     TQX_KEEP_X_ROWWISE = 4, /* backward_override="dequantized" reads the rowwise x */
-    TQX_PACKED = 8          /* saved and the cache hold packed (buffer, amax) pairs */
+    TQX_PACKED = 8,         /* saved and the cache hold packed (buffer, amax) pairs */
+    /* the compiled in-place backward ops only: dy's amax goes into the module's history, whose
+     * update waits for the end of the backward pass (an amax all-reduce first; linear.c never
+     * sees this bit) */
+    TQX_DEFER_UPDATE = 16
 } tqx_linear_needs;
 
 typedef enum tqx_gemm { TQX_GEMM_FPROP = 0, TQX_GEMM_DGRAD = 1, TQX_GEMM_WGRAD = 2 } tqx_gemm;
@@ -360,10 +364,17 @@ typedef struct tqx_delayed_buffers {
 PyObject *tqx_delayed_state(tqx_state *st, PyObject *scale, Py_ssize_t column, PyObject *device,
                             PyObject *history); /* new reference */
 void tqx_delayed_buffers_clear(tqx_delayed_buffers *c);
-/* Fills *c for a module's hist, scale under a linear plan entry (forward: backward 0) after
- * checking them against like (the op's input); in_place: the buffers themselves and their kept
- * states, else clones. -1 with an exception. */
-int tqx_delayed_copies(tqx_state *st, PyObject *entry, int backward, PyObject *hist,
+/* Which buffers tqx_delayed_copies takes: the forward's, or the backward's with the op's own
+ * update to follow (the fused rule: the history's length checked) or with a deferred one. */
+typedef enum tqx_delayed_step {
+    TQX_DELAYED_FORWARD = 0,
+    TQX_DELAYED_BACKWARD = 1,
+    TQX_DELAYED_BACKWARD_DEFERRED = 2
+} tqx_delayed_step;
+/* Fills *c for a module's hist, scale under a linear plan entry after checking them against
+ * like (the op's input); in_place: the buffers themselves and their kept states, else clones.
+ * -1 with an exception. */
+int tqx_delayed_copies(tqx_state *st, PyObject *entry, tqx_delayed_step step, PyObject *hist,
                        PyObject *scale, PyObject *like, int in_place, tqx_delayed_buffers *c);
 
 /* amax_update.c: _amax_update, delayed scaling's history roll and scale update */

@@ -404,14 +404,15 @@ def _linear_bwd_dy_given(dy_q: list[torch.Tensor], x_members: list[Optional[torc
     rows, k = _rows_cols(inp_shape)
     state = None
     if plan.delayed and hist_bwd is not None:
-        state = _delayed_states(recipe_id, True, hist_bwd, scale_bwd, dy_q[0])[0]
+        state = _delayed_states(recipe_id, needs, hist_bwd, scale_bwd, dy_q[0])[0]
         _max_into(state[1], dy_q[2])
     saved = (tuple(x_members), (w_kept, dy_q[2] if plan.delayed else None), rows,
              _plan.padded(rows, plan.align), dy_q[0].shape[1], k, TQ_DTYPE[x_dtype],
              TQ_DTYPE[w_dtype])
     with graph_safe_workspace():
-        grads = given_dy_backward(plan.c_args, saved, dy_q, needs, tuple(inp_shape), None)
-    delayed_step(recipe_id, hist_bwd, scale_bwd, state)
+        grads = given_dy_backward(plan.c_args, saved, dy_q, needs & ~_plan.DEFER_UPDATE,
+                                  tuple(inp_shape), None)
+    delayed_step(recipe_id, needs, hist_bwd, scale_bwd, state)
     return tuple(_or_absent(g, dy_q[0]) for g in grads)
 
 

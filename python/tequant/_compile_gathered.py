@@ -76,10 +76,12 @@ class GatheredLinear(torch.autograd.Function):
         if ctx.is_delayed:
             scale_bwd, hist_bwd = saved[:2]
         bias_dtype = ctx.bias_dtype if ctx.needs_input_grad[2] else None
+        hist = _cl._op_hist(ctx, hist_bwd)
+        if hist is not None:
+            needs = _cl.op_needs(ctx, dy, scale_bwd, hist)
         outs = torch.ops.tequant.linear_bwd_wgiven(dy, x_kept, w_members, ctx.recipe_id, needs,
                                                    list(ctx.shape), ctx.x_dtype, ctx.w_dtype,
-                                                   bias_dtype, _cl.op_scale(ctx, scale_bwd),
-                                                   _cl._op_hist(ctx, hist_bwd))
+                                                   bias_dtype, scale_bwd, hist)
         return _cl._grads(ctx, _cl.present(ctx, outs, bias_dtype), bias_dtype, scale_bwd,
                           hist_bwd)[:3] + _NONE_ARGS
 

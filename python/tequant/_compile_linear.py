@@ -10,9 +10,11 @@ max-accumulated into row 0; backward: dy's, then the roll and scale update), dec
 mutation, so AOT functionalizes it and Inductor writes the buffers themselves (no copy; CUDA
 graphs see ordinary buffer updates). backward_override="dequantized" keeps linear_fwd's members
 form, which returns a copy of the history that the traced code writes back. Where the backward
-update needs an amax all-reduce or TE's unfused rule (a callable algo), the backward op returns
-dy's amax instead and the traced code accumulates, reduces and updates (tequant::amax_update,
-tequant::amax_defer_bwd).
+update needs TE's unfused rule (a callable algo) without an all-reduce, the backward op returns
+dy's amax instead and the traced code accumulates and updates (tequant::amax_update). With an
+amax all-reduce, the in-place op only accumulates dy's amax (needs bit DEFER_UPDATE) and the
+module's buffers are queued before it (tequant::amax_defer_queue) for the end of the backward
+pass, which reduces and updates every queued module at once, as eager does.
 DelayedScaling under compile: the forward update of a module runs at the outermost autocast's
 exit (traced, when that autocast is entered in the compiled code; eager, when the compiled code
 runs inside an eager te.autocast: the module's buffers register with it after the graph runs);
@@ -44,7 +46,7 @@ from . import checkpoint as _checkpoint
 from ._act_fn import ActInput
 from ._norm_fn import NormInput
 from ._operands import is_dtensor, quantized_weight
-from ._plan import KEEP_X_ROWWISE, NEED_DGRAD, NEED_WGRAD, PACKED, ROWWISE
+from ._plan import DEFER_UPDATE, KEEP_X_ROWWISE, NEED_DGRAD, NEED_WGRAD, PACKED, ROWWISE
 
 
 @_compile.constant
@@ -219,10 +221,10 @@ class _CompiledLinear(torch.autograd.Function):
         else:
             scale_bwd = hist_bwd = None
         x_kept = saved[0] if n_x else None
-        if ctx.fused_update:  # the module's buffers updated in place
+        if ctx.in_place_bwd:  # the module's buffers updated in place (or queued)
             dx, dw, db = torch.ops.tequant.linear_bwd_delayed(
-                dy, x_kept, saved[n_x], ctx.recipe_id, needs, list(ctx.shape), ctx.x_dtype,
-                ctx.w_dtype, bias_dtype, scale_bwd, hist_bwd)
+                dy, x_kept, saved[n_x], ctx.recipe_id, op_needs(ctx, dy, scale_bwd, hist_bwd),
+                list(ctx.shape), ctx.x_dtype, ctx.w_dtype, bias_dtype, scale_bwd, hist_bwd)
             return (dx if needs & NEED_DGRAD else None, dw if needs & NEED_WGRAD else None,
                     db if bias_dtype is not None else None) + _NONE_ARGS
         outs = torch.ops.tequant.linear_bwd(dy, x_kept, saved[n_x], ctx.recipe_id, needs,
@@ -235,7 +237,8 @@ def delayed_ctx(ctx, recipe_id, group, is_delayed):
     """A Function's DelayedScaling backward plan on ctx: whether its backward op updates the
     module (fused_update), or the name of the amax reduction group when the update waits for
     the end of the backward pass (group_name; Dynamo evaluates c10d's group lookups as
-    constants: a process group itself is no op argument)."""
+    constants: a process group itself is no op argument); in_place_bwd: either, i.e. the op
+    takes the module's buffers."""
     ctx.group, ctx.is_delayed = group, is_delayed
     ctx.fused_update = is_delayed and _op_updates(recipe_id, group)
     ctx.group_name = None
@@ -243,20 +246,26 @@ def delayed_ctx(ctx, recipe_id, group, is_delayed):
         from torch.distributed import distributed_c10d as c10d
         ctx.group_name = c10d._resolve_group_name_by_ranks_and_tag(
             c10d.get_process_group_ranks(group), c10d._get_group_tag(group))
+    ctx.in_place_bwd = ctx.fused_update or ctx.group_name is not None
 
 
-def op_scale(ctx, scale_bwd):
-    """scale_bwd for a backward op that declares it mutated (the in-place ops): a copy where
-    the update is deferred (tequant::amax_defer_bwd queues the module's buffers themselves,
-    which an op's declared mutation would hand it as functionalization's copies where Inductor
-    does not re-inplace, e.g. aot_eager)."""
-    return scale_bwd.clone() if ctx.group_name is not None else scale_bwd
+def op_needs(ctx, grad, scale_bwd, hist_bwd):
+    """The needs of an in-place backward op: ctx.needs, plus DEFER_UPDATE where the update waits
+    for the end of the backward pass, after queueing the module's buffers for it. The queue op
+    runs before the op that accumulates into them, so it reads the graph's own inputs (at run
+    time the buffers themselves, whatever functionalization does with the op's mutation); it
+    returns nothing and is kept as a side effect (_compile_ops.amax_defer_queue). grad: a
+    gradient this backward received, which ties the queue op to the backward graph."""
+    if ctx.group_name is None:
+        return ctx.needs
+    torch.ops.tequant.amax_defer_queue(grad, hist_bwd, scale_bwd, ctx.recipe_id, ctx.group_name)
+    return ctx.needs | DEFER_UPDATE
 
 
 def _op_hist(ctx, hist_bwd):
-    """hist_bwd for a backward op that updates the module itself, else None (it returns dy's
+    """hist_bwd for a backward op that takes the module's buffers, else None (it returns dy's
     amax and _grads updates)."""
-    return hist_bwd if ctx.fused_update else None
+    return hist_bwd if ctx.in_place_bwd else None
 
 
 def _copy_in(buffer, new):
@@ -268,18 +277,13 @@ def _copy_in(buffer, new):
 
 def _grads(ctx, outs, bias_dtype, scale_bwd, hist_bwd):
     """_CompiledLinear.backward's result from a backward op's [dx?, dW?, db?, then amax dy where
-    the op did not update the module itself], after DelayedScaling's backward update of the
-    module (with an amax all-reduce: queued for the end of the backward pass, one collective for
-    every module, as eager)."""
+    the op did not take the module's buffers (TE's unfused rule, no all-reduce)], after that
+    DelayedScaling backward update of the module."""
     it = iter(outs)
     dx = next(it) if ctx.needs & NEED_DGRAD else None
     dw = next(it) if ctx.needs & NEED_WGRAD else None
     db = next(it) if bias_dtype is not None else None
-    # One write per buffer: AOT's partitioner refuses a buffer written twice in backward.
-    if ctx.group_name is not None:
-        _copy_in(hist_bwd, torch.ops.tequant.amax_defer_bwd(
-            hist_bwd, scale_bwd, next(it), ctx.recipe_id, ctx.group_name))
-    elif ctx.is_delayed and not ctx.fused_update:  # dy's amax with row 0, as the update's
+    if ctx.is_delayed and not ctx.in_place_bwd:  # dy's amax with row 0, as the update's
         _apply_update((hist_bwd,), (scale_bwd,), ctx.recipe_id, delayed.BACKWARD,
                       torch.maximum(hist_bwd[0], next(it).view(-1)))
     return (dx, dw, db) + _NONE_ARGS
@@ -324,19 +328,20 @@ def _given_backward(ctx, dy, dy_q):
     if ctx.is_delayed:
         scale_bwd, hist_bwd = saved[1:3]
     bias_dtype = ctx.bias_dtype if ctx.needs_input_grad[2] else None
-    if dy_q and dy_q[0] is not None:  # dy's codes, amax and dbias from the activation
-        hist = _op_hist(ctx, hist_bwd)
+    hist = _op_hist(ctx, hist_bwd)
+    codes = dy_q and dy_q[0] is not None  # dy's codes, amax and dbias from the activation
+    if hist is not None:
+        needs = op_needs(ctx, dy_q[0] if codes else dy, scale_bwd, hist)
+    if codes:
         dx, dw = torch.ops.tequant.linear_bwd_dy_given(list(dy_q[:3]), x_members, saved[0],
                                                        ctx.recipe_id, needs, list(ctx.shape),
-                                                       ctx.x_dtype, ctx.w_dtype,
-                                                       op_scale(ctx, scale_bwd), hist)
+                                                       ctx.x_dtype, ctx.w_dtype, scale_bwd, hist)
         outs = (dx, dw, dy_q[3] if bias_dtype is not None else None,
                 dy_q[2] if ctx.is_delayed and hist is None else None)
         return _grads(ctx, present(ctx, outs, bias_dtype), bias_dtype, scale_bwd, hist_bwd)
     outs = torch.ops.tequant.linear_bwd_given(dy, x_members, saved[0], ctx.recipe_id, needs,
                                               list(ctx.shape), ctx.x_dtype, ctx.w_dtype,
-                                              bias_dtype, op_scale(ctx, scale_bwd),
-                                              _op_hist(ctx, hist_bwd))
+                                              bias_dtype, scale_bwd, hist)
     return _grads(ctx, present(ctx, outs, bias_dtype), bias_dtype, scale_bwd, hist_bwd)
 
 
@@ -345,7 +350,7 @@ def present(ctx, outs, bias_dtype):
     asked for, in order (an absent one is an empty placeholder); amax dy where the op did not
     update the module itself."""
     wanted = (ctx.needs & NEED_DGRAD, ctx.needs & NEED_WGRAD, bias_dtype is not None,
-              ctx.is_delayed and not ctx.fused_update)
+              ctx.is_delayed and not ctx.in_place_bwd)
     return [t for t, w in zip(outs, wanted) if w]
 
 

@@ -20,8 +20,10 @@ max-accumulates it into the history slot). te.Linear's ops that take DelayedScal
 (linear_fwd_delayed / linear_bwd_delayed, the *_given and *_wgiven ops) and amax_update, the
 batched roll and scale update, mutate the module's buffers in place as eager's C calls do
 (forward: amaxes accumulated into row 0; backward with the fused update rule: also rolled, with
-the new scale) and say so in their schemas: AOT functionalizes them and Inductor re-inplaces
-them onto the buffers (graph inputs written back at the graph's end), so nothing is copied.
+the new scale; backward under an amax all-reduce: accumulated only, the module queued by
+amax_defer_queue for the end of the backward pass) and say so in their schemas: AOT
+functionalizes them and Inductor re-inplaces them onto the buffers (graph inputs written back at
+the graph's end), so nothing is copied.
 They return fixed tuples (torch's auto_functionalize takes no Tensor[] return from a mutating
 op), an empty uint8 [0] tensor standing for an absent output. linear_fwd / linear_bwd return
 lists; given a history they return an updated copy, which the traced code copies into the
@@ -38,7 +40,7 @@ import torch
 
 from . import _C, _plan, _rng, delayed
 from ._operands import TQ_DTYPE as _TQ_DTYPE
-from ._plan import COLUMNWISE, NEED_DGRAD, NEED_WGRAD, PACKED, ROWWISE
+from ._plan import COLUMNWISE, DEFER_UPDATE, NEED_DGRAD, NEED_WGRAD, PACKED, ROWWISE
 
 _CONFIGS = {}  # (recipe_id, role) -> QuantizerConfig
 _LIB = torch.library.Library("tequant", "FRAGMENT")
@@ -362,7 +364,7 @@ def linear_fwd_given(x_members: list[Optional[torch.Tensor]], x_shape: list[int]
     plan = _plan.of_id(recipe_id)
     w_state = None
     if plan.delayed:
-        x_state, w_state = _delayed_states(recipe_id, False, hist_fwd, scale_fwd, weight)
+        x_state, w_state = _delayed_states(recipe_id, None, hist_fwd, scale_fwd, weight)
         _max_into(x_state[1], x_members[4])
     x = (tuple(x_members), tuple(x_shape), _TQ_DTYPE[x_dtype])
     with graph_safe_workspace():
@@ -371,13 +373,15 @@ def linear_fwd_given(x_members: list[Optional[torch.Tensor]], x_shape: list[int]
     return out, saved[1][0]
 
 
-def _delayed_states(recipe_id, backward, hist, scale, like):
+def _delayed_states(recipe_id, needs, hist, scale, like):
     """The (scale, amax slot) states on a module's own DelayedScaling buffers, which the
-    in-place ops update (forward: x's and W's; backward: dy's)."""
+    in-place ops update: forward's (needs None: x's and W's), or backward's (dy's; the update
+    the op's own, or deferred with needs bit DEFER_UPDATE)."""
     if hist is None:
-        name = "hist_bwd" if backward else "hist_fwd"
+        name = "hist_fwd" if needs is None else "hist_bwd"
         raise ValueError(f"DelayedScaling needs the module's {name}")
-    return _C._linear_delayed_states(recipe_id, backward, hist, scale, like)
+    step = 0 if needs is None else 2 if needs & DEFER_UPDATE else 1
+    return _C._linear_delayed_states(recipe_id, step, hist, scale, like)
 
 
 def _max_into(slot, amax):
@@ -423,7 +427,7 @@ def _backward_given(dy, x_kept, w_members, w_kept, recipe_id, needs, inp_shape, 
     rows, k = _rows_cols(inp_shape)
     state = None
     if plan.delayed and hist_bwd is not None:
-        state = _delayed_states(recipe_id, True, hist_bwd, scale_bwd, dy)[0]
+        state = _delayed_states(recipe_id, needs, hist_bwd, scale_bwd, dy)[0]
     elif plan.delayed:
         state = (scale_bwd[0:1], dy.new_zeros((1, 1), dtype=torch.float32))
     slot = state[1] if state else None
@@ -434,18 +438,20 @@ def _backward_given(dy, x_kept, w_members, w_kept, recipe_id, needs, inp_shape, 
              _plan.padded(rows, plan.align), dy.shape[-1], k, _TQ_DTYPE[x_dtype],
              _TQ_DTYPE[w_dtype])
     with graph_safe_workspace():
-        grads = _C.linear_backward(plan.c_args, saved, dy.contiguous(), needs, state,
-                                   tuple(inp_shape), bias_dtype, None)
-    amax = delayed_step(recipe_id, hist_bwd, scale_bwd, state)
+        grads = _C.linear_backward(plan.c_args, saved, dy.contiguous(), needs & ~DEFER_UPDATE,
+                                   state, tuple(inp_shape), bias_dtype, None)
+    amax = delayed_step(recipe_id, needs, hist_bwd, scale_bwd, state)
     return tuple(_or_absent(t, dy) for t in (*grads[:3], amax))
 
 
-def delayed_step(recipe_id, hist_bwd, scale_bwd, state):
+def delayed_step(recipe_id, needs, hist_bwd, scale_bwd, state):
     """A backward op's DelayedScaling step after its GEMMs: given the module's hist_bwd (dy's
-    amax already in its row 0), its update of hist_bwd and scale_bwd in place (no amax out);
-    else the amax slot of `state` (None: not DelayedScaling)."""
+    amax already in its row 0), its update of hist_bwd and scale_bwd in place unless needs
+    defers it (no amax out either way); else the amax slot of `state` (None: not
+    DelayedScaling)."""
     if hist_bwd is not None and state is not None:
-        _C._linear_delayed_update(recipe_id, hist_bwd, scale_bwd)
+        if not needs & DEFER_UPDATE:
+            _C._linear_delayed_update(recipe_id, hist_bwd, scale_bwd)
         return None
     return state[1] if state else None
 
@@ -492,7 +498,7 @@ def linear_fwd_wgiven(inp: torch.Tensor, w_members: list[Optional[torch.Tensor]]
     plan = _plan.of_id(recipe_id)
     x_state = None
     if plan.delayed:
-        x_state = _delayed_states(recipe_id, False, hist_fwd, scale_fwd, inp)[0]
+        x_state = _delayed_states(recipe_id, None, hist_fwd, scale_fwd, inp)[0]
     n, k = w_members[0].shape
     w = (tuple(w_members), n, k, _TQ_DTYPE[w_dtype])
     with graph_safe_workspace():
@@ -563,20 +569,25 @@ def _amax_update_fake(histories, scales, reduced, recipe_id, direction):
     return None
 
 
-@op("tequant::amax_defer_bwd", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
-def amax_defer_bwd(hist_bwd: torch.Tensor, scale_bwd: torch.Tensor, amax_dy: torch.Tensor,
-                   recipe_id: str, group_name: str) -> torch.Tensor:
-    """DelayedScaling's backward under an amax all-reduce over the process group named
-    group_name: returns the module's history with dy's amax max-accumulated into row 0 (the
-    traced caller writes it into hist_bwd), and queues the module's all-reduce and update for
-    the end of the backward pass (delayed.defer_backward), on the buffers themselves: unsafe to
-    record in a CUDA graph, whose replay would skip it."""
-    history = delayed.accumulated(hist_bwd, amax_dy)
+@op("tequant::amax_defer_queue", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+def amax_defer_queue(grad: torch.Tensor, hist_bwd: torch.Tensor, scale_bwd: torch.Tensor,
+                     recipe_id: str, group_name: str) -> None:
+    """Queues a module's DelayedScaling backward buffers for the end of the backward pass, whose
+    one all-reduce (MAX over the process group named group_name) and update run on every queued
+    module (delayed.defer_backward). The traced code calls it before the in-place op that
+    accumulates dy's amax into hist_bwd (needs bit DEFER_UPDATE), so it is handed the graph's
+    inputs, the buffers themselves. grad (a gradient the backward received) is not read: it
+    keeps the op in the backward graph, where AOT's partitioner would otherwise move an op that
+    reads only forward values into the forward. It returns nothing and mutates nothing:
+    registered as a side effect below, so that FX and Inductor keep it; unsafe to record in a
+    CUDA graph, whose replay would skip it."""
     group = torch.distributed.distributed_c10d._resolve_process_group(group_name)
     delayed.defer_backward(hist_bwd, scale_bwd, _plan.of_id(recipe_id), group)
-    return history
 
 
-@fake("tequant::amax_defer_bwd")
-def _amax_defer_bwd_fake(hist_bwd, scale_bwd, amax_dy, recipe_id, group_name):
-    return torch.empty_like(hist_bwd)
+torch.fx.node.has_side_effect(amax_defer_queue.default)
+
+
+@fake("tequant::amax_defer_queue")
+def _amax_defer_queue_fake(grad, hist_bwd, scale_bwd, recipe_id, group_name):
+    return None

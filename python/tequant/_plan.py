@@ -16,6 +16,7 @@ ALIGN = {"delayed": 16, "current": 16, "block": 16, "mxfp8": 32, "nvfp4": 16}
 
 NEED_DGRAD, NEED_WGRAD = _C.LINEAR_NEED_DGRAD, _C.LINEAR_NEED_WGRAD  # csrc/ext/module.h
 KEEP_X_ROWWISE, PACKED = _C.LINEAR_KEEP_X_ROWWISE, _C.LINEAR_PACKED
+DEFER_UPDATE = _C.LINEAR_DEFER_UPDATE  # the in-place backward ops: update at the pass's end
 
 
 class Plan:

@@ -10,7 +10,7 @@ the backward of the module that ran first in forward; amaxes are all-reduced (MA
 autocast's amax_reduction_group first. The fused rule runs in one C call per batch of modules
 (tq_amax_update); callable amax_compute_algo / scaling_factor_compute_algo use TE's unfused rule
 in torch. Compiled te.Linear under an amax reduction group queues its backward update here
-(defer_backward, from tequant::amax_defer_bwd) for the end of the backward pass, one all-reduce
+(defer_backward, from tequant::amax_defer_queue) for the end of the backward pass, one all-reduce
 for every queued module as eager. Tests: tests/test_linear_delayed.py, tests/test_compile.py
 (the deferred update), tests/test_compile_delayed.py.
 """
@@ -80,12 +80,6 @@ def calibrate(module, length, inp):
         for column, t in enumerate((inp, module.weight)):
             amax = t.detach().abs().amax().float() if t.numel() else hist.new_zeros(())
             hist[0, column] = torch.maximum(hist[0, column], amax)
-
-
-def accumulated(history, amaxes):
-    """history with row 0 max-accumulating n amaxes, as a new tensor (the compiled ops' form of
-    a quantization's accumulation into the buffer)."""
-    return torch.cat((torch.maximum(history[:1], amaxes.view(1, -1)), history[1:]))
 
 
 def scaled_maxes(plan, direction):
