@@ -18,6 +18,7 @@ The amax all-reduce over two gloo ranks (the backward update stays traced there)
 tests/test_compile.py::test_amax_reduction_group_under_compile_matches_eager.
 """
 import copy
+import gc
 import re
 
 import pytest
@@ -266,7 +267,7 @@ def test_in_place_ops_follow_replaced_buffers():
     """The ops keep a module's slot views between calls (linear_ops.c kept_states); a buffer
     swapped for new storage (`.data =`), another scale object and a new history object of the
     same address must each be read and written themselves: every call equals a call on fresh
-    copies of what it was given."""
+    copies of what it was given; a history that dies takes its entry with it."""
     recipe = RECIPES["max"]
     rid = str(_C.recipe_key(recipe))
     x, w, dy, hist_fwd, scale_fwd, hist_bwd, scale_bwd = _ops_inputs(recipe)
@@ -289,6 +290,13 @@ def test_in_place_ops_follow_replaced_buffers():
     assert fwd_matches_fresh(hist_fwd, scale_fwd)
     for _ in range(3):  # new objects, possibly at a freed one's address
         assert fwd_matches_fresh(torch.zeros(recipe.amax_history_len, 2), scale_fwd.clone())
+    gc.collect()
+    before = _C._kept_delayed_states()
+    dead = torch.zeros(recipe.amax_history_len, 2)
+    ops.linear_fwd_delayed(x, w, None, rid, 8 | 3, scale_fwd, dead)
+    assert _C._kept_delayed_states() == before + 1
+    del dead  # its entry goes with it (its views would keep the storage alive)
+    assert _C._kept_delayed_states() == before
     kept = ops.linear_fwd_delayed(x, w, None, rid, 8 | 3, scale_fwd, hist_fwd)
     args = (rid, 3, [3, 7, 64], x.dtype, w.dtype, None)
     for replace in (False, True):

@@ -89,9 +89,23 @@ static int check_buffers(tqx_state *st, const char *fn, PyObject *hist, const ch
  * same buffer objects every time. An entry (weakref hist, weakref scale, hist data, scale data,
  * states) under hist's address is used while both objects are alive, the same pair and on the
  * same storage (`.data =` and load_state_dict(assign=True) replace it), as delayed.py's _kept
- * keeps eager's. Bounded: cleared once it holds TQX_KEPT_STATES_MAX entries (fresh tensors each
- * call, e.g. functionalization's copies under aot_eager, would otherwise fill it). */
+ * keeps eager's. An entry leaves when its history dies (the weakref's callback: its views would
+ * keep the storage alive), and the whole table is cleared once it holds TQX_KEPT_STATES_MAX
+ * entries (fresh tensors each call, e.g. functionalization's copies under aot_eager). */
 #define TQX_KEPT_STATES_MAX 4096
+
+/* The history weakref's callback, bound to (table, key): drops the entry if it is still ref's. */
+static PyObject *drop_kept(PyObject *bound, PyObject *ref) {
+    PyObject *table = PyTuple_GET_ITEM(bound, 0), *key = PyTuple_GET_ITEM(bound, 1);
+    PyObject *entry = PyDict_GetItemWithError(table, key);
+    if (entry != NULL && PyTuple_GET_ITEM(entry, 0) == ref && PyDict_DelItem(table, key) < 0)
+        return NULL;
+    if (PyErr_Occurred()) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef drop_kept_def = {"_drop_kept_states", drop_kept, METH_O,
+                                    "Drops a dead history's kept DelayedScaling states."};
 
 static PyObject *weak_target(PyObject *ref) { /* borrowed; NULL when dead */
 #if PY_VERSION_HEX >= 0x030D0000
@@ -123,7 +137,12 @@ static int keep_states(tqx_state *st, PyObject *key, PyObject *hist, PyObject *s
     if (st->delayed_states == NULL && (st->delayed_states = PyDict_New()) == NULL) return -1;
     if (PyDict_GET_SIZE(st->delayed_states) >= TQX_KEPT_STATES_MAX)
         PyDict_Clear(st->delayed_states);
-    PyObject *h = PyWeakref_NewRef(hist, NULL), *s = h ? PyWeakref_NewRef(scale, NULL) : NULL;
+    PyObject *bound = PyTuple_Pack(2, st->delayed_states, key);
+    PyObject *drop = bound ? PyCFunction_New(&drop_kept_def, bound) : NULL;
+    Py_XDECREF(bound);
+    PyObject *h = drop ? PyWeakref_NewRef(hist, drop) : NULL;
+    PyObject *s = h ? PyWeakref_NewRef(scale, NULL) : NULL;
+    Py_XDECREF(drop);
     PyObject *hd = s ? PyLong_FromVoidPtr(data[0]) : NULL;
     PyObject *sd = hd ? PyLong_FromVoidPtr(data[1]) : NULL;
     PyObject *entry = sd ? PyTuple_Pack(5, h, s, hd, sd, states) : NULL;
@@ -171,11 +190,25 @@ int tqx_delayed_copies(tqx_state *st, PyObject *entry, tqx_delayed_step step, Py
         Py_XDECREF(key);
         return -1;
     }
+    /* Kept views are made from detached aliases: a view would keep the buffer's own Python
+     * object alive (torch preserves a tensor's PyObject while a view of it lives), and with it
+     * the entry, whose weakref would never die. */
+    PyObject *h_of = NULL, *s_of = NULL;
+    if (in_place && kept == NULL
+        && ((h_of = PyObject_CallMethod(hist, "detach", NULL)) == NULL
+            || (s_of = PyObject_CallMethod(scale, "detach", NULL)) == NULL)) {
+        Py_XDECREF(h_of);
+        Py_DECREF(key);
+        return -1;
+    }
     int rc = 0;
     for (int i = 0; i < n && rc == 0; i++)
         if ((c->states[i] = kept ? Py_NewRef(PyTuple_GET_ITEM(kept, i))
-                                 : tqx_delayed_state(st, scale, i, NULL, c->hist)) == NULL)
+                                 : tqx_delayed_state(st, s_of ? s_of : scale, i, NULL,
+                                                     h_of ? h_of : c->hist)) == NULL)
             rc = -1;
+    Py_XDECREF(h_of);
+    Py_XDECREF(s_of);
     if (rc == 0 && in_place && kept == NULL) {
         PyObject *states = PyTuple_Pack(n, c->states[0], n > 1 ? c->states[1] : NULL);
         rc = states ? keep_states(st, key, hist, scale, data, states) : -1;
@@ -183,4 +216,10 @@ int tqx_delayed_copies(tqx_state *st, PyObject *entry, tqx_delayed_step step, Py
     }
     Py_XDECREF(key);
     return rc;
+}
+
+PyObject *tqx_kept_states_count(PyObject *module, PyObject *unused) {
+    (void)unused;
+    const tqx_state *st = tqx_module_state(module);
+    return PyLong_FromSsize_t(st->delayed_states ? PyDict_GET_SIZE(st->delayed_states) : 0);
 }

@@ -459,6 +459,9 @@ PyMethodDef tqx_linear_ops_methods[] = {
     {"_linear_delayed_update", (PyCFunction)(void (*)(void))py_delayed_update, METH_FASTCALL,
      "_linear_delayed_update(recipe_id, hist, scale)\n\nlinear_bwd_delayed_op's update of a "
      "module's backward buffers, in place."},
+    {"_kept_delayed_states", tqx_kept_states_count, METH_NOARGS,
+     "_kept_delayed_states() -> the number of module histories whose states the in-place ops "
+     "keep (linear_delayed.c)."},
     {"_packed_bytes", (PyCFunction)(void (*)(void))packed_bytes, METH_FASTCALL,
      "_packed_bytes(config, rows, cols, usage, parts) -> bytes of a packed buffer."},
     {NULL, NULL, 0, NULL}};

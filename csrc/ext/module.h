@@ -376,6 +376,8 @@ typedef enum tqx_delayed_step {
  * -1 with an exception. */
 int tqx_delayed_copies(tqx_state *st, PyObject *entry, tqx_delayed_step step, PyObject *hist,
                        PyObject *scale, PyObject *like, int in_place, tqx_delayed_buffers *c);
+/* _C._kept_delayed_states() -> how many histories' states are kept (tests) */
+PyObject *tqx_kept_states_count(PyObject *module, PyObject *unused);
 
 /* amax_update.c: _amax_update, delayed scaling's history roll and scale update */
 extern PyMethodDef tqx_amax_update_methods[];

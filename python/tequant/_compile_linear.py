@@ -348,7 +348,7 @@ def _given_backward(ctx, dy, dy_q):
 def present(ctx, outs, bias_dtype):
     """A fixed-arity backward op's (dx, dW, db, amax dy) as _grads reads them: the outputs
     asked for, in order (an absent one is an empty placeholder); amax dy where the op did not
-    update the module itself."""
+    take the module's buffers."""
     wanted = (ctx.needs & NEED_DGRAD, ctx.needs & NEED_WGRAD, bias_dtype is not None,
               ctx.is_delayed and not ctx.in_place_bwd)
     return [t for t, w in zip(outs, wanted) if w]
