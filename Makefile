@@ -8,6 +8,9 @@
 #   make build  the set-up and the build only
 #   make bench  the benchmarks in benchmarks/ (tables under docs/results/)
 #   make fuzz   the long property-based fuzz (tests/fuzz_tequant.py; docs/results/fuzz.md)
+#   make test-torch TORCH_VERSION=2.11.0   make test in a venv of its own with that torch
+#               (.venv-torch-2.11.0): the GPU machine runs torch 2.11, CI 2.13; this checks the
+#               CPU suite (compile, distributed) on the other version without a GPU
 #   make sanitize  the build, then tests/test_sanitize_kernels.py under compute-sanitizer's
 #               memcheck, racecheck, initcheck and synccheck (tools/sanitize.sh; docs/sanitize.md)
 # An existing torch is used as it is (the GPU machine has torch+CUDA and no network).
@@ -20,7 +23,7 @@ PYTEST_ARGS ?= -q
 # e.g. make demo DEMO_ARGS="--recipes bf16,mxfp8 --steps 300" (python -m tequant.demo --help)
 DEMO_ARGS ?=
 
-.PHONY: demo test build deps test-deps bench fuzz clean
+.PHONY: demo test test-torch build deps test-deps bench fuzz clean
 
 deps:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_SPEC)"
@@ -29,8 +32,13 @@ deps:
 # table and JSON and says what is missing, so a failed install does not stop make.
 	@$(PYTHON) -c "import matplotlib" 2>/dev/null || $(PIP) install matplotlib || \
 		echo "make deps: matplotlib could not be installed; the demo will write no loss.png"
-	@$(PYTHON) -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 64)" \
-		2>/dev/null || $(PIP) install "setuptools>=64"
+# The editable build needs setuptools >= 70.1, or >= 64 with the wheel package (a fresh venv of
+# Python 3.11 has setuptools 65 and no wheel); the version installed satisfies both supported
+# torches (2.13: >= 77.0.3, 2.11: < 82)
+	@$(PYTHON) -c "import importlib.util as u, setuptools, sys; \
+		v = tuple(map(int, setuptools.__version__.split('.')[:2])); \
+		sys.exit(not (v >= (70, 1) or (v >= (64, 0) and u.find_spec('wheel'))))" \
+		2>/dev/null || $(PIP) install "setuptools>=77.0.3,<82"
 	@req="$$($(PYTHON) build_tools/cuda.py --missing-cublas)"; \
 		if [ -n "$$req" ]; then echo "installing $$req (nvcc found, cuBLAS missing)"; $(PIP) install "$$req"; fi
 
@@ -49,6 +57,13 @@ test-deps: deps
 # pytest exits 5 when it collects no test; make treats any non-zero exit as a failure.
 test: build test-deps
 	$(PYTHON) -m pytest $(PYTEST_ARGS) tests
+
+# PyPI's torch wheel of 2.11 brings its CUDA libraries (~3 GB); it runs without a GPU.
+TORCH_VERSION ?= 2.11.0
+test-torch:
+	@[ -x .venv-torch-$(TORCH_VERSION)/bin/python ] || $(PYTHON) -m venv .venv-torch-$(TORCH_VERSION)
+	$(MAKE) test PYTHON=$(CURDIR)/.venv-torch-$(TORCH_VERSION)/bin/python \
+		TORCH_SPEC=torch==$(TORCH_VERSION) PYTEST_ARGS="$(PYTEST_ARGS)"
 
 # bench_quantize, bench_norm, bench_act, bench_block, bench_gemm, bench_overhead, bench_linear
 # and bench_tp_overhead need a GPU; without one they run their quick CPU-side checks.
