@@ -95,15 +95,17 @@ def build(workload, device, small):
     return model, x, dy, True, f"{label} M={m} {k}->{n}"
 
 
-def steps(model, recipe, device):
+def steps(model, recipe, device, modes):
     def forward(x):
         if recipe is None:  # the bf16 baseline
             return model(x)
         with te.autocast(recipe=recipe):
             return model(x)
 
-    fns = {"eager": forward, "compiled": torch.compile(forward, fullgraph=True)}
-    if device == "cuda":
+    fns = {"eager": forward}
+    if "compiled" in modes:
+        fns["compiled"] = torch.compile(forward, fullgraph=True)
+    if device == "cuda" and "reduce-overhead" in modes:
         fns["reduce-overhead"] = torch.compile(forward, mode="reduce-overhead", fullgraph=True)
     return fns
 
@@ -111,7 +113,7 @@ def steps(model, recipe, device):
 def run(workload, name, recipe, args, device, failures):
     torch._dynamo.reset()
     model, x, dy, exact, label = build(workload, device, args.quick or device == "cpu")
-    fns = steps(model, recipe, device)
+    fns = steps(model, recipe, device, args.modes)
     outputs = {}
 
     def step_of(mode):
@@ -195,12 +197,21 @@ def main():
     ap.add_argument("--workloads", help="comma list of " + ", ".join(WORKLOADS))
     ap.add_argument("--calls", type=int, default=None, help="steps per timed loop")
     ap.add_argument("--repeats", type=int, default=5, help="timed rounds (median)")
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help="comma list of " + ", ".join(MODES) + " (eager always runs: the reference)."
+                         " Once reduce-overhead has run, the process has cudagraph trees and"
+                         " tequant's compiled ops allocate through torch.empty from then on (as a"
+                         " user's process would): --modes eager,compiled measures default compile"
+                         " as a process without them runs it")
     ap.add_argument("--out", help="append the Markdown table to this file")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="also profile STEPS steps of each mode (torch.profiler): launches, GPU "
                          "kernel time and the top host ops per step")
     args = benchutil.parse(ap)
     device = args.device
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if any(m not in MODES for m in args.modes):
+        ap.error(f"--modes: expected a comma list of {', '.join(MODES)}, got {args.modes}")
     if args.calls is None:
         args.calls = 5 if (args.quick or device == "cpu") else 20
     workloads = [w.strip() for w in (args.workloads or ",".join(WORKLOADS)).split(",") if w.strip()]

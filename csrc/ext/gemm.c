@@ -48,10 +48,10 @@ static int operand_from_py(tqx_state *st, PyObject *spec, const char *name, tqx_
     return tqx_operand_set(st, &config, rows, cols, item[3], (uint32_t)usage, o);
 }
 
-/* Set by _gemm_workspace_per_call around the calls torch.compile's ops make: their memory may
- * come from a CUDA-graph pool (cudagraph trees warm up and record in one), where a workspace
- * kept past the call would be memory the graph does not track, and where the tensors they return
- * must be torch.empty's (torch_calls.c new_tensor). Per thread. */
+/* Set by _gemm_workspace_per_call around the calls torch.compile's ops make: once the process
+ * has cudagraph trees their memory may come from a CUDA-graph pool (the trees warm up and record
+ * in one), where a workspace kept past the call would be memory the graph does not track, and
+ * where the tensors they return must be torch.empty's (torch_calls.c new_tensor). Per thread. */
 static _Thread_local int workspace_per_call;
 
 /* The cuBLASLt workspace of (device, stream): made on first use, then reused (or made for this
@@ -64,7 +64,7 @@ static int workspace_for(tqx_state *st, PyObject *device, int device_index, void
     PyObject *tensor = PyDict_GetItemWithError(st->gemm_workspaces, key); /* borrowed */
     int rc = 0, capturing = 0;
     *owner = NULL;
-    if (workspace_per_call) tensor = NULL, capturing = 1;
+    if (tqx_op_may_use_graph_pool()) tensor = NULL, capturing = 1;
     if (tensor == NULL && !PyErr_Occurred()) {
         tq_status s = capturing ? TQ_SUCCESS
                                 : tq_stream_is_capturing((struct CUstream_st *)stream, &capturing);
@@ -297,10 +297,19 @@ static PyObject *py_workspace_per_call(PyObject *module, PyObject *flag) {
     return PyBool_FromLong(tqx_gemm_workspace_per_call(on));
 }
 
+static PyObject *py_cudagraph_trees_seen(PyObject *module, PyObject *unused) {
+    (void)module, (void)unused;
+    return PyBool_FromLong(tqx_cudagraph_trees_seen());
+}
+
 PyMethodDef tqx_gemm_methods[] = {
     {"_gemm_workspace_per_call", py_workspace_per_call, METH_O,
-     "_gemm_workspace_per_call(flag) -> previous\n\nWhile True (on this thread), each GEMM makes "
-     "its own cuBLASLt workspace instead of reusing a cached one (torch.compile's ops)."},
+     "_gemm_workspace_per_call(flag) -> previous\n\nTrue (on this thread) around torch.compile's "
+     "ops: once the process has cudagraph trees, each GEMM then makes its own cuBLASLt workspace "
+     "and new tensors come from torch.empty (a CUDA-graph pool may be active)."},
+    {"_cudagraph_trees_seen", py_cudagraph_trees_seen, METH_NOARGS,
+     "_cudagraph_trees_seen() -> bool\n\nWhether torch.compile's cudagraph trees have existed in "
+     "this process (sticky)."},
     {"_gemm", (PyCFunction)(void (*)(void))py_gemm, METH_FASTCALL,
      "_gemm(a, b, out, out_dtype, bias, flags) -> out\n\nout[M, N] = alpha * A . B^T (+ bias) "
      "(+ out when flags has ACCUMULATE=1; FAST_ACCUM=2). a, b: (config, rows, cols, members, "

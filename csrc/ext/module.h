@@ -349,6 +349,11 @@ int64_t tqx_packed_bytes(tqx_state *st, const tq_quant_config *config, int64_t r
 int tqx_gemm_workspace_per_call(int on);
 /* gemm.c: 1 while that flag is set, i.e. inside a torch.compile op's call on this thread */
 int tqx_in_compiled_op(void);
+/* torch_calls.c: 1 once torch.compile's cudagraph trees (mode="reduce-overhead") exist in the
+ * process (sticky), and 1 inside a compiled op once they do: its memory may then come from a
+ * CUDA-graph pool, so it keeps no workspace past the call and returns torch.empty tensors. */
+int tqx_cudagraph_trees_seen(void);
+int tqx_op_may_use_graph_pool(void);
 extern PyMethodDef tqx_linear_ops_methods[];
 
 /* linear_delayed.c: a module's DelayedScaling buffers as the compiled ops take them. A state is
