@@ -5,8 +5,9 @@ Every result of a compiled function is compared bit for bit with the same functi
 three GEMMs of a linear layer (fprop / dgrad / wgrad, bias, out=, accumulate), for every recipe
 kind on CPU and, where available, CUDA. Also: no graph break (fullgraph=True, and
 torch._dynamo.explain for NVFP4's step), a new recipe recompiles once and an equal one does not,
-DelayedScaling's history slot, stochastic rounding drawn at run time, and the eager errors. The
-ops are python/tequant/_compile_ops.py.
+DelayedScaling's history slot, stochastic rounding drawn at run time, the eager errors, and where
+the tensors a compiled te.Linear's ops return come from (the DLPack allocator until the process
+has cudagraph trees, torch.empty after). The ops are python/tequant/_compile_ops.py.
 """
 import os
 import re
@@ -410,3 +411,55 @@ def test_a_recipe_built_inside_the_compiled_region_is_refused():
 
     with pytest.raises(Exception, match="built inside the compiled region"):
         torch.compile(fn, fullgraph=True, backend="aot_eager")(X)
+
+
+_ALLOCATION_SCRIPT = """
+import copy, sys, torch, tequant as te
+from tequant.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
+
+def storages(recipe, model, x):
+    def step(inp):
+        with te.autocast(recipe=recipe):
+            return model(inp)
+    xc = x.detach().clone().requires_grad_()
+    y = torch.compile(step, backend="aot_eager", fullgraph=True)(xc)
+    y.sum().backward()
+    return y, y.untyped_storage().resizable(), xc.grad.untyped_storage().resizable()
+
+import torch._inductor.cudagraph_trees as trees  # imported, no tree yet: still the fast path
+cases = []
+for recipe in (DelayedScaling(amax_history_len=4), Float8CurrentScaling(), Float8BlockScaling()):
+    torch.manual_seed(0)
+    model = te.Linear(64, 32)
+    twin = copy.deepcopy(model)  # DelayedScaling: each module sees one step
+    x = torch.randn(16, 64, requires_grad=True)
+    with te.autocast(recipe=recipe):
+        y_eager = copy.deepcopy(model)(x)
+    assert not y_eager.untyped_storage().resizable()  # eager: the DLPack allocator
+    assert not te._C._cudagraph_trees_seen()
+    y, *resizable = storages(recipe, model, x)
+    assert resizable == [False, False] and torch.equal(y, y_eager), resizable
+    cases.append((recipe, twin, x, y_eager))
+trees.get_container(0)  # what mode="reduce-overhead" does first (no CUDA needed)
+assert te._C._cudagraph_trees_seen()
+for recipe, twin, x, y_eager in cases:
+    y, *resizable = storages(recipe, twin, x)
+    assert resizable == [True, True] and torch.equal(y, y_eager), resizable
+trees.reset_cudagraph_trees()  # emptied again: the answer stays (sticky)
+assert te._C._cudagraph_trees_seen()
+print("ok")
+"""
+
+
+def test_compiled_outputs_are_torch_allocations_once_cudagraph_trees_exist():
+    """Tensors tequant's ops return inside a compiled graph come from the DLPack allocator eager
+    te.Linear uses (a fixed storage) until the process has cudagraph trees; from then on from
+    torch.empty (a resizable storage with the caching allocator's own deleter), because the
+    trees free a graph output the caller still holds through that deleter and refuse any other
+    ("Expected standard deleter", seen on an H100 under mode="reduce-overhead"). The CPU shows
+    the split through resizable(); a fresh process, as the answer is sticky. The CUDA case:
+    tests/test_cuda_graphs.py (mode="reduce-overhead")."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run([sys.executable, "-c", _ALLOCATION_SCRIPT], env=env, timeout=300,
+                          capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
