@@ -440,8 +440,18 @@ for recipe in (DelayedScaling(amax_history_len=4), Float8CurrentScaling(), Float
     y, *resizable = storages(recipe, model, x)
     assert resizable == [False, False] and torch.equal(y, y_eager), resizable
     cases.append((recipe, twin, x, y_eager))
+import threading
+def in_thread(fn):
+    out = []
+    t = threading.Thread(target=lambda: out.append(fn()))
+    t.start()
+    t.join()
+    return out[0]
+assert not in_thread(te._C._cudagraph_trees_seen)  # a thread without trees (no TLS entry)
+assert not te._C._cudagraph_trees_seen()
 trees.get_container(0)  # what mode="reduce-overhead" does first (no CUDA needed)
-assert te._C._cudagraph_trees_seen()
+assert te._C._cudagraph_trees_seen()  # this thread's containers (its TLS) ...
+assert in_thread(te._C._cudagraph_trees_seen)  # ... and from then on every thread (sticky)
 for recipe, twin, x, y_eager in cases:
     y, *resizable = storages(recipe, twin, x)
     assert resizable == [True, True] and torch.equal(y, y_eager), resizable
@@ -457,7 +467,8 @@ def test_compiled_outputs_are_torch_allocations_once_cudagraph_trees_exist():
     torch.empty (a resizable storage with the caching allocator's own deleter), because the
     trees free a graph output the caller still holds through that deleter and refuse any other
     ("Expected standard deleter", seen on an H100 under mode="reduce-overhead"). The CPU shows
-    the split through resizable(); a fresh process, as the answer is sticky. The CUDA case:
+    the split through resizable(); a fresh process, as the answer is sticky. The check reads the
+    calling thread's TLS, where torch keeps the trees' containers (a plain thread has none). The CUDA case:
     tests/test_cuda_graphs.py (mode="reduce-overhead")."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     done = subprocess.run([sys.executable, "-c", _ALLOCATION_SCRIPT], env=env, timeout=300,

@@ -64,7 +64,7 @@ static int workspace_for(tqx_state *st, PyObject *device, int device_index, void
     PyObject *tensor = PyDict_GetItemWithError(st->gemm_workspaces, key); /* borrowed */
     int rc = 0, capturing = 0;
     *owner = NULL;
-    if (tqx_op_may_use_graph_pool()) tensor = NULL, capturing = 1;
+    if (tqx_op_may_use_graph_pool(st)) tensor = NULL, capturing = 1;
     if (tensor == NULL && !PyErr_Occurred()) {
         tq_status s = capturing ? TQ_SUCCESS
                                 : tq_stream_is_capturing((struct CUstream_st *)stream, &capturing);
@@ -298,8 +298,8 @@ static PyObject *py_workspace_per_call(PyObject *module, PyObject *flag) {
 }
 
 static PyObject *py_cudagraph_trees_seen(PyObject *module, PyObject *unused) {
-    (void)module, (void)unused;
-    return PyBool_FromLong(tqx_cudagraph_trees_seen());
+    (void)unused;
+    return PyBool_FromLong(tqx_cudagraph_trees_seen(tqx_module_state(module)));
 }
 
 PyMethodDef tqx_gemm_methods[] = {

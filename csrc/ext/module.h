@@ -124,6 +124,10 @@ typedef struct tqx_state {
     PyObject *kw_dtype_device; /* ("dtype", "device"): the keyword names of torch.empty calls */
     PyObject *torch_is_autocast_enabled, *torch_set_autocast_enabled;
     PyObject *torch_dtypes[TQX_TORCH_DTYPE_COUNT];
+    /* torch._C._is_key_in_tls / _get_obj_in_tls and "tree_manager_containers": where cudagraph
+     * trees keep their per-thread containers (tqx_cudagraph_trees_seen); trees_seen: sticky */
+    PyObject *tls_has_key, *tls_get_obj, *trees_key;
+    int trees_seen;
     /* torch's CUDA caching allocator, raw (torch._C._cuda_cudaCachingAllocator_raw_alloc /
      * _raw_delete), for memory that lives within one call; NULL without CUDA torch */
     PyObject *raw_alloc, *raw_delete;
@@ -352,8 +356,8 @@ int tqx_in_compiled_op(void);
 /* torch_calls.c: 1 once torch.compile's cudagraph trees (mode="reduce-overhead") exist in the
  * process (sticky), and 1 inside a compiled op once they do: its memory may then come from a
  * CUDA-graph pool, so it keeps no workspace past the call and returns torch.empty tensors. */
-int tqx_cudagraph_trees_seen(void);
-int tqx_op_may_use_graph_pool(void);
+int tqx_cudagraph_trees_seen(tqx_state *st);
+int tqx_op_may_use_graph_pool(tqx_state *st);
 extern PyMethodDef tqx_linear_ops_methods[];
 
 /* linear_delayed.c: a module's DelayedScaling buffers as the compiled ops take them. A state is

@@ -6,7 +6,9 @@
  * C call went 35.6 -> 27.4 us and its backward 70.4 -> 39.4 us), other dtypes and zeroed
  * tensors through torch.empty / torch.zeros with the pointer read back through DLPack
  * (tensor_view.c); memory used only within one call is a raw block of the same allocator
- * (tqx_scratch_alloc).
+ * (tqx_scratch_alloc). Inside torch.compile's ops, once the process has cudagraph trees, every
+ * tensor comes from torch.empty (their deleter rule; tqx_cudagraph_trees_seen, tested in
+ * tests/test_compile_ops.py).
  * Tests: tests/test_quantize_*.py and tests/test_gemm.py allocate through here; scratch:
  * tests/test_linear_alloc.py (reused, poisoned blocks; misaligned inputs), tests/test_gemm.py.
  */
@@ -32,6 +34,12 @@ int tqx_torch_import(tqx_state *st) {
     if (ok) ok = (st->torch_is_autocast_enabled = PyObject_GetAttrString(torch, "is_autocast_enabled")) != NULL;
     if (ok) ok = (st->torch_set_autocast_enabled = PyObject_GetAttrString(torch, "set_autocast_enabled")) != NULL;
     if (ok) ok = (st->kw_dtype_device = Py_BuildValue("(ss)", "dtype", "device")) != NULL;
+    PyObject *torch_c = ok ? PyObject_GetAttrString(torch, "_C") : NULL;
+    ok = torch_c != NULL;
+    if (ok) ok = (st->tls_has_key = PyObject_GetAttrString(torch_c, "_is_key_in_tls")) != NULL;
+    if (ok) ok = (st->tls_get_obj = PyObject_GetAttrString(torch_c, "_get_obj_in_tls")) != NULL;
+    if (ok) ok = (st->trees_key = PyUnicode_InternFromString("tree_manager_containers")) != NULL;
+    Py_XDECREF(torch_c);
     if (ok) ok = (st->torch_mm = PyObject_GetAttrString(torch, "mm")) != NULL;
     Py_DECREF(torch);
     if (!ok) tqx_torch_clear(st); /* all or nothing: torch_mm marks a complete import */
@@ -152,46 +160,31 @@ static PyObject *exchange_empty(tqx_state *st, PyObject *shape, tq_dtype dtype, 
     return tensor;
 }
 
-/* Set once cudagraph trees have made a tree-manager container in this process (under the GIL);
- * from then on it stays set, even after torch resets its trees. */
-static int cudagraph_trees_seen;
-
-/* Whether this thread's cudagraph-trees containers dict is non-empty: the importing thread's
- * threading.local holds it, autograd's threads find it in the TLS torch copies to them, other
- * threads have none (0). 1 where torch's internals are not as expected (the answer that is
- * always safe). */
-static int trees_on_this_thread(PyObject *trees) {
-    PyObject *local = PyObject_GetAttrString(trees, "local");
-    PyObject *found = local ? PyObject_GetAttrString(local, "tree_manager_containers") : NULL;
-    Py_XDECREF(local);
-    if (found == NULL && PyErr_ExceptionMatches(PyExc_AttributeError)) {
-        PyErr_Clear();
-        PyObject *torch_c = PyImport_ImportModule("torch._C");
-        PyObject *key = PyUnicode_FromString("tree_manager_containers");
-        PyObject *in_tls = torch_c && key
-                               ? PyObject_CallMethod(torch_c, "_is_key_in_tls", "O", key) : NULL;
-        const int in = in_tls ? PyObject_IsTrue(in_tls) : -1;
-        if (in == 1) found = PyObject_CallMethod(torch_c, "_get_obj_in_tls", "O", key);
-        Py_XDECREF(in_tls);
-        Py_XDECREF(key);
-        Py_XDECREF(torch_c);
-        if (in == 0) return 0;
-    }
-    const int seen = found && PyDict_Check(found) ? PyDict_GET_SIZE(found) > 0 : 1;
-    if (found == NULL) PyErr_Clear();
-    Py_XDECREF(found);
-    return seen;
+/* Whether cudagraph trees have made a tree-manager container in this process: torch keeps the
+ * containers dict of a thread in its TLS (torch._C._stash_obj_in_tls, copied to autograd's
+ * threads), present once torch._inductor.cudagraph_trees ran on the thread. Sticky once true
+ * (st->trees_seen), even after torch resets its trees; the answer that is always safe (1) where
+ * torch's internals are not as expected. */
+int tqx_cudagraph_trees_seen(tqx_state *st) {
+    if (st->trees_seen) return 1;
+    if (PyDict_GetItemString(PyImport_GetModuleDict(), "torch._inductor.cudagraph_trees") == NULL)
+        return 0; /* never imported: torch.compile has made no CUDA graph */
+    if (tqx_torch_import(st) < 0) return PyErr_Clear(), st->trees_seen = 1;
+    PyObject *has = PyObject_CallOneArg(st->tls_has_key, st->trees_key);
+    const int on_thread = has ? PyObject_IsTrue(has) : -1;
+    Py_XDECREF(has);
+    if (on_thread == 0) return 0; /* a thread where cudagraph trees never ran */
+    PyObject *containers = on_thread == 1 ? PyObject_CallOneArg(st->tls_get_obj, st->trees_key)
+                                          : NULL;
+    const int seen = containers && PyDict_Check(containers) ? PyDict_GET_SIZE(containers) > 0 : 1;
+    if (containers == NULL) PyErr_Clear();
+    Py_XDECREF(containers);
+    return st->trees_seen = seen;
 }
 
-int tqx_cudagraph_trees_seen(void) {
-    if (cudagraph_trees_seen) return 1;
-    PyObject *trees = PyDict_GetItemString(PyImport_GetModuleDict(),
-                                           "torch._inductor.cudagraph_trees"); /* borrowed */
-    if (trees == NULL) return 0; /* never imported: torch.compile has made no CUDA graph */
-    return cudagraph_trees_seen = trees_on_this_thread(trees);
+int tqx_op_may_use_graph_pool(tqx_state *st) {
+    return tqx_in_compiled_op() && tqx_cudagraph_trees_seen(st);
 }
-
-int tqx_op_may_use_graph_pool(void) { return tqx_in_compiled_op() && tqx_cudagraph_trees_seen(); }
 
 static PyObject *new_tensor(tqx_state *st, PyObject *shape, tq_dtype dtype, PyObject *device,
                             int zeroed, void **data) {
@@ -201,7 +194,7 @@ static PyObject *new_tensor(tqx_state *st, PyObject *shape, tq_dtype dtype, PyOb
      * ("Expected standard deleter"), which a DLPack-made tensor has. torch.empty's is standard.
      * Until the process has cudagraph trees, compiled ops take the fast allocator as eager does
      * (~14 us per te.Linear forward on the CPU VM, ~3-4 us per allocation on the H100 host). */
-    if (!zeroed && !tqx_op_may_use_graph_pool()) {
+    if (!zeroed && !tqx_op_may_use_graph_pool(st)) {
         PyObject *fast = exchange_empty(st, shape, dtype, device, data);
         if (fast != NULL || PyErr_Occurred()) return fast;
     }
@@ -354,6 +347,9 @@ void tqx_torch_clear(tqx_state *st) {
     Py_CLEAR(st->torch_is_autocast_enabled);
     Py_CLEAR(st->torch_set_autocast_enabled);
     for (int i = 0; i < TQX_TORCH_DTYPE_COUNT; i++) Py_CLEAR(st->torch_dtypes[i]);
+    Py_CLEAR(st->tls_has_key);
+    Py_CLEAR(st->tls_get_obj);
+    Py_CLEAR(st->trees_key);
     Py_CLEAR(st->gemm_workspaces);
 }
 
@@ -367,6 +363,9 @@ int tqx_torch_traverse(tqx_state *st, visitproc visit, void *arg) {
     Py_VISIT(st->torch_is_autocast_enabled);
     Py_VISIT(st->torch_set_autocast_enabled);
     for (int i = 0; i < TQX_TORCH_DTYPE_COUNT; i++) Py_VISIT(st->torch_dtypes[i]);
+    Py_VISIT(st->tls_has_key);
+    Py_VISIT(st->tls_get_obj);
+    Py_VISIT(st->trees_key);
     Py_VISIT(st->gemm_workspaces);
     return 0;
 }
