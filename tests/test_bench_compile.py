@@ -41,3 +41,13 @@ def test_profile_counts_host_ops_per_step():
     lines = bench_compile.profile_lines([("tiny", "current", {"eager": p})])
     row = _cells(lines, "tiny")[0]
     assert row[:4] == ["tiny", "current", "eager", "0"] and "aten::mm (2," in row[5]
+
+
+def test_reduce_overhead_runs_in_a_second_pass():
+    """Default compile is timed before any cudagraph tree exists (they change tequant's compiled
+    allocations for the rest of the process); CPU has no reduce-overhead."""
+    assert bench_compile.passes(["eager", "compiled", "reduce-overhead"], "cuda") == [
+        ["eager", "compiled"], ["eager", "reduce-overhead"]]
+    assert bench_compile.passes(["eager", "compiled", "reduce-overhead"], "cpu") == [
+        ["eager", "compiled"]]
+    assert bench_compile.passes(["eager", "compiled"], "cuda") == [["eager", "compiled"]]
