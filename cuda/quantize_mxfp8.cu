@@ -430,16 +430,18 @@ constexpr int kDequantThreads = 256;
 constexpr int kDequantRows = 32;
 using tq_cuda::kDequantUnit;
 
-/* Unit u of the row groups y, y + ny, ...: the body of dequantize_kernel. */
+/* Unit u of the row groups y, y + ny, ...: the body of dequantize_kernel. exps_ld: the stride of
+ * the block-major exponents (rows, or more for rows [r0, r0 + rows) of a taller direction, whose
+ * exps start at its column r0: an emulated GEMM's chunks of A). */
 template <typename Out, bool kVec>
 __device__ __forceinline__ void dequantize_unit(const uint8_t *__restrict__ codes,
-                                                const uint8_t *__restrict__ exps, int64_t rows,
-                                                int64_t cols, int e5m2,
+                                                const uint8_t *__restrict__ exps, int64_t exps_ld,
+                                                int64_t rows, int64_t cols, int e5m2,
                                                 typename Out::storage *__restrict__ out, int64_t ld,
                                                 int64_t u, int64_t y, int64_t ny) {
     using T = typename Out::storage;
     if (u >= cols / kDequantUnit) return;
-    const uint8_t *unit_exps = exps + (u >> 2) * rows;
+    const uint8_t *unit_exps = exps + (u >> 2) * exps_ld;
     for (int64_t r0 = y * kDequantRows; r0 < rows; r0 += ny * kDequantRows) {
         const int n = (int)min(rows - r0, (int64_t)kDequantRows);
 #pragma unroll 4
@@ -473,7 +475,7 @@ __global__ void __launch_bounds__(kDequantThreads)
 dequantize_kernel(const uint8_t *__restrict__ codes, const uint8_t *__restrict__ exps,
                   int64_t rows, int64_t cols, int e5m2, typename Out::storage *__restrict__ out,
                   int64_t ld) {
-    dequantize_unit<Out, kVec>(codes, exps, rows, cols, e5m2, out, ld,
+    dequantize_unit<Out, kVec>(codes, exps, rows, rows, cols, e5m2, out, ld,
                                (int64_t)blockIdx.x * kDequantThreads + threadIdx.x, blockIdx.y,
                                gridDim.y);
 }
@@ -483,7 +485,7 @@ dequantize_kernel(const uint8_t *__restrict__ codes, const uint8_t *__restrict__
  * host time per GEMM). */
 struct ValuesPair {
     const uint8_t *codes[2], *exps[2];
-    int64_t rows[2], cols[2], ld[2];
+    int64_t exps_ld[2], rows[2], cols[2], ld[2];
     int e5m2[2];
     uint16_t *out[2];
     unsigned blocks_a;
@@ -493,7 +495,8 @@ template <bool kVec>
 __global__ void __launch_bounds__(kDequantThreads) values_pair_kernel(const ValuesPair p) {
     const int i = blockIdx.x < p.blocks_a ? 0 : 1;
     const int64_t block = i ? blockIdx.x - p.blocks_a : blockIdx.x;
-    dequantize_unit<tq_cuda::DequantBf16, kVec>(p.codes[i], p.exps[i], p.rows[i], p.cols[i],
+    dequantize_unit<tq_cuda::DequantBf16, kVec>(p.codes[i], p.exps[i], p.exps_ld[i], p.rows[i],
+                                                p.cols[i],
                                                 p.e5m2[i], p.out[i], p.ld[i],
                                                 block * kDequantThreads + threadIdx.x, blockIdx.y,
                                                 gridDim.y);
@@ -572,6 +575,7 @@ extern "C" tq_status tq_gemm_values_mxfp8_cuda(const tq_quant_config *config_a, 
         p.codes[i] = static_cast<const uint8_t *>(data[i]->data);
         p.exps[i] = static_cast<const uint8_t *>(scales[i]->data);
         p.rows[i] = values[i]->rows, p.cols[i] = values[i]->cols, p.ld[i] = values[i]->ld;
+        p.exps_ld[i] = scales[i]->ld > values[i]->rows ? scales[i]->ld : values[i]->rows;
         p.e5m2[i] = configs[i]->elem_dtype == TQ_DTYPE_FLOAT8_E5M2;
         p.out[i] = static_cast<uint16_t *>(values[i]->data);
         grids[i] = dequantize_grid(values[i]->rows, values[i]->cols);

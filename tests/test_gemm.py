@@ -257,6 +257,27 @@ def test_any_row_count_the_format_quantizes(name, M, product, device):
     check(y, reference(qa, qb, product), tol(name, torch.float32, device), shape=result_shape)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("product", ["fprop", "dgrad"])
+@pytest.mark.parametrize("name", EMULATED)
+def test_emulated_tall_a_in_row_chunks(name, product, out_dtype, device):
+    """On CUDA an emulated GEMM dequantizes A in chunks of max(128, N) rows (its scratch bound):
+    M = 352 against N <= 96 runs chunks of 128, 128 and 96 rows, each into its rows of out,
+    also with accumulate and bias (csrc/core/gemm.c run_emulated)."""
+    hp = operands(352, 64, 96, seed=5)
+    qa, qb = quantize_for(name, product, hp, device=device)
+    want = reference(qa, qb, product)
+    check(gemm(qa, qb, product, out_dtype=out_dtype), want, tol(name, out_dtype, device),
+          shape=want.shape)
+    g = torch.Generator().manual_seed(2)
+    start = torch.randn(want.shape, generator=g).to(device, out_dtype)
+    bias = torch.randn(want.shape[1], generator=g).to(device)
+    out = start.clone()
+    gemm(qa, qb, product, out_dtype=out_dtype, out=out, accumulate=True, bias=bias)
+    check(out, start.double() + want + bias.to(out_dtype).double(), tol(name, out_dtype, device))
+
+
 def shape_with_contraction(product, k):
     """(M, K, N) whose contraction length in `product` is k (fprop K, dgrad N, wgrad M)."""
     return {"fprop": (7, k, 32), "dgrad": (7, 32, k), "wgrad": (k, 32, 48)}[product]

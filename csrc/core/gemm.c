@@ -96,13 +96,22 @@ typedef struct scratch_plan {
 
 static int64_t pad8(int64_t v) { return (v + 7) / 8 * 8; }
 
+/* Rows of A an emulated GEMM dequantizes at a time: as many as B has (at least 128, a multiple
+ * of 128), so a tall A's BF16 values take at most B's scratch instead of all of A's (wgrad of
+ * a wide layer: A = dy^T [2 x ffn, tokens] against B = x^T [d, tokens]). Rows of the product
+ * are independent, so chunks of A give chunks of out's rows. */
+static int64_t emulated_chunk_rows(int64_t m, int64_t n) {
+    const int64_t rows = n <= 128 ? 128 : n / 128 * 128;
+    return m < rows ? m : rows;
+}
+
 static scratch_plan plan_scratch(family f, const tq_quant_config *ca, int64_t m, int64_t n,
                                  int64_t k, tq_dtype out_dtype) {
     scratch_plan s;
     memset(&s, 0, sizeof s);
     size_t at = 0;
     if (f == FAMILY_MXFP8 || f == FAMILY_NVFP4) {
-        s.a_values = at, at += align256((size_t)m * (size_t)k * 2);
+        s.a_values = at, at += align256((size_t)emulated_chunk_rows(m, n) * (size_t)k * 2);
         s.b_values = at, at += align256((size_t)n * (size_t)k * 2);
         s.scalars = at, at += 256;
     } else if (f == FAMILY_BLOCK && m % 8 != 0) {
@@ -314,6 +323,69 @@ static tq_status run_padded(tq_lt_call *call, const direction *da, const tq_quan
                                         cudaMemcpyDeviceToDevice, s), "copying the padded output back");
 }
 
+/* Rows [r0, r0 + rows) of an emulated direction: its codes and scales from row r0. MXFP8's
+ * scales are block-major [k / 32, rows] (a column range, ld kept: the values kernel reads it),
+ * NVFP4's compact [rows, k / 16]. */
+static void direction_rows(family f, const direction *d, int64_t r0, int64_t rows,
+                           tq_tensor *data, tq_tensor *scale) {
+    *data = *d->data, *scale = *d->scale_inv;
+    const int64_t code_bytes = f == FAMILY_NVFP4 ? d->k / 2 : d->k;
+    data->data = (char *)data->data + r0 * code_bytes;
+    data->rows = rows;
+    if (f == FAMILY_NVFP4) {
+        scale->data = (char *)scale->data + r0 * (d->k / 16);
+        scale->rows = rows;
+    } else {
+        scale->data = (char *)scale->data + r0;
+        scale->cols = rows;
+    }
+}
+
+/* MXFP8 / NVFP4 on Hopper: A's rows in chunks (emulated_chunk_rows), each dequantized to BF16
+ * beside B's values (made with the first chunk) and multiplied into its rows of out. */
+static tq_status run_emulated(tq_lt_call *call, family f, const tq_gemm_operand *a,
+                              const tq_gemm_operand *b, const direction *da, const direction *db,
+                              const tq_gemm_info *info, const tq_gemm_args *args, tq_tensor *out,
+                              const scratch_plan *sp) {
+    const int64_t chunk = emulated_chunk_rows(info->m, info->n);
+    tq_tensor vb = scratch_view(args, sp->b_values, info->n, info->k, TQ_DTYPE_BFLOAT16);
+    tq_tensor no_b = vb;
+    no_b.rows = 0; /* later chunks: B's values are in scratch already */
+    float *scalars = (float *)((char *)args->scratch.data + sp->scalars);
+    const float beta = (args->flags & TQ_GEMM_ACCUMULATE) != 0 ? 1.0f : 0.0f;
+    const size_t out_row_bytes = (size_t)out->ld * (size_t)(tq_dtype_bits(out->dtype) / 8);
+    call->a_type = call->b_type = CUDA_R_16BF;
+    call->a_scale_mode = call->b_scale_mode = -1;
+    call->a = vb.data, call->lda = info->k;
+    call->ldb = info->k;
+    if (f == FAMILY_NVFP4) { /* alpha from the amaxes, on the device: no host sync */
+        call->device_scalars = 1;
+        call->alpha = scalars;
+        call->beta = scalars + 1;
+    }
+    for (int64_t r0 = 0; r0 < info->m; r0 += chunk) {
+        const int64_t rows = info->m - r0 < chunk ? info->m - r0 : chunk;
+        tq_tensor a_data, a_scale;
+        direction_rows(f, da, r0, rows, &a_data, &a_scale);
+        tq_tensor va = scratch_view(args, sp->a_values, rows, info->k, TQ_DTYPE_BFLOAT16);
+        tq_tensor *b_values = r0 == 0 ? &vb : &no_b;
+        tq_status st = f == FAMILY_NVFP4
+            ? tq_gemm_values_nvfp4_cuda(&a_data, &a_scale, &va, db->data, db->scale_inv, b_values,
+                                        (const float *)da->amax->data,
+                                        (const float *)db->amax->data, beta, scalars,
+                                        call->stream)
+            : tq_gemm_values_mxfp8_cuda(a->config, &a_data, &a_scale, &va, b->config, db->data,
+                                        db->scale_inv, b_values, call->stream);
+        if (st != TQ_SUCCESS) return st;
+        call->b = va.data;
+        call->n = rows; /* cuBLAS's n: our M */
+        call->d = (char *)out->data + (size_t)r0 * out_row_bytes;
+        st = tq_lt_matmul(call);
+        if (st != TQ_SUCCESS) return st;
+    }
+    return TQ_SUCCESS;
+}
+
 static tq_status gemm_cuda(const tq_gemm_operand *a, const tq_gemm_operand *b,
                            const tq_gemm_args *args, const tq_gemm_info *info, tq_tensor *out,
                            struct CUstream_st *stream) {
@@ -341,30 +413,7 @@ static tq_status gemm_cuda(const tq_gemm_operand *a, const tq_gemm_operand *b,
     call.workspace_bytes = args->workspace.data ? (size_t)args->workspace.rows * (size_t)args->workspace.cols : 0;
     call.stream = stream;
     call.what = what;
-    if (info->emulated) {
-        tq_tensor va = scratch_view(args, sp.a_values, info->m, info->k, TQ_DTYPE_BFLOAT16);
-        tq_tensor vb = scratch_view(args, sp.b_values, info->n, info->k, TQ_DTYPE_BFLOAT16);
-        tq_status st;
-        if (f == FAMILY_NVFP4) { /* values and alpha from the amaxes, on the device: no host sync */
-            float *scalars = (float *)((char *)args->scratch.data + sp.scalars);
-            st = tq_gemm_values_nvfp4_cuda(da.data, da.scale_inv, &va, db.data, db.scale_inv, &vb,
-                                           (const float *)da.amax->data,
-                                           (const float *)db.amax->data,
-                                           accumulate ? 1.0f : 0.0f, scalars, stream);
-            call.device_scalars = 1;
-            call.alpha = scalars;
-            call.beta = scalars + 1;
-        } else {
-            st = tq_gemm_values_mxfp8_cuda(a->config, da.data, da.scale_inv, &va, b->config,
-                                           db.data, db.scale_inv, &vb, stream);
-        }
-        if (st != TQ_SUCCESS) return st;
-        call.a_type = call.b_type = CUDA_R_16BF;
-        call.a_scale_mode = call.b_scale_mode = -1;
-        call.a = vb.data, call.lda = info->k;
-        call.b = va.data, call.ldb = info->k;
-        return tq_lt_matmul(&call);
-    }
+    if (info->emulated) return run_emulated(&call, f, a, b, &da, &db, info, args, out, &sp);
     call.a_type = cuda_type(b->config->elem_dtype);
     call.b_type = cuda_type(a->config->elem_dtype);
     call.a = db.data->data, call.lda = db.data->ld;
