@@ -6,7 +6,8 @@
  * (gemm_cublaslt.c): out[M, N] = A[M, K] . B[N, K]^T is cuBLAS's TN product with cuBLAS A = our B.
  * MXFP8 and NVFP4 are emulated: both directions are dequantized exactly to BF16 into scratch
  * in one launch (tq_gemm_values_{mxfp8,nvfp4}_cuda, which for NVFP4 also writes its global
- * factor as the device alpha) and a BF16 GEMM runs on them.
+ * factor as the device alpha) and a BF16 GEMM runs on them; a tall A goes in row chunks of
+ * max(128, N) rows (run_emulated), which bounds the scratch near twice B's values.
  * Block FP8 with M % 8 != 0 (cuBLASLt wants n % 8 == 0 with 1x128 scales) runs on a zero-padded
  * copy of A in scratch. Tests: tests/test_gemm.py.
  */
