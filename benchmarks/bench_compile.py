@@ -2,7 +2,9 @@
 
 Workloads: a small transformer block (LayerNorm, te.Linear QKV / proj / FC1 / FC2, attention in
 torch; 4 x 512 tokens, width 1024), the demo's GPT at its medium size (d=512, 6 layers, 32 x 256
-tokens, the loss as output: issue 23's model) and PERFORMANCE.md's GEMM set (one te.Linear per
+tokens, the loss as output: issue 23's model), the same GPT built from te.LayerNormLinear /
+te.LayerNormMLP ("gpt-fused", its rows measured against the gpt's bf16 row, which is plain
+torch math) and PERFORMANCE.md's GEMM set (one te.Linear per
 shape: QKV, proj, FC1, FC2 at M=15872), per recipe. A step is `with te.autocast(recipe=r): y =
 model(x)` then y.backward(dy), with the autocast inside the compiled function; bf16 parameters
 and activations. The GPT also runs in bf16 without te.autocast (the "bf16" row: te.Linear's
@@ -33,7 +35,7 @@ import benchutil  # noqa: E402
 
 import tequant as te  # noqa: E402
 
-WORKLOADS = ("block", "gpt") + benchutil.GEMM_SET
+WORKLOADS = ("block", "gpt", "gpt-fused") + benchutil.GEMM_SET
 MODES = ("eager", "compiled", "reduce-overhead")
 profiles = []  # --profile: (workload, recipe, {mode: profile()}) of each row, in order
 
@@ -78,11 +80,12 @@ def build(workload, device, small):
         model = Block(width, 8, device)
         x = torch.randn(batch, seq, width, generator=g, device=device, dtype=torch.bfloat16)
         return model, x, torch.randn_like(x), False, f"block {batch}x{seq} tokens, width {width}"
-    if workload == "gpt":
+    if workload in ("gpt", "gpt-fused"):
         from tequant.demo.model import GPT, SIZES
         cfg = SIZES["tiny" if small else "medium"]
         torch.manual_seed(0)
-        gpt = GPT(64, cfg["d_model"], cfg["layers"], cfg["heads"], cfg["seq_len"])
+        gpt = GPT(64, cfg["d_model"], cfg["layers"], cfg["heads"], cfg["seq_len"],
+                  fused=workload == "gpt-fused")
         shape = (cfg["batch"], cfg["seq_len"])
         idx, targets = (torch.randint(0, 64, shape, generator=g, device=device) for _ in range(2))
         model = GPTLoss(gpt.to(device=device, dtype=torch.bfloat16), targets)
@@ -235,6 +238,8 @@ def main():
     for modes in passes(args.modes, device):
         for workload in workloads:
             for name, recipe in ([("bf16", None)] if workload == "gpt" else []) + recipes:
+                if workload == "gpt-fused":  # the same label: gpt's bf16 row is its baseline
+                    name += " (fused modules)"
                 try:
                     where, t = run(workload, name, recipe, args, device, failures, modes)
                 except Exception as e:  # noqa: BLE001  (a row that fails is reported, not fatal)

@@ -176,3 +176,41 @@ def test_demo_sweep(tmp_path, one_thread, capsys, monkeypatch):
     assert "fp32 (CPU baseline)" in table
     if importlib.util.find_spec("matplotlib"):
         assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _fused_twin(gpt, fused):
+    """fused holds gpt's weights under the fused modules' names."""
+    state = {}
+    for name, value in gpt.state_dict().items():
+        for old, new in ((".ln1.weight", ".qkv.layer_norm_weight"), (".ln1.bias", ".qkv.layer_norm_bias"),
+                         (".ln2.weight", ".mlp.layer_norm_weight"), (".ln2.bias", ".mlp.layer_norm_bias"),
+                         (".fc1.", ".mlp.fc1_"), (".fc2.", ".mlp.fc2_")):
+            name = name.replace(old, new)
+        state[name] = value
+    fused.load_state_dict(state)
+
+
+@pytest.mark.parametrize("recipe", [None, "DelayedScaling", "Float8CurrentScaling"])
+def test_demo_fused_blocks_match_te_linear_blocks(recipe, one_thread):
+    """GPT(fused=True) (te.LayerNormLinear / te.LayerNormMLP blocks) is the same model as the
+    te.Linear blocks with torch's LayerNorm and GELU: the same loss and gradients, exactly enough
+    in float32 outside te.autocast, within FP8's quantization error inside it."""
+    import tequant as te
+    from tequant.demo.model import GPT
+    torch.manual_seed(0)
+    plain, fused = GPT(20, 64, 2, 2, 16), GPT(20, 64, 2, 2, 16, fused=True)
+    _fused_twin(plain, fused)
+    assert sum(p.numel() for p in plain.parameters()) == sum(p.numel() for p in fused.parameters())
+    idx, targets = torch.randint(0, 20, (3, 16)), torch.randint(0, 20, (3, 16))
+    grads, losses = [], []
+    for model in (plain, fused):
+        with te.autocast(enabled=recipe is not None,
+                         recipe=getattr(te.recipe, recipe)() if recipe else None):
+            loss = model(idx, targets)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append(torch.cat([model.get_parameter(n).grad.flatten() for n, _ in
+                                sorted(model.named_parameters()) if "blocks" not in n]))
+    tol = 1e-5 if recipe is None else 3e-2
+    assert abs(losses[0] - losses[1]) <= tol * losses[0]
+    assert (grads[0] - grads[1]).norm() <= tol * grads[0].norm()

@@ -3,6 +3,9 @@
 Token and position embeddings, LayerNorm and attention (torch's scaled_dot_product_attention,
 causal) are torch; the QKV projection, the attention output projection and the MLP's fc1 and
 fc2 are te.Linear, so inside te.autocast every GEMM of every block runs in the recipe's format.
+With fused=True a block is built as TransformerEngine users build theirs: te.LayerNormLinear
+(ln1 + qkv), te.Linear (proj) and te.LayerNormMLP (ln2 + fc1 + gelu + fc2), whose norm and
+activation kernels write the GEMMs' quantized inputs themselves; the same math.
 The LM head is torch and weight-tied to the token embedding (why: see GPT's docstring).
 Tests: tests/test_demo.py (through the demo).
 """
@@ -12,7 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .. import Linear
+from .. import LayerNormLinear, LayerNormMLP, Linear
 
 # d_model, layers, heads, seq_len, batch, default steps, peak LR. Every dim is a multiple of 32,
 # MXFP8's block (te.Linear's strictest rule).
@@ -25,26 +28,34 @@ SIZES = {
 
 
 class Block(torch.nn.Module):
-    def __init__(self, d_model, heads, init_std, out_std):
+    def __init__(self, d_model, heads, init_std, out_std, fused=False):
         super().__init__()
-        self.head_dim = d_model // heads
-        self.ln1 = torch.nn.LayerNorm(d_model)
-        self.ln2 = torch.nn.LayerNorm(d_model)
+        self.head_dim, self.fused = d_model // heads, fused
         # a partial, not a closure: the module keeps init_method, and the model stays picklable
         normal = lambda std: functools.partial(torch.nn.init.normal_, std=std)  # noqa: E731
-        self.qkv = Linear(d_model, 3 * d_model, init_method=normal(init_std))
+        if fused:
+            self.qkv = LayerNormLinear(d_model, 3 * d_model, init_method=normal(init_std))
+            self.mlp = LayerNormMLP(d_model, 4 * d_model, init_method=normal(init_std),
+                                    output_layer_init_method=normal(out_std))
+        else:
+            self.ln1 = torch.nn.LayerNorm(d_model)
+            self.ln2 = torch.nn.LayerNorm(d_model)
+            self.qkv = Linear(d_model, 3 * d_model, init_method=normal(init_std))
+            self.fc1 = Linear(d_model, 4 * d_model, init_method=normal(init_std))
+            self.fc2 = Linear(4 * d_model, d_model, init_method=normal(out_std))
         self.proj = Linear(d_model, d_model, init_method=normal(out_std))
-        self.fc1 = Linear(d_model, 4 * d_model, init_method=normal(init_std))
-        self.fc2 = Linear(4 * d_model, d_model, init_method=normal(out_std))
 
     def forward(self, x):
+        fused = self.fused
         # sizes from qkv's output: under tensor parallelism (examples/train_fsdp.py --tp) it holds
         # this rank's heads [q; k; v], and with sequence parallelism all the tokens
-        qkv = self.qkv(self.ln1(x))
+        qkv = self.qkv(x) if fused else self.qkv(self.ln1(x))
         b, t = qkv.shape[:2]
         q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in qkv.chunk(3, dim=-1))
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(a.transpose(1, 2).reshape(b, t, -1))
+        if fused:
+            return x + self.mlp(x)
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
 
 
@@ -55,10 +66,11 @@ class GPT(torch.nn.Module):
     vocabulary (VOCAB, 57 characters) is no multiple of 32, tying halves the parameters of the
     embedding/head pair, and keeping the first and last layers in high precision is what
     TransformerEngine recipes do in practice (the logits are the most quantization-sensitive
-    GEMM). Everything between is quantized.
+    GEMM). Everything between is quantized. fused=True builds the blocks from te.LayerNormLinear
+    and te.LayerNormMLP (see the module docstring).
     """
 
-    def __init__(self, vocab_size, d_model, layers, heads, seq_len):
+    def __init__(self, vocab_size, d_model, layers, heads, seq_len, fused=False):
         super().__init__()
         if d_model % 32 or d_model % heads:
             raise ValueError(f"d_model={d_model} must be a multiple of 32 and of heads={heads}")
@@ -71,7 +83,7 @@ class GPT(torch.nn.Module):
         # GPT-2 scales the residual projections by 1/sqrt(2 * layers): the residual stream's
         # variance then stays O(1) with depth.
         self.blocks = torch.nn.ModuleList(
-            Block(d_model, heads, std, std / math.sqrt(2 * layers)) for _ in range(layers))
+            Block(d_model, heads, std, std / math.sqrt(2 * layers), fused) for _ in range(layers))
         self.ln_f = torch.nn.LayerNorm(d_model)
 
     def forward(self, idx, targets=None):
