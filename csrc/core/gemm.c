@@ -7,7 +7,8 @@
  * MXFP8 and NVFP4 are emulated: both directions are dequantized exactly to BF16 into scratch
  * in one launch (tq_gemm_values_{mxfp8,nvfp4}_cuda, which for NVFP4 also writes its global
  * factor as the device alpha) and a BF16 GEMM runs on them; a tall A goes in row chunks of
- * max(128, N) rows (run_emulated), which bounds the scratch near twice B's values.
+ * max(128, N, 32 MiB / 2K) rows (run_emulated), which bounds the scratch near twice B's values
+ * (or 32 MiB more).
  * Block FP8 with M % 8 != 0 (cuBLASLt wants n % 8 == 0 with 1x128 scales) runs on a zero-padded
  * copy of A in scratch. Tests: tests/test_gemm.py.
  */
@@ -97,12 +98,20 @@ typedef struct scratch_plan {
 
 static int64_t pad8(int64_t v) { return (v + 7) / 8 * 8; }
 
-/* Rows of A an emulated GEMM dequantizes at a time: as many as B has (at least 128, a multiple
- * of 128), so a tall A's BF16 values take at most B's scratch instead of all of A's (wgrad of
- * a wide layer: A = dy^T [2 x ffn, tokens] against B = x^T [d, tokens]). Rows of the product
- * are independent, so chunks of A give chunks of out's rows. */
-static int64_t emulated_chunk_rows(int64_t m, int64_t n) {
-    const int64_t rows = n <= 128 ? 128 : n / 128 * 128;
+/* A chunk's BF16 values take at least this much scratch: smaller chunks only add launches and
+ * narrower GEMMs (a d=512 GPT's proj ran 16 chunks of 512 rows), and up to here the scratch is
+ * small beside the operands anyway. */
+#define EMULATED_CHUNK_MIN_BYTES ((int64_t)32 << 20)
+
+/* Rows of A an emulated GEMM dequantizes at a time (a multiple of 128): as many as B has, or
+ * EMULATED_CHUNK_MIN_BYTES' worth if that is more, so a tall A's BF16 values take at most
+ * max(B's scratch, 32 MiB) instead of all of A's (wgrad of a wide layer: A = dy^T [2 x ffn,
+ * tokens] against B = x^T [d, tokens]). Rows of the product are independent, so chunks of A
+ * give chunks of out's rows. */
+static int64_t emulated_chunk_rows(int64_t m, int64_t n, int64_t k) {
+    const int64_t floor_rows = EMULATED_CHUNK_MIN_BYTES / (2 * (k > 0 ? k : 1));
+    const int64_t want = n > floor_rows ? n : floor_rows;
+    const int64_t rows = want <= 128 ? 128 : want / 128 * 128;
     return m < rows ? m : rows;
 }
 
@@ -112,7 +121,7 @@ static scratch_plan plan_scratch(family f, const tq_quant_config *ca, int64_t m,
     memset(&s, 0, sizeof s);
     size_t at = 0;
     if (f == FAMILY_MXFP8 || f == FAMILY_NVFP4) {
-        s.a_values = at, at += align256((size_t)emulated_chunk_rows(m, n) * (size_t)k * 2);
+        s.a_values = at, at += align256((size_t)emulated_chunk_rows(m, n, k) * (size_t)k * 2);
         s.b_values = at, at += align256((size_t)n * (size_t)k * 2);
         s.scalars = at, at += 256;
     } else if (f == FAMILY_BLOCK && m % 8 != 0) {
@@ -348,7 +357,7 @@ static tq_status run_emulated(tq_lt_call *call, family f, const tq_gemm_operand 
                               const tq_gemm_operand *b, const direction *da, const direction *db,
                               const tq_gemm_info *info, const tq_gemm_args *args, tq_tensor *out,
                               const scratch_plan *sp) {
-    const int64_t chunk = emulated_chunk_rows(info->m, info->n);
+    const int64_t chunk = emulated_chunk_rows(info->m, info->n, info->k);
     tq_tensor vb = scratch_view(args, sp->b_values, info->n, info->k, TQ_DTYPE_BFLOAT16);
     tq_tensor no_b = vb;
     no_b.rows = 0; /* later chunks: B's values are in scratch already */
