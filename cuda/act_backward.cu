@@ -14,12 +14,15 @@
  * partials in registers; 1 row without), grid-striding over (row chunk, chunk) pairs with
  * consecutive threads on consecutive chunks: each row's loads are coalesced 16-byte loads where
  * the rows (and a gated h's second half) are aligned, element accesses otherwise.
- * No sync, no allocation: the caller's workspace holds the partials.
+ * No sync, no allocation: the caller's workspace holds the partials. gelu / silu / qgelu of bf16
+ * h over enough elements read act'(x) (and act(x), gated) from per-CTA shared-memory tables
+ * (act_table.cuh: the same bits, fewer instructions).
  * Tests: tests/test_act_kernels.py (GPU cases: bit-exact against the C reference).
  */
 #include <cuda_runtime.h>
 
 #include "act_dispatch.cuh"
+#include "act_table.cuh"
 #include "chunks.cuh"
 #include "column_sums.cuh"
 #include "fp8_out.cuh"
@@ -67,70 +70,87 @@ __device__ __forceinline__ void write_half(const BwdParams &p, int64_t r, int64_
                                p.out.e5m2, n, p.out.q_vec);
 }
 
-template <typename T, int kBase, bool kGated, bool kDbias>
-__global__ void __launch_bounds__(kThreads) act_backward_kernel(const BwdParams p) {
+/* kTable: gelu / silu / qgelu of bf16 from act_table.cuh's shared-memory tables (the same bits). */
+template <typename T, int kBase, bool kGated, bool kDbias, bool kTable>
+__global__ void __launch_bounds__(kTable ? tq_act_table::kThreads : kThreads)
+    act_backward_kernel(const BwdParams p) {
+    constexpr int kCta = kTable ? tq_act_table::kThreads : kThreads;
+    __shared__ float deriv_table[kTable ? tq_act_table::kEntries : 1];
+    __shared__ float value_table[kTable && kGated ? tq_act_table::kEntries : 1];
+    if constexpr (kTable) tq_act_table::fill<kBase>(kGated ? value_table : nullptr, deriv_table);
     const float scale = tq_fp8out::cast_scale(p.out);
     tq_fp8out::write_scale_inv(p.out, scale);
     float amax = 0.0f;
-    const int64_t items = p.p_count * p.nchunks;
-    for (int64_t i = (int64_t)blockIdx.x * kThreads + threadIdx.x; i < items;
-         i += (int64_t)gridDim.x * kThreads) {
-        const int64_t chunk_p = i / p.nchunks, c = i - chunk_p * p.nchunks;
-        const int n = chunk_len(c, p.n);
-        const int64_t r_begin = chunk_p * p.r_chunk;
-        const int64_t r_end = r_begin + p.r_chunk < p.rows ? r_begin + p.r_chunk : p.rows;
-        float acc[2][kChunk]; /* dbias partials of the chunk's columns (each half) */
+    if (p.nchunks > 0) {
+        for (tq_chunk::Walk w((int64_t)blockIdx.x * kCta + threadIdx.x, (int64_t)gridDim.x * kCta,
+                              p.nchunks);
+             w.row < p.p_count; w.next()) {
+            const int64_t chunk_p = w.row, c = w.chunk;
+            const int n = chunk_len(c, p.n);
+            const int64_t r_begin = chunk_p * p.r_chunk;
+            const int64_t r_end = r_begin + p.r_chunk < p.rows ? r_begin + p.r_chunk : p.rows;
+            float acc[2][kChunk]; /* dbias partials of the chunk's columns (each half) */
 #pragma unroll
-        for (int e = 0; e < kChunk; e++) acc[0][e] = acc[1][e] = 0.0f;
-        for (int64_t r = r_begin; r < r_end; r++) {
-            Chunk<T> g;
-            tq_chunk::load_chunk(g, static_cast<const T *>(p.dy) + r * p.ld_dy, c, n, p.dy_vec);
-            float d[2][kChunk];
-            if constexpr (kBase == TQ_ACT_IDENTITY) { /* dh = dy: h is not read */
+            for (int e = 0; e < kChunk; e++) acc[0][e] = acc[1][e] = 0.0f;
+            for (int64_t r = r_begin; r < r_end; r++) {
+                Chunk<T> g;
+                tq_chunk::load_chunk(g, static_cast<const T *>(p.dy) + r * p.ld_dy, c, n,
+                                     p.dy_vec);
+                float d[2][kChunk];
+                if constexpr (kBase == TQ_ACT_IDENTITY) { /* dh = dy: h is not read */
 #pragma unroll
-                for (int e = 0; e < kChunk; e++) d[0][e] = tq_fp::widen(g.t[e]);
-            } else {
-                Chunk<T> a;
-                const T *hr = static_cast<const T *>(p.h) + r * p.ld_h;
-                tq_chunk::load_chunk(a, hr, c, n, p.h_vec);
-                if constexpr (kGated) {
-                    Chunk<T> b;
-                    tq_chunk::load_chunk(b, hr + p.n, c, n, p.h_vec);
-#pragma unroll
-                    for (int e = 0; e < kChunk; e++) {
-                        const float dy = tq_fp::widen(g.t[e]);
-                        float value;
-                        d[0][e] = tq_act_grad(kBase, tq_fp::widen(a.t[e]),
-                                              tq_nmul(dy, tq_fp::widen(b.t[e])), &value);
-                        d[1][e] = tq_nmul(dy, value);
-                    }
+                    for (int e = 0; e < kChunk; e++) d[0][e] = tq_fp::widen(g.t[e]);
                 } else {
+                    Chunk<T> a;
+                    const T *hr = static_cast<const T *>(p.h) + r * p.ld_h;
+                    tq_chunk::load_chunk(a, hr, c, n, p.h_vec);
+                    if constexpr (kGated) {
+                        Chunk<T> b;
+                        tq_chunk::load_chunk(b, hr + p.n, c, n, p.h_vec);
 #pragma unroll
-                    for (int e = 0; e < kChunk; e++) {
-                        float value;
-                        d[0][e] = tq_act_grad(kBase, tq_fp::widen(a.t[e]), tq_fp::widen(g.t[e]),
-                                              &value);
+                        for (int e = 0; e < kChunk; e++) {
+                            const float dy = tq_fp::widen(g.t[e]);
+                            const float gb = tq_nmul(dy, tq_fp::widen(b.t[e]));
+                            float value;
+                            if constexpr (kTable)
+                                d[0][e] = tq_act_table::grad<kBase>(value_table, deriv_table,
+                                                                    a.t[e], gb, &value);
+                            else
+                                d[0][e] = tq_act_grad(kBase, tq_fp::widen(a.t[e]), gb, &value);
+                            d[1][e] = tq_nmul(dy, value);
+                        }
+                    } else {
+#pragma unroll
+                        for (int e = 0; e < kChunk; e++) {
+                            const float gy = tq_fp::widen(g.t[e]);
+                            float value;
+                            if constexpr (kTable)
+                                d[0][e] = tq_act_table::grad<kBase>(nullptr, deriv_table, a.t[e],
+                                                                    gy, &value);
+                            else
+                                d[0][e] = tq_act_grad(kBase, tq_fp::widen(a.t[e]), gy, &value);
+                        }
                     }
                 }
+                write_half<T>(p, r, 0, c, n, d[0], scale, amax);
+                if constexpr (kGated) write_half<T>(p, r, p.n, c, n, d[1], scale, amax);
+                if constexpr (kDbias) {
+#pragma unroll
+                    for (int half = 0; half < (kGated ? 2 : 1); half++)
+#pragma unroll
+                        for (int e = 0; e < kChunk; e++)
+                            acc[half][e] = tq_nadd(acc[half][e], d[half][e]);
+                }
             }
-            write_half<T>(p, r, 0, c, n, d[0], scale, amax);
-            if constexpr (kGated) write_half<T>(p, r, p.n, c, n, d[1], scale, amax);
             if constexpr (kDbias) {
-#pragma unroll
-                for (int half = 0; half < (kGated ? 2 : 1); half++)
-#pragma unroll
-                    for (int e = 0; e < kChunk; e++)
-                        acc[half][e] = tq_nadd(acc[half][e], d[half][e]);
+                float *out = p.partials + chunk_p * p.k + (int64_t)kChunk * c;
+                for (int e = 0; e < n; e++) out[e] = acc[0][e];
+                if constexpr (kGated)
+                    for (int e = 0; e < n; e++) out[p.n + e] = acc[1][e];
             }
-        }
-        if constexpr (kDbias) {
-            float *out = p.partials + chunk_p * p.k + (int64_t)kChunk * c;
-            for (int e = 0; e < n; e++) out[e] = acc[0][e];
-            if constexpr (kGated)
-                for (int e = 0; e < n; e++) out[p.n + e] = acc[1][e];
         }
     }
-    tq_fp8out::block_amax<kThreads>(p.out.amax, amax);
+    tq_fp8out::block_amax<kCta>(p.out.amax, amax);
 }
 
 }  // namespace
@@ -167,12 +187,26 @@ extern "C" tq_status tq_act_backward_cuda(const tq_tensor *dy, const tq_tensor *
     p.dh_vec = p.dh != nullptr && tq_chunk::rows_aligned16(p.dh, p.ld_dh, elem) && halves16;
     p.out.q_vec = p.out.q != nullptr && tq_chunk::aligned(p.out.q, 8) && p.out.ld_q % 8 == 0
                   && (!gated || p.n % 8 == 0);
-    const unsigned grid = tq_act_dispatch::grid_for(p.p_count * p.nchunks, h->device, kThreads);
+    const bool table_pays = tq_act_table::worth_it(p.rows * p.n, tq_act_dispatch::sm_count(h->device));
     tq_act_dispatch::with_dtype_act(h->dtype, a->act, [&](auto t, auto act) {
         using A = decltype(act);
         using T = decltype(t);
-        if (dbias) act_backward_kernel<T, A::base, A::gated, true><<<grid, kThreads, 0, s>>>(p);
-        else act_backward_kernel<T, A::base, A::gated, false><<<grid, kThreads, 0, s>>>(p);
+        if constexpr (tq_act_table::kUses<T, A::base>) {
+            if (table_pays) {
+                const unsigned grid = tq_act_dispatch::grid_for(
+                    p.p_count * p.nchunks, h->device, tq_act_table::kThreads, tq_act_table::kCtasPerSm);
+                if (dbias)
+                    act_backward_kernel<T, A::base, A::gated, true, true>
+                        <<<grid, tq_act_table::kThreads, 0, s>>>(p);
+                else
+                    act_backward_kernel<T, A::base, A::gated, false, true>
+                        <<<grid, tq_act_table::kThreads, 0, s>>>(p);
+                return;
+            }
+        }
+        const unsigned grid = tq_act_dispatch::grid_for(p.p_count * p.nchunks, h->device, kThreads);
+        if (dbias) act_backward_kernel<T, A::base, A::gated, true, false><<<grid, kThreads, 0, s>>>(p);
+        else act_backward_kernel<T, A::base, A::gated, false, false><<<grid, kThreads, 0, s>>>(p);
     });
     cudaError_t err = cudaGetLastError(); /* cleared: must not poison later calls */
     if (err != cudaSuccess) return cuda_failed("act backward kernel launch", err);

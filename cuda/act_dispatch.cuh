@@ -44,14 +44,19 @@ void with_dtype_act(tq_dtype dtype, tq_act act, F &&f) {
     else with_act<tq_fp::Half>(act, f);
 }
 
-/* CTAs of `threads` for `items` work items, one item per thread and grid-striding: at most a
- * full GPU (8 CTAs of 256 threads per SM), at least one (M = 0: CTA 0 still writes scale_inv and
- * every CTA the amax slot). */
-inline unsigned grid_for(int64_t items, int device, int threads) {
+inline int sm_count(int device) {
     int sms = 132;
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    return sms;
+}
+
+/* CTAs of `threads` for `items` work items, one item per thread and grid-striding: at most
+ * ctas_per_sm per SM (a full GPU for the plain 256-thread launches), at least one (M = 0: CTA 0
+ * still writes scale_inv and every CTA the amax slot). */
+inline unsigned grid_for(int64_t items, int device, int threads, int ctas_per_sm = 8) {
+    const int64_t cap = (int64_t)ctas_per_sm * sm_count(device);
     int64_t grid = (items + threads - 1) / threads;
-    if (grid > 8LL * sms) grid = 8LL * sms;
+    if (grid > cap) grid = cap;
     return grid < 1 ? 1u : (unsigned)grid;
 }
 

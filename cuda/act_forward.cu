@@ -12,12 +12,15 @@
  * at a time (grid-striding over rows x chunks, consecutive threads on consecutive chunks of a
  * row): 16-byte loads of h (both halves when gated) and stores of y_hp, 8-byte stores of codes,
  * where the rows (and a gated h's second half) are aligned; element accesses otherwise and for a
- * row's last, partial chunk. No sync, no allocation.
+ * row's last, partial chunk. No sync, no allocation. gelu / silu / qgelu of bf16 h over enough
+ * elements read act(x) from a per-CTA shared-memory table (act_table.cuh: the same bits, fewer
+ * instructions: the arithmetic made these kernels compute-bound).
  * Tests: tests/test_act_kernels.py (GPU cases: bit-exact against the C reference).
  */
 #include <cuda_runtime.h>
 
 #include "act_dispatch.cuh"
+#include "act_table.cuh"
 #include "chunks.cuh"
 #include "fp8_out.cuh"
 #include "internal_act.h"
@@ -43,42 +46,52 @@ struct FwdParams {
     int h_vec, y_vec; /* 16-byte rows of h (and its second half) and of y_hp */
 };
 
-template <typename T, int kBase, bool kGated>
-__global__ void __launch_bounds__(kThreads) act_forward_kernel(const FwdParams p) {
+/* kTable: gelu / silu / qgelu of bf16 from act_table.cuh's shared-memory table (the same bits). */
+template <typename T, int kBase, bool kGated, bool kTable>
+__global__ void __launch_bounds__(kTable ? tq_act_table::kThreads : kThreads)
+    act_forward_kernel(const FwdParams p) {
+    constexpr int kCta = kTable ? tq_act_table::kThreads : kThreads;
+    __shared__ float table[kTable ? tq_act_table::kEntries : 1];
+    if constexpr (kTable) tq_act_table::fill<kBase>(table, nullptr);
     const float scale = tq_fp8out::cast_scale(p.out);
     tq_fp8out::write_scale_inv(p.out, scale);
     float amax = 0.0f;
-    const int64_t items = p.rows * p.nchunks;
-    for (int64_t i = (int64_t)blockIdx.x * kThreads + threadIdx.x; i < items;
-         i += (int64_t)gridDim.x * kThreads) {
-        const int64_t r = i / p.nchunks, c = i - r * p.nchunks;
-        const int n = chunk_len(c, p.n);
-        const T *hr = static_cast<const T *>(p.h) + r * p.ld_h;
-        Chunk<T> a;
-        tq_chunk::load_chunk(a, hr, c, n, p.h_vec);
-        float y[kChunk];
+    if (p.nchunks > 0) {
+        for (tq_chunk::Walk w((int64_t)blockIdx.x * kCta + threadIdx.x, (int64_t)gridDim.x * kCta,
+                              p.nchunks);
+             w.row < p.rows; w.next()) {
+            const int64_t r = w.row, c = w.chunk;
+            const int n = chunk_len(c, p.n);
+            const T *hr = static_cast<const T *>(p.h) + r * p.ld_h;
+            Chunk<T> a;
+            tq_chunk::load_chunk(a, hr, c, n, p.h_vec);
+            float y[kChunk];
 #pragma unroll
-        for (int e = 0; e < kChunk; e++) y[e] = tq_act_value(kBase, tq_fp::widen(a.t[e]));
-        if constexpr (kGated) {
-            Chunk<T> b;
-            tq_chunk::load_chunk(b, hr + p.n, c, n, p.h_vec);
+            for (int e = 0; e < kChunk; e++) {
+                if constexpr (kTable) y[e] = tq_act_table::value<kBase>(table, a.t[e]);
+                else y[e] = tq_act_value(kBase, tq_fp::widen(a.t[e]));
+            }
+            if constexpr (kGated) {
+                Chunk<T> b;
+                tq_chunk::load_chunk(b, hr + p.n, c, n, p.h_vec);
 #pragma unroll
-            for (int e = 0; e < kChunk; e++) y[e] = tq_nmul(y[e], tq_fp::widen(b.t[e]));
+                for (int e = 0; e < kChunk; e++) y[e] = tq_nmul(y[e], tq_fp::widen(b.t[e]));
+            }
+#pragma unroll
+            for (int e = 0; e < kChunk; e++)
+                if (e < n) amax = tq_amax_step(amax, y[e]);
+            if (p.y_hp != nullptr) {
+                float o[kChunk];
+#pragma unroll
+                for (int e = 0; e < kChunk; e++) o[e] = tq_norm_canon(y[e]);
+                tq_chunk::store_chunk(static_cast<T *>(p.y_hp) + r * p.ld_y, c, o, n, p.y_vec);
+            }
+            if (p.out.q != nullptr)
+                tq_fp8out::store_codes(p.out.q + r * p.out.ld_q + (int64_t)kChunk * c, y, scale,
+                                       p.out.e5m2, n, p.out.q_vec);
         }
-#pragma unroll
-        for (int e = 0; e < kChunk; e++)
-            if (e < n) amax = tq_amax_step(amax, y[e]);
-        if (p.y_hp != nullptr) {
-            float o[kChunk];
-#pragma unroll
-            for (int e = 0; e < kChunk; e++) o[e] = tq_norm_canon(y[e]);
-            tq_chunk::store_chunk(static_cast<T *>(p.y_hp) + r * p.ld_y, c, o, n, p.y_vec);
-        }
-        if (p.out.q != nullptr)
-            tq_fp8out::store_codes(p.out.q + r * p.out.ld_q + (int64_t)kChunk * c, y, scale,
-                                   p.out.e5m2, n, p.out.q_vec);
     }
-    tq_fp8out::block_amax<kThreads>(p.out.amax, amax);
+    tq_fp8out::block_amax<kCta>(p.out.amax, amax);
 }
 
 }  // namespace
@@ -103,10 +116,21 @@ extern "C" tq_status tq_act_forward_cuda(const tq_tensor *h, const tq_act_forwar
     p.h_vec = tq_chunk::rows_aligned16(h->data, h->ld, elem) && (!gated || (p.n * elem) % 16 == 0);
     p.y_vec = p.y_hp != nullptr && tq_chunk::rows_aligned16(p.y_hp, p.ld_y, elem);
     p.out.q_vec = p.out.q != nullptr && tq_chunk::aligned(p.out.q, 8) && p.out.ld_q % 8 == 0;
-    const unsigned grid = tq_act_dispatch::grid_for(p.rows * p.nchunks, h->device, kThreads);
+    const bool table_pays = tq_act_table::worth_it(p.rows * p.n, tq_act_dispatch::sm_count(h->device));
     tq_act_dispatch::with_dtype_act(h->dtype, a->act, [&](auto t, auto act) {
         using A = decltype(act);
-        act_forward_kernel<decltype(t), A::base, A::gated><<<grid, kThreads, 0, s>>>(p);
+        using T = decltype(t);
+        if constexpr (tq_act_table::kUses<T, A::base>) {
+            if (table_pays) {
+                const unsigned grid = tq_act_dispatch::grid_for(
+                    p.rows * p.nchunks, h->device, tq_act_table::kThreads, tq_act_table::kCtasPerSm);
+                act_forward_kernel<T, A::base, A::gated, true>
+                    <<<grid, tq_act_table::kThreads, 0, s>>>(p);
+                return;
+            }
+        }
+        const unsigned grid = tq_act_dispatch::grid_for(p.rows * p.nchunks, h->device, kThreads);
+        act_forward_kernel<T, A::base, A::gated, false><<<grid, kThreads, 0, s>>>(p);
     });
     const cudaError_t err = cudaGetLastError(); /* cleared: must not poison later calls */
     if (err != cudaSuccess) return cuda_failed("act forward kernel launch", err);

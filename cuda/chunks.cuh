@@ -72,6 +72,23 @@ __device__ __forceinline__ int chunk_len(int64_t c, int64_t k) {
     return left <= 0 ? 0 : (left >= kChunk ? kChunk : (int)left);
 }
 
+/* Grid-striding over rows x nchunks items as (row, chunk) pairs, item i = row * nchunks + chunk,
+ * without a 64-bit division per step (one at the start): `for (Walk w(i0, stride, nchunks);
+ * w.row < rows; w.next())`. nchunks > 0. */
+struct Walk {
+    int64_t row, chunk, d_row, d_chunk, nchunks;
+    __device__ __forceinline__ Walk(int64_t start, int64_t stride, int64_t n)
+        : row(start / n), chunk(start % n), d_row(stride / n), d_chunk(stride % n), nchunks(n) {}
+    __device__ __forceinline__ void next() {
+        row += d_row;
+        chunk += d_chunk;
+        if (chunk >= nchunks) {
+            chunk -= nchunks;
+            row++;
+        }
+    }
+};
+
 inline bool aligned(const void *p, unsigned bytes) {
     return (reinterpret_cast<uintptr_t>(p) & (uintptr_t)(bytes - 1)) == 0;
 }

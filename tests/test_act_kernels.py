@@ -609,3 +609,31 @@ def test_cuda_runs_on_the_current_stream():
     want = forward(h2.cpu(), "swiglu", cfg=CFG_E4M3, scale=torch.tensor([8.0]))
     assert_same_bits(got, want, "stream")
     assert_same_bits(b, backward(dy_g.cpu(), h2.cpu(), "swiglu"), "stream backward")
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("act", ["gelu", "silu", "qgelu", "geglu", "swiglu"])
+def test_cuda_table_path_matches_cpu_reference(act):
+    """bf16 gelu / silu / qgelu (and the gated ones over them) over many elements read act(x)
+    and act'(x) from a shared-memory table of a window of exponents (cuda/act_table.cuh), x
+    outside it computed directly: 2048 x 8192 (16.8M elements, 8.4M gated outputs: above
+    tq_act_table::worth_it on a GPU of up to ~350 SMs), the first rows every bf16 bit pattern
+    (NaNs, Infs, zeros, subnormals) then the accuracy sweep, the rest randn; forward with codes,
+    y and amax, backward with codes, dh, amax and dbias, and current's cast run."""
+    m, k = 2048, 8192
+    h, dy, dy_g = make(m, k, torch.bfloat16, seed=4, scale=3.0)
+    every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    x = torch.cat([every, sweep().to(torch.bfloat16)])
+    h.view(-1)[: x.numel()] = x
+    g = grad_of(act, dy, dy_g)
+    kw = dict(cfg=CFG_E4M3, scale=torch.tensor([20.0]), amax0=0.5)
+    want = forward(h, act, **kw)
+    assert_same_bits(forward(h.cuda(), act, **to_cuda(kw)), want, "table fwd")
+    kwb = dict(kw, want=("dh", "amax", "dbias"))
+    assert_same_bits(backward(g.cuda(), h.cuda(), act, **to_cuda(kwb)), backward(g, h, act, **kwb),
+                     "table bwd")
+    amax = torch.tensor([50.0])  # (the amax run's own is Inf here: h holds Inf)
+    cur = forward(h, act, cfg=CURRENT, amax_in=amax, want=("y_hp",))
+    assert_same_bits(forward(h.cuda(), act, cfg=CURRENT, amax_in=amax.cuda(), want=("y_hp",)),
+                     cur, "table current fwd")

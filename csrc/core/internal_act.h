@@ -96,11 +96,29 @@ TQ_HD float tq_act_value(int base, float x) {
     return tq_ndiv(x, tq_nadd(1.0f, tq_act_exp(-tq_act_z(base, x))));
 }
 
+/* act'(x) of a sigmoid-family base (gelu, silu, qgelu) as tq_act_grad multiplies g by it, and
+ * act(x) into *value: both depend on x alone, so a kernel may read them from a table of every
+ * 16-bit x (cuda/act_table.cuh) and give the same bits. With e = E(-z), d = RN(1 + e),
+ * s = RN(1 / d) and 1 - s as RN(e * s) for z >= 0 (no cancellation) or RN(1 - s) below:
+ * fma(slope, RN(s * (1 - s)), s), slope = x (silu), z (qgelu),
+ * RN(RN(2x) * fma(C3, RN(x^2), C1)) (gelu: s + 2x s (1 - s) (C1 + 3 C2 x^2)). */
+TQ_HD float tq_act_deriv(int base, float x, float *value) {
+    const float z = tq_act_z(base, x);
+    const float e = tq_act_exp(-z);
+    const float d = tq_nadd(1.0f, e);
+    const float s = tq_ndiv(1.0f, d);
+    const float one_minus_s = z >= 0.0f ? tq_nmul(e, s) : tq_nsub(1.0f, s);
+    const float slope = base == TQ_ACT_SILU ? x
+                        : base == TQ_ACT_QGELU
+                            ? z
+                            : tq_nmul(tq_nadd(x, x),
+                                      tq_nfma(TQ_ACT_GELU_C3, tq_nmul(x, x), TQ_ACT_GELU_C1));
+    *value = tq_ndiv(x, d);
+    return tq_nfma(slope, tq_nmul(s, one_minus_s), s);
+}
+
 /* RN(g * act'(x)), the gradient through act of the incoming g, and act(x) into *value (the
- * same bits as tq_act_value). Sigmoid family, with e = E(-z), d = RN(1 + e), s = RN(1 / d) and
- * 1 - s as RN(e * s) for z >= 0 (no cancellation) or RN(1 - s) below:
- *   act'(x) = fma(slope, RN(s * (1 - s)), s), slope = x (silu), z (qgelu),
- *             RN(RN(2x) * fma(C3, RN(x^2), C1)) (gelu: s + 2x s (1 - s) (C1 + 3 C2 x^2)).
+ * same bits as tq_act_value). Sigmoid family: RN(g * tq_act_deriv(x)).
  * relu: g where x > 0, +0 where x <= 0; srelu: RN(g * 2x) where x > 0, +0 where x <= 0 (torch's
  * select, not a multiply by 0: no -0, no NaN from an infinite g); a NaN x gives NaN. identity:
  * g itself. */
@@ -116,18 +134,7 @@ TQ_HD float tq_act_grad(int base, float x, float g, float *value) {
         if (x > 0.0f) return srelu ? tq_nmul(g, tq_nadd(x, x)) : g;
         return x <= 0.0f ? 0.0f : x;
     }
-    const float z = tq_act_z(base, x);
-    const float e = tq_act_exp(-z);
-    const float d = tq_nadd(1.0f, e);
-    const float s = tq_ndiv(1.0f, d);
-    const float one_minus_s = z >= 0.0f ? tq_nmul(e, s) : tq_nsub(1.0f, s);
-    const float slope = base == TQ_ACT_SILU ? x
-                        : base == TQ_ACT_QGELU
-                            ? z
-                            : tq_nmul(tq_nadd(x, x),
-                                      tq_nfma(TQ_ACT_GELU_C3, tq_nmul(x, x), TQ_ACT_GELU_C1));
-    *value = tq_ndiv(x, d);
-    return tq_nmul(g, tq_nfma(slope, tq_nmul(s, one_minus_s), s));
+    return tq_nmul(g, tq_act_deriv(base, x, value));
 }
 
 #endif /* TEQUANT_CORE_INTERNAL_ACT_H_ */

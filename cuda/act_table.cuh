@@ -1,0 +1,101 @@
+/* act_table.cuh: the sigmoid-family activations (gelu, silu, qgelu) of bfloat16 inputs from a
+ * table in shared memory, internal to cuda/ (act_forward.cu, act_backward.cu).
+ *
+ * Why: their exact arithmetic (internal_act.h: tequant's own e^x from RN operations, two IEEE
+ * divisions) costs ~60 instructions per element, which made the fused kernels compute-bound at
+ * about a third of HBM bandwidth (docs/results/bench_act.md). A bfloat16 x has 65536 values, and
+ * act(x) (tq_act_value) and act'(x) (tq_act_deriv) depend on x alone, so each CTA first computes
+ * them for the x of a window of exponents, with the same functions, into shared memory; the
+ * element loop then reads the table and multiplies by g as tq_act_grad does. The bits are those
+ * of the direct computation by construction; x outside the window (|x| < 2^-14 or >= 2^8, zero,
+ * subnormals, Inf, NaN) is computed directly.
+ * Window: sign x 22 exponents x 128 mantissas = 5632 entries, 22 KiB per table (value and
+ * derivative: 44 KiB, under the 48 KiB of static shared memory). A CTA spends ~5632 evaluations
+ * filling it, so the launches use it only where each CTA has many elements to amortize that
+ * (tq_act_table::worth_it).
+ * Tests: tests/test_act_kernels.py (GPU cases: bit-exact against the C reference, inputs inside
+ * and outside the window).
+ */
+#ifndef TEQUANT_CUDA_ACT_TABLE_CUH_
+#define TEQUANT_CUDA_ACT_TABLE_CUH_
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include <type_traits>
+
+#include "fp_cast.cuh"
+#include "internal_act.h"
+
+namespace tq_act_table {
+
+constexpr int kExpLo = 127 - 14; /* biased exponent of 2^-14 */
+constexpr int kExps = 22;        /* up to 2^7 .. 2^8 */
+constexpr int kEntries = 2 * kExps * 128;
+/* CTAs of the table launches (fewer and larger than the plain ones: each fills its table once) */
+constexpr int kThreads = 512;
+constexpr int kCtasPerSm = 2;
+
+/* Whether kernels of this element type and base activation read a table. */
+template <typename T, int kBase>
+constexpr bool kUses = std::is_same<T, tq_fp::Bf16>::value &&
+                       (kBase == TQ_ACT_GELU || kBase == TQ_ACT_SILU || kBase == TQ_ACT_QGELU);
+
+/* The entry of bf16 bits, or -1 outside the window. */
+__device__ __forceinline__ int index(uint16_t bits) {
+    const unsigned off = ((bits >> 7) & 0xFFu) - (unsigned)kExpLo;
+    if (off >= (unsigned)kExps) return -1;
+    return (int)(((bits >> 15) * (unsigned)kExps + off) << 7 | (bits & 0x7Fu));
+}
+
+__device__ __forceinline__ float x_of(int entry) {
+    const unsigned sign = (unsigned)entry / (kExps * 128u);
+    const unsigned rest = (unsigned)entry - sign * (kExps * 128u);
+    const unsigned bits = sign << 15 | ((rest >> 7) + kExpLo) << 7 | (rest & 0x7Fu);
+    return tq_bf16_to_f32((uint16_t)bits);
+}
+
+/* Every thread of the CTA fills the tables it is given (value and / or derivative), then waits
+ * for the others. */
+template <int kBase>
+__device__ __forceinline__ void fill(float *value, float *deriv) {
+    for (int i = threadIdx.x; i < kEntries; i += blockDim.x) {
+        const float x = x_of(i);
+        if (deriv != nullptr) {
+            float v;
+            deriv[i] = tq_act_deriv(kBase, x, &v);
+            if (value != nullptr) value[i] = v;
+        } else {
+            value[i] = tq_act_value(kBase, x);
+        }
+    }
+    __syncthreads();
+}
+
+/* act(x), tq_act_value's bits. */
+template <int kBase>
+__device__ __forceinline__ float value(const float *table, tq_fp::Bf16 x) {
+    const int i = index(x.bits);
+    return i >= 0 ? table[i] : tq_act_value(kBase, tq_fp::widen(x));
+}
+
+/* tq_act_grad(kBase, x, g, value_out)'s bits: RN(g * act'(x)), act(x) into *value_out when the
+ * value table is given. */
+template <int kBase>
+__device__ __forceinline__ float grad(const float *value_table, const float *deriv_table,
+                                      tq_fp::Bf16 x, float g, float *value_out) {
+    const int i = index(x.bits);
+    if (i < 0) return tq_act_grad(kBase, tq_fp::widen(x), g, value_out);
+    if (value_table != nullptr) *value_out = value_table[i];
+    return tq_nmul(g, deriv_table[i]);
+}
+
+/* Whether a launch over `elements` is worth the tables: each CTA of the table launch must have
+ * at least 4 elements per entry it computes (a direct element costs about what an entry does). */
+inline bool worth_it(int64_t elements, int sms) {
+    return elements >= (int64_t)4 * kEntries * kCtasPerSm * sms;
+}
+
+}  // namespace tq_act_table
+
+#endif  // TEQUANT_CUDA_ACT_TABLE_CUH_
