@@ -107,28 +107,34 @@ __global__ void __launch_bounds__(kTable ? tq_act_table::kThreads : kThreads)
                     if constexpr (kGated) {
                         Chunk<T> b;
                         tq_chunk::load_chunk(b, hr + p.n, c, n, p.h_vec);
+                        float gb[kChunk], value[kChunk];
 #pragma unroll
-                        for (int e = 0; e < kChunk; e++) {
-                            const float dy = tq_fp::widen(g.t[e]);
-                            const float gb = tq_nmul(dy, tq_fp::widen(b.t[e]));
-                            float value;
-                            if constexpr (kTable)
-                                d[0][e] = tq_act_table::grad<kBase>(value_table, deriv_table,
-                                                                    a.t[e], gb, &value);
-                            else
-                                d[0][e] = tq_act_grad(kBase, tq_fp::widen(a.t[e]), gb, &value);
-                            d[1][e] = tq_nmul(dy, value);
+                        for (int e = 0; e < kChunk; e++)
+                            gb[e] = tq_nmul(tq_fp::widen(g.t[e]), tq_fp::widen(b.t[e]));
+                        if constexpr (kTable) {
+                            tq_act_table::grads<kBase>(value_table, deriv_table, a.t, gb, d[0],
+                                                       value);
+                        } else {
+#pragma unroll
+                            for (int e = 0; e < kChunk; e++)
+                                d[0][e] = tq_act_grad(kBase, tq_fp::widen(a.t[e]), gb[e],
+                                                      &value[e]);
                         }
-                    } else {
 #pragma unroll
-                        for (int e = 0; e < kChunk; e++) {
-                            const float gy = tq_fp::widen(g.t[e]);
+                        for (int e = 0; e < kChunk; e++)
+                            d[1][e] = tq_nmul(tq_fp::widen(g.t[e]), value[e]);
+                    } else {
+                        float gy[kChunk];
+#pragma unroll
+                        for (int e = 0; e < kChunk; e++) gy[e] = tq_fp::widen(g.t[e]);
+                        if constexpr (kTable) {
+                            tq_act_table::grads<kBase>(nullptr, deriv_table, a.t, gy, d[0],
+                                                       nullptr);
+                        } else {
                             float value;
-                            if constexpr (kTable)
-                                d[0][e] = tq_act_table::grad<kBase>(nullptr, deriv_table, a.t[e],
-                                                                    gy, &value);
-                            else
-                                d[0][e] = tq_act_grad(kBase, tq_fp::widen(a.t[e]), gy, &value);
+#pragma unroll
+                            for (int e = 0; e < kChunk; e++)
+                                d[0][e] = tq_act_grad(kBase, tq_fp::widen(a.t[e]), gy[e], &value);
                         }
                     }
                 }

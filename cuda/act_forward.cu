@@ -66,10 +66,11 @@ __global__ void __launch_bounds__(kTable ? tq_act_table::kThreads : kThreads)
             Chunk<T> a;
             tq_chunk::load_chunk(a, hr, c, n, p.h_vec);
             float y[kChunk];
+            if constexpr (kTable) {
+                tq_act_table::values<kBase>(table, a.t, y);
+            } else {
 #pragma unroll
-            for (int e = 0; e < kChunk; e++) {
-                if constexpr (kTable) y[e] = tq_act_table::value<kBase>(table, a.t[e]);
-                else y[e] = tq_act_value(kBase, tq_fp::widen(a.t[e]));
+                for (int e = 0; e < kChunk; e++) y[e] = tq_act_value(kBase, tq_fp::widen(a.t[e]));
             }
             if constexpr (kGated) {
                 Chunk<T> b;

@@ -72,22 +72,60 @@ __device__ __forceinline__ void fill(float *value, float *deriv) {
     __syncthreads();
 }
 
-/* act(x), tq_act_value's bits. */
-template <int kBase>
-__device__ __forceinline__ float value(const float *table, tq_fp::Bf16 x) {
-    const int i = index(x.bits);
-    return i >= 0 ? table[i] : tq_act_value(kBase, tq_fp::widen(x));
+/* act(x) of a chunk of n elements, tq_act_value's bits: when every x is in the window (the
+ * common case) one branch and n independent table reads; element by element otherwise. */
+template <int kBase, int kN>
+__device__ __forceinline__ void values(const float *table, const tq_fp::Bf16 (&x)[kN],
+                                       float (&y)[kN]) {
+    int at[kN];
+    bool all = true;
+#pragma unroll
+    for (int e = 0; e < kN; e++) {
+        at[e] = index(x[e].bits);
+        all = all && at[e] >= 0;
+    }
+    if (all) {
+#pragma unroll
+        for (int e = 0; e < kN; e++) y[e] = table[at[e]];
+        return;
+    }
+#pragma unroll
+    for (int e = 0; e < kN; e++)
+        y[e] = at[e] >= 0 ? table[at[e]] : tq_act_value(kBase, tq_fp::widen(x[e]));
 }
 
-/* tq_act_grad(kBase, x, g, value_out)'s bits: RN(g * act'(x)), act(x) into *value_out when the
- * value table is given. */
-template <int kBase>
-__device__ __forceinline__ float grad(const float *value_table, const float *deriv_table,
-                                      tq_fp::Bf16 x, float g, float *value_out) {
-    const int i = index(x.bits);
-    if (i < 0) return tq_act_grad(kBase, tq_fp::widen(x), g, value_out);
-    if (value_table != nullptr) *value_out = value_table[i];
-    return tq_nmul(g, deriv_table[i]);
+/* tq_act_grad(kBase, x, g, &v)'s bits for a chunk: d = RN(g * act'(x)), and v = act(x) where
+ * value_table (and v) are given; the same fast path as values. */
+template <int kBase, int kN>
+__device__ __forceinline__ void grads(const float *value_table, const float *deriv_table,
+                                      const tq_fp::Bf16 (&x)[kN], const float (&g)[kN],
+                                      float (&d)[kN], float *v) {
+    int at[kN];
+    bool all = true;
+#pragma unroll
+    for (int e = 0; e < kN; e++) {
+        at[e] = index(x[e].bits);
+        all = all && at[e] >= 0;
+    }
+    if (all) {
+#pragma unroll
+        for (int e = 0; e < kN; e++) {
+            d[e] = tq_nmul(g[e], deriv_table[at[e]]);
+            if (value_table != nullptr) v[e] = value_table[at[e]];
+        }
+        return;
+    }
+#pragma unroll
+    for (int e = 0; e < kN; e++) {
+        float value;
+        if (at[e] >= 0) {
+            d[e] = tq_nmul(g[e], deriv_table[at[e]]);
+            value = value_table != nullptr ? value_table[at[e]] : 0.0f;
+        } else {
+            d[e] = tq_act_grad(kBase, tq_fp::widen(x[e]), g[e], &value);
+        }
+        if (value_table != nullptr) v[e] = value;
+    }
 }
 
 /* Whether a launch over `elements` is worth the tables: each CTA of the table launch must have
