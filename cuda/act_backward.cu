@@ -11,7 +11,8 @@
  * bit for bit. TQ_ACT_IDENTITY (dh = dy) reads no h: its instance is tq_quantize's dbias pass.
  * Layout: elementwise and memory-bound; a thread takes one chunk of 8 columns of dy (and of each
  * half of h and dh) for the rows of one row chunk (R rows with dbias, keeping the 8 or 16 column
- * partials in registers; 1 row without), grid-striding over (row chunk, chunk) pairs with
+ * partials in registers; 2 rows without), two rows' loads before either's arithmetic,
+ * grid-striding over (row chunk, chunk) pairs with
  * consecutive threads on consecutive chunks: each row's loads are coalesced 16-byte loads where
  * the rows (and a gated h's second half) are aligned, element accesses otherwise.
  * No sync, no allocation: the caller's workspace holds the partials. gelu / silu / qgelu of bf16
@@ -70,7 +71,70 @@ __device__ __forceinline__ void write_half(const BwdParams &p, int64_t r, int64_
                                p.out.e5m2, n, p.out.q_vec);
 }
 
-/* kTable: gelu / silu / qgelu of bf16 from act_table.cuh's shared-memory tables (the same bits). */
+/* One row's inputs at chunk c: dy, and h (both halves gated) unless kBase is the identity. */
+template <typename T, int kBase, bool kGated>
+struct Row {
+    Chunk<T> g, a, b;
+    __device__ __forceinline__ void load(const BwdParams &p, int64_t r, int64_t c, int n) {
+        tq_chunk::load_chunk(g, static_cast<const T *>(p.dy) + r * p.ld_dy, c, n, p.dy_vec);
+        if constexpr (kBase != TQ_ACT_IDENTITY) {
+            const T *hr = static_cast<const T *>(p.h) + r * p.ld_h;
+            tq_chunk::load_chunk(a, hr, c, n, p.h_vec);
+            if constexpr (kGated) tq_chunk::load_chunk(b, hr + p.n, c, n, p.h_vec);
+        }
+    }
+};
+
+/* Row r's dh at chunk c into the outputs, amax and the dbias partials. */
+template <typename T, int kBase, bool kGated, bool kDbias, bool kTable>
+__device__ __forceinline__ void grad_row(const BwdParams &p, const Row<T, kBase, kGated> &in,
+                                         int64_t r, int64_t c, int n, const float *value_table,
+                                         const float *deriv_table, float scale, float &amax,
+                                         float (&acc)[2][kChunk]) {
+    float d[2][kChunk];
+    if constexpr (kBase == TQ_ACT_IDENTITY) { /* dh = dy: h is not read */
+#pragma unroll
+        for (int e = 0; e < kChunk; e++) d[0][e] = tq_fp::widen(in.g.t[e]);
+    } else if constexpr (kGated) {
+        float gb[kChunk], value[kChunk];
+#pragma unroll
+        for (int e = 0; e < kChunk; e++)
+            gb[e] = tq_nmul(tq_fp::widen(in.g.t[e]), tq_fp::widen(in.b.t[e]));
+        if constexpr (kTable) {
+            tq_act_table::grads<kBase>(value_table, deriv_table, in.a.t, gb, d[0], value);
+        } else {
+#pragma unroll
+            for (int e = 0; e < kChunk; e++)
+                d[0][e] = tq_act_grad(kBase, tq_fp::widen(in.a.t[e]), gb[e], &value[e]);
+        }
+#pragma unroll
+        for (int e = 0; e < kChunk; e++) d[1][e] = tq_nmul(tq_fp::widen(in.g.t[e]), value[e]);
+    } else {
+        float gy[kChunk];
+#pragma unroll
+        for (int e = 0; e < kChunk; e++) gy[e] = tq_fp::widen(in.g.t[e]);
+        if constexpr (kTable) {
+            tq_act_table::grads<kBase>(nullptr, deriv_table, in.a.t, gy, d[0], nullptr);
+        } else {
+            float value;
+#pragma unroll
+            for (int e = 0; e < kChunk; e++)
+                d[0][e] = tq_act_grad(kBase, tq_fp::widen(in.a.t[e]), gy[e], &value);
+        }
+    }
+    write_half<T>(p, r, 0, c, n, d[0], scale, amax);
+    if constexpr (kGated) write_half<T>(p, r, p.n, c, n, d[1], scale, amax);
+    if constexpr (kDbias) {
+#pragma unroll
+        for (int half = 0; half < (kGated ? 2 : 1); half++)
+#pragma unroll
+            for (int e = 0; e < kChunk; e++) acc[half][e] = tq_nadd(acc[half][e], d[half][e]);
+    }
+}
+
+/* kTable: gelu / silu / qgelu of bf16 from act_table.cuh's shared-memory tables (the same bits).
+ * A thread loads two rows before computing either (more loads in flight), then adds them to
+ * the partials in row order. */
 template <typename T, int kBase, bool kGated, bool kDbias, bool kTable>
 __global__ void __launch_bounds__(kTable ? tq_act_table::kThreads : kThreads)
     act_backward_kernel(const BwdParams p) {
@@ -92,61 +156,16 @@ __global__ void __launch_bounds__(kTable ? tq_act_table::kThreads : kThreads)
             float acc[2][kChunk]; /* dbias partials of the chunk's columns (each half) */
 #pragma unroll
             for (int e = 0; e < kChunk; e++) acc[0][e] = acc[1][e] = 0.0f;
-            for (int64_t r = r_begin; r < r_end; r++) {
-                Chunk<T> g;
-                tq_chunk::load_chunk(g, static_cast<const T *>(p.dy) + r * p.ld_dy, c, n,
-                                     p.dy_vec);
-                float d[2][kChunk];
-                if constexpr (kBase == TQ_ACT_IDENTITY) { /* dh = dy: h is not read */
-#pragma unroll
-                    for (int e = 0; e < kChunk; e++) d[0][e] = tq_fp::widen(g.t[e]);
-                } else {
-                    Chunk<T> a;
-                    const T *hr = static_cast<const T *>(p.h) + r * p.ld_h;
-                    tq_chunk::load_chunk(a, hr, c, n, p.h_vec);
-                    if constexpr (kGated) {
-                        Chunk<T> b;
-                        tq_chunk::load_chunk(b, hr + p.n, c, n, p.h_vec);
-                        float gb[kChunk], value[kChunk];
-#pragma unroll
-                        for (int e = 0; e < kChunk; e++)
-                            gb[e] = tq_nmul(tq_fp::widen(g.t[e]), tq_fp::widen(b.t[e]));
-                        if constexpr (kTable) {
-                            tq_act_table::grads<kBase>(value_table, deriv_table, a.t, gb, d[0],
-                                                       value);
-                        } else {
-#pragma unroll
-                            for (int e = 0; e < kChunk; e++)
-                                d[0][e] = tq_act_grad(kBase, tq_fp::widen(a.t[e]), gb[e],
-                                                      &value[e]);
-                        }
-#pragma unroll
-                        for (int e = 0; e < kChunk; e++)
-                            d[1][e] = tq_nmul(tq_fp::widen(g.t[e]), value[e]);
-                    } else {
-                        float gy[kChunk];
-#pragma unroll
-                        for (int e = 0; e < kChunk; e++) gy[e] = tq_fp::widen(g.t[e]);
-                        if constexpr (kTable) {
-                            tq_act_table::grads<kBase>(nullptr, deriv_table, a.t, gy, d[0],
-                                                       nullptr);
-                        } else {
-                            float value;
-#pragma unroll
-                            for (int e = 0; e < kChunk; e++)
-                                d[0][e] = tq_act_grad(kBase, tq_fp::widen(a.t[e]), gy[e], &value);
-                        }
-                    }
-                }
-                write_half<T>(p, r, 0, c, n, d[0], scale, amax);
-                if constexpr (kGated) write_half<T>(p, r, p.n, c, n, d[1], scale, amax);
-                if constexpr (kDbias) {
-#pragma unroll
-                    for (int half = 0; half < (kGated ? 2 : 1); half++)
-#pragma unroll
-                        for (int e = 0; e < kChunk; e++)
-                            acc[half][e] = tq_nadd(acc[half][e], d[half][e]);
-                }
+            for (int64_t r = r_begin; r < r_end; r += 2) {
+                const bool two = r + 1 < r_end;
+                Row<T, kBase, kGated> first, second;
+                first.load(p, r, c, n);
+                if (two) second.load(p, r + 1, c, n);
+                grad_row<T, kBase, kGated, kDbias, kTable>(p, first, r, c, n, value_table,
+                                                           deriv_table, scale, amax, acc);
+                if (two)
+                    grad_row<T, kBase, kGated, kDbias, kTable>(p, second, r + 1, c, n, value_table,
+                                                               deriv_table, scale, amax, acc);
             }
             if constexpr (kDbias) {
                 float *out = p.partials + chunk_p * p.k + (int64_t)kChunk * c;
@@ -185,7 +204,7 @@ extern "C" tq_status tq_act_backward_cuda(const tq_tensor *dy, const tq_tensor *
     p.out = tq_fp8out::make_out(a->config, a->dh_q, a->scale_inv, a->scale, a->amax_in, a->amax);
     p.partials = static_cast<float *>(a->workspace.data);
     /* with dbias the row chunks are the fixed order's; without, any grouping gives the same bits */
-    p.r_chunk = dbias ? tq_norm_partial_rows(p.rows, p.k) : 1;
+    p.r_chunk = dbias ? tq_norm_partial_rows(p.rows, p.k) : 2; /* 2: a thread's row pair */
     p.p_count = p.rows == 0 ? 0 : (p.rows + p.r_chunk - 1) / p.r_chunk;
     const bool halves16 = !gated || (p.n * elem) % 16 == 0;
     p.dy_vec = tq_chunk::rows_aligned16(dy->data, dy->ld, elem);

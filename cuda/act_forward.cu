@@ -8,8 +8,8 @@
  * then one atomicMax on the slot's signed bits (fp8_out.cuh). So every output equals
  * csrc/ref/act_forward_ref.c bit for bit, whatever the launch shape. CURRENT scaling is two
  * launches by the caller, as tq_norm_forward's: the amax run, then the cast run with amax_in.
- * Layout: elementwise and memory-bound; a thread takes one chunk of 8 output columns of one row
- * at a time (grid-striding over rows x chunks, consecutive threads on consecutive chunks of a
+ * Layout: elementwise and memory-bound; a thread takes chunks of 8 output columns of one row,
+ * two at a time (grid-striding over rows x chunks, consecutive threads on consecutive chunks of a
  * row): 16-byte loads of h (both halves when gated) and stores of y_hp, 8-byte stores of codes,
  * where the rows (and a gated h's second half) are aligned; element accesses otherwise and for a
  * row's last, partial chunk. No sync, no allocation. gelu / silu / qgelu of bf16 h over enough
@@ -46,7 +46,52 @@ struct FwdParams {
     int h_vec, y_vec; /* 16-byte rows of h (and its second half) and of y_hp */
 };
 
-/* kTable: gelu / silu / qgelu of bf16 from act_table.cuh's shared-memory table (the same bits). */
+/* One work item's inputs: chunk c of row r of h (and of its second half, gated). */
+template <typename T, bool kGated>
+struct Item {
+    int64_t r, c;
+    int n;
+    Chunk<T> a, b;
+    __device__ __forceinline__ void load(const FwdParams &p, int64_t row, int64_t chunk) {
+        r = row, c = chunk, n = chunk_len(chunk, p.n);
+        const T *hr = static_cast<const T *>(p.h) + r * p.ld_h;
+        tq_chunk::load_chunk(a, hr, c, n, p.h_vec);
+        if constexpr (kGated) tq_chunk::load_chunk(b, hr + p.n, c, n, p.h_vec);
+    }
+};
+
+/* An item's outputs (y_hp, codes) and its share of amax. */
+template <typename T, int kBase, bool kGated, bool kTable>
+__device__ __forceinline__ void act_item(const FwdParams &p, const Item<T, kGated> &it,
+                                         const float *table, float scale, float &amax) {
+    float y[kChunk];
+    if constexpr (kTable) {
+        tq_act_table::values<kBase>(table, it.a.t, y);
+    } else {
+#pragma unroll
+        for (int e = 0; e < kChunk; e++) y[e] = tq_act_value(kBase, tq_fp::widen(it.a.t[e]));
+    }
+    if constexpr (kGated) {
+#pragma unroll
+        for (int e = 0; e < kChunk; e++) y[e] = tq_nmul(y[e], tq_fp::widen(it.b.t[e]));
+    }
+#pragma unroll
+    for (int e = 0; e < kChunk; e++)
+        if (e < it.n) amax = tq_amax_step(amax, y[e]);
+    if (p.y_hp != nullptr) {
+        float o[kChunk];
+#pragma unroll
+        for (int e = 0; e < kChunk; e++) o[e] = tq_norm_canon(y[e]);
+        tq_chunk::store_chunk(static_cast<T *>(p.y_hp) + it.r * p.ld_y, it.c, o, it.n, p.y_vec);
+    }
+    if (p.out.q != nullptr)
+        tq_fp8out::store_codes(p.out.q + it.r * p.out.ld_q + (int64_t)kChunk * it.c, y, scale,
+                               p.out.e5m2, it.n, p.out.q_vec);
+}
+
+/* kTable: gelu / silu / qgelu of bf16 from act_table.cuh's shared-memory table (the same bits).
+ * A thread loads two items before computing either (two 16-byte loads in flight: one left the
+ * kernel short of HBM bandwidth, the table launches with their fewer threads most). */
 template <typename T, int kBase, bool kGated, bool kTable>
 __global__ void __launch_bounds__(kTable ? tq_act_table::kThreads : kThreads)
     act_forward_kernel(const FwdParams p) {
@@ -57,39 +102,19 @@ __global__ void __launch_bounds__(kTable ? tq_act_table::kThreads : kThreads)
     tq_fp8out::write_scale_inv(p.out, scale);
     float amax = 0.0f;
     if (p.nchunks > 0) {
-        for (tq_chunk::Walk w((int64_t)blockIdx.x * kCta + threadIdx.x, (int64_t)gridDim.x * kCta,
-                              p.nchunks);
-             w.row < p.rows; w.next()) {
-            const int64_t r = w.row, c = w.chunk;
-            const int n = chunk_len(c, p.n);
-            const T *hr = static_cast<const T *>(p.h) + r * p.ld_h;
-            Chunk<T> a;
-            tq_chunk::load_chunk(a, hr, c, n, p.h_vec);
-            float y[kChunk];
-            if constexpr (kTable) {
-                tq_act_table::values<kBase>(table, a.t, y);
-            } else {
-#pragma unroll
-                for (int e = 0; e < kChunk; e++) y[e] = tq_act_value(kBase, tq_fp::widen(a.t[e]));
+        tq_chunk::Walk w((int64_t)blockIdx.x * kCta + threadIdx.x, (int64_t)gridDim.x * kCta,
+                         p.nchunks);
+        while (w.row < p.rows) {
+            Item<T, kGated> first, second;
+            first.load(p, w.row, w.chunk);
+            w.next();
+            const bool two = w.row < p.rows;
+            if (two) second.load(p, w.row, w.chunk);
+            act_item<T, kBase, kGated, kTable>(p, first, table, scale, amax);
+            if (two) {
+                act_item<T, kBase, kGated, kTable>(p, second, table, scale, amax);
+                w.next();
             }
-            if constexpr (kGated) {
-                Chunk<T> b;
-                tq_chunk::load_chunk(b, hr + p.n, c, n, p.h_vec);
-#pragma unroll
-                for (int e = 0; e < kChunk; e++) y[e] = tq_nmul(y[e], tq_fp::widen(b.t[e]));
-            }
-#pragma unroll
-            for (int e = 0; e < kChunk; e++)
-                if (e < n) amax = tq_amax_step(amax, y[e]);
-            if (p.y_hp != nullptr) {
-                float o[kChunk];
-#pragma unroll
-                for (int e = 0; e < kChunk; e++) o[e] = tq_norm_canon(y[e]);
-                tq_chunk::store_chunk(static_cast<T *>(p.y_hp) + r * p.ld_y, c, o, n, p.y_vec);
-            }
-            if (p.out.q != nullptr)
-                tq_fp8out::store_codes(p.out.q + r * p.out.ld_q + (int64_t)kChunk * c, y, scale,
-                                       p.out.e5m2, n, p.out.q_vec);
         }
     }
     tq_fp8out::block_amax<kCta>(p.out.amax, amax);
