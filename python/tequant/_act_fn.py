@@ -40,16 +40,16 @@ __all__ = ["ActFunction", "ActInput", "GradOutput", "activate", "given_dy_backwa
            "kernel_activate", "refusal", "torch_activate", "ARITHMETIC_BOUND", "GATED"]
 
 GATED = ("geglu", "reglu", "swiglu")
-# The activations whose kernels are bound by their arithmetic (the exact exp and division of
-# internal_act.h, one evaluation per element of h) and slower than torch's own: torch's gelu and
-# silu are single memory-bound kernels (H100, 8192x16384 bf16, docs/results/bench_act.md: torch
-# gelu 180.7 us against the kernel's 291.6 us delayed run), and Float8CurrentScaling's two runs
-# (amax, then cast) evaluate them twice (gelu: 559.6 us forward, 1096.4 us backward, against
-# 408.8 / 590.7 us for torch's activation + te.Linear's quantization). So torch computes them in
-# high precision and under current scaling; their kernels write codes under DelayedScaling only
-# (one run). qgelu is not one of them: torch runs it as three kernels (626.1 us), slower than
-# the fused current run (537.2 us); the gated ones evaluate act on half of h and relu / srelu
-# run at memory speed, so they win everywhere.
+# The activations whose fused kernels lose to torch's own under Float8CurrentScaling. Its two
+# runs (amax, then cast) evaluate the activation twice, and torch's gelu and silu are single
+# memory-bound kernels. H200, 8192x16384 bf16 (docs/results/bench_act.md, 241b263; bf16 reads
+# act(x) from cuda/act_table.cuh's table): fused current gelu 361.8 us forward and 435.0 us
+# backward, against 312.5 / 431.0 us for torch's activation + te.Linear's quantization (other
+# dtypes compute the arithmetic per element: slower, the H100 rows). So torch computes them in high
+# precision and under current scaling; their kernels write codes under DelayedScaling only
+# (one run: 195.9 / 238.2 us, the fused pass wins). qgelu is not one of them: torch runs it as
+# three kernels, slower than the fused current run. The gated ones evaluate act on half of h,
+# and relu / srelu run at memory speed, so they win everywhere.
 ARITHMETIC_BOUND = ("gelu", "silu")
 
 
