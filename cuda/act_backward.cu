@@ -212,14 +212,15 @@ extern "C" tq_status tq_act_backward_cuda(const tq_tensor *dy, const tq_tensor *
     p.dh_vec = p.dh != nullptr && tq_chunk::rows_aligned16(p.dh, p.ld_dh, elem) && halves16;
     p.out.q_vec = p.out.q != nullptr && tq_chunk::aligned(p.out.q, 8) && p.out.ld_q % 8 == 0
                   && (!gated || p.n % 8 == 0);
-    const bool table_pays = tq_act_table::worth_it(p.rows * p.n, tq_act_dispatch::sm_count(h->device));
+    const int sms = tq_act_dispatch::sm_count(h->device);
+    const bool table_pays = tq_act_table::worth_it(p.rows * p.n, sms);
     tq_act_dispatch::with_dtype_act(h->dtype, a->act, [&](auto t, auto act) {
         using A = decltype(act);
         using T = decltype(t);
         if constexpr (tq_act_table::kUses<T, A::base>) {
             if (table_pays) {
                 const unsigned grid = tq_act_dispatch::grid_for(
-                    p.p_count * p.nchunks, h->device, tq_act_table::kThreads, tq_act_table::kCtasPerSm);
+                    p.p_count * p.nchunks, sms, tq_act_table::kThreads, tq_act_table::kCtasPerSm);
                 if (dbias)
                     act_backward_kernel<T, A::base, A::gated, true, true>
                         <<<grid, tq_act_table::kThreads, 0, s>>>(p);
@@ -229,7 +230,7 @@ extern "C" tq_status tq_act_backward_cuda(const tq_tensor *dy, const tq_tensor *
                 return;
             }
         }
-        const unsigned grid = tq_act_dispatch::grid_for(p.p_count * p.nchunks, h->device, kThreads);
+        const unsigned grid = tq_act_dispatch::grid_for(p.p_count * p.nchunks, sms, kThreads);
         if (dbias) act_backward_kernel<T, A::base, A::gated, true, false><<<grid, kThreads, 0, s>>>(p);
         else act_backward_kernel<T, A::base, A::gated, false, false><<<grid, kThreads, 0, s>>>(p);
     });

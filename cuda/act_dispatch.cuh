@@ -51,10 +51,10 @@ inline int sm_count(int device) {
 }
 
 /* CTAs of `threads` for `items` work items, one item per thread and grid-striding: at most
- * ctas_per_sm per SM (a full GPU for the plain 256-thread launches), at least one (M = 0: CTA 0
- * still writes scale_inv and every CTA the amax slot). */
-inline unsigned grid_for(int64_t items, int device, int threads, int ctas_per_sm = 8) {
-    const int64_t cap = (int64_t)ctas_per_sm * sm_count(device);
+ * ctas_per_sm per SM of the GPU's `sms` (a full GPU for the plain 256-thread launches), at least
+ * one (M = 0: CTA 0 still writes scale_inv and every CTA the amax slot). */
+inline unsigned grid_for(int64_t items, int sms, int threads, int ctas_per_sm = 8) {
+    const int64_t cap = (int64_t)ctas_per_sm * sms;
     int64_t grid = (items + threads - 1) / threads;
     if (grid > cap) grid = cap;
     return grid < 1 ? 1u : (unsigned)grid;

@@ -142,20 +142,21 @@ extern "C" tq_status tq_act_forward_cuda(const tq_tensor *h, const tq_act_forwar
     p.h_vec = tq_chunk::rows_aligned16(h->data, h->ld, elem) && (!gated || (p.n * elem) % 16 == 0);
     p.y_vec = p.y_hp != nullptr && tq_chunk::rows_aligned16(p.y_hp, p.ld_y, elem);
     p.out.q_vec = p.out.q != nullptr && tq_chunk::aligned(p.out.q, 8) && p.out.ld_q % 8 == 0;
-    const bool table_pays = tq_act_table::worth_it(p.rows * p.n, tq_act_dispatch::sm_count(h->device));
+    const int sms = tq_act_dispatch::sm_count(h->device);
+    const bool table_pays = tq_act_table::worth_it(p.rows * p.n, sms);
     tq_act_dispatch::with_dtype_act(h->dtype, a->act, [&](auto t, auto act) {
         using A = decltype(act);
         using T = decltype(t);
         if constexpr (tq_act_table::kUses<T, A::base>) {
             if (table_pays) {
                 const unsigned grid = tq_act_dispatch::grid_for(
-                    p.rows * p.nchunks, h->device, tq_act_table::kThreads, tq_act_table::kCtasPerSm);
+                    p.rows * p.nchunks, sms, tq_act_table::kThreads, tq_act_table::kCtasPerSm);
                 act_forward_kernel<T, A::base, A::gated, true>
                     <<<grid, tq_act_table::kThreads, 0, s>>>(p);
                 return;
             }
         }
-        const unsigned grid = tq_act_dispatch::grid_for(p.rows * p.nchunks, h->device, kThreads);
+        const unsigned grid = tq_act_dispatch::grid_for(p.rows * p.nchunks, sms, kThreads);
         act_forward_kernel<T, A::base, A::gated, false><<<grid, kThreads, 0, s>>>(p);
     });
     const cudaError_t err = cudaGetLastError(); /* cleared: must not poison later calls */

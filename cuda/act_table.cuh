@@ -72,19 +72,25 @@ __device__ __forceinline__ void fill(float *value, float *deriv) {
     __syncthreads();
 }
 
-/* act(x) of a chunk of n elements, tq_act_value's bits: when every x is in the window (the
- * common case) one branch and n independent table reads; element by element otherwise. */
-template <int kBase, int kN>
-__device__ __forceinline__ void values(const float *table, const tq_fp::Bf16 (&x)[kN],
-                                       float (&y)[kN]) {
-    int at[kN];
+/* The entries of a chunk's x (-1 outside the window); whether all are in it. */
+template <int kN>
+__device__ __forceinline__ bool entries(const tq_fp::Bf16 (&x)[kN], int (&at)[kN]) {
     bool all = true;
 #pragma unroll
     for (int e = 0; e < kN; e++) {
         at[e] = index(x[e].bits);
         all = all && at[e] >= 0;
     }
-    if (all) {
+    return all;
+}
+
+/* act(x) of a chunk of n elements, tq_act_value's bits: when every x is in the window (the
+ * common case) one branch and n independent table reads; element by element otherwise. */
+template <int kBase, int kN>
+__device__ __forceinline__ void values(const float *table, const tq_fp::Bf16 (&x)[kN],
+                                       float (&y)[kN]) {
+    int at[kN];
+    if (entries(x, at)) {
 #pragma unroll
         for (int e = 0; e < kN; e++) y[e] = table[at[e]];
         return;
@@ -101,13 +107,7 @@ __device__ __forceinline__ void grads(const float *value_table, const float *der
                                       const tq_fp::Bf16 (&x)[kN], const float (&g)[kN],
                                       float (&d)[kN], float *v) {
     int at[kN];
-    bool all = true;
-#pragma unroll
-    for (int e = 0; e < kN; e++) {
-        at[e] = index(x[e].bits);
-        all = all && at[e] >= 0;
-    }
-    if (all) {
+    if (entries(x, at)) {
 #pragma unroll
         for (int e = 0; e < kN; e++) {
             d[e] = tq_nmul(g[e], deriv_table[at[e]]);
