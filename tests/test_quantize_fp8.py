@@ -431,3 +431,69 @@ def test_cuda_runs_on_the_current_stream():
     assert torch.equal(q2.codes(), q1.codes())  # scaling by 2 changes the scale, not the codes
     assert same_bits(qd.amax.cpu(), ref.amax * 2)
     assert same_bits(d, quantize(x2.cpu(), CURRENT).dequantize())
+
+
+# Float8CurrentScaling by size (quantize_fp8.cu): <= 64K elements one single-CTA launch, <= 16M
+# one cooperative launch (amax, grid barrier, cast), above that the amax kernel then the cast.
+FUSED_SIZES = [((256, 256), torch.bfloat16), ((257, 256), torch.bfloat16),
+               ((1, 65537), torch.float32), ((65537, 1), torch.float16),
+               ((515, 259), torch.float32), ((999, 1000), torch.bfloat16),
+               ((2048, 8192), torch.bfloat16), ((2049, 8192), torch.bfloat16)]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,dtype", FUSED_SIZES, ids=str)
+def test_cuda_current_scaling_either_side_of_the_launch_bounds(shape, dtype):
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(shape[0])) * 4).to(dtype)
+    x.view(-1)[x.numel() // 3] = 300.0  # one CTA's tile holds the amax
+    for rw, cw in ((True, True), (True, False), (False, True)):
+        check_cuda_vs_cpu(x, CURRENT, "input", rw, cw, dequant=False)
+    check_cuda_vs_cpu(x, CURRENT, "grad_output", dequant=False)  # E5M2
+    check_cuda_vs_cpu(x, Float8CurrentScaling(use_power_2_scales=True), dequant=False)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_one_launch_current_scaling_values(dtype):
+    """NaN, Inf, all-NaN, +-max and zeros through the cooperative launch (> 64K elements)."""
+    for name, x in value_cases(dtype, (515, 259)).items():
+        for role in ("input", "grad_output"):
+            check_cuda_vs_cpu(x, CURRENT, role, dequant=role == "input")
+
+
+@gpu
+@pytest.mark.gpu
+def test_cuda_one_launch_current_scaling_in_a_cuda_graph_and_two_streams():
+    """The cooperative launch is captured and replayed (new values: a new amax each replay), and
+    two of them on two streams at once (each waits for room on the GPU) give the CPU's bits."""
+    base = torch.randn(1024, 1536, generator=torch.Generator().manual_seed(3)).bfloat16()
+    x = base.cuda()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        quantize(x, CURRENT)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q = quantize(x, CURRENT)
+    for factor in (1.0, 7.0, 0.125):
+        x.copy_(base.cuda() * factor)
+        graph.replay()
+        ref = quantize(x.cpu(), CURRENT)
+        for name in ("data", "data_t", "scale_inv", "amax"):
+            assert same_bits(getattr(q, name), getattr(ref, name)), (factor, name)
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    xs = [x * 3, x[:700] * 0.5]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    qs = []
+    for s, xi in zip(streams, xs):
+        with torch.cuda.stream(s):
+            qs.append([quantize(xi, CURRENT) for _ in range(4)])
+    torch.cuda.synchronize()
+    for xi, q4 in zip(xs, qs):
+        ref = quantize(xi.cpu(), CURRENT)
+        for qi in q4:
+            assert same_bits(qi.data, ref.data) and same_bits(qi.amax, ref.amax)

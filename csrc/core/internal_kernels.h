@@ -40,6 +40,11 @@ tq_status tq_codec_cuda(tq_codec codec, const tq_tensor *in, tq_tensor *out, str
                                           uint32_t usage, tq_tensor *out,                      \
                                           struct CUstream_st *stream);
 
+/* Whether tq_quantize_fp8_cuda under CURRENT scaling finds the amax of an x of `elems` elements
+ * in the cast's own launch (quantize_fp8.cu: the small and the cooperative paths), so that a
+ * pass before it (quantize_dbias.c) need not find it (a memset and a larger pass fewer). */
+int tq_fp8_current_one_launch(int64_t elems);
+
 /* tq_<stem>_ref(...) for CPU tensors, tq_<stem>_cuda(...) for CUDA tensors (NOT_SUPPORTED in a
  * build without CUDA). */
 #ifdef TQ_WITH_CUDA

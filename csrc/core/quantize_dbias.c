@@ -10,7 +10,9 @@
  *   DELAYED with ROWWISE  the pass casts (rowwise codes, scale_inv, max |x| into the history
  *                         slot); the columnwise codes are the rowwise ones transposed.
  *   CURRENT, own amax     the pass finds max |x| (into the workspace's last float, zeroed first);
- *                         the cast is tq_quantize's with that amax given (no amax pass).
+ *                         the cast is tq_quantize's with that amax given (no amax pass); except
+ *                         on CUDA where the cast finds the amax in its own launch anyway
+ *                         (x of at most 16M elements: tq_fp8_current_one_launch).
  *   otherwise             (block formats, DELAYED columnwise alone, a given amax) the pass only
  *                         sums; tq_quantize's kernels follow as without dbias.
  * Tests: tests/test_linear_dbias.py.
@@ -38,6 +40,16 @@ tq_status tq_quantize_workspace_size(const tq_quant_config *config, int64_t rows
     st = tq_act_backward_workspace_size(rows, cols, bytes);
     if (st == TQ_SUCCESS && config->scaling == TQ_SCALING_CURRENT) *bytes += sizeof(float);
     return st;
+}
+
+/* Whether the CURRENT cast after the pass finds x's amax itself (then the pass only sums). */
+static int cast_finds_amax(const tq_tensor *x) {
+#ifdef TQ_WITH_CUDA
+    return x->device != TQ_DEVICE_CPU && tq_fp8_current_one_launch(x->rows * x->cols);
+#else
+    (void)x;
+    return 0;
+#endif
 }
 
 /* *slot = +0, the start of a max-accumulated amax: on the CPU now, on CUDA queued on stream. */
@@ -95,7 +107,7 @@ tq_status tq_quantize_dbias_run(const tq_tensor *x, const tq_quant_config *c,
         pass.scale_inv = q->scale_inv;
         pass.scale = a->scale;
         pass.amax = q->amax; /* the history slot, max-accumulated as tq_quantize does */
-    } else if (c->scaling == TQ_SCALING_CURRENT && a->amax.data == NULL) {
+    } else if (c->scaling == TQ_SCALING_CURRENT && a->amax.data == NULL && !cast_finds_amax(x)) {
         float *slot = (float *)((char *)a->workspace.data + partial_bytes);
         const tq_tensor amax = {slot, 1, 1, 1, TQ_DTYPE_FLOAT32, x->device};
         if ((st = zero_slot(slot, x->device, stream)) != TQ_SUCCESS) return st;
