@@ -14,6 +14,9 @@ compiled bf16's tokens/s and reduce-overhead >= 0.95x of bf16's reduce-overhead.
 interleaved modes, median of rounds), after warm-up steps that compile and record the graphs;
 reduce-overhead in a second pass over the rows (passes(): once cudagraph trees exist, tequant's
 compiled ops take torch.empty's allocations, so default compile is measured before).
+A GPT row also times the bf16 GPT's compiled modes in the same interleaved loops (--paired, the
+default): this host's speed drifts by up to 2x between processes and within one, so the issue's
+ratios are taken loop by loop rather than against a bf16 row measured minutes earlier.
 Outputs of the three modes are checked equal (bitwise for the GEMM set; the block's torch ops are
 fused by inductor, so its check is a relative error < 5e-2).
 
@@ -24,6 +27,7 @@ host-bound step's time goes, e.g. compiled DelayedScaling against current scalin
 Run: python3 benchmarks/bench_compile.py [--quick] [--recipes ...] [--workloads block,qkv,...]
          [--profile STEPS] [--out FILE]
 """
+import argparse
 import os
 import sys
 
@@ -125,12 +129,8 @@ def passes(modes, device):
                       if "reduce-overhead" in modes and device == "cuda" else [])
 
 
-def run(workload, name, recipe, args, device, failures, modes):
-    torch._dynamo.reset()
-    model, x, dy, exact, label = build(workload, device, args.quick or device == "cpu")
-    fns = steps(model, recipe, device, modes)
-    outputs = {}
-
+def step_fns_of(model, fns, x, dy, outputs):
+    """{mode: step()}: one fwd+bwd of `model` through fns[mode], its output kept in outputs."""
     def step_of(mode):
         fn = fns[mode]
 
@@ -143,9 +143,29 @@ def run(workload, name, recipe, args, device, failures, modes):
             y.backward(dy)
             outputs[mode] = y.detach().clone()
         return step
+    return {mode: step_of(mode) for mode in fns}
 
+
+def run(workload, name, recipe, args, device, failures, modes):
+    """(label, {mode: us per step}, {mode: bf16's us per step in the same loops} or None)."""
+    torch._dynamo.reset()
+    small = args.quick or device == "cpu"
+    model, x, dy, exact, label = build(workload, device, small)
+    fns = steps(model, recipe, device, modes)
+    outputs = {}
     modes = list(fns)
-    step_fns = [step_of(mode) for mode in modes]
+    step_fns = list(step_fns_of(model, fns, x, dy, outputs).values())
+    # A GPT row times the bf16 GPT's compiled modes in the same loops (--paired): the host's
+    # speed drifts by up to 2x between and within processes, which a baseline measured minutes
+    # earlier in its own row does not share; issue 23's ratios are then taken loop by loop.
+    paired = args.paired and recipe is not None and workload in ("gpt", "gpt-fused")
+    if paired:
+        base_model, base_x, base_dy, _, _ = build("gpt", device, small)
+        base_fns = steps(base_model, None, device, modes)
+        base_modes = [m for m in modes if m != "eager"]
+        base_steps = step_fns_of(base_model, {m: base_fns[m] for m in base_modes}, base_x,
+                                 base_dy, {})
+        step_fns += [base_steps[m] for m in base_modes]
     for step in step_fns:  # compile, record the CUDA graphs, warm up
         for _ in range(3):
             step()
@@ -161,7 +181,8 @@ def run(workload, name, recipe, args, device, failures, modes):
         profiles.append((label, name, {mode: profile(step, device, args.profile)
                                        for mode, step in zip(modes, step_fns)
                                        if mode != "eager" or "reduce-overhead" not in modes}))
-    return label, dict(zip(modes, times))
+    base = dict(zip(base_modes, times[len(modes):])) if paired else None
+    return label, dict(zip(modes, times)), base
 
 
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
@@ -218,6 +239,10 @@ def main():
                          " reduce-overhead runs in a second pass over the rows: once it has run,"
                          " the process has cudagraph trees and tequant's compiled ops allocate"
                          " through torch.empty (as a user's process would)")
+    ap.add_argument("--paired", action=argparse.BooleanOptionalAction, default=True,
+                    help="time the bf16 GPT's compiled modes in the same loops as each GPT row's"
+                         " (issue 23's ratios taken loop by loop; --no-paired: against the bf16"
+                         " row only)")
     ap.add_argument("--out", help="append the Markdown table to this file")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="also profile STEPS steps of each mode (torch.profiler): launches, GPU "
@@ -234,20 +259,23 @@ def main():
     # cannot capture (README: limitations): every mode runs NVFP4 without it here.
     recipes = [(name + " (no SR)", te.recipe.NVFP4BlockScaling(disable_stochastic_rounding=True))
                if name == "nvfp4" else (name, r) for name, r in benchutil.make_recipes(args.recipes)]
-    failures, found = [], {}
+    failures, found, pairs = [], {}, {}
     for modes in passes(args.modes, device):
         for workload in workloads:
             for name, recipe in ([("bf16", None)] if workload == "gpt" else []) + recipes:
                 if workload == "gpt-fused":  # the same label: gpt's bf16 row is its baseline
                     name += " (fused modules)"
                 try:
-                    where, t = run(workload, name, recipe, args, device, failures, modes)
+                    where, t, base = run(workload, name, recipe, args, device, failures, modes)
                 except Exception as e:  # noqa: BLE001  (a row that fails is reported, not fatal)
                     failures.append(f"{workload} {name}: "
                                     f"{benchutil.one_line(benchutil.exc_text(e))}")
                     continue
                 row = found.setdefault((where, name), {})
                 row.update({m: v for m, v in t.items() if m not in row})
+                if base:
+                    pairs.setdefault((where, name), {}).update(
+                        {m: (t[m], v) for m, v in base.items()})
     rows = [(where, name, t) for (where, name), t in found.items()]
     columns = ["workload", "recipe"] + [f"{m} us/step" for m in MODES] + \
         ["compiled vs eager", "reduce-overhead vs eager"]
@@ -259,14 +287,31 @@ def main():
         cells = [benchutil.num_text(t[m]) if m in t else "-" for m in MODES]
         ratios = [benchutil.ratio_text(t["eager"], t.get(m)) for m in MODES[1:]]
         lines.append("| " + " | ".join([where, name] + cells + ratios) + " |")
-    lines += targets(rows)
+    lines += paired_lines(pairs) + targets(rows, pairs)
     if profiles:
         lines += profile_lines(profiles)
     return benchutil.finish("\n".join(lines), args.out, failures)
 
 
-def targets(rows):
-    """Issue 23's targets over the measured rows: [Markdown lines]."""
+def paired_lines(pairs):
+    """The --paired section: each GPT row's compiled modes beside the bf16 GPT's in the same
+    timed loops."""
+    if not pairs:
+        return []
+    lines = ["", "Paired (--paired): the bf16 GPT's steps timed in the same interleaved loops as"
+             " each row's (us per step); ratio = bf16 time / row time (>= 1: as fast as bf16)", ""]
+    lines += benchutil.table_head(["workload", "recipe", "mode", "us/step", "bf16 us/step (same "
+                                   "loops)", "vs bf16"], 3)
+    for (where, name), by_mode in pairs.items():
+        for mode, (t, b) in by_mode.items():
+            lines.append(f"| {where} | {name} | {mode} | {benchutil.num_text(t)} | "
+                         f"{benchutil.num_text(b)} | {benchutil.ratio_text(b, t)} |")
+    return lines
+
+
+def targets(rows, pairs):
+    """Issue 23's targets over the measured rows: [Markdown lines]. A row's ratio to bf16 is its
+    paired one where it has one, else against the bf16 row."""
     lines = ["", "Targets (issue 23), measured in this run:", ""]
     lines += benchutil.table_head(["target", "measured", "goal", "met"], 1)
     bf16 = {where: t for where, name, t in rows if name == "bf16"}
@@ -278,9 +323,13 @@ def targets(rows):
             continue
         if "compiled" in t:
             row(f"{where}, {name}: compiled vs eager", t["eager"] / t["compiled"], 1.0)
+        paired = pairs.get((where, name), {})
         base = bf16.get(where)
         for mode, goal in (("compiled", 0.8), ("reduce-overhead", 0.95)):
-            if base is not None and mode in t and mode in base:
+            if mode in paired:
+                mine, theirs = paired[mode]
+                row(f"{where}, {name}: {mode} vs bf16 {mode} (same loops)", theirs / mine, goal)
+            elif base is not None and mode in t and mode in base:
                 row(f"{where}, {name}: {mode} vs bf16 {mode}", base[mode] / t[mode], goal)
     return lines
 

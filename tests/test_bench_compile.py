@@ -16,7 +16,7 @@ def test_targets_against_bf16_and_eager():
     rows = [("gpt", "bf16", {"eager": 10.0, "compiled": 6.0, "reduce-overhead": 4.0}),
             ("gpt", "current", {"eager": 12.0, "compiled": 8.0, "reduce-overhead": 4.4}),
             ("block", "delayed", {"eager": 3.0, "compiled": 4.0})]
-    lines = bench_compile.targets(rows)
+    lines = bench_compile.targets(rows, {})
     got = {c[0]: (c[1], c[3]) for c in _cells(lines, "gpt") + _cells(lines, "block")}
     assert got == {
         "gpt, current: compiled vs eager": ("1.50x", "yes"),
@@ -24,6 +24,24 @@ def test_targets_against_bf16_and_eager():
         "gpt, current: reduce-overhead vs bf16 reduce-overhead": ("0.91x", "NO"),  # 4 / 4.4
         "block, delayed: compiled vs eager": ("0.75x", "NO"),
     }
+
+
+def test_paired_ratios_replace_the_bf16_rows():
+    """A row timed beside the bf16 GPT in the same loops is judged by that pair, mode by mode;
+    a mode without a pair falls back to the bf16 row; the paired section lists each pair."""
+    rows = [("gpt", "bf16", {"eager": 10.0, "compiled": 6.0, "reduce-overhead": 4.0}),
+            ("gpt", "current", {"eager": 12.0, "compiled": 8.0, "reduce-overhead": 4.4})]
+    pairs = {("gpt", "current"): {"compiled": (8.0, 7.0)}}  # (row, bf16 in the same loops)
+    lines = bench_compile.targets(rows, pairs)
+    got = {c[0]: (c[1], c[3]) for c in _cells(lines, "gpt")}
+    assert got == {
+        "gpt, current: compiled vs eager": ("1.50x", "yes"),
+        "gpt, current: compiled vs bf16 compiled (same loops)": ("0.88x", "yes"),  # 7 / 8
+        "gpt, current: reduce-overhead vs bf16 reduce-overhead": ("0.91x", "NO"),
+    }
+    cells = _cells(bench_compile.paired_lines(pairs), "gpt")
+    assert [c[:3] for c in cells] == [["gpt", "current", "compiled"]] and cells[0][5] == "0.88x"
+    assert bench_compile.paired_lines({}) == []
 
 
 def test_profile_counts_host_ops_per_step():
