@@ -42,7 +42,8 @@ CATEGORIES = (
     ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
     ("quantize", ("quantize_kernel", "cast_kernel", "amax_kernel", "amax_update_kernel",
                   "codec_kernel", "dequantize_kernel", "pad_rows_kernel", "small_kernel",
-                  "small_current_kernel", "values_pair_kernel", "alpha_kernel")),
+                  "small_current_kernel", "fused_current_kernel", "values_pair_kernel",
+                  "alpha_kernel")),
     ("norm", ("layer_norm", "layernorm", "rms_norm", "rmsnorm")),
 )
 COLUMNS = ("step", "kernels", "gemm", "quantize", "nccl", "attention", "norm", "other", "busy",
