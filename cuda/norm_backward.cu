@@ -121,11 +121,28 @@ __device__ __forceinline__ void gamma_chunk(const BwdParams &p, int64_t c, int n
     for (int e = 0; e < kChunk; e++) g[e] = tq_norm_gamma(g[e], p.zero_centered);
 }
 
+/* A row's chunks t + j * kT (j < kJ) of x and dy; chunks past the row are left alone. */
+template <typename T, int kJ, int kT>
+__device__ __forceinline__ void load_rows(const BwdParams &p, int64_t row, int t,
+                                          float (&xv)[kJ][kChunk], float (&dyv)[kJ][kChunk]) {
+#pragma unroll
+    for (int j = 0; j < kJ; j++) {
+        const int64_t c = t + (int64_t)j * kT;
+        const int n = chunk_len(c, p.cols);
+        if (n > 0) load_row_chunk<T>(p, row, c, n, xv[j], dyv[j]);
+    }
+}
+
 /* kCache (K <= 8192): the row's chunks in registers and the column partials in shared memory;
  * else (kT = 256) the row read again for dx, and no partials (column_partial_kernel's). */
 template <typename T, int kT, bool kCache>
 __global__ void __launch_bounds__(kT) norm_backward_kernel(const BwdParams p) {
-    constexpr int kSlots = kLanes / kT, kJ = kCache ? kCached : 1;
+    /* kT < 256 holds at most 2 chunks a thread (launch()); those CTAs are few threads walking
+     * their rows one after another (K = 512: 32 threads, 16 rows), so the next row's x and dy
+     * are loaded before this row's fold and dx (kPrefetch): the loads' latency, not the bytes,
+     * bounded them (H200, 8192x512 LayerNorm: 53.6 us against torch's 38). */
+    constexpr int kSlots = kLanes / kT, kJ = !kCache ? 1 : kT == 256 ? kCached : 2;
+    constexpr bool kPrefetch = kCache && kJ == 2;
     extern __shared__ float acc_shared[];
     __shared__ float red[2][2 * kT]; /* fold scratch, alternate buffers */
     const int t = threadIdx.x;
@@ -146,21 +163,35 @@ __global__ void __launch_bounds__(kT) norm_backward_kernel(const BwdParams p) {
         }
     }
     int buf = 0;
+    float xv[kJ][kChunk], dyv[kJ][kChunk];              /* this row's chunks */
+    float xn[kPrefetch ? kJ : 1][kChunk], dyn[kPrefetch ? kJ : 1][kChunk]; /* the next row's */
+    if constexpr (kPrefetch) {
+        if (r_begin < r_end) load_rows<T, kJ, kT>(p, r_begin, t, xn, dyn);
+    }
     for (int64_t row = r_begin; row < r_end; row++) {
         const float mean = p.rms ? 0.0f : p.mean[row], rstd = p.rstd[row];
-        float xv[kJ][kChunk], dyv[kJ][kChunk];
         float acc[2][kSlots];
 #pragma unroll
         for (int k = 0; k < kSlots; k++) acc[0][k] = acc[1][k] = 0.0f;
+        if constexpr (kPrefetch) {
+#pragma unroll
+            for (int j = 0; j < kJ; j++)
+#pragma unroll
+                for (int e = 0; e < kChunk; e++) xv[j][e] = xn[j][e], dyv[j][e] = dyn[j][e];
+        } else if constexpr (kCache) {
+            load_rows<T, kJ, kT>(p, row, t, xv, dyv);
+        }
         if constexpr (kCache) {
 #pragma unroll
             for (int j = 0; j < kJ; j++) {
                 const int64_t c = t + (int64_t)j * kT;
                 const int n = chunk_len(c, p.cols);
                 if (n == 0) continue;
-                load_row_chunk<T>(p, row, c, n, xv[j], dyv[j]);
                 pass1_chunk<kSlots, true>(p, col, acc, j % kSlots, c, n, xv[j], dyv[j], g[j],
                                           mean, rstd);
+            }
+            if constexpr (kPrefetch) {
+                if (row + 1 < r_end) load_rows<T, kJ, kT>(p, row + 1, t, xn, dyn);
             }
         } else { /* kT == 256: one lane per thread */
             for (int64_t c = t; c < p.nchunks; c += kT) {
