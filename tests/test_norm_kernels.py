@@ -193,7 +193,7 @@ def emulated_forward(x, gamma, beta, norm, zc):
 
 
 def column_partial_rows(m, k):
-    r = 16
+    r = 4 if k <= 1024 else 16
     while r < m and not (-(-m // r) <= 1024 and -(-m // r) * k <= 1 << 22):
         r *= 2
     return r
@@ -624,12 +624,16 @@ def test_errors_backward():
 
 
 def test_workspace_size():
-    # R(M, K): 16 rows per partial until 1024 partials or 2^22 partial elements are passed
+    # R(M, K): 4 (K <= 1024) or 16 rows per partial, doubled until at most 1024 partials and
+    # 2^22 partial elements
     assert _C._norm_backward_workspace_size("LayerNorm", 0, 10) == 0
     assert _C._norm_backward_workspace_size("RMSNorm", 1, 10) == 10 * 4
-    assert _C._norm_backward_workspace_size("LayerNorm", 100, 8) == 7 * 8 * 4 * 2
+    assert _C._norm_backward_workspace_size("LayerNorm", 100, 8) == 25 * 8 * 4 * 2  # R = 4
     assert _C._norm_backward_workspace_size("RMSNorm", 40000, 40) == 625 * 40 * 4  # R = 64
+    assert _C._norm_backward_workspace_size("RMSNorm", 8192, 512) == 1024 * 512 * 4  # R = 8
+    assert _C._norm_backward_workspace_size("RMSNorm", 8192, 2048) == 512 * 2048 * 4  # R = 16
     assert _C._norm_backward_workspace_size("RMSNorm", 65536, 16384) == 256 * 16384 * 4
-    for m, k in [(1, 1), (17, 5), (40000, 40), (65536, 16384), (5, 1 << 23)]:
+    for m, k in [(1, 1), (17, 5), (40000, 40), (65536, 16384), (5, 1 << 23), (8192, 1024),
+                 (8192, 1025)]:
         r = column_partial_rows(m, k)
         assert _C._norm_backward_workspace_size("RMSNorm", m, k) == -(-m // r) * k * 4

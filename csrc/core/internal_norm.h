@@ -84,10 +84,12 @@ TQ_NORM_HD float tq_norm_dx(float dyg, float xhat, float c1, float c2, float rst
     return tq_nmul(tq_nsub(dyg, rms ? t : tq_nadd(t, c2)), rstd);
 }
 
-/* Backward: the rows per column-partial chunk, R(M, K) (tequant.h): the smallest power of two
- * >= 16 with ceil(M / R) <= 1024 and ceil(M / R) * K <= 2^22, or R >= M. */
+/* Backward: the rows per column-partial chunk, R(M, K) (fused.h): the smallest power of two
+ * >= R0 with ceil(M / R) <= 1024 and ceil(M / R) * K <= 2^22, or R >= M; R0 = 4 for K <= 1024,
+ * else 16. Each chunk is walked row by row by one CTA, so short rows need more, shorter chunks
+ * to keep the GPU busy (K = 512, M = 8192: 1024 chunks of 8 rows, not 512 of 16). */
 static inline int64_t tq_norm_partial_rows(int64_t rows, int64_t cols) {
-    int64_t r = 16;
+    int64_t r = cols <= 1024 ? 4 : 16;
     while (r < rows) {
         const int64_t p = (rows + r - 1) / r;
         if (p <= TQ_NORM_MAX_PARTIALS && p * cols <= TQ_NORM_PARTIAL_ELEMS) break;

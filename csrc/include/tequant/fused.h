@@ -96,7 +96,8 @@ TQ_API tq_status tq_norm_forward(const tq_tensor *x, const tq_norm_forward_args 
  *   RMSNorm    dx = RN(RN(dyg - RN(xhat * c1)) * rstd).
  * dgamma[j] = sum over rows of RN(dy * xhat) and dbeta[j] = sum over rows of dy, in this fixed
  * order: the rows are cut into P = ceil(M / R) chunks of R consecutive rows (R is a function of
- * M and K: the smallest power of two >= 16 with P <= 1024 and P * K <= 2^22, or R >= M); a
+ * M and K: the smallest power of two >= R0 with P <= 1024 and P * K <= 2^22, or R >= M, where
+ * R0 = 4 for K <= 1024 and 16 otherwise); a
  * chunk's partial sum adds its rows in order onto +0; partials are then summed in groups of 32
  * consecutive chunks (in order, onto +0), and the group sums in order onto +0. The partials live
  * in the caller's workspace. M = 0 gives dgamma = dbeta = 0. */
