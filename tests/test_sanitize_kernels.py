@@ -48,8 +48,10 @@ pad.cu         pad_rows_kernel<uint4>     linear_step (51 tokens), cuda_graph_st
                                           16-byte boundary)
 quantize_fp8.cu small_current_kernel      quantize_dequantize[current-*] (<= 64K elements;
                                           row / col / both), linear_step[current-*], graphs
-               cast_kernel<delayed=false> quantize_dequantize[current-*] (> 64K elements, after
-                                          the amax pass), quantize_given_amax[current-*]
+               fused_current_kernel       quantize_dequantize[current-*] (> 64K elements: one
+                                          cooperative launch, one tile per CTA)
+               cast_kernel<delayed=false> quantize_given_amax[current-*] (and x > 16M elements,
+                                          after the amax pass: not at these shapes)
                cast_kernel<delayed=true>  quantize_dequantize[delayed-*], linear_step[delayed-*]
                empty_kernel               quantize_empty[current|delayed]
                dequantize_kernel          quantize_dequantize[current-*|delayed-*] (E4M3, E5M2;
@@ -137,7 +139,8 @@ QCASES = {
 }
 
 # (M, K, dtype, layout, rowwise, columnwise) per family: small (the one-CTA kernels below 64K
-# elements) and large (tiled, after an amax pass), full and partial tiles, each dtype, each
+# elements) and large (tiled; FP8 current scaling in one cooperative launch), full and partial
+# tiles, each dtype, each
 # direction alone and both, and each layout (see _layout).
 _BOTH, _ROW, _COL = (True, True), (True, False), (False, True)
 SHAPES = {
