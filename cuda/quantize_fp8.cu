@@ -1,5 +1,5 @@
-/* quantize_fp8.cu: FP8 per-tensor quantization (DELAYED and CURRENT scaling) and its
- * dequantization on CUDA.
+/* quantize_fp8.cu: FP8 per-tensor quantization (DELAYED and CURRENT scaling) on CUDA (its
+ * dequantization: quantize_fp8_dequant.cu).
  *
  * Rule (NUMERICS.md 2, TE_REFERENCE A.1 / A.2): q = cvt8(RN(x * scale)), scale_inv = RN(1/scale);
  * CURRENT: scale = tq_scale_from_amax(max|x|, fmax, eps, pow2, FLT_MAX), amax written to q->amax
@@ -282,6 +282,17 @@ void launch_cast(const CastParams &p, int e5m2, unsigned grid, cudaStream_t s) {
     else cast_kernel<T, kRow, kCol, kDelayed, false><<<grid, kThreads, 0, s>>>(p);
 }
 
+/* The max of each thread's a over the CTA (fmaxf: NaN dropped), valid in thread 0. */
+__device__ __forceinline__ float block_max(float a, float *warp_amax) {
+    for (int offset = 16; offset > 0; offset >>= 1)
+        a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, offset));
+    if ((threadIdx.x & 31) == 0) warp_amax[threadIdx.x >> 5] = a;
+    __syncthreads();
+    if (threadIdx.x == 0)
+        for (int w = 1; w < kThreads / 32; w++) a = fmaxf(a, warp_amax[w]);
+    return a;
+}
+
 /* CURRENT scaling of a small x (at most kSmallElems elements) in ONE launch and one CTA: the
  * amax (max |x|, NaN ignored: the same exact max tq_amax_cuda computes, in another order, which
  * a max does not see), then every tile in turn. Small tensors are bound by launch overhead, not
@@ -310,14 +321,8 @@ __global__ void __launch_bounds__(kThreads) small_current_kernel(const CastParam
             a = fmaxf(a, fabsf(widen(x[r * p.ld + c])));
         }
     }
-    for (int offset = 16; offset > 0; offset >>= 1)
-        a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, offset));
-    if ((threadIdx.x & 31) == 0) warp_amax[threadIdx.x >> 5] = a;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int w = 1; w < kThreads / 32; w++) a = fmaxf(a, warp_amax[w]);
-        *amax = a; /* cast_scale reads it back through p.amax_in */
-    }
+    a = block_max(a, warp_amax);
+    if (threadIdx.x == 0) *amax = a; /* cast_scale reads it back through p.amax_in */
     __syncthreads();
     const int64_t tiles = ((p.rows + kTile - 1) / kTile) * p.tiles_k;
     for (int64_t tile = 0; tile < tiles; tile++) {
@@ -384,12 +389,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 4 : 2) fused_curren
             a = regs_amax<T>(r, a);
         }
     }
-    for (int offset = 16; offset > 0; offset >>= 1)
-        a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, offset));
-    if ((threadIdx.x & 31) == 0) warp_amax[threadIdx.x >> 5] = a;
-    __syncthreads();
-    if (threadIdx.x == 0)
-        for (int w = 1; w < kThreads / 32; w++) a = fmaxf(a, warp_amax[w]);
+    a = block_max(a, warp_amax);
     grid.sync(); /* CTA 0's zero is visible */
     if (threadIdx.x == 0 && a > 0.0f) atomicMax(reinterpret_cast<unsigned int *>(amax), __float_as_uint(a));
     grid.sync(); /* every CTA's max is in */
@@ -478,35 +478,6 @@ void launch_cast(const CastParams &p, uint32_t usage, int delayed, int e5m2, uns
 
 bool aligned16(const void *ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
 
-/* ---- dequantize: out = RN(fp8 * scale_inv), then RNE to out's dtype ---- */
-
-template <typename TOut, bool kE5M2>
-__global__ void __launch_bounds__(kThreads) dequantize_kernel(const uint8_t *__restrict__ codes,
-                                                              int64_t rows, int64_t cols,
-                                                              const float *scale_inv,
-                                                              TOut *__restrict__ out, int64_t ld) {
-    const float s = *scale_inv;
-    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
-    for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
-        for (int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += stride) {
-            tq_fp::narrow(tq_mul(tq_fp8_to_f32(codes[r * cols + c], kE5M2), s), out + r * ld + c);
-        }
-    }
-}
-
-template <typename TOut>
-void launch_dequantize(const uint8_t *codes, const tq_tensor *out, const float *scale_inv,
-                       int e5m2, cudaStream_t s) {
-    const int64_t bx = (out->cols + kThreads - 1) / kThreads;
-    const dim3 grid((unsigned)(bx < 4096 ? bx : 4096), (unsigned)(out->rows < 65535 ? out->rows : 65535));
-    TOut *o = static_cast<TOut *>(out->data);
-    if (e5m2)
-        dequantize_kernel<TOut, true><<<grid, kThreads, 0, s>>>(codes, out->rows, out->cols, scale_inv, o, out->ld);
-    else
-        dequantize_kernel<TOut, false><<<grid, kThreads, 0, s>>>(codes, out->rows, out->cols, scale_inv, o, out->ld);
-}
-
-
 }  // namespace
 
 extern "C" int tq_fp8_current_one_launch(int64_t elems) {
@@ -586,25 +557,5 @@ extern "C" tq_status tq_quantize_fp8_cuda(const tq_tensor *x, const tq_quant_con
     }
     const cudaError_t err = cudaPeekAtLastError();
     if (err != cudaSuccess) return cuda_failed("fp8 quantize kernel launch", err);
-    return TQ_SUCCESS;
-}
-
-extern "C" tq_status tq_dequantize_fp8_cuda(const tq_quant_config *c, const tq_qtensor *q,
-                                            uint32_t usage, tq_tensor *out,
-                                            struct CUstream_st *stream) {
-    if (out->rows == 0 || out->cols == 0) return TQ_SUCCESS;
-    DeviceGuard guard(out->device);
-    if (guard.status != cudaSuccess) return cuda_failed("fp8 dequantize: making out's device current", guard.status);
-    cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-    const int e5m2 = c->elem_dtype == TQ_DTYPE_FLOAT8_E5M2;
-    const uint8_t *codes = static_cast<const uint8_t *>(usage == TQ_USAGE_ROWWISE ? q->data.data : q->data_t.data);
-    const float *scale_inv = static_cast<const float *>(q->scale_inv.data);
-    switch (out->dtype) {
-        case TQ_DTYPE_FLOAT32: launch_dequantize<float>(codes, out, scale_inv, e5m2, s); break;
-        case TQ_DTYPE_BFLOAT16: launch_dequantize<Bf16>(codes, out, scale_inv, e5m2, s); break;
-        default: launch_dequantize<Half>(codes, out, scale_inv, e5m2, s); break;
-    }
-    const cudaError_t err = cudaPeekAtLastError();
-    if (err != cudaSuccess) return cuda_failed("fp8 dequantize kernel launch", err);
     return TQ_SUCCESS;
 }

@@ -54,7 +54,7 @@ quantize_fp8.cu small_current_kernel      quantize_dequantize[current-*] (<= 64K
                                           after the amax pass: not at these shapes)
                cast_kernel<delayed=true>  quantize_dequantize[delayed-*], linear_step[delayed-*]
                empty_kernel               quantize_empty[current|delayed]
-               dequantize_kernel          quantize_dequantize[current-*|delayed-*] (E4M3, E5M2;
+quantize_fp8_dequant.cu dequantize_kernel quantize_dequantize[current-*|delayed-*] (E4M3, E5M2;
                                           f32/bf16/f16 out), dequantize_misaligned_out[current]
 quantize_fp8_block.cu quantize_kernel     quantize_dequantize[block-*] (1x128 and 128x128, E4M3
                                           and E5M2, f32/bf16/f16, row / col / both), linear_step
