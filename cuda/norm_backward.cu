@@ -102,16 +102,19 @@ __device__ __forceinline__ void dx_chunk(const BwdParams &p, int64_t row, int64_
 }
 
 template <typename T>
+__device__ __forceinline__ void widen_chunk(const Chunk<T> &ch, float (&v)[kChunk]) {
+#pragma unroll
+    for (int e = 0; e < kChunk; e++) v[e] = tq_norm::widen(ch.t[e]);
+}
+
+template <typename T>
 __device__ __forceinline__ void load_row_chunk(const BwdParams &p, int64_t row, int64_t c, int n,
                                                float (&xv)[kChunk], float (&dyv)[kChunk]) {
     Chunk<T> cx, cdy;
     tq_norm::load_chunk(cx, static_cast<const T *>(p.x) + row * p.ld_x, c, n, p.x_vec);
     tq_norm::load_chunk(cdy, static_cast<const T *>(p.dy) + row * p.ld_dy, c, n, p.dy_vec);
-#pragma unroll
-    for (int e = 0; e < kChunk; e++) {
-        xv[e] = tq_norm::widen(cx.t[e]);
-        dyv[e] = tq_norm::widen(cdy.t[e]);
-    }
+    widen_chunk(cx, xv);
+    widen_chunk(cdy, dyv);
 }
 
 __device__ __forceinline__ void gamma_chunk(const BwdParams &p, int64_t c, int n,
@@ -121,28 +124,34 @@ __device__ __forceinline__ void gamma_chunk(const BwdParams &p, int64_t c, int n
     for (int e = 0; e < kChunk; e++) g[e] = tq_norm_gamma(g[e], p.zero_centered);
 }
 
-/* A row's chunks t + j * kT (j < kJ) of x and dy; chunks past the row are left alone. */
+/* A row's chunks t + j * kT (j < kJ) of x and dy as loaded (T, not widened: half the registers
+ * of FP32 for 16-bit x); chunks past the row are left alone. */
 template <typename T, int kJ, int kT>
 __device__ __forceinline__ void load_rows(const BwdParams &p, int64_t row, int t,
-                                          float (&xv)[kJ][kChunk], float (&dyv)[kJ][kChunk]) {
+                                          Chunk<T> (&cx)[kJ], Chunk<T> (&cdy)[kJ]) {
 #pragma unroll
     for (int j = 0; j < kJ; j++) {
         const int64_t c = t + (int64_t)j * kT;
         const int n = chunk_len(c, p.cols);
-        if (n > 0) load_row_chunk<T>(p, row, c, n, xv[j], dyv[j]);
+        if (n == 0) continue;
+        tq_norm::load_chunk(cx[j], static_cast<const T *>(p.x) + row * p.ld_x, c, n, p.x_vec);
+        tq_norm::load_chunk(cdy[j], static_cast<const T *>(p.dy) + row * p.ld_dy, c, n,
+                            p.dy_vec);
     }
 }
 
-/* kCache (K <= 8192): the row's chunks in registers and the column partials in shared memory;
- * else (kT = 256) the row read again for dx, and no partials (column_partial_kernel's). */
-template <typename T, int kT, bool kCache>
+/* kJ > 0 (K <= 8192): the row's kJ chunks a thread in registers and the column partials in
+ * shared memory; kJ == 0 (kT = 256): the row read again for dx, and no partials
+ * (column_partial_kernel's). */
+template <typename T, int kT, int kJ>
 __global__ void __launch_bounds__(kT) norm_backward_kernel(const BwdParams p) {
-    /* kT < 256 holds at most 2 chunks a thread (launch()); those CTAs are few threads walking
-     * their rows one after another (K = 512: 32 threads, 16 rows), so the next row's x and dy
-     * are loaded before this row's fold and dx (kPrefetch): the loads' latency, not the bytes,
-     * bounded them (H200, 8192x512 LayerNorm: 53.6 us against torch's 38). */
-    constexpr int kSlots = kLanes / kT, kJ = !kCache ? 1 : kT == 256 ? kCached : 2;
-    constexpr bool kPrefetch = kCache && kJ == 2;
+    /* A CTA walks its rows one after another, and a row's loads would wait on the previous
+     * row's fold and dx: load latency, not bytes, bounded the kernel (H200: 8192x512 LayerNorm
+     * 53.6 us against torch's 38; 8192x4096 170 us against torch's 119). So the next row's x
+     * and dy are loaded, as 16-bit codes where x is 16-bit, before this row's fold and dx. */
+    constexpr bool kCache = kJ > 0;
+    constexpr bool kPrefetch = kCache && (sizeof(T) == 2 || kJ <= 2);
+    constexpr int kSlots = kLanes / kT, kR = kCache ? kJ : 1;
     extern __shared__ float acc_shared[];
     __shared__ float red[2][2 * kT]; /* fold scratch, alternate buffers */
     const int t = threadIdx.x;
@@ -150,7 +159,7 @@ __global__ void __launch_bounds__(kT) norm_backward_kernel(const BwdParams p) {
     const int64_t r_begin = chunk_p * p.r_chunk;
     const int64_t r_end = r_begin + p.r_chunk < p.rows ? r_begin + p.r_chunk : p.rows;
     const ColAcc col = {acc_shared, p.nchunks};
-    float g[kJ][kChunk];
+    float g[kR][kChunk];
     if constexpr (kCache) {
 #pragma unroll
         for (int j = 0; j < kJ; j++) {
@@ -163,10 +172,10 @@ __global__ void __launch_bounds__(kT) norm_backward_kernel(const BwdParams p) {
         }
     }
     int buf = 0;
-    float xv[kJ][kChunk], dyv[kJ][kChunk];              /* this row's chunks */
-    float xn[kPrefetch ? kJ : 1][kChunk], dyn[kPrefetch ? kJ : 1][kChunk]; /* the next row's */
+    Chunk<T> cx[kR], cdy[kR];                                  /* this row's chunks */
+    Chunk<T> nx[kPrefetch ? kR : 1], ndy[kPrefetch ? kR : 1];  /* the next row's */
     if constexpr (kPrefetch) {
-        if (r_begin < r_end) load_rows<T, kJ, kT>(p, r_begin, t, xn, dyn);
+        if (r_begin < r_end) load_rows<T, kR, kT>(p, r_begin, t, nx, ndy);
     }
     for (int64_t row = r_begin; row < r_end; row++) {
         const float mean = p.rms ? 0.0f : p.mean[row], rstd = p.rstd[row];
@@ -175,11 +184,9 @@ __global__ void __launch_bounds__(kT) norm_backward_kernel(const BwdParams p) {
         for (int k = 0; k < kSlots; k++) acc[0][k] = acc[1][k] = 0.0f;
         if constexpr (kPrefetch) {
 #pragma unroll
-            for (int j = 0; j < kJ; j++)
-#pragma unroll
-                for (int e = 0; e < kChunk; e++) xv[j][e] = xn[j][e], dyv[j][e] = dyn[j][e];
+            for (int j = 0; j < kR; j++) cx[j] = nx[j], cdy[j] = ndy[j];
         } else if constexpr (kCache) {
-            load_rows<T, kJ, kT>(p, row, t, xv, dyv);
+            load_rows<T, kR, kT>(p, row, t, cx, cdy);
         }
         if constexpr (kCache) {
 #pragma unroll
@@ -187,18 +194,22 @@ __global__ void __launch_bounds__(kT) norm_backward_kernel(const BwdParams p) {
                 const int64_t c = t + (int64_t)j * kT;
                 const int n = chunk_len(c, p.cols);
                 if (n == 0) continue;
-                pass1_chunk<kSlots, true>(p, col, acc, j % kSlots, c, n, xv[j], dyv[j], g[j],
-                                          mean, rstd);
+                float xv[kChunk], dyv[kChunk];
+                widen_chunk(cx[j], xv);
+                widen_chunk(cdy[j], dyv);
+                pass1_chunk<kSlots, true>(p, col, acc, j % kSlots, c, n, xv, dyv, g[j], mean,
+                                          rstd);
             }
             if constexpr (kPrefetch) {
-                if (row + 1 < r_end) load_rows<T, kJ, kT>(p, row + 1, t, xn, dyn);
+                if (row + 1 < r_end) load_rows<T, kR, kT>(p, row + 1, t, nx, ndy);
             }
         } else { /* kT == 256: one lane per thread */
             for (int64_t c = t; c < p.nchunks; c += kT) {
                 const int n = chunk_len(c, p.cols);
+                float xv[kChunk], dyv[kChunk];
                 gamma_chunk(p, c, n, g[0]);
-                load_row_chunk<T>(p, row, c, n, xv[0], dyv[0]);
-                pass1_chunk<kSlots, false>(p, col, acc, 0, c, n, xv[0], dyv[0], g[0], mean, rstd);
+                load_row_chunk<T>(p, row, c, n, xv, dyv);
+                pass1_chunk<kSlots, false>(p, col, acc, 0, c, n, xv, dyv, g[0], mean, rstd);
             }
         }
         float sums[2];
@@ -211,14 +222,19 @@ __global__ void __launch_bounds__(kT) norm_backward_kernel(const BwdParams p) {
             for (int j = 0; j < kJ; j++) {
                 const int64_t c = t + (int64_t)j * kT;
                 const int n = chunk_len(c, p.cols);
-                if (n > 0) dx_chunk<T>(p, row, c, n, xv[j], dyv[j], g[j], mean, rstd, c1, c2);
+                if (n == 0) continue;
+                float xv[kChunk], dyv[kChunk];
+                widen_chunk(cx[j], xv);
+                widen_chunk(cdy[j], dyv);
+                dx_chunk<T>(p, row, c, n, xv, dyv, g[j], mean, rstd, c1, c2);
             }
         } else {
             for (int64_t c = t; c < p.nchunks; c += kT) {
                 const int n = chunk_len(c, p.cols);
+                float xv[kChunk], dyv[kChunk];
                 gamma_chunk(p, c, n, g[0]);
-                load_row_chunk<T>(p, row, c, n, xv[0], dyv[0]);
-                dx_chunk<T>(p, row, c, n, xv[0], dyv[0], g[0], mean, rstd, c1, c2);
+                load_row_chunk<T>(p, row, c, n, xv, dyv);
+                dx_chunk<T>(p, row, c, n, xv, dyv, g[0], mean, rstd, c1, c2);
             }
         }
     }
@@ -265,18 +281,19 @@ __global__ void __launch_bounds__(256) column_partial_kernel(const BwdParams p) 
         for (int e = 0; e < n; e++) out[p.p_count * p.cols + e] = pb[e];
 }
 
-template <typename T, int kT, bool kCache>
+template <typename T, int kT, int kJ>
 cudaError_t launch_as(const BwdParams &p, cudaStream_t s) {
+    constexpr bool kCache = kJ > 0;
     /* the partials in shared memory: at most 2 * 8192 floats (64 KiB); with the static fold
      * scratch (4 * kT floats) past 48 KiB the kernel must opt in to more dynamic memory */
     const size_t smem = kCache ? (size_t)p.planes * kChunk * (size_t)p.nchunks * sizeof(float) : 0;
     if (smem + 4 * kT * sizeof(float) > 48 * 1024) {
-        const cudaError_t err = cudaFuncSetAttribute(norm_backward_kernel<T, kT, kCache>,
+        const cudaError_t err = cudaFuncSetAttribute(norm_backward_kernel<T, kT, kJ>,
                                                      cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                      (int)smem);
         if (err != cudaSuccess) return err;
     }
-    norm_backward_kernel<T, kT, kCache><<<(unsigned)p.p_count, kT, smem, s>>>(p);
+    norm_backward_kernel<T, kT, kJ><<<(unsigned)p.p_count, kT, smem, s>>>(p);
     cudaError_t err = cudaGetLastError(); /* cleared: a failure must not poison later calls */
     if (err == cudaSuccess && !kCache) {
         const dim3 grid((unsigned)((p.nchunks + 255) / 256), (unsigned)p.p_count);
@@ -289,15 +306,17 @@ cudaError_t launch_as(const BwdParams &p, cudaStream_t s) {
 /* Two chunks per thread where 256 threads allow it (K <= 4096), else up to kCached: a CTA walks
  * its rows one after another, so the threads in flight, not the bytes, bound the kernel; with
  * four chunks per thread at K = 4096 (128 threads) it ran at 0.84 TB/s on an H100 (8192 rows),
- * 1.47x torch's backward. The thread count does not change the bits: chunk c is lane c mod 256
- * of the order S whatever thread holds it. */
+ * 1.47x torch's backward. A thread keeps exactly the chunks it owns (kJ), so no registers sit
+ * idle. The thread count does not change the bits: chunk c is lane c mod 256 of the order S
+ * whatever thread holds it. */
 template <typename T>
 cudaError_t launch(const BwdParams &p, cudaStream_t s) {
-    if (p.nchunks <= 2 * 32) return launch_as<T, 32, true>(p, s);
-    if (p.nchunks <= 2 * 64) return launch_as<T, 64, true>(p, s);
-    if (p.nchunks <= 2 * 128) return launch_as<T, 128, true>(p, s);
-    if (p.nchunks <= kCached * 256) return launch_as<T, 256, true>(p, s);
-    return launch_as<T, 256, false>(p, s);
+    if (p.nchunks <= 2 * 32) return launch_as<T, 32, 2>(p, s);
+    if (p.nchunks <= 2 * 64) return launch_as<T, 64, 2>(p, s);
+    if (p.nchunks <= 2 * 128) return launch_as<T, 128, 2>(p, s);
+    if (p.nchunks <= 2 * 256) return launch_as<T, 256, 2>(p, s);
+    if (p.nchunks <= kCached * 256) return launch_as<T, 256, kCached>(p, s);
+    return launch_as<T, 256, 0>(p, s);
 }
 
 }  // namespace
