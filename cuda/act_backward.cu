@@ -237,7 +237,7 @@ extern "C" tq_status tq_act_backward_cuda(const tq_tensor *dy, const tq_tensor *
     cudaError_t err = cudaGetLastError(); /* cleared: must not poison later calls */
     if (err != cudaSuccess) return cuda_failed("act backward kernel launch", err);
     if (dbias) {
-        tq_colsum::launch(p.partials, p.p_count, p.k, a->dbias.data, a->dbias.dtype, s);
+        tq_colsum::launch(p.partials, p.p_count, p.k, a->dbias.data, nullptr, a->dbias.dtype, s);
         err = cudaGetLastError();
         if (err != cudaSuccess) return cuda_failed("act backward column-sum kernel launch", err);
     }

@@ -61,14 +61,18 @@ static inline void launch(const float *partials, int64_t p_count, int64_t cols, 
                                                                            out0, out1);
 }
 
-/* One plane into out, a FLOAT32, BFLOAT16 or FLOAT16 vector of `dtype`. */
-static inline void launch(const float *partials, int64_t p_count, int64_t cols, void *out,
-                          tq_dtype dtype, cudaStream_t s) {
+/* One or two planes into out0 (and out1 unless NULL), FLOAT32, BFLOAT16 or FLOAT16 vectors of
+ * `dtype`. */
+static inline void launch(const float *partials, int64_t p_count, int64_t cols, void *out0,
+                          void *out1, tq_dtype dtype, cudaStream_t s) {
     if (dtype == TQ_DTYPE_BFLOAT16)
-        launch<tq_fp::Bf16>(partials, p_count, cols, static_cast<tq_fp::Bf16 *>(out), nullptr, s);
+        launch<tq_fp::Bf16>(partials, p_count, cols, static_cast<tq_fp::Bf16 *>(out0),
+                            static_cast<tq_fp::Bf16 *>(out1), s);
     else if (dtype == TQ_DTYPE_FLOAT16)
-        launch<tq_fp::Half>(partials, p_count, cols, static_cast<tq_fp::Half *>(out), nullptr, s);
-    else launch<float>(partials, p_count, cols, static_cast<float *>(out), nullptr, s);
+        launch<tq_fp::Half>(partials, p_count, cols, static_cast<tq_fp::Half *>(out0),
+                            static_cast<tq_fp::Half *>(out1), s);
+    else launch<float>(partials, p_count, cols, static_cast<float *>(out0),
+                       static_cast<float *>(out1), s);
 }
 
 }  // namespace tq_colsum

@@ -362,8 +362,8 @@ extern "C" tq_status tq_norm_backward_cuda(const tq_tensor *dy, const tq_tensor 
         }
         if (err != cudaSuccess) return cuda_failed("norm backward kernel launch", err);
     }
-    tq_colsum::launch(p.partials, p.p_count, p.cols, static_cast<float *>(a->dgamma.data),
-                      static_cast<float *>(a->dbeta.data), s);
+    tq_colsum::launch(p.partials, p.p_count, p.cols, a->dgamma.data, a->dbeta.data,
+                      a->dgamma.dtype, s);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return cuda_failed("norm backward column-sum kernel launch", err);
     return TQ_SUCCESS;

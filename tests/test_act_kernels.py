@@ -488,6 +488,7 @@ def test_errors_backward():
         _C._act_backward_workspace_size(4, 0)
 
 
+
 @gpu
 @pytest.mark.gpu
 def test_errors_device_mismatch():

@@ -428,9 +428,12 @@ def storages(recipe, model, x):
 
 import torch._inductor.cudagraph_trees as trees  # imported, no tree yet: still the fast path
 cases = []
-for recipe in (DelayedScaling(amax_history_len=4), Float8CurrentScaling(), Float8BlockScaling()):
+for recipe, make in ((DelayedScaling(amax_history_len=4), te.Linear),
+                     (Float8CurrentScaling(), te.Linear), (Float8BlockScaling(), te.Linear),
+                     (DelayedScaling(amax_history_len=4), te.LayerNormLinear),
+                     (Float8CurrentScaling(), te.LayerNormMLP)):  # their norm / act ops' C calls
     torch.manual_seed(0)
-    model = te.Linear(64, 32)
+    model = make(64, 32)
     twin = copy.deepcopy(model)  # DelayedScaling: each module sees one step
     x = torch.randn(16, 64, requires_grad=True)
     with te.autocast(recipe=recipe):

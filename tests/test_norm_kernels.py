@@ -67,11 +67,11 @@ def forward(x, gamma, norm, beta=None, zc=False, eps=EPS, cfg=None, scale=None, 
     return out
 
 
-def backward(dy, x, gamma, norm, mean, rstd, zc=False, want_dbeta=True):
+def backward(dy, x, gamma, norm, mean, rstd, zc=False, want_dbeta=True, grad_dtype=None):
     m, k = x.shape
     dx = torch.full((m, k), float("nan"), dtype=x.dtype, device=x.device)
-    dgamma = torch.full((k,), float("nan"), device=x.device)
-    dbeta = torch.full((k,), float("nan"), device=x.device) if (
+    dgamma = torch.full((k,), float("nan"), dtype=grad_dtype, device=x.device)
+    dbeta = torch.full((k,), float("nan"), dtype=grad_dtype, device=x.device) if (
         norm == "LayerNorm" and want_dbeta) else None
     _C._norm_backward(dy, x, gamma, norm, rstd=rstd, dx=dx, dgamma=dgamma, mean=mean,
                       dbeta=dbeta, zero_centered_gamma=zc)
@@ -618,9 +618,13 @@ def test_errors_backward():
                           **out)
     with pytest.raises(ValueError, match="dbeta was given, but RMSNorm has no beta"):
         _C._norm_backward(dy, x, gamma, "RMSNorm", rstd=f["rstd"], dbeta=torch.empty(16), **out)
-    with pytest.raises(ValueError, match="dgamma has dtype bfloat16"):
+    with pytest.raises(ValueError, match="dgamma has dtype int32"):
         _C._norm_backward(dy, x, gamma, "LayerNorm", rstd=f["rstd"], mean=f["mean"],
-                          dx=out["dx"], dgamma=torch.empty(16, dtype=torch.bfloat16))
+                          dx=out["dx"], dgamma=torch.empty(16, dtype=torch.int32))
+    with pytest.raises(ValueError, match="dbeta is float32 .* expected 16 contiguous bfloat16"):
+        _C._norm_backward(dy, x, gamma, "LayerNorm", rstd=f["rstd"], mean=f["mean"],
+                          dx=out["dx"], dgamma=torch.empty(16, dtype=torch.bfloat16),
+                          dbeta=torch.empty(16))
 
 
 def test_workspace_size():

@@ -2,6 +2,8 @@
  * rules are in internal_fused.h, the messages name the function, the argument, what it is and
  * what was expected. Tests: tests/test_norm_kernels.py, tests/test_act_kernels.py (errors).
  */
+#include <stdio.h>
+
 #include "internal_fused.h"
 
 tq_status tq_fused_not_for(const char *fn, const char *name, const char *what) {
@@ -26,11 +28,18 @@ tq_status tq_fused_check_vector(const char *fn, const tq_tensor *t, const char *
     tq_status st = tq_tensor_check(t, name);
     if (st != TQ_SUCCESS) return st;
     const int contiguous = t->rows <= 1 || (t->cols == 1 && t->ld == 1) || t->rows * t->cols == 0;
-    if (!((mask >> t->dtype) & 1u) || t->rows * t->cols != n || !contiguous)
+    if (!((mask >> t->dtype) & 1u) || t->rows * t->cols != n || !contiguous) {
+        char dtypes[96] = ""; /* the dtypes of mask, "a/b/c" */
+        size_t used = 0;
+        for (int d = 0; d < TQ_DTYPE_COUNT_ && used < sizeof dtypes; d++)
+            if ((mask >> d) & 1u)
+                used += (size_t)snprintf(dtypes + used, sizeof dtypes - used, "%s%s",
+                                         used ? "/" : "", tq_dtype_name((tq_dtype)d));
         return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "%s: %s is %s [%lld, %lld] (ld %lld); expected "
                        "%lld contiguous %s elements", fn, name, tq_dtype_name(t->dtype),
                        (long long)t->rows, (long long)t->cols, (long long)t->ld, (long long)n,
-                       mask == TQ_F32_MASK ? "float32" : "float32/bfloat16/float16");
+                       dtypes);
+    }
     if (t->device != device)
         return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "%s: %s is on device %d, the input on device "
                        "%d", fn, name, t->device, device);

@@ -135,12 +135,6 @@ static inline float tq_norm_column_sum_ref(const float *partials, int64_t p_coun
     return tq_norm_canon(total);
 }
 
-/* out[j] = tq_norm_column_sum_ref(..., j) for every column. */
-static inline void tq_norm_column_sums_ref(const float *partials, int64_t p_count, int64_t k,
-                                           float *out) {
-    for (int64_t j = 0; j < k; j++) out[j] = tq_norm_column_sum_ref(partials, p_count, k, j);
-}
-
 /* Element i of a checked vector argument (n contiguous elements), widened exactly. */
 static inline float tq_norm_vec_load(const tq_tensor *t, int64_t i) {
     if (t->dtype == TQ_DTYPE_FLOAT32) return ((const float *)t->data)[i];

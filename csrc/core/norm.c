@@ -143,10 +143,10 @@ tq_status tq_norm_backward(const tq_tensor *dy, const tq_tensor *x,
     if ((!tq_given(&a->dx) && rows_given) || !tq_given(&a->dgamma))
         return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "%s: dx and dgamma are required outputs", fn);
     if ((st = check_matrix(fn, &a->dx, "dx", x, x->dtype)) != TQ_SUCCESS) return st;
-    if ((st = check_vector(fn, &a->dgamma, "dgamma", k, TQ_F32_MASK, x)) != TQ_SUCCESS)
+    if ((st = check_vector(fn, &a->dgamma, "dgamma", k, TQ_FLOAT_MASK, x)) != TQ_SUCCESS)
         return st;
     if (tq_given(&a->dbeta)
-        && (st = check_vector(fn, &a->dbeta, "dbeta", k, TQ_F32_MASK, x)) != TQ_SUCCESS)
+        && (st = check_vector(fn, &a->dbeta, "dbeta", k, 1u << a->dgamma.dtype, x)) != TQ_SUCCESS)
         return st;
     size_t need = 0;
     st = tq_norm_backward_workspace_size(a->norm, m, k, &need);

@@ -1,7 +1,8 @@
 /* act.c: the extension's calls into the fused activation kernels, _C._act_forward and
  * _C._act_backward (tq_act_forward / tq_act_backward, tequant.h), and the backward's workspace
- * size. Tensors come in through tensor_view.c; every output is a tensor the caller allocated
- * with torch; dbias's workspace is scratch of torch's caching allocator for the call
+ * size, and the allocating forms _act_fwd / _act_bwd (their outputs from fused_out.c). Tensors
+ * come in through tensor_view.c; _act_forward / _act_backward write into tensors the caller
+ * allocated; dbias's workspace is scratch of torch's caching allocator for the call
  * (tqx_workspace_alloc). Each runs on h's current CUDA stream (or the C reference) with the GIL
  * released. te.LayerNormMLP calls them through python/tequant/_act_fn.py.
  * Tests: tests/test_act_kernels.py.
@@ -111,6 +112,170 @@ static PyObject *py_act_backward(PyObject *module, PyObject *args, PyObject *kwa
     Py_RETURN_NONE;
 }
 
+/* ---- the allocating forms te.LayerNormMLP runs: one C call per direction, its outputs made by
+ * fused_out.c ---- */
+
+static tq_status run_forward(const tq_tensor *h, const tq_act_forward_args *a, void *stream) {
+    tq_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = tq_act_forward(h, a, (struct CUstream_st *)stream);
+    Py_END_ALLOW_THREADS
+    return s;
+}
+
+/* _act_fwd(h, act, want_hp, config, scale, amax, padded): see the method table. */
+static PyObject *py_act_fwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_Format(PyExc_TypeError, "_act_fwd(h, act, want_hp, config, scale, amax, padded) "
+                     "takes 7 positional arguments, got %zd", nargs);
+        return NULL;
+    }
+    tqx_state *st = tqx_module_state(module);
+    PyObject *h_obj = args[0], *config = args[3];
+    tq_act_forward_args a = TQ_ACT_FORWARD_ARGS_INIT;
+    tq_tensor h;
+    tqx_tensor_info info;
+    tq_quant_config cfg;
+    int want_hp;
+    const long long padded = PyLong_AsLongLong(args[6]);
+    if (PyErr_Occurred() || act_from_py(args[1], &a.act) < 0 || tqx_flag_arg(args[2], &want_hp) < 0
+        || tqx_tensor_from_py(st, h_obj, "h", TQX_FLOAT_DTYPES, &h, &info) < 0
+        || tqx_optional_tensor(st, args[4], "scale", F32, &a.scale) < 0
+        || (config != Py_None && tqx_config_from_py(st, config, &cfg) < 0))
+        return NULL;
+    const int gated = a.act == TQ_ACT_GEGLU || a.act == TQ_ACT_REGLU || a.act == TQ_ACT_SWIGLU;
+    const int64_t m = h.rows, n = gated ? h.cols / 2 : h.cols;
+    PyObject *device = PyObject_GetAttrString(h_obj, "device");
+    PyObject *outs = device ? PyList_New(0) : NULL;
+    tq_status s = TQ_SUCCESS;
+    if (outs == NULL
+        || (want_hp
+            && tqx_new_output(st, outs, m, n, 0, h.dtype, device, h.device, 0, &a.y_hp) < 0))
+        goto fail;
+    if (config == Py_None) {
+        s = run_forward(&h, &a, info.stream);
+    } else {
+        tq_tensor codes, scale_inv;
+        if (tqx_fused_fp8_outputs(st, outs, &cfg, padded, m, n, device, h.device, args[5],
+                                  &codes, &scale_inv, &a.amax) < 0)
+            goto fail;
+        if (cfg.scaling == TQ_SCALING_DELAYED) { /* one pass: cast with the scale, amax alongside */
+            a.config = &cfg, a.y_q = codes, a.scale_inv = scale_inv;
+            s = run_forward(&h, &a, info.stream);
+        } else { /* current scaling: the cast needs the whole tensor's amax first */
+            s = run_forward(&h, &a, info.stream);
+            if (s == TQ_SUCCESS) {
+                tq_act_forward_args cast = TQ_ACT_FORWARD_ARGS_INIT;
+                cast.act = a.act, cast.config = &cfg, cast.y_q = codes;
+                cast.scale_inv = scale_inv, cast.amax_in = a.amax;
+                s = run_forward(&h, &cast, info.stream);
+            }
+        }
+    }
+    if (s != TQ_SUCCESS) {
+        tqx_raise_status(st, s);
+        goto fail;
+    }
+    Py_DECREF(device);
+    return outs;
+fail:
+    Py_XDECREF(outs);
+    Py_XDECREF(device);
+    return NULL;
+}
+
+/* One tq_act_backward call, with dbias's workspace when it asks for dbias. */
+static tq_status run_backward(tqx_state *st, const tq_tensor *dy, PyObject *h_obj,
+                              const tq_tensor *h, tq_act_backward_args *a, void *stream,
+                              int *raised) {
+    size_t bytes = 0; /* a shape the core refuses gets its message from tq_act_backward */
+    if (a->dbias.data == NULL || tq_act_backward_workspace_size(h->rows, h->cols, &bytes)
+                                     != TQ_SUCCESS)
+        bytes = 0;
+    tqx_scratch ws = TQX_SCRATCH_INIT;
+    if (tqx_workspace_alloc(st, bytes, h_obj, h, stream, &ws, &a->workspace) < 0) {
+        *raised = 1;
+        return TQ_SUCCESS;
+    }
+    tq_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = tq_act_backward(dy, h, a, (struct CUstream_st *)stream);
+    Py_END_ALLOW_THREADS
+    tqx_scratch_release(st, &ws); /* the kernels are queued; the allocator orders reuse */
+    a->workspace = (tq_tensor)TQ_TENSOR_NONE;
+    return s;
+}
+
+/* _act_bwd(dy, h, act, config, scale, amax, padded, dbias_dtype): see the method table. */
+static PyObject *py_act_bwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 8) {
+        PyErr_Format(PyExc_TypeError, "_act_bwd(dy, h, act, config, scale, amax, padded, "
+                     "dbias_dtype) takes 8 positional arguments, got %zd", nargs);
+        return NULL;
+    }
+    tqx_state *st = tqx_module_state(module);
+    PyObject *h_obj = args[1], *config = args[3], *dbias_dtype = args[7];
+    tq_act_backward_args a = TQ_ACT_BACKWARD_ARGS_INIT;
+    tq_tensor dy, h;
+    tqx_tensor_info info;
+    tq_quant_config cfg;
+    const long long padded = PyLong_AsLongLong(args[6]);
+    if (PyErr_Occurred() || act_from_py(args[2], &a.act) < 0
+        || tqx_tensor_from_py(st, args[0], "dy", TQX_FLOAT_DTYPES, &dy, NULL) < 0
+        || tqx_tensor_from_py(st, h_obj, "h", TQX_FLOAT_DTYPES, &h, &info) < 0
+        || tqx_optional_tensor(st, args[4], "scale", F32, &a.scale) < 0
+        || (config != Py_None && tqx_config_from_py(st, config, &cfg) < 0)
+        || tqx_torch_import(st) < 0)
+        return NULL;
+    tq_dtype bias_dtype = TQ_DTYPE_FLOAT32;
+    if (dbias_dtype != Py_None) {
+        bias_dtype = tqx_dtype_of_torch(st, dbias_dtype);
+        if (bias_dtype != TQ_DTYPE_FLOAT32 && bias_dtype != TQ_DTYPE_BFLOAT16
+            && bias_dtype != TQ_DTYPE_FLOAT16) {
+            PyErr_Format(PyExc_TypeError, "_act_bwd: dbias_dtype must be None, torch.float32, "
+                         "bfloat16 or float16, got %R", dbias_dtype);
+            return NULL;
+        }
+    }
+    const int64_t m = h.rows, k = h.cols;
+    PyObject *device = PyObject_GetAttrString(h_obj, "device");
+    PyObject *outs = device ? PyList_New(0) : NULL;
+    tq_status s = TQ_SUCCESS;
+    int raised = 0;
+    if (outs == NULL) goto done;
+    if (config == Py_None) {
+        if (tqx_new_output(st, outs, m, k, 0, h.dtype, device, h.device, 0, &a.dh) < 0) goto done;
+        s = run_backward(st, &dy, h_obj, &h, &a, info.stream, &raised);
+        goto done;
+    }
+    tq_tensor codes, scale_inv;
+    if (tqx_fused_fp8_outputs(st, outs, &cfg, padded, m, k, device, h.device, args[5], &codes,
+                              &scale_inv, &a.amax) < 0
+        || (dbias_dtype != Py_None
+            && tqx_new_output(st, outs, 1, k, 1, bias_dtype, device, h.device, 0, &a.dbias) < 0))
+        goto done;
+    if (cfg.scaling == TQ_SCALING_DELAYED) { /* one pass: cast with the scale, amax and dbias */
+        a.config = &cfg, a.dh_q = codes, a.scale_inv = scale_inv;
+        s = run_backward(st, &dy, h_obj, &h, &a, info.stream, &raised);
+    } else { /* current scaling: the amax (and dbias) pass, then the cast pass */
+        s = run_backward(st, &dy, h_obj, &h, &a, info.stream, &raised);
+        if (s == TQ_SUCCESS && !raised) {
+            tq_act_backward_args cast = TQ_ACT_BACKWARD_ARGS_INIT;
+            cast.act = a.act, cast.config = &cfg, cast.dh_q = codes, cast.scale_inv = scale_inv;
+            cast.amax_in = a.amax;
+            s = run_backward(st, &dy, h_obj, &h, &cast, info.stream, &raised);
+        }
+    }
+done:
+    if (s != TQ_SUCCESS) tqx_raise_status(st, s);
+    Py_XDECREF(device);
+    if (PyErr_Occurred()) {
+        Py_XDECREF(outs);
+        return NULL;
+    }
+    return outs;
+}
+
 static PyObject *py_act_workspace_size(PyObject *module, PyObject *args) {
     long long rows, cols;
     if (!PyArg_ParseTuple(args, "LL:_act_backward_workspace_size", &rows, &cols)) return NULL;
@@ -136,6 +301,18 @@ PyMethodDef tqx_act_methods[] = {
      "amax, the FP8 codes dh_q with scale_inv (as _act_forward's), and dbias ([K] float32, "
      "bfloat16 or float16: the column sums of the FP32 dh in tequant's fixed order, rounded "
      "once). 'identity' reads no h (pass dy): dh = dy."},
+    {"_act_fwd", (PyCFunction)(void (*)(void))py_act_fwd, METH_FASTCALL,
+     "_act_fwd(h, act, want_hp, config, scale, amax, padded) -> list\n\nThe activation of h "
+     "[M, K] with its outputs allocated here: [y_hp (h's dtype, [M, N]: N = K, or K / 2 gated) "
+     "if want_hp]; with a DELAYED or CURRENT QuantizerConfig also te.Linear's rowwise FP8 codes "
+     "of y [padded, N] (rows past M zero), scale_inv and amax (`amax` itself, DelayedScaling's "
+     "slot, or for None a fresh one), as _norm_fwd."},
+    {"_act_bwd", (PyCFunction)(void (*)(void))py_act_bwd, METH_FASTCALL,
+     "_act_bwd(dy, h, act, config, scale, amax, padded, dbias_dtype) -> list\n\nThe "
+     "activation's backward with its outputs allocated here: without config [dh] ([M, K], h's "
+     "dtype); with a DELAYED or CURRENT QuantizerConfig (fc1's grad_output quantizer) te.Linear's "
+     "rowwise FP8 codes of dh [padded, K], scale_inv, amax (as _act_fwd's) and, unless "
+     "dbias_dtype is None, dbias [K] in that dtype."},
     {"_act_backward_workspace_size", (PyCFunction)(void (*)(void))py_act_workspace_size,
      METH_VARARGS,
      "_act_backward_workspace_size(rows, cols) -> int\n\nBytes of FP32 column partials dbias "

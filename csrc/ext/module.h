@@ -195,6 +195,23 @@ extern PyMethodDef tqx_ops_methods[];
 /* codec.c: _C._codec, the elementwise codecs for tests */
 extern PyMethodDef tqx_codec_methods[];
 
+/* fused_out.c: arguments and outputs of the allocating fused calls. *out = the truth of a
+ * positional flag; -1 with an exception. */
+int tqx_flag_arg(PyObject *obj, int *out);
+/* A new [rows, cols] tensor (vector: 1-D of
+ * rows * cols) of dtype on `device` (a torch.device; index device_index), torch.zeros when
+ * zeroed, appended to the list outs and described in *t. -1 with an exception. */
+int tqx_new_output(tqx_state *st, PyObject *outs, int64_t rows, int64_t cols, int vector,
+                   tq_dtype dtype, PyObject *device, int device_index, int zeroed, tq_tensor *t);
+/* te.Linear's rowwise operand of an [m, n] output quantized with config (DELAYED / CURRENT),
+ * appended to outs: codes [padded, n] (rows past m zero; *codes describes the first m rows),
+ * scale_inv, and the amax: `amax` itself (the caller's DelayedScaling slot) or, for None, a new
+ * zero [1, 1]. -1 with an exception. */
+int tqx_fused_fp8_outputs(tqx_state *st, PyObject *outs, const tq_quant_config *config,
+                          int64_t padded, int64_t m, int64_t n, PyObject *device,
+                          int device_index, PyObject *amax, tq_tensor *codes,
+                          tq_tensor *scale_inv, tq_tensor *amax_t);
+
 /* norm.c: _C._norm_forward, _C._norm_backward (the fused normalization kernels) */
 extern PyMethodDef tqx_norm_methods[];
 /* act.c: _C._act_forward, _C._act_backward (the fused activation kernels) */

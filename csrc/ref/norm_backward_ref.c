@@ -63,8 +63,13 @@ tq_status tq_norm_backward_ref(const tq_tensor *dy, const tq_tensor *x,
                              tq_norm_canon(tq_norm_dx(dyg[i], xhat[i], c1, c2, rstd, rms)));
         }
     }
-    tq_norm_column_sums_ref(partial_g, p_count, k, (float *)a->dgamma.data);
-    if (want_dbeta) tq_norm_column_sums_ref(partial_b, p_count, k, (float *)a->dbeta.data);
+    tq_tensor dgamma = {a->dgamma.data, 1, k, k, a->dgamma.dtype, a->dgamma.device}; /* [1, K] */
+    tq_tensor dbeta = {a->dbeta.data, 1, k, k, a->dbeta.dtype, a->dbeta.device};
+    for (int64_t j = 0; j < k; j++) {
+        tq_ref_store(&dgamma, 0, j, tq_norm_column_sum_ref(partial_g, p_count, k, j));
+        if (want_dbeta)
+            tq_ref_store(&dbeta, 0, j, tq_norm_column_sum_ref(partial_b, p_count, k, j));
+    }
     free(g), free(xhat), free(dyv), free(dyg), free(prod);
     return TQ_SUCCESS;
 }

@@ -32,7 +32,7 @@ from torch.autograd.function import once_differentiable
 from . import _C, _compile, _plan
 from ._compile_ops import (_absent, _delayed_states, _max_into, _or_absent, _rows_cols,
                            config_of, delayed_step, fake, graph_safe_workspace, op)
-from ._norm_fn import (PER_TENSOR, codes_returned, fp8_outputs, refusal as _norm_refusal,
+from ._norm_fn import (PER_TENSOR, codes_returned, refusal as _norm_refusal,
                        with_columnwise)
 from ._operands import TQ_DTYPE
 
@@ -113,35 +113,22 @@ def kernel_activate(h, activation, dh=None):
 
 def _forward_into(h, activation, want_hp, recipe_id, scale, padded, amax):
     """[y_hp if want_hp] + with recipe_id (a per-tensor FP8 recipe: its "input" quantizer)
-    [codes [padded, N] (rows past M zero), scale_inv, amax] for h [M, K]. amax: the tensor to
-    max-accumulate amax(y) into (DelayedScaling's history slot, eager), or None for a fresh one."""
-    m, k = h.shape
-    n = _cols(activation, k)
-    outs = []
-    y_hp = None
-    if want_hp:
-        y_hp = h.new_empty((m, n))
-        outs.append(y_hp)
-    if recipe_id is None:
-        _C._act_forward(h, activation, y_hp=y_hp)
-        return outs
-    config, data, scale_inv, amax = fp8_outputs(h, recipe_id, padded, m, n, amax)
-    if config.scaling == "delayed":  # one pass: cast with the module's scale, amax alongside
-        _C._act_forward(h, activation, y_hp=y_hp, amax=amax, config=config, y_q=data[:m],
-                        scale_inv=scale_inv, scale=scale)
-    else:  # current scaling: the cast needs the whole tensor's amax first
-        _C._act_forward(h, activation, y_hp=y_hp, amax=amax)
-        _C._act_forward(h, activation, config=config, y_q=data[:m], scale_inv=scale_inv,
-                        amax_in=amax)
-    return outs + [data, scale_inv, amax]
+    [codes [padded, N] (rows past M zero), scale_inv, amax] for h [M, K], in one C call that
+    allocates them (_C._act_fwd: DelayedScaling casts in the activation's pass, current scaling
+    runs an amax pass first). amax: the tensor to max-accumulate amax(y) into (DelayedScaling's
+    history slot, eager), or None for a fresh one."""
+    config = None if recipe_id is None else config_of(recipe_id, "input")
+    return _C._act_fwd(h, activation, want_hp, config, scale, amax, padded)
 
 
 @op("tequant::act_fwd", mutates_args=())
 def _act_fwd(h: torch.Tensor, activation: str, want_hp: bool, recipe_id: Optional[str],
              scale: Optional[torch.Tensor], padded: int) -> list[torch.Tensor]:
     """_forward_into with a fresh amax (the op mutates nothing: compiled code max-accumulates
-    the returned amax into DelayedScaling's history)."""
-    return _forward_into(h, activation, want_hp, recipe_id, scale, padded, None)
+    the returned amax into DelayedScaling's history). Its outputs may become a CUDA graph's
+    (reduce-overhead), so the C call allocates them as torch.empty does (graph_safe_workspace)."""
+    with graph_safe_workspace():
+        return _forward_into(h, activation, want_hp, recipe_id, scale, padded, None)
 
 
 def _fake_codes(like, recipe_id, role, padded, n):
@@ -165,32 +152,24 @@ def _backward_into(dy, h, activation, recipe_id, padded, scale, dbias_dtype, slo
     """[dh [M, K] (h's dtype)] of h [M, K] from dy [M, N] in h's dtype; with recipe_id (a
     per-tensor FP8 recipe) fc1's grad_output instead (GradOutput): [codes [padded, K] (rows
     past M zero) of its "grad_output" quantizer, scale_inv, amax [1, 1], dbias ([K] of
-    dbias_dtype, fc1's bias dtype: the kernel rounds its float32 sums to it) if dbias_dtype].
-    slot: the tensor to max-accumulate amax(dh) into (DelayedScaling's history
-    slot, eager), or None for a fresh one."""
-    if recipe_id is None:
-        dh = torch.empty_like(h)
-        _C._act_backward(dy, h, activation, dh=dh)
-        return [dh]
-    m, k = h.shape
-    config, data, scale_inv, amax = fp8_outputs(h, recipe_id, padded, m, k, slot, "grad_output")
-    dbias = h.new_empty((k,), dtype=dbias_dtype) if dbias_dtype is not None else None
-    if config.scaling == "delayed":  # one pass: cast with fc1's scale, amax and dbias alongside
-        _C._act_backward(dy, h, activation, amax=amax, config=config, dh_q=data[:m],
-                         scale_inv=scale_inv, scale=scale, dbias=dbias)
-    else:  # current scaling: the amax (and dbias) pass, then the cast pass
-        _C._act_backward(dy, h, activation, amax=amax, dbias=dbias)
-        _C._act_backward(dy, h, activation, config=config, dh_q=data[:m], scale_inv=scale_inv,
-                         amax_in=amax)
-    return [data, scale_inv, amax.view(1, 1)] + ([dbias] if dbias is not None else [])
+    dbias_dtype, fc1's bias dtype: the kernel rounds its float32 sums to it) if dbias_dtype],
+    in one C call that allocates them (_C._act_bwd). slot: the tensor to max-accumulate amax(dh)
+    into (DelayedScaling's history slot, eager), or None for a fresh one."""
+    config = None if recipe_id is None else config_of(recipe_id, "grad_output")
+    outs = _C._act_bwd(dy, h, activation, config, scale, slot, padded, dbias_dtype)
+    if config is not None and slot is not None:
+        outs[2] = slot.view(1, 1)
+    return outs
 
 
 @op("tequant::act_bwd", mutates_args=())
 def _act_bwd(dy: torch.Tensor, h: torch.Tensor, activation: str, recipe_id: Optional[str],
              padded: int, scale: Optional[torch.Tensor],
              dbias_dtype: Optional[torch.dtype]) -> list[torch.Tensor]:
-    """_backward_into with a fresh amax (compiled code max-accumulates it into fc1's history)."""
-    return _backward_into(dy, h, activation, recipe_id, padded, scale, dbias_dtype, None)
+    """_backward_into with a fresh amax (compiled code max-accumulates it into fc1's history),
+    its outputs allocated as torch.empty does (see _act_fwd)."""
+    with graph_safe_workspace():
+        return _backward_into(dy, h, activation, recipe_id, padded, scale, dbias_dtype, None)
 
 
 @fake("tequant::act_bwd")

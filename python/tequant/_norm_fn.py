@@ -7,10 +7,11 @@ One definition serves eager and compiled code: NormFunction calls the ops' imple
 directly in eager mode and the ops (opaque to Dynamo, with fake kernels) while compiling, so both
 run the same C calls and give the same bits. The Function flattens any leading dims to [M, K],
 saves x, gamma, mean and rstd, and its backward returns dx in x's dtype and dgamma / dbeta (the
-kernel's FP32 sums) in the parameters' dtypes. Not a kernel: forward-mode AD, functorch
-transforms, torch.autocast (which sets a norm's output dtype: float32 for layer_norm), dtypes
-other than float32 / bfloat16 / float16, tensor subclasses (DTensor), devices other than CPU and
-CUDA and a CUDA tensor in a CPU-only build run torch's norm instead (`refusal` says why).
+kernel's FP32 sums, rounded once by it) in the weight's dtype. Not a kernel: forward-mode AD,
+functorch transforms, torch.autocast (which sets a norm's output dtype: float32 for
+layer_norm), dtypes other than float32 / bfloat16 / float16, tensor subclasses (DTensor),
+devices other than CPU and CUDA and a CUDA tensor in a CPU-only build run torch's norm instead
+(`refusal` says why).
 Fused (NormInput.fused, per-tensor FP8 recipes): the forward also writes te.Linear's rowwise FP8
 codes of the FP32 norm output y (not of y rounded to x's dtype), zero-padded to the format's row
 multiple as te.Linear pads its input; DelayedScaling casts with the module's scale and
@@ -25,7 +26,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import _C, _operands, _plan
-from ._compile_ops import config_of, fake, op
+from ._compile_ops import config_of, fake, graph_safe_workspace, op
 
 __all__ = ["NormFunction", "NormInput", "normalize", "refusal"]
 
@@ -87,35 +88,13 @@ def _forward_into(x, gamma, beta, normalization, eps, zero_centered, want_hp, wa
                   recipe_id, scale, padded, amax):
     """[y_hp if want_hp, mean (LayerNorm) and rstd if want_stats] + with recipe_id (a per-tensor
     FP8 recipe: its "input" quantizer) [codes [padded, K] (rows past M zero), scale_inv, amax]
-    for x [M, K]. amax: the tensor to max-accumulate amax(y) into (DelayedScaling's history slot,
-    eager), or None for a fresh one."""
-    m, k = x.shape
-    outs = []
-    y_hp = mean = rstd = None
-    if want_hp:
-        y_hp = torch.empty_like(x)
-        outs.append(y_hp)
-    if want_stats:
-        if normalization == "LayerNorm":
-            mean = x.new_empty((m,), dtype=torch.float32)
-            outs.append(mean)
-        rstd = x.new_empty((m,), dtype=torch.float32)
-        outs.append(rstd)
-    kw = dict(eps=eps, zero_centered_gamma=zero_centered, beta=beta, y_hp=y_hp, mean=mean,
-              rstd=rstd)
-    if recipe_id is None:
-        _C._norm_forward(x, gamma, normalization, **kw)
-        return outs
-    config, data, scale_inv, amax = fp8_outputs(x, recipe_id, padded, m, k, amax)
-    if config.scaling == "delayed":  # one pass: cast with the module's scale, amax alongside
-        _C._norm_forward(x, gamma, normalization, amax=amax, config=config, y_q=data[:m],
-                         scale_inv=scale_inv, scale=scale, **kw)
-    else:  # current scaling: the cast needs the whole tensor's amax first
-        _C._norm_forward(x, gamma, normalization, amax=amax, **kw)
-        _C._norm_forward(x, gamma, normalization, eps=eps, zero_centered_gamma=zero_centered,
-                         beta=beta, config=config, y_q=data[:m], scale_inv=scale_inv,
-                         amax_in=amax)
-    return outs + [data, scale_inv, amax]
+    for x [M, K], in one C call that allocates them (_C._norm_fwd: DelayedScaling casts in the
+    norm's pass, Float8CurrentScaling runs an amax pass first). amax: the tensor to
+    max-accumulate amax(y) into (DelayedScaling's history slot, eager), or None for a fresh
+    one."""
+    config = None if recipe_id is None else config_of(recipe_id, "input")
+    return _C._norm_fwd(x, gamma, beta, normalization, eps, zero_centered, want_hp, want_stats,
+                        config, scale, amax, padded)
 
 
 def codes_returned(ctx, rest, amax):
@@ -129,30 +108,17 @@ def codes_returned(ctx, rest, amax):
     return data, scale_inv, amax_out
 
 
-def fp8_outputs(like, recipe_id, padded, m, k, amax, role="input"):
-    """(the recipe's config for role, codes [padded, k] with rows past m zero, scale_inv, amax
-    or a fresh zero one) for a fused kernel that writes te.Linear's rowwise codes of [m, k]
-    (its input x, or with role "grad_output" its dy: _act_fn.py's backward)."""
-    config = config_of(recipe_id, role)
-    (_, _, dtype), (sr, sc, _) = _C._quantize_layout(config, padded, k, _plan.ROWWISE)[:2]
-    data = like.new_empty((padded, k), dtype=dtype)
-    if padded > m:  # te.Linear zero-pads x to the row multiple: zero codes (+0 is code 0)
-        data[m:].view(torch.uint8).zero_()
-    scale_inv = like.new_empty((sr, sc), dtype=torch.float32)
-    if amax is None:
-        amax = like.new_zeros((1, 1), dtype=torch.float32)
-    return config, data, scale_inv, amax
-
-
 @op("tequant::norm_fwd", mutates_args=())
 def _norm_fwd(x: torch.Tensor, gamma: torch.Tensor, beta: Optional[torch.Tensor],
               normalization: str, eps: float, zero_centered: bool, want_hp: bool,
               want_stats: bool, recipe_id: Optional[str], scale: Optional[torch.Tensor],
               padded: int) -> list[torch.Tensor]:
     """_forward_into with a fresh amax (the op mutates nothing: compiled code max-accumulates
-    the returned amax into DelayedScaling's history)."""
-    return _forward_into(x, gamma, beta, normalization, eps, zero_centered, want_hp, want_stats,
-                         recipe_id, scale, padded, None)
+    the returned amax into DelayedScaling's history). Its outputs may become a CUDA graph's
+    (reduce-overhead), so the C call allocates them as torch.empty does (graph_safe_workspace)."""
+    with graph_safe_workspace():
+        return _forward_into(x, gamma, beta, normalization, eps, zero_centered, want_hp,
+                             want_stats, recipe_id, scale, padded, None)
 
 
 @fake("tequant::norm_fwd")
@@ -173,25 +139,30 @@ def _norm_fwd_fake(x, gamma, beta, normalization, eps, zero_centered, want_hp, w
 
 def norm_backward(dy: torch.Tensor, x: torch.Tensor, gamma: torch.Tensor,
                   mean: Optional[torch.Tensor], rstd: torch.Tensor, normalization: str,
-                  zero_centered: bool, want_dbeta: bool) -> list[torch.Tensor]:
-    """[dx (x's dtype), dgamma (float32), dbeta (float32) if want_dbeta] of x [M, K] from dy
-    [M, K] in x's dtype and the forward's mean / rstd."""
-    k = x.shape[1]
-    dx = torch.empty_like(x)
-    dgamma = x.new_empty((k,), dtype=torch.float32)
-    dbeta = x.new_empty((k,), dtype=torch.float32) if want_dbeta else None
-    _C._norm_backward(dy, x, gamma, normalization, rstd=rstd, dx=dx, dgamma=dgamma, mean=mean,
-                      dbeta=dbeta, zero_centered_gamma=zero_centered)
-    return [dx, dgamma] + ([dbeta] if want_dbeta else [])
+                  zero_centered: bool, want_dbeta: bool,
+                  grad_dtype: torch.dtype) -> list[torch.Tensor]:
+    """[dx (x's dtype), dgamma, dbeta if want_dbeta (grad_dtype: the FP32 sums rounded once)] of
+    x [M, K] from dy [M, K] in x's dtype and the forward's mean / rstd, allocated by the C call."""
+    return _C._norm_bwd(dy, x, gamma, mean, rstd, normalization, zero_centered, want_dbeta,
+                        grad_dtype)
 
 
-op("tequant::norm_bwd", mutates_args=())(norm_backward)
+@op("tequant::norm_bwd", mutates_args=())
+def _norm_bwd(dy: torch.Tensor, x: torch.Tensor, gamma: torch.Tensor,
+              mean: Optional[torch.Tensor], rstd: torch.Tensor, normalization: str,
+              zero_centered: bool, want_dbeta: bool,
+              grad_dtype: torch.dtype) -> list[torch.Tensor]:
+    """norm_backward, its outputs allocated as torch.empty does (see _norm_fwd)."""
+    with graph_safe_workspace():
+        return norm_backward(dy, x, gamma, mean, rstd, normalization, zero_centered, want_dbeta,
+                             grad_dtype)
 
 
 @fake("tequant::norm_bwd")
-def _norm_bwd_fake(dy, x, gamma, mean, rstd, normalization, zero_centered, want_dbeta):
+def _norm_bwd_fake(dy, x, gamma, mean, rstd, normalization, zero_centered, want_dbeta,
+                   grad_dtype):
     k = x.shape[1]
-    return [torch.empty_like(x)] + [x.new_empty((k,), dtype=torch.float32)
+    return [torch.empty_like(x)] + [x.new_empty((k,), dtype=grad_dtype)
                                     for _ in range(2 if want_dbeta else 1)]
 
 
@@ -239,14 +210,14 @@ class NormFunction(torch.autograd.Function):
         needs = ctx.needs_input_grad
         want_dbeta = ctx.bias_dtype is not None and needs[2]
         args = (dy.reshape(x2d.shape).contiguous(), x2d, weight, mean, rstd, ctx.normalization,
-                ctx.zero_centered, want_dbeta)
+                ctx.zero_centered, want_dbeta, weight.dtype)  # refusal: bias has weight's dtype
         if torch.compiler.is_compiling():
             outs = torch.ops.tequant.norm_bwd(*args)
         else:
             outs = norm_backward(*args)
         dx = outs[0].view(ctx.shape) if needs[0] else None
-        dgamma = outs[1].to(weight.dtype) if needs[1] else None
-        dbeta = outs[2].to(ctx.bias_dtype) if want_dbeta else None
+        dgamma = outs[1] if needs[1] else None
+        dbeta = outs[2] if want_dbeta else None
         return dx, dgamma, dbeta, None, None, None, None, None, None, None, None
 
 

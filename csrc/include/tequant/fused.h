@@ -110,8 +110,8 @@ typedef struct tq_norm_backward_args {
     tq_tensor rstd;      /* M FLOAT32 from the forward */
     /* outputs */
     tq_tensor dx;        /* [M, K] of x's dtype, ld >= K */
-    tq_tensor dgamma;    /* K FLOAT32 */
-    tq_tensor dbeta;     /* LayerNorm, optional (data NULL: not wanted): K FLOAT32 */
+    tq_tensor dgamma;    /* K FLOAT32, BFLOAT16 or FLOAT16: the FP32 sum, rounded once (RNE) */
+    tq_tensor dbeta;     /* LayerNorm, optional (data NULL: not wanted): K of dgamma's dtype */
     tq_tensor workspace; /* UINT8, at least tq_norm_backward_workspace_size() bytes, on x's
                             device; its contents on return are scratch */
 } tq_norm_backward_args;

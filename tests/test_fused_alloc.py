@@ -1,0 +1,88 @@
+"""The allocating fused calls the modules run (_C._norm_fwd / _norm_bwd, _C._act_fwd / _act_bwd,
+csrc/ext/norm.c, act.c, fused_out.c): their argument errors, and the norm backward's dgamma /
+dbeta in a 16-bit weight dtype (tq_norm_backward rounds the FP32 column sums once). Their bits
+otherwise: tests/test_fused_norm_modules.py and test_fused_act_modules.py (the modules against the
+kernels run standalone into torch-made outputs), test_compile_ops.py (allocation inside compiled
+ops). GPU cases: `-m gpu`.
+"""
+import pytest
+import torch
+
+import tequant as te
+from tequant import _C
+from tequant.recipe import Float8CurrentScaling, MXFP8BlockScaling
+from test_norm_kernels import (  # noqa: E402  (tests/ is on sys.path, as for the other files)
+    NORMS, assert_same_bits, backward, bits, forward, make)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("norm", NORMS)
+def test_16_bit_dgamma_dbeta_are_the_float32_sums_rounded_once(device, grad_dtype, norm):
+    # dgamma / dbeta in the weight's 16-bit dtype: the FP32 sums rounded once (RNE, torch's
+    # .to); large dy makes float16 sums overflow to inf in some columns, one NaN column. The
+    # allocating _C._norm_bwd (the modules' call) gives the same bits as _C._norm_backward.
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    for m, k in [(7, 40), (300, 1000), (64, 4096)]:
+        x, gamma, beta, dy = make(m, k, torch.bfloat16, seed=k)
+        dy = dy * torch.where(torch.arange(k) % 5 == 0, 3000.0, 1.0).to(dy.dtype)
+        dy[m // 2, 1] = float("nan")
+        x, gamma, dy = x.to(device), gamma.to(device), dy.to(device)
+        beta = beta.to(device) if norm == "LayerNorm" else None
+        f = forward(x, gamma, norm, beta=beta, want=("mean", "rstd"))
+        want = backward(dy, x, gamma, norm, f.get("mean"), f["rstd"])
+        got = backward(dy, x, gamma, norm, f.get("mean"), f["rstd"], grad_dtype=grad_dtype)
+        for name in ("dgamma",) + (("dbeta",) if norm == "LayerNorm" else ()):
+            ref = want[name].to(grad_dtype).cpu()
+            nan = ref.isnan()  # a NaN sum is tequant's canonical NaN (fp_cast's), torch's keeps bits
+            assert nan.any() and torch.equal(got[name].cpu().isnan(), nan), (m, k, name)
+            assert torch.equal(bits(got[name])[~nan], bits(ref)[~nan]), (m, k, name)
+        assert_same_bits(got, {"dx": want["dx"]}, (m, k))
+        outs = _C._norm_bwd(dy, x, gamma, f.get("mean"), f["rstd"], norm, False,
+                            norm == "LayerNorm", grad_dtype)
+        assert [t.dtype for t in outs[1:]] == [grad_dtype] * (len(outs) - 1)
+        assert_same_bits(dict(zip(("dx", "dgamma", "dbeta"), outs)), got, (m, k, "alloc"))
+
+
+def test_norm_errors():
+    x, gamma, beta, dy = make(4, 16, torch.float32)
+    cur = te.quantizer_config(Float8CurrentScaling(), "input")
+    mx = te.quantizer_config(MXFP8BlockScaling(), "input")
+    with pytest.raises(TypeError, match="takes 12 positional arguments, got 11"):
+        _C._norm_fwd(x, gamma, None, "LayerNorm", 1e-5, False, True, True, None, None, None)
+    with pytest.raises(ValueError, match="padded=3 must be at least the 4 rows quantized"):
+        _C._norm_fwd(x, gamma, None, "LayerNorm", 1e-5, False, True, True, cur, None, None, 3)
+    with pytest.raises(NotImplementedError, match="per-tensor FP8"):
+        _C._norm_fwd(x, gamma, None, "LayerNorm", 1e-5, False, True, True, mx, None, None, 32)
+    with pytest.raises(ValueError, match="norm must be 'LayerNorm' or 'RMSNorm'"):
+        _C._norm_fwd(x, gamma, None, "BatchNorm", 1e-5, False, True, True, None, None, None, 0)
+    f = forward(x, gamma, "LayerNorm", beta=beta)
+    args = (dy, x, gamma, f["mean"], f["rstd"], "LayerNorm", False, True)
+    with pytest.raises(TypeError, match="grad_dtype must be torch.float32, bfloat16 or float16"):
+        _C._norm_bwd(*args, torch.int32)
+    with pytest.raises(TypeError, match="takes 9 positional arguments, got 8"):
+        _C._norm_bwd(*args)
+    with pytest.raises(ValueError, match="LayerNorm needs the forward's mean"):
+        _C._norm_bwd(dy, x, gamma, None, f["rstd"], "LayerNorm", False, True, torch.float32)
+
+
+def test_act_errors():
+    # _C._act_fwd / _act_bwd, the calls te.LayerNormMLP runs (their bits: test_fused_act_modules)
+    h, dy = torch.randn(4, 16), torch.randn(4, 16)
+    cur = te.quantizer_config(Float8CurrentScaling(), "grad_output")
+    with pytest.raises(TypeError, match="takes 7 positional arguments, got 6"):
+        _C._act_fwd(h, "gelu", True, None, None, None)
+    with pytest.raises(ValueError, match="act must be one of"):
+        _C._act_fwd(h, "tanh", True, None, None, None, 0)
+    with pytest.raises(ValueError, match="padded=2 must be at least the 4 rows quantized"):
+        _C._act_fwd(h, "gelu", True, cur, None, None, 2)
+    with pytest.raises(TypeError, match="takes 8 positional arguments, got 7"):
+        _C._act_bwd(dy, h, "gelu", None, None, None, 0)
+    with pytest.raises(TypeError, match="dbias_dtype must be None, torch.float32"):
+        _C._act_bwd(dy, h, "gelu", cur, None, None, 16, torch.int8)
+    with pytest.raises(ValueError, match="dy is float32 \\[4, 16\\] on device -1; expected"):
+        _C._act_bwd(dy, h, "swiglu", None, None, None, 0, None)
+    outs = _C._act_bwd(dy, h, "gelu", cur, None, None, 16, torch.bfloat16)
+    assert [tuple(t.shape) for t in outs] == [(16, 16), (1, 1), (1, 1), (16,)]
+    assert outs[3].dtype == torch.bfloat16 and not outs[0][4:].view(torch.uint8).any()
