@@ -5,6 +5,10 @@ otherwise: tests/test_fused_norm_modules.py and test_fused_act_modules.py (the m
 kernels run standalone into torch-made outputs), test_compile_ops.py (allocation inside compiled
 ops). GPU cases: `-m gpu`.
 """
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -86,3 +90,25 @@ def test_act_errors():
     outs = _C._act_bwd(dy, h, "gelu", cur, None, None, 16, torch.bfloat16)
     assert [tuple(t.shape) for t in outs] == [(16, 16), (1, 1), (1, 1), (16,)]
     assert outs[3].dtype == torch.bfloat16 and not outs[0][4:].view(torch.uint8).any()
+
+
+def test_first_call_in_a_fresh_process_makes_zeroed_outputs():
+    # A fused call that zero-fills (codes padded past M rows, a fresh amax) as the process's first
+    # tequant allocation: torch's functions are looked up on first use (this crashed once).
+    script = """
+import torch
+from tequant import _C
+import tequant as te
+from tequant.recipe import DelayedScaling
+cfg = te.quantizer_config(DelayedScaling(), "input")
+x, gamma = torch.randn(3, 16), torch.ones(16)
+outs = _C._norm_fwd(x, gamma, None, "RMSNorm", 1e-5, False, False, False, cfg,
+                    torch.ones(1), None, 16)
+assert [tuple(t.shape) for t in outs] == [(16, 16), (1, 1), (1, 1)], outs
+assert not outs[0][3:].view(torch.uint8).any() and outs[2].item() > 0
+print("ok")
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run([sys.executable, "-c", script], env=env, timeout=300,
+                          capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

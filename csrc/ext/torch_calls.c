@@ -188,6 +188,7 @@ int tqx_op_may_use_graph_pool(tqx_state *st) {
 
 static PyObject *new_tensor(tqx_state *st, PyObject *shape, tq_dtype dtype, PyObject *device,
                             int zeroed, void **data) {
+    if (tqx_torch_import(st) < 0) return NULL; /* torch.zeros / empty / dtypes, once */
     /* Inside a torch.compile op the tensor may become an output of a CUDA graph that
      * cudagraph trees manage: when a later run invalidates outputs the caller still holds, they
      * free its storage through the caching allocator's own deleter and refuse any other
