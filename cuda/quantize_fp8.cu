@@ -411,10 +411,12 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 4 : 2) fused_curren
 }
 
 /* CTAs of `kernel` that fit on one SM of `device`, 0 where cooperative launches are not
- * supported; asked once per kernel and device. */
+ * supported; asked once per kernel and device, the answer kept in the kernel's own cache (0
+ * unknown, else blocks + 1). Every fused_current_kernel instance has the same function type, so
+ * a cache keyed by that type would hand one instance's occupancy to the others: a heavier one
+ * then failed with cudaErrorCooperativeLaunchTooLarge, depending on which ran first. */
 template <typename Kernel>
-int fused_blocks_per_sm(Kernel kernel, int device) {
-    static std::atomic<int> cache[64]; /* 0 unknown, else blocks + 1 */
+int fused_blocks_per_sm(Kernel kernel, int device, std::atomic<int> (&cache)[64]) {
     if (device < 0 || device >= 64) return 0;
     int v = cache[device].load(std::memory_order_relaxed);
     if (v > 0) return v - 1;
@@ -433,7 +435,8 @@ int fused_blocks_per_sm(Kernel kernel, int device) {
 template <typename T, bool kRow, bool kCol, bool kE5M2>
 bool launch_fused(const CastParams &p, float *amax, int device, unsigned tiles, cudaStream_t s) {
     auto kernel = fused_current_kernel<T, kRow, kCol, kE5M2>;
-    const int per_sm = fused_blocks_per_sm(kernel, device);
+    static std::atomic<int> cache[64]; /* this instance's */
+    const int per_sm = fused_blocks_per_sm(kernel, device, cache);
     int sms = 0;
     if (per_sm <= 0 || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
         return false;
