@@ -217,11 +217,16 @@ class ActFunction(torch.autograd.Function):
                       else None) if dh_tokens else None
         if recipe_id is None:
             return y
+        # the codes have no gradient: autograd must not make (and fill) zeros of their shape
+        ctx.set_materialize_grads(False)
+        ctx.n_tokens = len(dh_tokens)
         return (y,) + codes_returned(ctx, it, amax)
 
     @staticmethod
     @once_differentiable  # the kernels' backward is not differentiable: a clear error
     def backward(ctx, dy, *_):
+        if dy is None:  # y took no part in the loss
+            return (None,) + _NONE_ARGS + (None,) * ctx.n_tokens
         h2d, = ctx.saved_tensors
         dy2d = dy.reshape(h2d.shape[0], _cols(ctx.activation, h2d.shape[1])).to(
             h2d.dtype).contiguous()

@@ -201,11 +201,15 @@ class NormFunction(torch.autograd.Function):
             ctx.bias_dtype = bias.dtype if bias is not None else None
         if recipe_id is None:
             return y
+        # the codes have no gradient: autograd must not make (and fill) zeros of their shape
+        ctx.set_materialize_grads(False)
         return (y,) + codes_returned(ctx, it, amax)
 
     @staticmethod
     @once_differentiable  # the kernels' backward is not differentiable: a clear error, not a
     def backward(ctx, dy, *_):  # silently missing second derivative
+        if dy is None:  # y took no part in the loss
+            return (None,) * 11
         x2d, weight, mean, rstd = ctx.saved_tensors
         needs = ctx.needs_input_grad
         want_dbeta = ctx.bias_dtype is not None and needs[2]
