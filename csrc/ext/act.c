@@ -45,6 +45,34 @@ static int fp8_output_from_py(tqx_state *st, PyObject *const objs[5], const char
     return 0;
 }
 
+/* tq_act_forward on `stream` with the GIL released; -1 with the exception for a failure. */
+static int run_forward(tqx_state *st, const tq_tensor *h, const tq_act_forward_args *a,
+                       void *stream) {
+    tq_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = tq_act_forward(h, a, (struct CUstream_st *)stream);
+    Py_END_ALLOW_THREADS
+    return s == TQ_SUCCESS ? 0 : (tqx_raise_status(st, s), -1);
+}
+
+/* tq_act_backward, dbias's column partials (when it asks for dbias) in scratch of torch's
+ * caching allocator for the call; -1 with an exception. */
+static int run_backward(tqx_state *st, const tq_tensor *dy, PyObject *h_obj, const tq_tensor *h,
+                        tq_act_backward_args *a, void *stream) {
+    size_t bytes = 0; /* a shape the core refuses gets its message from tq_act_backward */
+    if (a->dbias.data == NULL
+        || tq_act_backward_workspace_size(h->rows, h->cols, &bytes) != TQ_SUCCESS)
+        bytes = 0;
+    tqx_scratch ws = TQX_SCRATCH_INIT;
+    if (tqx_workspace_alloc(st, bytes, h_obj, h, stream, &ws, &a->workspace) < 0) return -1;
+    tq_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = tq_act_backward(dy, h, a, (struct CUstream_st *)stream);
+    Py_END_ALLOW_THREADS
+    tqx_scratch_release(st, &ws); /* the kernels are queued; the allocator orders reuse */
+    return s == TQ_SUCCESS ? 0 : (tqx_raise_status(st, s), -1);
+}
+
 static PyObject *py_act_forward(PyObject *module, PyObject *args, PyObject *kwargs) {
     static char *kwlist[] = {"h", "act", "y_hp", "amax", "config", "y_q", "scale_inv", "scale",
                              "amax_in", NULL};
@@ -65,11 +93,7 @@ static PyObject *py_act_forward(PyObject *module, PyObject *args, PyObject *kwar
         || fp8_output_from_py(st, q, "y_q", &cfg, &a.config, &a.y_q, &a.scale_inv, &a.scale,
                               &a.amax_in) < 0)
         return NULL;
-    tq_status s;
-    Py_BEGIN_ALLOW_THREADS
-    s = tq_act_forward(&h, &a, (struct CUstream_st *)info.stream);
-    Py_END_ALLOW_THREADS
-    if (s != TQ_SUCCESS) return tqx_raise_status(st, s);
+    if (run_forward(st, &h, &a, info.stream) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -94,34 +118,14 @@ static PyObject *py_act_backward(PyObject *module, PyObject *args, PyObject *kwa
         || tqx_optional_tensor(st, amax, "amax", F32, &a.amax) < 0
         || fp8_output_from_py(st, q, "dh_q", &cfg, &a.config, &a.dh_q, &a.scale_inv, &a.scale,
                               &a.amax_in) < 0
-        || tqx_optional_tensor(st, dbias, "dbias", TQX_FLOAT_DTYPES, &a.dbias) < 0)
+        || tqx_optional_tensor(st, dbias, "dbias", TQX_FLOAT_DTYPES, &a.dbias) < 0
+        || run_backward(st, &dy, h_obj, &h, &a, info.stream) < 0)
         return NULL;
-    size_t bytes = 0; /* a shape the core refuses gets its message from tq_act_backward */
-    if (a.dbias.data == NULL
-        || tq_act_backward_workspace_size(h.rows, h.cols, &bytes) != TQ_SUCCESS)
-        bytes = 0;
-    tqx_scratch ws = TQX_SCRATCH_INIT;
-    if (tqx_workspace_alloc(st, bytes, h_obj, &h, info.stream, &ws, &a.workspace) < 0)
-        return NULL;
-    tq_status s;
-    Py_BEGIN_ALLOW_THREADS
-    s = tq_act_backward(&dy, &h, &a, (struct CUstream_st *)info.stream);
-    Py_END_ALLOW_THREADS
-    tqx_scratch_release(st, &ws); /* the kernels are queued; the allocator orders reuse */
-    if (s != TQ_SUCCESS) return tqx_raise_status(st, s);
     Py_RETURN_NONE;
 }
 
 /* ---- the allocating forms te.LayerNormMLP runs: one C call per direction, its outputs made by
  * fused_out.c ---- */
-
-static tq_status run_forward(const tq_tensor *h, const tq_act_forward_args *a, void *stream) {
-    tq_status s;
-    Py_BEGIN_ALLOW_THREADS
-    s = tq_act_forward(h, a, (struct CUstream_st *)stream);
-    Py_END_ALLOW_THREADS
-    return s;
-}
 
 /* _act_fwd(h, act, want_hp, config, scale, amax, padded): see the method table. */
 static PyObject *py_act_fwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
@@ -147,13 +151,12 @@ static PyObject *py_act_fwd(PyObject *module, PyObject *const *args, Py_ssize_t 
     const int64_t m = h.rows, n = gated ? h.cols / 2 : h.cols;
     PyObject *device = PyObject_GetAttrString(h_obj, "device");
     PyObject *outs = device ? PyList_New(0) : NULL;
-    tq_status s = TQ_SUCCESS;
     if (outs == NULL
         || (want_hp
             && tqx_new_output(st, outs, m, n, 0, h.dtype, device, h.device, 0, &a.y_hp) < 0))
         goto fail;
     if (config == Py_None) {
-        s = run_forward(&h, &a, info.stream);
+        if (run_forward(st, &h, &a, info.stream) < 0) goto fail;
     } else {
         tq_tensor codes, scale_inv;
         if (tqx_fused_fp8_outputs(st, outs, &cfg, padded, m, n, device, h.device, args[5],
@@ -161,20 +164,15 @@ static PyObject *py_act_fwd(PyObject *module, PyObject *const *args, Py_ssize_t 
             goto fail;
         if (cfg.scaling == TQ_SCALING_DELAYED) { /* one pass: cast with the scale, amax alongside */
             a.config = &cfg, a.y_q = codes, a.scale_inv = scale_inv;
-            s = run_forward(&h, &a, info.stream);
+            if (run_forward(st, &h, &a, info.stream) < 0) goto fail;
         } else { /* current scaling: the cast needs the whole tensor's amax first */
-            s = run_forward(&h, &a, info.stream);
-            if (s == TQ_SUCCESS) {
-                tq_act_forward_args cast = TQ_ACT_FORWARD_ARGS_INIT;
-                cast.act = a.act, cast.config = &cfg, cast.y_q = codes;
-                cast.scale_inv = scale_inv, cast.amax_in = a.amax;
-                s = run_forward(&h, &cast, info.stream);
-            }
+            tq_act_forward_args cast = TQ_ACT_FORWARD_ARGS_INIT;
+            cast.act = a.act, cast.config = &cfg, cast.y_q = codes;
+            cast.scale_inv = scale_inv, cast.amax_in = a.amax;
+            if (run_forward(st, &h, &a, info.stream) < 0
+                || run_forward(st, &h, &cast, info.stream) < 0)
+                goto fail;
         }
-    }
-    if (s != TQ_SUCCESS) {
-        tqx_raise_status(st, s);
-        goto fail;
     }
     Py_DECREF(device);
     return outs;
@@ -182,28 +180,6 @@ fail:
     Py_XDECREF(outs);
     Py_XDECREF(device);
     return NULL;
-}
-
-/* One tq_act_backward call, with dbias's workspace when it asks for dbias. */
-static tq_status run_backward(tqx_state *st, const tq_tensor *dy, PyObject *h_obj,
-                              const tq_tensor *h, tq_act_backward_args *a, void *stream,
-                              int *raised) {
-    size_t bytes = 0; /* a shape the core refuses gets its message from tq_act_backward */
-    if (a->dbias.data == NULL || tq_act_backward_workspace_size(h->rows, h->cols, &bytes)
-                                     != TQ_SUCCESS)
-        bytes = 0;
-    tqx_scratch ws = TQX_SCRATCH_INIT;
-    if (tqx_workspace_alloc(st, bytes, h_obj, h, stream, &ws, &a->workspace) < 0) {
-        *raised = 1;
-        return TQ_SUCCESS;
-    }
-    tq_status s;
-    Py_BEGIN_ALLOW_THREADS
-    s = tq_act_backward(dy, h, a, (struct CUstream_st *)stream);
-    Py_END_ALLOW_THREADS
-    tqx_scratch_release(st, &ws); /* the kernels are queued; the allocator orders reuse */
-    a->workspace = (tq_tensor)TQ_TENSOR_NONE;
-    return s;
 }
 
 /* _act_bwd(dy, h, act, config, scale, amax, padded, dbias_dtype): see the method table. */
@@ -240,40 +216,37 @@ static PyObject *py_act_bwd(PyObject *module, PyObject *const *args, Py_ssize_t 
     const int64_t m = h.rows, k = h.cols;
     PyObject *device = PyObject_GetAttrString(h_obj, "device");
     PyObject *outs = device ? PyList_New(0) : NULL;
-    tq_status s = TQ_SUCCESS;
-    int raised = 0;
-    if (outs == NULL) goto done;
+    if (outs == NULL) goto fail;
     if (config == Py_None) {
-        if (tqx_new_output(st, outs, m, k, 0, h.dtype, device, h.device, 0, &a.dh) < 0) goto done;
-        s = run_backward(st, &dy, h_obj, &h, &a, info.stream, &raised);
-        goto done;
+        if (tqx_new_output(st, outs, m, k, 0, h.dtype, device, h.device, 0, &a.dh) < 0
+            || run_backward(st, &dy, h_obj, &h, &a, info.stream) < 0)
+            goto fail;
+        Py_DECREF(device);
+        return outs;
     }
     tq_tensor codes, scale_inv;
     if (tqx_fused_fp8_outputs(st, outs, &cfg, padded, m, k, device, h.device, args[5], &codes,
                               &scale_inv, &a.amax) < 0
         || (dbias_dtype != Py_None
             && tqx_new_output(st, outs, 1, k, 1, bias_dtype, device, h.device, 0, &a.dbias) < 0))
-        goto done;
+        goto fail;
     if (cfg.scaling == TQ_SCALING_DELAYED) { /* one pass: cast with the scale, amax and dbias */
         a.config = &cfg, a.dh_q = codes, a.scale_inv = scale_inv;
-        s = run_backward(st, &dy, h_obj, &h, &a, info.stream, &raised);
+        if (run_backward(st, &dy, h_obj, &h, &a, info.stream) < 0) goto fail;
     } else { /* current scaling: the amax (and dbias) pass, then the cast pass */
-        s = run_backward(st, &dy, h_obj, &h, &a, info.stream, &raised);
-        if (s == TQ_SUCCESS && !raised) {
-            tq_act_backward_args cast = TQ_ACT_BACKWARD_ARGS_INIT;
-            cast.act = a.act, cast.config = &cfg, cast.dh_q = codes, cast.scale_inv = scale_inv;
-            cast.amax_in = a.amax;
-            s = run_backward(st, &dy, h_obj, &h, &cast, info.stream, &raised);
-        }
+        tq_act_backward_args cast = TQ_ACT_BACKWARD_ARGS_INIT;
+        cast.act = a.act, cast.config = &cfg, cast.dh_q = codes, cast.scale_inv = scale_inv;
+        cast.amax_in = a.amax;
+        if (run_backward(st, &dy, h_obj, &h, &a, info.stream) < 0
+            || run_backward(st, &dy, h_obj, &h, &cast, info.stream) < 0)
+            goto fail;
     }
-done:
-    if (s != TQ_SUCCESS) tqx_raise_status(st, s);
-    Py_XDECREF(device);
-    if (PyErr_Occurred()) {
-        Py_XDECREF(outs);
-        return NULL;
-    }
+    Py_DECREF(device);
     return outs;
+fail:
+    Py_XDECREF(outs);
+    Py_XDECREF(device);
+    return NULL;
 }
 
 static PyObject *py_act_workspace_size(PyObject *module, PyObject *args) {

@@ -18,7 +18,7 @@ int tqx_new_output(tqx_state *st, PyObject *outs, int64_t rows, int64_t cols, in
                    tq_dtype dtype, PyObject *device, int device_index, int zeroed, tq_tensor *t) {
     void *data = NULL;
     PyObject *tensor;
-    if (vector && !zeroed) {
+    if (vector) { /* 1-D, never zeroed (no caller asks) */
         PyObject *shape = Py_BuildValue("(L)", (long long)(rows * cols));
         if (shape == NULL) return -1;
         tensor = tqx_torch_new_shaped(st, shape, dtype, device, &data);

@@ -200,7 +200,8 @@ extern PyMethodDef tqx_codec_methods[];
 int tqx_flag_arg(PyObject *obj, int *out);
 /* A new [rows, cols] tensor (vector: 1-D of
  * rows * cols) of dtype on `device` (a torch.device; index device_index), torch.zeros when
- * zeroed, appended to the list outs and described in *t. -1 with an exception. */
+ * zeroed (matrices only), appended to the list outs and described in *t. -1 with an
+ * exception. */
 int tqx_new_output(tqx_state *st, PyObject *outs, int64_t rows, int64_t cols, int vector,
                    tq_dtype dtype, PyObject *device, int device_index, int zeroed, tq_tensor *t);
 /* te.Linear's rowwise operand of an [m, n] output quantized with config (DELAYED / CURRENT),

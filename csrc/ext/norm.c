@@ -25,6 +25,34 @@ static int norm_from_py(PyObject *name, tq_norm_type *out) {
     return -1;
 }
 
+/* tq_norm_forward on `stream` with the GIL released; -1 with the exception for a failure. */
+static int run_forward(tqx_state *st, const tq_tensor *x, const tq_norm_forward_args *a,
+                       void *stream) {
+    tq_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = tq_norm_forward(x, a, (struct CUstream_st *)stream);
+    Py_END_ALLOW_THREADS
+    return s == TQ_SUCCESS ? 0 : (tqx_raise_status(st, s), -1);
+}
+
+/* tq_norm_backward, its column partials in scratch of torch's caching allocator for the call;
+ * -1 with an exception. */
+static int run_backward(tqx_state *st, const tq_tensor *dy, PyObject *x_obj, const tq_tensor *x,
+                        tq_norm_backward_args *a, void *stream) {
+    size_t bytes = 0; /* a shape the core refuses gets its message from tq_norm_backward */
+    if (x->cols < 1
+        || tq_norm_backward_workspace_size(a->norm, x->rows, x->cols, &bytes) != TQ_SUCCESS)
+        bytes = 0;
+    tqx_scratch ws = TQX_SCRATCH_INIT;
+    if (tqx_workspace_alloc(st, bytes, x_obj, x, stream, &ws, &a->workspace) < 0) return -1;
+    tq_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = tq_norm_backward(dy, x, a, (struct CUstream_st *)stream);
+    Py_END_ALLOW_THREADS
+    tqx_scratch_release(st, &ws); /* the kernels are queued; the allocator orders reuse */
+    return s == TQ_SUCCESS ? 0 : (tqx_raise_status(st, s), -1);
+}
+
 static PyObject *py_norm_forward(PyObject *module, PyObject *args, PyObject *kwargs) {
     static char *kwlist[] = {"x", "gamma", "norm", "eps", "zero_centered_gamma", "beta", "y_hp",
                              "mean", "rstd", "amax", "config", "y_q", "scale_inv", "scale",
@@ -63,11 +91,7 @@ static PyObject *py_norm_forward(PyObject *module, PyObject *args, PyObject *kwa
         if (tqx_config_from_py(st, config, &cfg) < 0) return NULL;
         a.config = &cfg;
     }
-    tq_status s;
-    Py_BEGIN_ALLOW_THREADS
-    s = tq_norm_forward(&x, &a, (struct CUstream_st *)info.stream);
-    Py_END_ALLOW_THREADS
-    if (s != TQ_SUCCESS) return tqx_raise_status(st, s);
+    if (run_forward(st, &x, &a, info.stream) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -98,33 +122,14 @@ static PyObject *py_norm_backward(PyObject *module, PyObject *args, PyObject *kw
         || tqx_tensor_from_py(st, rstd, "rstd", F32, &a.rstd, NULL) < 0
         || tqx_tensor_from_py(st, dx, "dx", TQX_FLOAT_DTYPES, &a.dx, NULL) < 0
         || tqx_tensor_from_py(st, dgamma, "dgamma", TQX_FLOAT_DTYPES, &a.dgamma, NULL) < 0
-        || tqx_optional_tensor(st, dbeta, "dbeta", TQX_FLOAT_DTYPES, &a.dbeta) < 0)
+        || tqx_optional_tensor(st, dbeta, "dbeta", TQX_FLOAT_DTYPES, &a.dbeta) < 0
+        || run_backward(st, &dy, x_obj, &x, &a, info.stream) < 0)
         return NULL;
-    size_t bytes = 0; /* a shape the core refuses gets its message from tq_norm_backward */
-    if (x.cols < 1 || tq_norm_backward_workspace_size(a.norm, x.rows, x.cols, &bytes) != TQ_SUCCESS)
-        bytes = 0;
-    tqx_scratch ws = TQX_SCRATCH_INIT;
-    if (tqx_workspace_alloc(st, bytes, x_obj, &x, info.stream, &ws, &a.workspace) < 0)
-        return NULL;
-    tq_status s;
-    Py_BEGIN_ALLOW_THREADS
-    s = tq_norm_backward(&dy, &x, &a, (struct CUstream_st *)info.stream);
-    Py_END_ALLOW_THREADS
-    tqx_scratch_release(st, &ws); /* the kernels are queued; the allocator orders reuse */
-    if (s != TQ_SUCCESS) return tqx_raise_status(st, s);
     Py_RETURN_NONE;
 }
 
 /* ---- the allocating forms te.LayerNorm / LayerNormLinear / LayerNormMLP run: one C call per
  * direction, its outputs made by fused_out.c ---- */
-
-static tq_status run_forward(const tq_tensor *x, const tq_norm_forward_args *a, void *stream) {
-    tq_status s;
-    Py_BEGIN_ALLOW_THREADS
-    s = tq_norm_forward(x, a, (struct CUstream_st *)stream);
-    Py_END_ALLOW_THREADS
-    return s;
-}
 
 /* _norm_fwd(x, gamma, beta, norm, eps, zero_centered, want_hp, want_stats, config, scale, amax,
  * padded): see the method table. */
@@ -167,10 +172,8 @@ static PyObject *py_norm_fwd(PyObject *module, PyObject *const *args, Py_ssize_t
     if (want_stats
         && tqx_new_output(st, outs, 1, m, 1, TQ_DTYPE_FLOAT32, device, x.device, 0, &a.rstd) < 0)
         goto fail;
-    tq_status s = TQ_SUCCESS;
     if (config == Py_None) {
-        s = run_forward(&x, &a, info.stream);
-        if (s != TQ_SUCCESS) goto fail_status;
+        if (run_forward(st, &x, &a, info.stream) < 0) goto fail;
         Py_DECREF(device);
         return outs;
     }
@@ -180,23 +183,19 @@ static PyObject *py_norm_fwd(PyObject *module, PyObject *const *args, Py_ssize_t
         goto fail;
     if (cfg.scaling == TQ_SCALING_DELAYED) { /* one pass: cast with the scale, amax alongside */
         a.config = &cfg, a.y_q = codes, a.scale_inv = scale_inv;
-        s = run_forward(&x, &a, info.stream);
+        if (run_forward(st, &x, &a, info.stream) < 0) goto fail;
     } else { /* current scaling: the cast needs the whole tensor's amax first */
-        s = run_forward(&x, &a, info.stream);
-        if (s == TQ_SUCCESS) {
-            tq_norm_forward_args cast = TQ_NORM_FORWARD_ARGS_INIT;
-            cast.norm = a.norm, cast.flags = a.flags, cast.eps = a.eps;
-            cast.gamma = a.gamma, cast.beta = a.beta;
-            cast.config = &cfg, cast.y_q = codes, cast.scale_inv = scale_inv;
-            cast.amax_in = a.amax;
-            s = run_forward(&x, &cast, info.stream);
-        }
+        tq_norm_forward_args cast = TQ_NORM_FORWARD_ARGS_INIT;
+        cast.norm = a.norm, cast.flags = a.flags, cast.eps = a.eps;
+        cast.gamma = a.gamma, cast.beta = a.beta;
+        cast.config = &cfg, cast.y_q = codes, cast.scale_inv = scale_inv;
+        cast.amax_in = a.amax;
+        if (run_forward(st, &x, &a, info.stream) < 0
+            || run_forward(st, &x, &cast, info.stream) < 0)
+            goto fail;
     }
-    if (s != TQ_SUCCESS) goto fail_status;
     Py_DECREF(device);
     return outs;
-fail_status:
-    tqx_raise_status(st, s);
 fail:
     Py_XDECREF(outs);
     Py_XDECREF(device);
@@ -237,24 +236,14 @@ static PyObject *py_norm_bwd(PyObject *module, PyObject *const *args, Py_ssize_t
     const int64_t m = x.rows, k = x.cols;
     PyObject *device = PyObject_GetAttrString(x_obj, "device");
     PyObject *outs = device ? PyList_New(0) : NULL;
-    tqx_scratch ws = TQX_SCRATCH_INIT;
-    tq_status s = TQ_SUCCESS;
-    if (outs == NULL || tqx_new_output(st, outs, m, k, 0, x.dtype, device, x.device, 0, &a.dx) < 0
-        || tqx_new_output(st, outs, 1, k, 1, grad_dtype, device, x.device, 0, &a.dgamma) < 0
-        || (want_dbeta
-            && tqx_new_output(st, outs, 1, k, 1, grad_dtype, device, x.device, 0, &a.dbeta) < 0))
-        goto done;
-    size_t bytes = 0; /* a shape the core refuses gets its message from tq_norm_backward */
-    if (k < 1 || tq_norm_backward_workspace_size(a.norm, m, k, &bytes) != TQ_SUCCESS) bytes = 0;
-    if (tqx_workspace_alloc(st, bytes, x_obj, &x, info.stream, &ws, &a.workspace) < 0) goto done;
-    Py_BEGIN_ALLOW_THREADS
-    s = tq_norm_backward(&dy, &x, &a, (struct CUstream_st *)info.stream);
-    Py_END_ALLOW_THREADS
-    tqx_scratch_release(st, &ws); /* the kernels are queued; the allocator orders reuse */
-    if (s != TQ_SUCCESS) tqx_raise_status(st, s);
-done:
+    const int ok = outs != NULL
+        && tqx_new_output(st, outs, m, k, 0, x.dtype, device, x.device, 0, &a.dx) == 0
+        && tqx_new_output(st, outs, 1, k, 1, grad_dtype, device, x.device, 0, &a.dgamma) == 0
+        && (!want_dbeta
+            || tqx_new_output(st, outs, 1, k, 1, grad_dtype, device, x.device, 0, &a.dbeta) == 0)
+        && run_backward(st, &dy, x_obj, &x, &a, info.stream) == 0;
     Py_XDECREF(device);
-    if (PyErr_Occurred()) {
+    if (!ok) {
         Py_XDECREF(outs);
         return NULL;
     }
