@@ -11,7 +11,8 @@
  * bit for bit. TQ_ACT_IDENTITY (dh = dy) reads no h: its instance is tq_quantize's dbias pass.
  * Layout: elementwise and memory-bound; a thread takes one chunk of 8 columns of dy (and of each
  * half of h and dh) for the rows of one row chunk (R rows with dbias, keeping the 8 or 16 column
- * partials in registers; 2 rows without), two rows' loads before either's arithmetic,
+ * partials in registers; 4 rows without), four rows' loads (the identity; two for the
+ * activations) before their arithmetic,
  * grid-striding over (row chunk, chunk) pairs with
  * consecutive threads on consecutive chunks: each row's loads are coalesced 16-byte loads where
  * the rows (and a gated h's second half) are aligned, element accesses otherwise.
@@ -132,13 +133,20 @@ __device__ __forceinline__ void grad_row(const BwdParams &p, const Row<T, kBase,
     }
 }
 
+/* Rows the kernel loads before computing any of them: four for the identity (tq_quantize's dbias
+ * pass, a pure read: two rows in flight left it at ~2.2 TB/s on an H200, 121 us for 8192 x
+ * 16384 bf16, 98 us with four), two for the activations (four made the bf16 gelu's table
+ * kernel slower: 273 -> 294 us at 8192 x 16384). */
+template <int kBase>
+constexpr int kBatch = kBase == TQ_ACT_IDENTITY ? 4 : 2;
+
 /* kTable: gelu / silu / qgelu of bf16 from act_table.cuh's shared-memory tables (the same bits).
- * A thread loads two rows before computing either (more loads in flight), then adds them to
- * the partials in row order. */
+ * A thread loads kBatch rows before computing any, then adds them to the partials in row order. */
 template <typename T, int kBase, bool kGated, bool kDbias, bool kTable>
 __global__ void __launch_bounds__(kTable ? tq_act_table::kThreads : kThreads)
     act_backward_kernel(const BwdParams p) {
     constexpr int kCta = kTable ? tq_act_table::kThreads : kThreads;
+    constexpr int kB = kBatch<kBase>;
     __shared__ float deriv_table[kTable ? tq_act_table::kEntries : 1];
     __shared__ float value_table[kTable && kGated ? tq_act_table::kEntries : 1];
     if constexpr (kTable) tq_act_table::fill<kBase>(kGated ? value_table : nullptr, deriv_table);
@@ -156,22 +164,28 @@ __global__ void __launch_bounds__(kTable ? tq_act_table::kThreads : kThreads)
             float acc[2][kChunk]; /* dbias partials of the chunk's columns (each half) */
 #pragma unroll
             for (int e = 0; e < kChunk; e++) acc[0][e] = acc[1][e] = 0.0f;
-            for (int64_t r = r_begin; r < r_end; r += 2) {
-                const bool two = r + 1 < r_end;
-                Row<T, kBase, kGated> first, second;
-                first.load(p, r, c, n);
-                if (two) second.load(p, r + 1, c, n);
-                grad_row<T, kBase, kGated, kDbias, kTable>(p, first, r, c, n, value_table,
-                                                           deriv_table, scale, amax, acc);
-                if (two)
-                    grad_row<T, kBase, kGated, kDbias, kTable>(p, second, r + 1, c, n, value_table,
-                                                               deriv_table, scale, amax, acc);
+            for (int64_t r = r_begin; r < r_end; r += kB) {
+                Row<T, kBase, kGated> in[kB];
+#pragma unroll
+                for (int j = 0; j < kB; j++)
+                    if (r + j < r_end) in[j].load(p, r + j, c, n);
+#pragma unroll
+                for (int j = 0; j < kB; j++)
+                    if (r + j < r_end)
+                        grad_row<T, kBase, kGated, kDbias, kTable>(p, in[j], r + j, c, n,
+                                                                   value_table, deriv_table,
+                                                                   scale, amax, acc);
             }
-            if constexpr (kDbias) {
+            if constexpr (kDbias) { /* unrolled: a loop to n would put acc on the stack */
                 float *out = p.partials + chunk_p * p.k + (int64_t)kChunk * c;
-                for (int e = 0; e < n; e++) out[e] = acc[0][e];
-                if constexpr (kGated)
-                    for (int e = 0; e < n; e++) out[p.n + e] = acc[1][e];
+#pragma unroll
+                for (int e = 0; e < kChunk; e++)
+                    if (e < n) out[e] = acc[0][e];
+                if constexpr (kGated) {
+#pragma unroll
+                    for (int e = 0; e < kChunk; e++)
+                        if (e < n) out[p.n + e] = acc[1][e];
+                }
             }
         }
     }
@@ -204,7 +218,8 @@ extern "C" tq_status tq_act_backward_cuda(const tq_tensor *dy, const tq_tensor *
     p.out = tq_fp8out::make_out(a->config, a->dh_q, a->scale_inv, a->scale, a->amax_in, a->amax);
     p.partials = static_cast<float *>(a->workspace.data);
     /* with dbias the row chunks are the fixed order's; without, any grouping gives the same bits */
-    p.r_chunk = dbias ? tq_norm_partial_rows(p.rows, p.k) : 2; /* 2: a thread's row pair */
+    p.r_chunk = dbias ? tq_norm_partial_rows(p.rows, p.k)
+                      : a->act == TQ_ACT_IDENTITY ? 4 : 2; /* a thread's loads (kBatch) */
     p.p_count = p.rows == 0 ? 0 : (p.rows + p.r_chunk - 1) / p.r_chunk;
     const bool halves16 = !gated || (p.n * elem) % 16 == 0;
     p.dy_vec = tq_chunk::rows_aligned16(dy->data, dy->ld, elem);
