@@ -143,8 +143,12 @@ __device__ __forceinline__ void load_rows(const BwdParams &p, int64_t row, int t
 /* kJ > 0 (K <= 8192): the row's kJ chunks a thread in registers and the column partials in
  * shared memory; kJ == 0 (kT = 256): the row read again for dx, and no partials
  * (column_partial_kernel's). */
+/* Four CTAs per SM for 256 threads with two chunks each (K 2049..4096): 73 registers fitted
+ * three, so 8192 rows (512 row chunks) ran as a full wave and a third of one (H200: 129-139 us
+ * at 8192 x 4096, 100 us in one wave at 64 registers with 16 bytes of spills). */
 template <typename T, int kT, int kJ>
-__global__ void __launch_bounds__(kT) norm_backward_kernel(const BwdParams p) {
+__global__ void __launch_bounds__(kT, kT == 256 && kJ == 2 ? 4 : 1)
+    norm_backward_kernel(const BwdParams p) {
     /* A CTA walks its rows one after another, and a row's loads would wait on the previous
      * row's fold and dx: load latency, not bytes, bounded the kernel (H200: 8192x512 LayerNorm
      * 53.6 us against torch's 38; 8192x4096 170 us against torch's 119). So the next row's x
