@@ -1,5 +1,7 @@
 /* act_backward.cu: tq_act_backward on CUDA: dh = dy * act'(h) (gated: both halves) with, in the
- * same pass, its per-tensor FP8 codes (DELAYED / CURRENT), max |dh| and dbias's column partials.
+ * same pass, its per-tensor FP8 codes (DELAYED / CURRENT), max |dh| and dbias's column partials;
+ * the identity's pass (tq_quantize's dbias pass) writes the columnwise codes too (dh_q_t:
+ * identity_columnwise_kernel), the activations transpose their codes after it.
  *
  * Rule (tequant.h): every element is internal_act.h's tq_act_grad (tequant's own e^x, never
  * CUDA's), gated halves as act_backward_ref.c combines them; codes, dh and amax as
@@ -28,6 +30,7 @@
 #include "chunks.cuh"
 #include "column_sums.cuh"
 #include "fp8_out.cuh"
+#include "tile_transpose.cuh"
 #include "internal_act.h"
 #include "internal_kernels.h"
 #include "launch.cuh"
@@ -48,6 +51,9 @@ struct BwdParams {
     void *dh;
     int64_t ld_dh;
     tq_fp8out::Out out;
+    uint8_t *q_t;           /* the identity's columnwise codes [k][rows], or NULL */
+    int64_t ld_q_t;
+    int q_t_vec;            /* q_t 16-byte aligned, ld_q_t % 16 == 0 */
     float *partials;        /* dbias: [p_count][k] */
     int64_t r_chunk, p_count;
     int dy_vec, h_vec, dh_vec; /* 16-byte rows (and second halves) of dy, h, dh */
@@ -192,6 +198,137 @@ __global__ void __launch_bounds__(kTable ? tq_act_table::kThreads : kThreads)
     tq_fp8out::block_amax<kCta>(p.out.amax, amax);
 }
 
+/* ---- the identity with the columnwise codes (tq_quantize's DelayedScaling dbias pass) -------
+ * A warp takes 8 chunks (64 columns) of 4 consecutive row chunks (lane = 8 * row chunk + chunk):
+ * its loads are whole 128-byte rows. Each thread walks its row chunk kG rows at a time, four
+ * rows per load batch; a 4 x 4 byte transpose (tile_transpose.cuh) turns the batch's codes into
+ * one word per column, stored in the warp's shared-memory tile. After kG rows the warp writes
+ * the tile out: each column's rows of the 4 row chunks (kG = R: one run of 4 R bytes), 16 bytes
+ * per lane, consecutive lanes on consecutive bytes. Rows and columns past the tensor are
+ * skipped. The rowwise outputs, amax and the dbias partials are grad_row's. */
+constexpr int kColThreads = 128;
+
+template <int kG>
+struct ColTile {
+    static constexpr int kColWords = kG / 4 + 1;       /* a column's words in a row chunk (+1 pad) */
+    static constexpr int kSub = 64 * kColWords + 1;    /* a row chunk's sub-tile (+1: bank shift) */
+    static constexpr int kWords = 4 * kSub;            /* the warp's tile */
+};
+
+template <typename T, bool kDbias>
+__device__ __forceinline__ void identity_row(const BwdParams &p, const Chunk<T> &g, int64_t r,
+                                             int64_t c, int n, float scale, float &amax,
+                                             float (&acc)[kChunk], uint32_t (&w)[2]) {
+    float d[kChunk], scaled[kChunk];
+#pragma unroll
+    for (int e = 0; e < kChunk; e++) {
+        d[e] = tq_fp::widen(g.t[e]);
+        scaled[e] = tq_mul(d[e], scale);
+    }
+    write_half<T>(p, r, 0, c, n, d, scale, amax);
+    tq_fp::cvt8x8(scaled, p.out.e5m2 != 0, w); /* store_codes' codes */
+    if constexpr (kDbias) {
+#pragma unroll
+        for (int e = 0; e < kChunk; e++) acc[e] = tq_nadd(acc[e], d[e]);
+    }
+}
+
+/* The warp's tile out: row chunk spl's kG rows from group g, 16 bytes per lane. */
+template <int kG>
+__device__ __forceinline__ void store_tile(const BwdParams &p, const uint32_t *tile, int64_t p0,
+                                           int64_t c0, int g, int lane) {
+    using CT = ColTile<kG>;
+    constexpr int kSegs = kG / 16, kLanesPerCol = 4 * kSegs, kColsPerPass = 32 / kLanesPerCol;
+    const int s = lane % kLanesPerCol, cq = lane / kLanesPerCol;
+    const int spl = s / kSegs, seg = s % kSegs;
+    const int64_t sp = p0 + spl;
+    if (sp >= p.p_count) return;
+    const int64_t r_end = sp * p.r_chunk + p.r_chunk < p.rows ? sp * p.r_chunk + p.r_chunk : p.rows;
+    const int64_t row0 = sp * p.r_chunk + (int64_t)g * kG + 16 * seg;
+    if (row0 >= r_end) return;
+    const bool whole = p.q_t_vec && row0 + 16 <= r_end;
+#pragma unroll 4
+    for (int k = 0; k < 64; k += kColsPerPass) {
+        const int col = k + cq;
+        const int64_t gcol = (int64_t)kChunk * c0 + col;
+        if (gcol >= p.n) continue;
+        const uint32_t *src = tile + spl * CT::kSub + col * CT::kColWords + 4 * seg;
+        const uint32_t ws[4] = {src[0], src[1], src[2], src[3]};
+        uint8_t *dst = p.q_t + gcol * p.ld_q_t + row0;
+        if (whole) {
+            *reinterpret_cast<uint4 *>(dst) = make_uint4(ws[0], ws[1], ws[2], ws[3]);
+        } else {
+#pragma unroll
+            for (int i = 0; i < 16; i++)
+                if (row0 + i < r_end) dst[i] = (uint8_t)(ws[i / 4] >> (8 * (i % 4)));
+        }
+    }
+}
+
+template <typename T, bool kDbias, int kG>
+__global__ void __launch_bounds__(kColThreads, 5) identity_columnwise_kernel(const BwdParams p) {
+    using CT = ColTile<kG>;
+    __shared__ uint32_t tiles[kColThreads / 32][CT::kWords];
+    const float scale = tq_fp8out::cast_scale(p.out);
+    tq_fp8out::write_scale_inv(p.out, scale);
+    const int lane = threadIdx.x & 31, pl = lane >> 3, cl = lane & 7;
+    uint32_t *tile = tiles[threadIdx.x >> 5];
+    const int64_t tiles_p = (p.p_count + 3) / 4, count = tiles_p * ((p.nchunks + 7) / 8);
+    const int64_t warps = (int64_t)gridDim.x * (kColThreads / 32);
+    const int groups = (int)((p.r_chunk + kG - 1) / kG);
+    float amax = 0.0f;
+    for (int64_t t = (int64_t)blockIdx.x * (kColThreads / 32) + (threadIdx.x >> 5); t < count;
+         t += warps) { /* warp-uniform */
+        const int64_t p0 = (t % tiles_p) * 4, c0 = (t / tiles_p) * 8;
+        const int64_t chunk_p = p0 + pl, c = c0 + cl;
+        const bool valid = chunk_p < p.p_count && c < p.nchunks;
+        const int n = valid ? chunk_len(c, p.n) : 0;
+        const int64_t r_begin = chunk_p * p.r_chunk;
+        const int64_t r_end = !valid ? r_begin
+                              : r_begin + p.r_chunk < p.rows ? r_begin + p.r_chunk : p.rows;
+        float acc[kChunk];
+#pragma unroll
+        for (int e = 0; e < kChunk; e++) acc[e] = 0.0f;
+        uint32_t *mine = tile + pl * CT::kSub + 8 * cl * CT::kColWords;
+        for (int g = 0; g < groups; g++) {
+            const int64_t r0 = r_begin + (int64_t)g * kG;
+#pragma unroll 1 /* a loop, not kG / 4 copies of the body (code size) */
+            for (int i0 = 0; i0 < kG; i0 += 4) {
+                Row<T, TQ_ACT_IDENTITY, false> in[4];
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+                    if (r0 + i0 + j < r_end) in[j].load(p, r0 + i0 + j, c, n);
+                uint32_t lo[4] = {0, 0, 0, 0}, hi[4] = {0, 0, 0, 0};
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    if (r0 + i0 + j >= r_end) continue;
+                    uint32_t w[2];
+                    identity_row<T, kDbias>(p, in[j].g, r0 + i0 + j, c, n, scale, amax, acc, w);
+                    lo[j] = w[0], hi[j] = w[1];
+                }
+                uint32_t cols_lo[4], cols_hi[4]; /* column e's 4 rows as one word */
+                tq_tile::transpose4x4(lo, cols_lo);
+                tq_tile::transpose4x4(hi, cols_hi);
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    mine[e * CT::kColWords + i0 / 4] = cols_lo[e];
+                    mine[(e + 4) * CT::kColWords + i0 / 4] = cols_hi[e];
+                }
+            }
+            __syncwarp();
+            store_tile<kG>(p, tile, p0, c0, g, lane);
+            __syncwarp();
+        }
+        if (kDbias && valid) {
+            float *out = p.partials + chunk_p * p.k + (int64_t)kChunk * c;
+#pragma unroll
+            for (int e = 0; e < kChunk; e++)
+                if (e < n) out[e] = acc[e];
+        }
+    }
+    tq_fp8out::block_amax<kColThreads>(p.out.amax, amax);
+}
+
 }  // namespace
 
 extern "C" tq_status tq_act_backward_cuda(const tq_tensor *dy, const tq_tensor *h,
@@ -217,9 +354,18 @@ extern "C" tq_status tq_act_backward_cuda(const tq_tensor *dy, const tq_tensor *
     p.ld_dh = a->dh.ld;
     p.out = tq_fp8out::make_out(a->config, a->dh_q, a->scale_inv, a->scale, a->amax_in, a->amax);
     p.partials = static_cast<float *>(a->workspace.data);
-    /* with dbias the row chunks are the fixed order's; without, any grouping gives the same bits */
-    p.r_chunk = dbias ? tq_norm_partial_rows(p.rows, p.k)
-                      : a->act == TQ_ACT_IDENTITY ? 4 : 2; /* a thread's loads (kBatch) */
+    /* with dbias the row chunks are the fixed order's; without, any grouping gives the same
+     * bits. The identity writes the columnwise codes in its pass where the chunks are whole
+     * groups of 16 or 32 rows (identity_columnwise_kernel); otherwise (an activation, or
+     * K <= 1024 with chunks of 4 or 8 rows) they are transposed after it. */
+    const int64_t r_fixed = dbias ? tq_norm_partial_rows(p.rows, p.k) : 32;
+    const int group = r_fixed % 32 == 0 ? 32 : r_fixed == 16 ? 16 : 0;
+    const bool col = a->dh_q_t.data != nullptr && a->act == TQ_ACT_IDENTITY && group > 0;
+    p.q_t = col ? static_cast<uint8_t *>(a->dh_q_t.data) : nullptr;
+    p.ld_q_t = a->dh_q_t.ld;
+    p.q_t_vec = col && tq_chunk::aligned(p.q_t, 16) && p.ld_q_t % 16 == 0;
+    p.r_chunk = dbias || col ? r_fixed
+                : a->act == TQ_ACT_IDENTITY ? 4 : 2; /* a thread's loads (kBatch) */
     p.p_count = p.rows == 0 ? 0 : (p.rows + p.r_chunk - 1) / p.r_chunk;
     const bool halves16 = !gated || (p.n * elem) % 16 == 0;
     p.dy_vec = tq_chunk::rows_aligned16(dy->data, dy->ld, elem);
@@ -232,6 +378,19 @@ extern "C" tq_status tq_act_backward_cuda(const tq_tensor *dy, const tq_tensor *
     tq_act_dispatch::with_dtype_act(h->dtype, a->act, [&](auto t, auto act) {
         using A = decltype(act);
         using T = decltype(t);
+        if constexpr (A::base == TQ_ACT_IDENTITY) {
+            if (col) {
+                const int64_t warps = (p.p_count + 3) / 4 * ((p.nchunks + 7) / 8);
+                const unsigned grid = tq_act_dispatch::grid_for(warps * 32, sms, kColThreads, 12);
+                if (group == 32 && dbias)
+                    identity_columnwise_kernel<T, true, 32><<<grid, kColThreads, 0, s>>>(p);
+                else if (group == 32)
+                    identity_columnwise_kernel<T, false, 32><<<grid, kColThreads, 0, s>>>(p);
+                else
+                    identity_columnwise_kernel<T, true, 16><<<grid, kColThreads, 0, s>>>(p);
+                return;
+            }
+        }
         if constexpr (tq_act_table::kUses<T, A::base>) {
             if (table_pays) {
                 const unsigned grid = tq_act_dispatch::grid_for(
@@ -255,6 +414,10 @@ extern "C" tq_status tq_act_backward_cuda(const tq_tensor *dy, const tq_tensor *
         tq_colsum::launch(p.partials, p.p_count, p.k, a->dbias.data, nullptr, a->dbias.dtype, s);
         err = cudaGetLastError();
         if (err != cudaSuccess) return cuda_failed("act backward column-sum kernel launch", err);
+    }
+    if (a->dh_q_t.data != nullptr && !col) {
+        tq_tensor codes = a->dh_q, codes_t = a->dh_q_t;
+        return tq_transpose_cuda(&codes, &codes_t, stream);
     }
     return TQ_SUCCESS;
 }

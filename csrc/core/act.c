@@ -92,6 +92,14 @@ tq_status tq_act_backward(const tq_tensor *dy, const tq_tensor *h,
     const tq_fused_fp8 o = {a->config, &a->dh_q, &a->scale_inv, &a->scale, &a->amax_in, &a->amax,
                             "dh_q"};
     if ((st = tq_fused_check_fp8(fn, &o, m, k, h->device, "h")) != TQ_SUCCESS) return st;
+    if (tq_given(&a->dh_q_t)) {
+        if (a->config == NULL || !tq_given(&a->dh_q))
+            return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "%s: dh_q_t (the columnwise codes) needs "
+                           "a config and dh_q (it is their transpose)", fn);
+        st = tq_fused_check_matrix(fn, &a->dh_q_t, "dh_q_t", k, m, a->config->elem_dtype,
+                                   h->device, "h transposed");
+        if (st != TQ_SUCCESS) return st;
+    }
     if (tq_given(&a->dbias)) {
         st = tq_fused_check_vector(fn, &a->dbias, "dbias", k, TQ_FLOAT_MASK, h->device);
         if (st != TQ_SUCCESS) return st;

@@ -4,11 +4,11 @@
  *
  * No kernel of its own: the pass is tq_act_backward of TQ_ACT_IDENTITY (dh = x; cuda/
  * act_backward.cu, csrc/ref/act_backward_ref.c), which sums in the fixed column order and can
- * cast to per-tensor FP8 and find max |x| on the way; the rest are tq_quantize's kernels and
- * tq_transpose. CPU and CUDA tensors run the same steps, each bit-exact with its reference, so
- * both give the same bits, and q those of tq_quantize without dbias:
- *   DELAYED with ROWWISE  the pass casts (rowwise codes, scale_inv, max |x| into the history
- *                         slot); the columnwise codes are the rowwise ones transposed.
+ * cast to per-tensor FP8 (both directions) and find max |x| on the way; the rest are
+ * tq_quantize's kernels. CPU and CUDA tensors run the same steps, each bit-exact with its
+ * reference, so both give the same bits, and q those of tq_quantize without dbias:
+ *   DELAYED with ROWWISE  the pass casts (rowwise codes, and the columnwise ones when asked;
+ *                         scale_inv; max |x| into the history slot).
  *   CURRENT, own amax     the pass finds max |x| (into the workspace's last float, zeroed first);
  *                         the cast is tq_quantize's with that amax given (no amax pass); except
  *                         on CUDA where the cast finds the amax in its own launch anyway
@@ -107,6 +107,7 @@ tq_status tq_quantize_dbias_run(const tq_tensor *x, const tq_quant_config *c,
         pass.scale_inv = q->scale_inv;
         pass.scale = a->scale;
         pass.amax = q->amax; /* the history slot, max-accumulated as tq_quantize does */
+        if (a->usage & TQ_USAGE_COLUMNWISE) pass.dh_q_t = q->data_t; /* in the same pass */
     } else if (c->scaling == TQ_SCALING_CURRENT && a->amax.data == NULL && !cast_finds_amax(x)) {
         float *slot = (float *)((char *)a->workspace.data + partial_bytes);
         const tq_tensor amax = {slot, 1, 1, 1, TQ_DTYPE_FLOAT32, x->device};
@@ -116,7 +117,5 @@ tq_status tq_quantize_dbias_run(const tq_tensor *x, const tq_quant_config *c,
     const int on_cpu = x->device == TQ_DEVICE_CPU;
     st = TQ_DISPATCH(act_backward, on_cpu, x, x, &pass, stream);
     if (st != TQ_SUCCESS) return st;
-    if (!cast) return tq_quantize_dispatch(x, c, &rest, q, stream);
-    if (!(a->usage & TQ_USAGE_COLUMNWISE)) return TQ_SUCCESS;
-    return TQ_DISPATCH(transpose, on_cpu, &q->data, &q->data_t, stream);
+    return cast ? TQ_SUCCESS : tq_quantize_dispatch(x, c, &rest, q, stream);
 }

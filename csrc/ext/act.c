@@ -99,12 +99,12 @@ static PyObject *py_act_forward(PyObject *module, PyObject *args, PyObject *kwar
 
 static PyObject *py_act_backward(PyObject *module, PyObject *args, PyObject *kwargs) {
     static char *kwlist[] = {"dy", "h", "act", "dh", "amax", "config", "dh_q", "scale_inv",
-                             "scale", "amax_in", "dbias", NULL};
-    PyObject *dy_obj, *h_obj, *act_name, *dh = NULL, *amax = NULL, *dbias = NULL;
+                             "scale", "amax_in", "dbias", "dh_q_t", NULL};
+    PyObject *dy_obj, *h_obj, *act_name, *dh = NULL, *amax = NULL, *dbias = NULL, *dh_q_t = NULL;
     PyObject *q[5] = {NULL, NULL, NULL, NULL, NULL}; /* config, dh_q, scale_inv, scale, amax_in */
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOU|$OOOOOOOO:_act_backward", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOU|$OOOOOOOOO:_act_backward", kwlist,
                                      &dy_obj, &h_obj, &act_name, &dh, &amax, &q[0], &q[1], &q[2],
-                                     &q[3], &q[4], &dbias))
+                                     &q[3], &q[4], &dbias, &dh_q_t))
         return NULL;
     tqx_state *st = tqx_module_state(module);
     tq_act_backward_args a = TQ_ACT_BACKWARD_ARGS_INIT;
@@ -119,6 +119,7 @@ static PyObject *py_act_backward(PyObject *module, PyObject *args, PyObject *kwa
         || fp8_output_from_py(st, q, "dh_q", &cfg, &a.config, &a.dh_q, &a.scale_inv, &a.scale,
                               &a.amax_in) < 0
         || tqx_optional_tensor(st, dbias, "dbias", TQX_FLOAT_DTYPES, &a.dbias) < 0
+        || tqx_optional_tensor(st, dh_q_t, "dh_q_t", CODES, &a.dh_q_t) < 0
         || run_backward(st, &dy, h_obj, &h, &a, info.stream) < 0)
         return NULL;
     Py_RETURN_NONE;
@@ -269,9 +270,10 @@ PyMethodDef tqx_act_methods[] = {
      "(current)."},
     {"_act_backward", (PyCFunction)(void (*)(void))py_act_backward, METH_VARARGS | METH_KEYWORDS,
      "_act_backward(dy, h, act, *, dh=None, amax=None, config=None, dh_q=None, scale_inv=None, "
-     "scale=None, amax_in=None, dbias=None)\n\nThe gradient dh [M, K] of the activation from dy "
-     "(act(h)'s gradient, h's dtype) into the outputs given (tequant.h tq_act_backward): dh, "
-     "amax, the FP8 codes dh_q with scale_inv (as _act_forward's), and dbias ([K] float32, "
+     "scale=None, amax_in=None, dbias=None, dh_q_t=None)\n\nThe gradient dh [M, K] of the "
+     "activation from dy (act(h)'s gradient, h's dtype) into the outputs given (tequant.h "
+     "tq_act_backward): dh, amax, the FP8 codes dh_q with scale_inv (as _act_forward's) and "
+     "dh_q_t [K, M] (their transpose, with dh_q), and dbias ([K] float32, "
      "bfloat16 or float16: the column sums of the FP32 dh in tequant's fixed order, rounded "
      "once). 'identity' reads no h (pass dy): dh = dy."},
     {"_act_fwd", (PyCFunction)(void (*)(void))py_act_fwd, METH_FASTCALL,

@@ -1,5 +1,6 @@
 /* act_backward_ref.c: CPU reference of tq_act_backward: dh = dy * act'(h) (gated: both halves),
- * with, each optional, h's-dtype dh, its amax, its per-tensor FP8 codes and dbias.
+ * with, each optional, h's-dtype dh, its amax, its per-tensor FP8 codes (rowwise, and columnwise:
+ * their transpose) and dbias.
  *
  * Plain loops on purpose: the oracle of cuda/act_backward.cu, bit for bit. The per-element steps
  * are internal_act.h's tq_act_grad (the kernel runs the same code); dbias follows tequant.h's
@@ -46,7 +47,7 @@ tq_status tq_act_backward_ref(const tq_tensor *dy, const tq_tensor *h,
     const int64_t r_chunk = tq_norm_partial_rows(m_rows, k);
     const int64_t p_count = m_rows == 0 ? 0 : (m_rows + r_chunk - 1) / r_chunk;
     float *partials = want_dbias ? (float *)a->workspace.data : NULL;
-    uint8_t *dh_q = (uint8_t *)a->dh_q.data;
+    uint8_t *dh_q = (uint8_t *)a->dh_q.data, *dh_q_t = (uint8_t *)a->dh_q_t.data;
     float amax = 0.0f;
     for (int64_t p = 0; p < p_count; p++) {
         float *part = want_dbias ? partials + p * k : NULL;
@@ -63,7 +64,10 @@ tq_status tq_act_backward_ref(const tq_tensor *dy, const tq_tensor *h,
                     if (want_dbias) part[c] = tq_nadd(part[c], v);
                     if (a->dh.data != NULL)
                         tq_ref_store((tq_tensor *)&a->dh, r, c, tq_norm_canon(v));
-                    if (quantize) dh_q[r * a->dh_q.ld + c] = tq_f32_to_fp8(tq_mul(v, scale), e5m2);
+                    if (!quantize) continue;
+                    const uint8_t code = tq_f32_to_fp8(tq_mul(v, scale), e5m2);
+                    dh_q[r * a->dh_q.ld + c] = code;
+                    if (dh_q_t != NULL) dh_q_t[c * a->dh_q_t.ld + r] = code;
                 }
             }
         }

@@ -225,12 +225,15 @@ typedef struct tq_act_backward_args {
     tq_tensor dbias;     /* K FLOAT32, BFLOAT16 or FLOAT16 (contiguous: [1, K] or [K, 1]) */
     tq_tensor workspace; /* with dbias: UINT8, at least tq_act_backward_workspace_size() bytes,
                             4-byte aligned, on h's device; scratch on return */
+    tq_tensor dh_q_t;    /* [K, M] columnwise codes: dh_q's transpose (wgrad's operand), with
+                            dh_q; ld >= M. TQ_ACT_IDENTITY writes them in its pass (tq_quantize's
+                            dbias pass), the activations by a transpose after it */
 } tq_act_backward_args;
 
 #define TQ_ACT_BACKWARD_ARGS_INIT \
     {sizeof(tq_act_backward_args), TQ_ACT_GELU, TQ_TENSOR_NONE, TQ_TENSOR_NONE, NULL, \
      TQ_TENSOR_NONE, TQ_TENSOR_NONE, TQ_TENSOR_NONE, TQ_TENSOR_NONE, TQ_TENSOR_NONE, \
-     TQ_TENSOR_NONE}
+     TQ_TENSOR_NONE, TQ_TENSOR_NONE}
 
 /* The workspace bytes of dbias for an h of [rows, cols] (FP32 partials; 0 when rows is 0). */
 TQ_API tq_status tq_act_backward_workspace_size(int64_t rows, int64_t cols, size_t *bytes);
