@@ -25,8 +25,10 @@ block up to roundings of its own; its distance to te.Linear's first step is prin
 mismatch is printed loudly in the table and fails the run (exit status 1), so a wrong fused path
 cannot print a fast number.
 Then time: median step of --steps after --warmup (benchutil: CUDA events behind a held-back GPU,
-or perf_counter on CPU); peak memory = torch.cuda.max_memory_allocated over the warm-up and timed
-steps after a reset (weights, grads and activations of the variant alone). Reported: step ms,
+or perf_counter on CPU); eager rows take --rounds - 1 more rounds, the variants of a model and
+width in turn, and report the median round (interleaved(): drift hits all alike); peak memory =
+torch.cuda.max_memory_allocated over the warm-up and timed steps after a reset, less what was
+allocated before the variant was built (the variant alone). Reported: step ms,
 tokens/s, vs bf16 (the bf16 block of the same model, d and exec), vs te.Linear (the te.Linear
 block of the same recipe), vs eager (the same variant eager), peak GiB and its ratio to the
 te.Linear block's; then the issue's targets (eager at d = 4096: gpt fused >= 1.65x / 1.60x /
@@ -49,7 +51,7 @@ the profile (eager, d = 4096):
   python3 benchmarks/bench_block.py --device cpu     # the quick mode: d = 128, 128 tokens
 Options: --models gpt,llama --d 4096,2048 --tokens 8192 --seq 2048 --head-dim 128
   --recipes (benchutil's names; default all) --exec eager[,compile] --compile-backend inductor
-  --steps 10 --warmup 3
+  --steps 10 --warmup 3 --rounds 5 (CPU: 2)
   --profile --profile-steps 3 --time-limit S --out [FILE] (appended; alone:
   docs/results/bench_block.md)
 """
@@ -57,6 +59,7 @@ import contextlib
 import gc
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -74,9 +77,9 @@ EXECS = ("eager", "compile")
 BLOCKS = ("bf16", "te.Linear", "fused")
 EPS = 1e-5
 DEFAULT_OUT = "docs/results/bench_block.md"
-SIZES = {  # by device: d list, tokens, seq, head dim, warmup, steps, profile steps
-    "cuda": ("4096,2048", 8192, 2048, 128, 3, 10, 3),
-    "cpu": ("128", 128, 64, 32, 1, 2, 1),
+SIZES = {  # by device: d list, tokens, seq, head dim, warmup, steps, profile steps, rounds
+    "cuda": ("4096,2048", 8192, 2048, 128, 3, 10, 3, 5),
+    "cpu": ("128", 128, 64, 32, 1, 2, 1, 2),
 }
 # Issue 24 / PERFORMANCE.md B1, B2: the fused block, eager, d = 4096, vs the bf16 block
 TARGET_D = 4096
@@ -261,6 +264,7 @@ def run_variant(args, model, d, ex, kind, recipe_name, recipe, weights, refs):
     variant's first step there, on the CPU), warms up, times and (--profile) profiles."""
     device = args.device
     heads = d // args.head_dim
+    base = torch.cuda.memory_allocated() if device == "cuda" else 0  # live earlier variants
     if ex == "compile":
         torch._dynamo.reset()
     block = build(model, d, heads, kind, weights, device)
@@ -284,7 +288,11 @@ def run_variant(args, model, d, ex, kind, recipe_name, recipe, weights, refs):
     us = benchutil.timer(device)(step, [x], args.warmup, args.steps)
     row["step_ms"] = us / 1e3
     row["tokens_per_s"] = args.tokens / (us / 1e6)
-    row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+    row["peak_gib"] = ((torch.cuda.max_memory_allocated() - base) / 2**30
+                       if device == "cuda" else None)
+    row["rounds_us"] = [us]
+    if ex == "eager" and args.rounds > 1:
+        row["_step"] = (step, x)  # for interleaved(), then dropped
     if args.profile:
         acts = [torch.profiler.ProfilerActivity.CPU] + \
             ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
@@ -482,7 +490,7 @@ def parse_args(argv=None):
     ap.add_argument("--exec", default="eager", help="eager, compile or eager,compile")
     ap.add_argument("--compile-backend", default="inductor",
                     help="torch.compile's backend (the CPU test's quick mode: aot_eager)")
-    for name in ("tokens", "seq", "head-dim", "warmup", "steps", "profile-steps"):
+    for name in ("tokens", "seq", "head-dim", "warmup", "steps", "profile-steps", "rounds"):
         ap.add_argument("--" + name, type=int)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--time-limit", type=float, default=0.0)
@@ -491,7 +499,7 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda but no CUDA device is available")
-    names = ("d", "tokens", "seq", "head_dim", "warmup", "steps", "profile_steps")
+    names = ("d", "tokens", "seq", "head_dim", "warmup", "steps", "profile_steps", "rounds")
     for name, default in zip(names, SIZES[args.device]):
         if getattr(args, name) is None:
             setattr(args, name, default)
@@ -501,10 +509,27 @@ def parse_args(argv=None):
     args.recipes = benchutil.make_recipes(args.recipes)
     if args.tokens % args.seq:
         ap.error(f"--tokens {args.tokens} is not a multiple of --seq {args.seq}")
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: at least 1")
     bad = [d for d in args.d if d % args.head_dim]
     if bad:
         ap.error(f"--d {bad}: not multiples of --head-dim {args.head_dim}")
     return args
+
+
+def interleaved(rows, args):
+    """The eager rows of one (model, d) timed in args.rounds - 1 more rounds, every variant in
+    turn (drift then hits all alike); step_ms: the median round. Compiled rows keep their one
+    round (each variant's torch._dynamo.reset() would make an earlier one recompile here)."""
+    live = [r for r in rows if "_step" in r]
+    for _ in range(args.rounds - 1):
+        for r in live:
+            step, x = r["_step"]
+            r["rounds_us"].append(benchutil.timer(args.device)(step, [x], 1, args.steps))
+    for r in live:
+        us = statistics.median(r["rounds_us"])
+        r["step_ms"], r["tokens_per_s"] = us / 1e3, args.tokens / (us / 1e6)
+        del r["_step"]
 
 
 def configurations(args):
@@ -525,23 +550,29 @@ def configurations(args):
 def main(argv=None):
     args = parse_args(argv)
     results, refs, weights, start = [], {}, {}, time.monotonic()
-    for model, d, ex, kind, name, recipe in configurations(args):
+    configs = configurations(args)
+    for i, (model, d, ex, kind, name, recipe) in enumerate(configs):
         row = {"model": model, "d": d, "exec": ex, "block": kind, "recipe": name}
         if args.time_limit and time.monotonic() - start > args.time_limit:
             results.append(dict(row, skipped="time limit"))
-            continue
-        try:
-            if (model, d) not in weights:  # (on the CPU)
-                weights[(model, d)] = base_weights(model, d, d // args.head_dim, args.device)
-            row = run_variant(args, model, d, ex, kind, name, recipe, weights[(model, d)], refs)
-        except Exception as e:  # noqa: BLE001  (a variant that fails is reported, not fatal)
-            row["error"] = benchutil.one_line(benchutil.exc_text(e), 240)
-        results.append(row)
-        print(f"[{time.monotonic() - start:6.0f} s] {model} d={d} {ex} {kind} {name}: " +
-              (f"{row['step_ms']:.2f} ms, {row['check']}" if "step_ms" in row
-               else row.get("error", "")), file=sys.stderr, flush=True)
+        else:
+            try:
+                if (model, d) not in weights:  # (on the CPU)
+                    weights[(model, d)] = base_weights(model, d, d // args.head_dim, args.device)
+                row = run_variant(args, model, d, ex, kind, name, recipe, weights[(model, d)],
+                                  refs)
+            except Exception as e:  # noqa: BLE001  (a variant that fails is reported, not fatal)
+                row["error"] = benchutil.one_line(benchutil.exc_text(e), 240)
+            results.append(row)
+            print(f"[{time.monotonic() - start:6.0f} s] {model} d={d} {ex} {kind} {name}: " +
+                  (f"{row['step_ms']:.2f} ms, {row['check']}" if "step_ms" in row
+                   else row.get("error", "")), file=sys.stderr, flush=True)
         for k in [k for k in refs if k[:3] != (model, d, ex)]:
             del refs[k]  # references of the rows of (model, d, exec) only
+        if configs[i + 1:i + 2] != [] and configs[i + 1][:3] == (model, d, ex):
+            continue  # the (model, d, exec) group's variants stay built for interleaved()
+        interleaved([r for r in results if (r["model"], r["d"], r["exec"]) == (model, d, ex)],
+                    args)
         gc.collect()
         if args.device == "cuda":
             torch.cuda.empty_cache()
@@ -550,7 +581,9 @@ def main(argv=None):
     text = [f"## bench_block: {device}, {', '.join(args.models)}, d {args.d}, "
             f"{', '.join(args.exec)}, {time.monotonic() - start:.0f} s", "",
             benchutil.machine(args.device), "",
-            f"median step of {args.steps} after {args.warmup} warm-up; vs bf16 / vs te.Linear "
+            f"median step of {args.steps} after {args.warmup} warm-up (eager rows: the median "
+            f"of {args.rounds} such rounds, the variants of a model and width taking turns in "
+            "each round); vs bf16 / vs te.Linear "
             "/ vs eager: tokens/s over that row's (> 1: faster); peak: "
             "torch.cuda.max_memory_allocated of the variant alone. First step check, relative "
             "errors against the bf16 block over the branch y - x, the input grad beyond dy and "

@@ -261,3 +261,25 @@ def test_fused_check_bounds_and_names():
     assert bench_block.ffn_of("llama", 4096) == 14336 and bench_block.ffn_of("gpt", 2048) == 8192
     args = bench_block.parse_args(["--device", "cpu", "--out"])
     assert args.out == "docs/results/bench_block.md" and args.d == [128]
+
+
+def test_interleaved_rounds_take_the_median_and_drop_the_steps():
+    """interleaved(): every kept step is timed again rounds - 1 times, the variants in turn; the
+    row reports the median round; compiled rows (no kept step) keep their one round."""
+    calls = []
+
+    def step_of(name):
+        return lambda x: calls.append(name)
+
+    args = bench_block.parse_args(["--device", "cpu", "--rounds", "3", "--steps", "2"])
+    rows = [{"_step": (step_of(n), None), "rounds_us": [us], "step_ms": us / 1e3}
+            for n, us in (("a", 1e9), ("b", 1e9))]
+    compiled = {"rounds_us": [7.0], "step_ms": 7e-3}
+    bench_block.interleaved(rows + [compiled], args)
+    assert calls == (["a"] * 3 + ["b"] * 3) * 2  # warm-up 1 + 2 steps, a then b, two rounds
+    for r in rows:
+        assert "_step" not in r and len(r["rounds_us"]) == 3
+        assert r["step_ms"] == sorted(r["rounds_us"])[1] / 1e3 < 1e6  # not the slow first
+    assert compiled == {"rounds_us": [7.0], "step_ms": 7e-3}
+    with pytest.raises(SystemExit):
+        bench_block.parse_args(["--device", "cpu", "--rounds", "0"])
