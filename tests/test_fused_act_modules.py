@@ -148,9 +148,9 @@ def captured_codes():
     seen = []
     fused = _act_fn.ActInput.fused
 
-    def spy(self, recipe_id, align, scale, amax):
+    def spy(self, recipe_id, align, scale, amax, **kw):
         s = None if scale is None else scale.clone()
-        y, members = fused(self, recipe_id, align, scale, amax)
+        y, members = fused(self, recipe_id, align, scale, amax, **kw)
         seen.append((self.h.detach(), s, members))
         return y, members
     _act_fn.ActInput.fused = spy

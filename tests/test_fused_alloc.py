@@ -76,12 +76,14 @@ def test_act_errors():
     # _C._act_fwd / _act_bwd, the calls te.LayerNormMLP runs (their bits: test_fused_act_modules)
     h, dy = torch.randn(4, 16), torch.randn(4, 16)
     cur = te.quantizer_config(Float8CurrentScaling(), "grad_output")
-    with pytest.raises(TypeError, match="takes 7 positional arguments, got 6"):
-        _C._act_fwd(h, "gelu", True, None, None, None)
+    with pytest.raises(TypeError, match="takes 8 positional arguments, got 7"):
+        _C._act_fwd(h, "gelu", True, None, None, None, 0)
     with pytest.raises(ValueError, match="act must be one of"):
-        _C._act_fwd(h, "tanh", True, None, None, None, 0)
+        _C._act_fwd(h, "tanh", True, None, None, None, 0, False)
     with pytest.raises(ValueError, match="padded=2 must be at least the 4 rows quantized"):
-        _C._act_fwd(h, "gelu", True, cur, None, None, 2)
+        _C._act_fwd(h, "gelu", True, cur, None, None, 2, False)
+    with pytest.raises(ValueError, match="columnwise=True is for a BLOCK config"):
+        _C._act_fwd(h, "gelu", False, cur, None, None, 16, True)
     with pytest.raises(TypeError, match="takes 8 positional arguments, got 7"):
         _C._act_bwd(dy, h, "gelu", None, None, None, 0)
     with pytest.raises(TypeError, match="dbias_dtype must be None, torch.float32"):

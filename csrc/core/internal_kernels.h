@@ -97,6 +97,10 @@ tq_status tq_act_forward_ref(const tq_tensor *h, const tq_act_forward_args *args
                              struct CUstream_st *stream);
 tq_status tq_act_forward_cuda(const tq_tensor *h, const tq_act_forward_args *args,
                               struct CUstream_st *stream);
+tq_status tq_act_forward_block_ref(const tq_tensor *h, const tq_act_forward_args *args,
+                                   struct CUstream_st *stream);
+tq_status tq_act_forward_block_cuda(const tq_tensor *h, const tq_act_forward_args *args,
+                                    struct CUstream_st *stream);
 tq_status tq_act_backward_ref(const tq_tensor *dy, const tq_tensor *h,
                               const tq_act_backward_args *args, struct CUstream_st *stream);
 tq_status tq_act_backward_cuda(const tq_tensor *dy, const tq_tensor *h,

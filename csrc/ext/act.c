@@ -128,11 +128,36 @@ static PyObject *py_act_backward(PyObject *module, PyObject *args, PyObject *kwa
 /* ---- the allocating forms te.LayerNormMLP runs: one C call per direction, its outputs made by
  * fused_out.c ---- */
 
-/* _act_fwd(h, act, want_hp, config, scale, amax, padded): see the method table. */
+/* A BLOCK config's outputs, appended to outs: act(h)'s members for [padded, n] (data and
+ * scale_inv, then data_t and scale_inv_t with columnwise) from one tq_act_forward. -1 with an
+ * exception. */
+static int block_forward(tqx_state *st, PyObject *outs, const tq_tensor *h, tq_act_forward_args *a,
+                         int64_t padded, int64_t n, int columnwise, PyObject *device,
+                         void *stream) {
+    if (padded < h->rows) {
+        PyErr_Format(PyExc_ValueError, "padded=%lld must be at least the %lld rows quantized",
+                     (long long)padded, (long long)h->rows);
+        return -1;
+    }
+    tq_qtensor q = TQ_QTENSOR_INIT;
+    const uint32_t usage = TQ_USAGE_ROWWISE | (columnwise ? TQ_USAGE_COLUMNWISE : 0u);
+    const tq_status s = tq_quantize_layout(a->config, padded, n, usage, &q);
+    if (s != TQ_SUCCESS) return tqx_raise_status(st, s), -1;
+    tq_tensor *members[] = {&q.data, &q.scale_inv, &q.data_t, &q.scale_inv_t};
+    for (int i = 0; i < (columnwise ? 4 : 2); i++) {
+        tq_tensor *t = members[i];
+        if (tqx_new_output(st, outs, t->rows, t->cols, 0, t->dtype, device, h->device, 0, t) < 0)
+            return -1;
+    }
+    a->q = &q;
+    return run_forward(st, h, a, stream);
+}
+
+/* _act_fwd(h, act, want_hp, config, scale, amax, padded, columnwise): see the method table. */
 static PyObject *py_act_fwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 7) {
-        PyErr_Format(PyExc_TypeError, "_act_fwd(h, act, want_hp, config, scale, amax, padded) "
-                     "takes 7 positional arguments, got %zd", nargs);
+    if (nargs != 8) {
+        PyErr_Format(PyExc_TypeError, "_act_fwd(h, act, want_hp, config, scale, amax, padded, "
+                     "columnwise) takes 8 positional arguments, got %zd", nargs);
         return NULL;
     }
     tqx_state *st = tqx_module_state(module);
@@ -141,9 +166,10 @@ static PyObject *py_act_fwd(PyObject *module, PyObject *const *args, Py_ssize_t 
     tq_tensor h;
     tqx_tensor_info info;
     tq_quant_config cfg;
-    int want_hp;
+    int want_hp, columnwise;
     const long long padded = PyLong_AsLongLong(args[6]);
     if (PyErr_Occurred() || act_from_py(args[1], &a.act) < 0 || tqx_flag_arg(args[2], &want_hp) < 0
+        || tqx_flag_arg(args[7], &columnwise) < 0
         || tqx_tensor_from_py(st, h_obj, "h", TQX_FLOAT_DTYPES, &h, &info) < 0
         || tqx_optional_tensor(st, args[4], "scale", F32, &a.scale) < 0
         || (config != Py_None && tqx_config_from_py(st, config, &cfg) < 0))
@@ -158,7 +184,16 @@ static PyObject *py_act_fwd(PyObject *module, PyObject *const *args, Py_ssize_t 
         goto fail;
     if (config == Py_None) {
         if (run_forward(st, &h, &a, info.stream) < 0) goto fail;
+    } else if (cfg.scaling == TQ_SCALING_BLOCK) {
+        a.config = &cfg;
+        if (block_forward(st, outs, &h, &a, padded, n, columnwise, device, info.stream) < 0)
+            goto fail;
     } else {
+        if (columnwise) {
+            PyErr_SetString(PyExc_ValueError, "_act_fwd: columnwise=True is for a BLOCK config; "
+                            "per-tensor codes are transposed by their GEMM's caller");
+            goto fail;
+        }
         tq_tensor codes, scale_inv;
         if (tqx_fused_fp8_outputs(st, outs, &cfg, padded, m, n, device, h.device, args[5],
                                   &codes, &scale_inv, &a.amax) < 0)
@@ -277,11 +312,13 @@ PyMethodDef tqx_act_methods[] = {
      "bfloat16 or float16: the column sums of the FP32 dh in tequant's fixed order, rounded "
      "once). 'identity' reads no h (pass dy): dh = dy."},
     {"_act_fwd", (PyCFunction)(void (*)(void))py_act_fwd, METH_FASTCALL,
-     "_act_fwd(h, act, want_hp, config, scale, amax, padded) -> list\n\nThe activation of h "
-     "[M, K] with its outputs allocated here: [y_hp (h's dtype, [M, N]: N = K, or K / 2 gated) "
-     "if want_hp]; with a DELAYED or CURRENT QuantizerConfig also te.Linear's rowwise FP8 codes "
-     "of y [padded, N] (rows past M zero), scale_inv and amax (`amax` itself, DelayedScaling's "
-     "slot, or for None a fresh one), as _norm_fwd."},
+     "_act_fwd(h, act, want_hp, config, scale, amax, padded, columnwise) -> list\n\nThe "
+     "activation of h [M, K] with its outputs allocated here: [y_hp (h's dtype, [M, N]: N = K, "
+     "or K / 2 gated) if want_hp]; with a DELAYED or CURRENT QuantizerConfig also te.Linear's "
+     "rowwise FP8 codes of y [padded, N] (rows past M zero), scale_inv and amax (`amax` itself, "
+     "DelayedScaling's slot, or for None a fresh one), as _norm_fwd; with a BLOCK (1x128) one "
+     "(no y_hp) y's members data, scale_inv and, with columnwise, data_t, scale_inv_t for "
+     "[padded, N] (tq_quantize's of y_hp padded with zero rows)."},
     {"_act_bwd", (PyCFunction)(void (*)(void))py_act_bwd, METH_FASTCALL,
      "_act_bwd(dy, h, act, config, scale, amax, padded, dbias_dtype) -> list\n\nThe "
      "activation's backward with its outputs allocated here: without config [dh] ([M, K], h's "

@@ -6,6 +6,7 @@
  * Each element's value is internal_act.h's (tq_act_value, the same code the kernel runs); the
  * outputs follow norm_forward_ref.c: y_hp = RNE of the canonical FP32 value, amax its max |.|
  * max-accumulated into the slot, codes cvt8(tq_mul(y, scale)).
+ * With a BLOCK config, act(h) in h's dtype goes through the FP8 block quantizer's reference.
  * Tests: tests/test_act_kernels.py (against torch's float32 activations and te.ops.quantize;
  * CUDA against this).
  */
@@ -13,6 +14,8 @@
 #include "internal_fused.h"
 #include "internal_kernels.h"
 #include "ref_io.h"
+
+#include <stdlib.h>
 
 tq_status tq_act_forward_ref(const tq_tensor *h, const tq_act_forward_args *a,
                              struct CUstream_st *stream) {
@@ -36,4 +39,31 @@ tq_status tq_act_forward_ref(const tq_tensor *h, const tq_act_forward_args *a,
     }
     if (a->amax.data != NULL) tq_fused_max_accumulate((float *)a->amax.data, amax);
     return TQ_SUCCESS;
+}
+
+/* A BLOCK config: y_hp's values (act(h) rounded to h's dtype after the canonical NaN) in a
+ * zero-padded [q->rows, N] copy of h's dtype, then the FP8 block quantizer's reference on it:
+ * the definition the kernel (cuda/act_quantize_block.cu) is checked against. */
+tq_status tq_act_forward_block_ref(const tq_tensor *h, const tq_act_forward_args *a,
+                                   struct CUstream_st *stream) {
+    const int gated = tq_act_gated(a->act), base = tq_act_base(a->act);
+    tq_qtensor *q = a->q;
+    const int64_t n = q->cols, rows = q->rows;
+    const size_t elem = h->dtype == TQ_DTYPE_FLOAT32 ? 4 : 2;
+    tq_tensor y = {NULL, rows, n, n, h->dtype, TQ_DEVICE_CPU};
+    if (rows * n > 0 && (y.data = calloc((size_t)(rows * n), elem)) == NULL)
+        return tq_fail(TQ_ERROR_OUT_OF_MEMORY, "act forward (CPU): no memory for act(h) [%lld, "
+                       "%lld]", (long long)rows, (long long)n);
+    for (int64_t r = 0; r < h->rows; r++) {
+        for (int64_t j = 0; j < n; j++) {
+            float v = tq_act_value(base, tq_ref_load(h, r, j));
+            if (gated) v = tq_nmul(v, tq_ref_load(h, r, n + j));
+            tq_ref_store(&y, r, j, tq_norm_canon(v));
+        }
+    }
+    tq_quantize_args qa = TQ_QUANTIZE_ARGS_INIT;
+    qa.usage = TQ_USAGE_ROWWISE | (q->data_t.data != NULL ? TQ_USAGE_COLUMNWISE : 0u);
+    const tq_status st = tq_quantize_fp8_block_ref(&y, a->config, &qa, q, stream);
+    free(y.data);
+    return st;
 }

@@ -21,7 +21,12 @@ quantizer (its DelayedScaling scale and history slot), its amax and dbias (the k
 fixed-order FP32 column sums) in the same pass; fc1's backward multiplies those codes
 (given_dy_backward, tequant::linear_bwd_dy_given, which compiled under DelayedScaling also
 accumulates that amax into fc1's history and runs its update in place, as linear_bwd does).
-Tests: tests/test_fused_act_modules.py, tests/test_fused_dh.py, tests/test_compile_delayed.py.
+Fused Float8BlockScaling (eager te.Linear, 1x128 E4M3 input blocks): the forward writes fc2's
+blocks in both directions from act(h) rounded to h's dtype (TransformerEngine's rule for its fused
+block-format casts), the bits te.Linear's own quantization of the kernel's y_hp would give; the
+backward returns dh (fc1 quantizes its grad_output itself).
+Tests: tests/test_fused_act_modules.py, tests/test_fused_dh.py, tests/test_compile_delayed.py,
+tests/test_act_block.py.
 """
 from typing import Optional
 
@@ -106,19 +111,20 @@ def kernel_activate(h, activation, dh=None):
     not run (refusal): the high-precision twin of the fused forward (its tests' reference)."""
     if refusal(h) is not None:
         return torch_activate(h, activation)
-    return ActFunction.apply(h, None, None, activation, True, None, 0, *_dh_args(dh))
+    return ActFunction.apply(h, None, None, activation, True, None, 0, False, *_dh_args(dh))
 
 
 # ---- the kernels' calls, eager implementations of the ops -----------------------------------
 
-def _forward_into(h, activation, want_hp, recipe_id, scale, padded, amax):
+def _forward_into(h, activation, want_hp, recipe_id, scale, padded, amax, columnwise=False):
     """[y_hp if want_hp] + with recipe_id (a per-tensor FP8 recipe: its "input" quantizer)
     [codes [padded, N] (rows past M zero), scale_inv, amax] for h [M, K], in one C call that
     allocates them (_C._act_fwd: DelayedScaling casts in the activation's pass, current scaling
     runs an amax pass first). amax: the tensor to max-accumulate amax(y) into (DelayedScaling's
-    history slot, eager), or None for a fresh one."""
+    history slot, eager), or None for a fresh one. Float8BlockScaling (1x128 blocks, no y_hp):
+    [data, scale_inv] + [data_t, scale_inv_t] with columnwise, of y rounded to h's dtype."""
     config = None if recipe_id is None else config_of(recipe_id, "input")
-    return _C._act_fwd(h, activation, want_hp, config, scale, amax, padded)
+    return _C._act_fwd(h, activation, want_hp, config, scale, amax, padded, columnwise)
 
 
 @op("tequant::act_fwd", mutates_args=())
@@ -187,17 +193,18 @@ class ActFunction(torch.autograd.Function):
     """y = act(h) over the last dim through the kernels; with recipe_id also fc2's rowwise FP8
     codes of y (ActInput.fused).
 
-    forward(h, scale, amax, activation, want_hp, recipe_id, padded, dh, dh_scale, dh_slot,
-    *dh_tokens) returns y alone without recipe_id, else (y, codes, scale_inv, amax or None: None
-    where the amax went into the given `amax`, the eager DelayedScaling slot). Without want_hp
+    forward(h, scale, amax, activation, want_hp, recipe_id, padded, columnwise, dh, dh_scale,
+    dh_slot, *dh_tokens) returns y alone without recipe_id, else (y, codes, scale_inv, amax or
+    None: None where the amax went into the given `amax`, the eager DelayedScaling slot);
+    Float8BlockScaling: (y, data, scale_inv[, data_t, scale_inv_t with columnwise]). Without want_hp
     y carries only the gradient (an expanded scalar: no [M, N] store): the te.Linear that reads
     the codes returns its input gradient for it. dh ... dh_tokens: a GradOutput's (_dh_args;
     None, None, None: the backward returns dh); with them the backward returns fc1's quantized
     grad_output as the tokens' gradients and a zero placeholder as h's."""
 
     @staticmethod
-    def forward(ctx, h, scale, amax, activation, want_hp, recipe_id, padded, dh, dh_scale,
-                dh_slot, *dh_tokens):
+    def forward(ctx, h, scale, amax, activation, want_hp, recipe_id, padded, columnwise, dh,
+                dh_scale, dh_slot, *dh_tokens):
         k = h.shape[-1]
         h2d = h.reshape(-1, k).contiguous()
         shape = h.shape[:-1] + (_cols(activation, k),)
@@ -205,7 +212,7 @@ class ActFunction(torch.autograd.Function):
         if torch.compiler.is_compiling():
             outs = torch.ops.tequant.act_fwd(*args)
         else:
-            outs = _forward_into(*args, amax)
+            outs = _forward_into(*args, amax, columnwise)
         it = iter(outs)
         y = next(it).view(shape) if want_hp else h.new_empty(()).expand(shape)
         if ctx.needs_input_grad[0]:
@@ -220,6 +227,10 @@ class ActFunction(torch.autograd.Function):
         # the codes have no gradient: autograd must not make (and fill) zeros of their shape
         ctx.set_materialize_grads(False)
         ctx.n_tokens = len(dh_tokens)
+        if _plan.of_id(recipe_id).x.scaling == "block":  # the members, no amax
+            members = tuple(it)
+            ctx.mark_non_differentiable(*members)
+            return (y,) + members
         return (y,) + codes_returned(ctx, it, amax)
 
     @staticmethod
@@ -243,7 +254,7 @@ class ActFunction(torch.autograd.Function):
         return (h2d.new_zeros(()).expand(ctx.shape),) + _NONE_ARGS + tuple(outs)
 
 
-_NONE_ARGS = (None,) * 9  # ActFunction's arguments after h up to the tokens
+_NONE_ARGS = (None,) * 10  # ActFunction's arguments after h up to the tokens
 
 
 # ---- the input of a te.Linear that activates first ----------------------------------------------
@@ -266,25 +277,37 @@ class ActInput:
         h = self.h
         return h.shape[:-1] + (_cols(self.activation, h.shape[-1]),)
 
-    def fusable(self, scaling, backward_override, tp):
+    def fusable(self, scaling, backward_override, tp, block=None):
         """NormInput.fusable's rule: per-tensor FP8, no backward_override, the kernels run, no
         tensor parallelism over several ranks; an ARITHMETIC_BOUND activation under
-        DelayedScaling only."""
-        return (self.refusal is None and scaling in PER_TENSOR and backward_override is None
-                and (tp is None or tp.size == 1)
+        DelayedScaling only. Float8BlockScaling too where `block` (its input QuantizerConfig,
+        which eager te.Linear passes) has 1x128 E4M3 blocks: the activation's pass writes both
+        directions' blocks."""
+        if (self.refusal is not None or backward_override is not None
+                or (tp is not None and tp.size != 1)):
+            return False
+        if scaling == "block":
+            return block is not None and block.block == (1, 128) and block.format == "E4M3"
+        return (scaling in PER_TENSOR
                 and (scaling == "delayed" or self.activation not in ARITHMETIC_BOUND))
 
     def high_precision(self):
         return activate(self.h, self.activation, self.dh)
 
-    def fused(self, recipe_id, align, scale, amax):
-        """(y carrier, the six members of the rowwise quantization te.Linear multiplies), as
-        NormInput.fused."""
+    def fused(self, recipe_id, align, scale, amax, columnwise=False):
+        """(y carrier, the six members of the quantization te.Linear multiplies), as
+        NormInput.fused: per-tensor FP8 rowwise; Float8BlockScaling's blocks with the
+        columnwise ones too where `columnwise` (wgrad will read them)."""
         h = self.h
         rows = h.numel() // h.shape[-1]
-        y, data, scale_inv, fresh = ActFunction.apply(
+        block = _plan.of_id(recipe_id).x.scaling == "block"
+        outs = ActFunction.apply(
             h, scale, amax, self.activation, False, recipe_id, _plan.padded(rows, align),
-            *_dh_args(self.dh))
+            block and columnwise, *_dh_args(self.dh))
+        if block:
+            members = outs[1:] if columnwise else outs[1:] + (None, None)
+            return outs[0], members + (None, None)
+        y, data, scale_inv, fresh = outs
         return y, (data, scale_inv, None, None, amax if fresh is None else fresh, None)
 
 

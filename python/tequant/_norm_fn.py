@@ -250,7 +250,7 @@ class NormInput:
         """The norm's output shape (x's)."""
         return self.x.shape
 
-    def fusable(self, scaling, backward_override, tp):
+    def fusable(self, scaling, backward_override, tp, block=None):
         """The codes can come from the norm: per-tensor FP8, no backward_override (which reads
         x itself), the kernels run, and no tensor parallelism over several ranks (sequence
         parallelism gathers its own quantized input; a column-parallel layer's input gradient
@@ -265,11 +265,11 @@ class NormInput:
             self.output = y
         return y
 
-    def fused(self, recipe_id, align, scale, amax):
+    def fused(self, recipe_id, align, scale, amax, columnwise=False):
         """(y, the six members of the rowwise quantization te.Linear multiplies) for the recipe
         registered as recipe_id (per-tensor FP8). scale: DelayedScaling's [1] scale of the
         input; amax: the slot to max-accumulate amax(y) into, or None (a fresh amax, which the
-        members then hold)."""
+        members then hold). block, columnwise: ActInput's (Float8BlockScaling), unused here."""
         x = self.x
         rows = x.numel() // x.shape[-1]
         y, data, scale_inv, fresh = NormFunction.apply(
@@ -288,7 +288,10 @@ def resolved(inp):
 
 def with_columnwise(members):
     """Per-tensor FP8 members with the columnwise codes (the rowwise ones transposed, one tiled
-    pass: tq_transpose) that wgrad reads."""
+    pass: tq_transpose) that wgrad reads; members that have them (a fused activation's
+    Float8BlockScaling blocks) as they are."""
+    if members[2] is not None:
+        return members
     data = members[0]
     if torch.compiler.is_compiling():
         data_t = torch.ops.tequant.transpose_codes(data)

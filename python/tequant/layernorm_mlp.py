@@ -25,12 +25,16 @@ also multiplies the norm's codes, the activation's backward writes fc1's grad_ou
 the FP32 dh with fc1's grad_output quantizer: E5M2 for HYBRID; its DelayedScaling scale, the amax
 max-accumulated into fc1's grad_output history slot), and fc1's bias gradient is the kernel's
 fixed-order FP32 column sum of dh (then the bias dtype), in the same pass; fc1's backward
-multiplies those codes (float32: te.Linear's bits but for dbias's summation order). gelu and
+multiplies those codes (float32: te.Linear's bits but for dbias's summation order). Under
+Float8BlockScaling (1x128 E4M3 input blocks, eager te.Linear; compiled code quantizes in fc2)
+the activation's pass writes fc2's blocks in both directions from the activation rounded to h's
+dtype, as TE's fused block casts do: te.Linear's bits for the kernel's activation, and no
+high-precision [M, N] activation is written or kept (tests/test_act_block.py). gelu and
 silu (_act_fn.ARITHMETIC_BOUND) are torch's outside DelayedScaling: their kernels are bound
 by their exact arithmetic and slower than torch there (docs/results/bench_act.md). Outside
 te.autocast the module is the exact composition of the norm kernel, F.linear and the activation
 (the kernel's, torch's for those two). Tests: tests/test_norm_modules.py, tests/test_fused_norm_modules.py,
-tests/test_fused_act_modules.py.
+tests/test_fused_act_modules.py, tests/test_act_block.py.
 """
 import torch
 

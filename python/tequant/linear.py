@@ -468,7 +468,8 @@ class Linear(torch.nn.Linear):
         norm_in = None  # a NormInput / ActInput whose norm / activation writes x's codes
         if type(inp) is NormInput or type(inp) is ActInput:
             plan = None if recipe is None or recipe.custom() else self._plan(recipe)
-            if plan is not None and inp.fusable(plan.x.scaling, plan.backward_override, tp):
+            if plan is not None and inp.fusable(plan.x.scaling, plan.backward_override, tp,
+                                                plan.x):
                 norm_in = inp
             else:
                 inp = inp.high_precision()
@@ -514,7 +515,9 @@ class Linear(torch.nn.Linear):
         if norm_in is not None:  # x's codes from the norm, its amax in x's slot (DelayedScaling)
             x_state = (states or delayed.slots(self, delayed.FORWARD))[0] if plan.delayed \
                 else (None, None)
-            inp, given = norm_in.fused(plan.recipe._tequant_id, plan.align, *x_state)
+            inp, given = norm_in.fused(plan.recipe._tequant_id, plan.align, *x_state,
+                                       columnwise=torch.is_grad_enabled()
+                                       and weight.requires_grad)
         if (torch.is_grad_enabled() and (inp.requires_grad or weight.requires_grad or (
                 bias is not None and bias.requires_grad))) or _operands.transformed() \
                 or tp is not None:

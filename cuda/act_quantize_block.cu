@@ -1,0 +1,125 @@
+/* act_quantize_block.cu: tq_act_forward with a BLOCK (1x128, E4M3) config on CUDA: act(h), rounded
+ * to h's dtype, quantized into FP8 1x128 blocks in both directions as the tile is loaded
+ * (Float8BlockScaling's fc2 input written by te.LayerNormMLP's activation, no high-precision
+ * copy in HBM).
+ *
+ * Rule (fused.h): every element is internal_act.h's tq_act_value (gated: one RN multiply by the
+ * second half), canonical NaN, RNE to h's dtype: the bits tq_act_forward's y_hp holds. Those
+ * values are quantized by fp8_block_tile.cuh's kernel, the one tq_quantize runs on an x of h's
+ * dtype, so q equals tq_quantize of that y_hp (rows past M as zero rows) bit for bit, and
+ * csrc/ref/act_forward_ref.c, which computes it that way. TransformerEngine's fused activation
+ * + block-format casts round to the input type the same way, so the fused module multiplies
+ * what the unfused one would.
+ * Layout: one CTA per 128x128 tile of the output; each thread computes the activation of its
+ * 8 or 16 chunks while loading them (16-byte loads of h, both halves when gated, where the rows
+ * allow), then the tile kernel's rowwise and columnwise passes run unchanged.
+ * Tests: tests/test_act_block.py (GPU cases: bit-exact against the C reference and against
+ * tq_quantize of the activation's y_hp).
+ */
+#include <cuda_runtime.h>
+
+#include "act_dispatch.cuh"
+#include "fp8_block_tile.cuh"
+#include "internal_act.h"
+#include "internal_kernels.h"
+#include "launch.cuh"
+
+namespace {
+
+using namespace tq_block;
+using tq_cuda::DeviceGuard;
+using tq_cuda::launch_failed;
+
+/* The activation's loader: x = act(h) over the tile; h's row m holds the output's first half at
+ * columns [0, cols) and, gated, the second at [cols, 2 cols). Rows >= h_rows and columns >= cols
+ * give 0 (a padded operand's zero rows: no amax exceeds them). */
+template <int kBase, bool kGated>
+struct ActLoad {
+    template <typename In, int kLoads, int kRowsPerPass, int kVec>
+    static __device__ __forceinline__ void load(const Params &p, uint4 (&in)[kLoads], int64_t m0,
+                                                int64_t col, int row_in_pass) {
+        constexpr int kPerWord = In::kPerWord;
+        constexpr int kElemBytes = 4 / kPerWord;
+        const int valid = col >= p.cols ? 0 : (col + kVec <= p.cols ? kVec : (int)(p.cols - col));
+#pragma unroll
+        for (int i = 0; i < kLoads; i++) {
+            const int64_t m = m0 + i * kRowsPerPass + row_in_pass;
+            const int n = m < p.h_rows ? valid : 0;
+            const char *first = static_cast<const char *>(p.x) + (m * p.ld + col) * kElemBytes;
+            const char *second = first + p.cols * kElemBytes;
+            uint4 a = make_uint4(0u, 0u, 0u, 0u), b = a;
+            if (n == kVec && p.act_vec) {
+                a = __ldcs(reinterpret_cast<const uint4 *>(first));
+                if (kGated) b = __ldcs(reinterpret_cast<const uint4 *>(second));
+            } else {
+                uint32_t wa[4] = {0u, 0u, 0u, 0u}, wb[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+                for (int e = 0; e < kVec; e++) {
+                    if (e >= n) continue;
+                    const int sh = 16 * (e % kPerWord);
+                    if (kElemBytes == 4) {
+                        wa[e] = reinterpret_cast<const uint32_t *>(first)[e];
+                        if (kGated) wb[e] = reinterpret_cast<const uint32_t *>(second)[e];
+                    } else {
+                        wa[e / kPerWord] |= (uint32_t)reinterpret_cast<const uint16_t *>(first)[e] << sh;
+                        if (kGated)
+                            wb[e / kPerWord] |= (uint32_t)reinterpret_cast<const uint16_t *>(second)[e] << sh;
+                    }
+                }
+                a = make_uint4(wa[0], wa[1], wa[2], wa[3]);
+                b = make_uint4(wb[0], wb[1], wb[2], wb[3]);
+            }
+            uint32_t w[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+            for (int e = 0; e < kVec; e++) {
+                const int word = e / kPerWord, pos = e % kPerWord;
+                float v = tq_act_value(kBase, In::widen(word_of(a, word), pos));
+                if (kGated) v = tq_nmul(v, In::widen(word_of(b, word), pos));
+                if (e < n) w[word] |= In::narrow(tq_norm_canon(v)) << (16 * pos);
+            }
+            in[i] = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+    }
+};
+
+template <typename T> struct InOf { using type = F32; };
+template <> struct InOf<tq_fp::Bf16> { using type = BF16; };
+template <> struct InOf<tq_fp::Half> { using type = F16; };
+
+}  // namespace
+
+extern "C" tq_status tq_act_forward_block_cuda(const tq_tensor *h, const tq_act_forward_args *a,
+                                               struct CUstream_st *stream) {
+    const tq_qtensor *q = a->q;
+    const tq_quant_config *c = a->config;
+    const int col = q->data_t.data != NULL;
+    const int64_t M = q->rows, N = q->cols; /* M: the padded rows (>= h's) */
+    if (M == 0 || N == 0) return TQ_SUCCESS;
+    const int64_t kTileL = kTile;
+    const int64_t n_mb = (M + kTileL - 1) / kTileL, n_kb = (N + kTileL - 1) / kTileL;
+    if (n_mb > INT32_MAX / n_kb)
+        return tq_fail(TQ_ERROR_NOT_SUPPORTED, "act forward: [%lld, %lld] has more than 2^31 - 1 "
+                       "tiles of 128x128", (long long)M, (long long)N);
+    DeviceGuard guard(h->device);
+    if (guard.status != cudaSuccess) return launch_failed("act forward: making h's device current");
+    const int64_t elem = h->dtype == TQ_DTYPE_FLOAT32 ? 4 : 2;
+    const int gated = tq_act_gated(a->act);
+    Params p = tile_params(h->data, h->dtype, h->ld, M, N, c, q);
+    p.h_rows = h->rows;
+    p.act_vec = reinterpret_cast<uintptr_t>(h->data) % 16 == 0 && (h->ld * elem) % 16 == 0
+                && (!gated || (N * elem) % 16 == 0);
+    const unsigned grid = (unsigned)(n_mb * n_kb);
+    cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+    /* E4M3 rowwise (+ columnwise): what act.c lets through (a forward operand's format) */
+    tq_act_dispatch::with_dtype_act(h->dtype, a->act, [&](auto t, auto act) {
+        using A = decltype(act);
+        using In = typename InOf<decltype(t)>::type;
+        if constexpr (A::base != TQ_ACT_IDENTITY) {
+            using L = ActLoad<A::base, A::gated>;
+            if (col) quantize_kernel<In, L, true, true, false, false><<<grid, kThreads, 0, s>>>(p);
+            else quantize_kernel<In, L, true, false, false, false><<<grid, kThreads, 0, s>>>(p);
+        }
+    });
+    if (cudaPeekAtLastError() != cudaSuccess) return launch_failed("act forward block kernel launch");
+    return TQ_SUCCESS;
+}
