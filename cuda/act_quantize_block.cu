@@ -10,15 +10,19 @@
  * csrc/ref/act_forward_ref.c, which computes it that way. TransformerEngine's fused activation
  * + block-format casts round to the input type the same way, so the fused module multiplies
  * what the unfused one would.
- * Layout: one CTA per 128x128 tile of the output; each thread computes the activation of its
- * 8 or 16 chunks while loading them (16-byte loads of h, both halves when gated, where the rows
- * allow), then the tile kernel's rowwise and columnwise passes run unchanged.
+ * Layout: CTAs of 128x128 output tiles; each thread computes the activation of its 8 or 16
+ * chunks while loading them (16-byte loads of h, both halves when gated, where the rows allow),
+ * then the tile kernel's rowwise and columnwise passes run unchanged. The arithmetic bounds the
+ * pass (gelu ~75 instructions per element: docs/results/NOTES.md), so bf16 gelu / silu / qgelu
+ * over enough elements read act(x) from act_table.cuh's table (the same bits), filled once per
+ * CTA in dynamic shared memory by CTAs that stay resident and take tiles in turn.
  * Tests: tests/test_act_block.py (GPU cases: bit-exact against the C reference and against
  * tq_quantize of the activation's y_hp).
  */
 #include <cuda_runtime.h>
 
 #include "act_dispatch.cuh"
+#include "act_table.cuh"
 #include "fp8_block_tile.cuh"
 #include "internal_act.h"
 #include "internal_kernels.h"
@@ -32,12 +36,38 @@ using tq_cuda::launch_failed;
 
 /* The activation's loader: x = act(h) over the tile; h's row m holds the output's first half at
  * columns [0, cols) and, gated, the second at [cols, 2 cols). Rows >= h_rows and columns >= cols
- * give 0 (a padded operand's zero rows: no amax exceeds them). */
-template <int kBase, bool kGated>
+ * give 0 (a padded operand's zero rows: no amax exceeds them). kTable: bf16 gelu / silu / qgelu
+ * read act(x) from act_table.cuh's table (the same bits), which init fills in the launch's
+ * dynamic shared memory (the tile kernel's static 32 KB leave too little beside it). */
+template <int kBase, bool kGated, bool kTable>
 struct ActLoad {
+    float *table;
+    __device__ __forceinline__ void init() {
+        if constexpr (kTable) {
+            extern __shared__ float act_table_smem[];
+            table = act_table_smem;
+            tq_act_table::fill<kBase>(table, nullptr);
+        }
+    }
+    /* act(x) of a chunk's kVec elements (the words of a) into y. */
+    template <typename In, int kVec>
+    __device__ __forceinline__ void values(const uint4 &a, float (&y)[kVec]) const {
+        constexpr int kPerWord = In::kPerWord;
+        if constexpr (kTable) {
+            tq_fp::Bf16 x[kVec];
+#pragma unroll
+            for (int e = 0; e < kVec; e++)
+                x[e].bits = (uint16_t)(word_of(a, e / kPerWord) >> (16 * (e % kPerWord)));
+            tq_act_table::values<kBase>(table, x, y);
+        } else {
+#pragma unroll
+            for (int e = 0; e < kVec; e++)
+                y[e] = tq_act_value(kBase, In::widen(word_of(a, e / kPerWord), e % kPerWord));
+        }
+    }
     template <typename In, int kLoads, int kRowsPerPass, int kVec>
-    static __device__ __forceinline__ void load(const Params &p, uint4 (&in)[kLoads], int64_t m0,
-                                                int64_t col, int row_in_pass) {
+    __device__ __forceinline__ void load(const Params &p, uint4 (&in)[kLoads], int64_t m0,
+                                         int64_t col, int row_in_pass) const {
         constexpr int kPerWord = In::kPerWord;
         constexpr int kElemBytes = 4 / kPerWord;
         const int valid = col >= p.cols ? 0 : (col + kVec <= p.cols ? kVec : (int)(p.cols - col));
@@ -69,11 +99,13 @@ struct ActLoad {
                 a = make_uint4(wa[0], wa[1], wa[2], wa[3]);
                 b = make_uint4(wb[0], wb[1], wb[2], wb[3]);
             }
+            float y[kVec];
+            values<In, kVec>(a, y);
             uint32_t w[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
             for (int e = 0; e < kVec; e++) {
                 const int word = e / kPerWord, pos = e % kPerWord;
-                float v = tq_act_value(kBase, In::widen(word_of(a, word), pos));
+                float v = y[e];
                 if (kGated) v = tq_nmul(v, In::widen(word_of(b, word), pos));
                 if (e < n) w[word] |= In::narrow(tq_norm_canon(v)) << (16 * pos);
             }
@@ -85,6 +117,33 @@ struct ActLoad {
 template <typename T> struct InOf { using type = F32; };
 template <> struct InOf<tq_fp::Bf16> { using type = BF16; };
 template <> struct InOf<tq_fp::Half> { using type = F16; };
+
+constexpr size_t kTableBytes = sizeof(float) * tq_act_table::kEntries;
+
+/* A table launch: the table in dynamic shared memory beside the kernel's static tile (past the
+ * 48 KB a launch gets without opting in), and as many CTAs as fit at once, each filling its
+ * table once and then taking tiles in turn. */
+template <typename K>
+void opt_in_table(K kernel) {
+    static const cudaError_t once = cudaFuncSetAttribute(
+        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kTableBytes);
+    (void)once; /* a failure shows as the launch's error */
+}
+
+template <typename In, typename L>
+void launch_table(const Params &p, int col, int sms, cudaStream_t s) {
+    const auto kernel = col ? quantize_kernel<In, L, true, true, false, false>
+                            : quantize_kernel<In, L, true, false, false, false>;
+    opt_in_table(kernel);
+    int per_sm = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(&per_sm, kernel, kThreads,
+                                                               kTableBytes, 0) != cudaSuccess
+        || per_sm < 1)
+        per_sm = 1;
+    int64_t grid = (int64_t)per_sm * sms;
+    if (grid > p.n_tiles) grid = p.n_tiles;
+    kernel<<<(unsigned)grid, kThreads, kTableBytes, s>>>(p);
+}
 
 }  // namespace
 
@@ -108,14 +167,24 @@ extern "C" tq_status tq_act_forward_block_cuda(const tq_tensor *h, const tq_act_
     p.h_rows = h->rows;
     p.act_vec = reinterpret_cast<uintptr_t>(h->data) % 16 == 0 && (h->ld * elem) % 16 == 0
                 && (!gated || (N * elem) % 16 == 0);
-    const unsigned grid = (unsigned)(n_mb * n_kb);
     cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+    const int sms = tq_act_dispatch::sm_count(h->device);
+    const bool table_pays = tq_act_table::worth_it(M * N, sms);
     /* E4M3 rowwise (+ columnwise): what act.c lets through (a forward operand's format) */
     tq_act_dispatch::with_dtype_act(h->dtype, a->act, [&](auto t, auto act) {
         using A = decltype(act);
-        using In = typename InOf<decltype(t)>::type;
+        using T = decltype(t);
+        using In = typename InOf<T>::type;
         if constexpr (A::base != TQ_ACT_IDENTITY) {
-            using L = ActLoad<A::base, A::gated>;
+            if constexpr (tq_act_table::kUses<T, A::base>) {
+                if (table_pays) {
+                    using L = ActLoad<A::base, A::gated, true>;
+                    launch_table<In, L>(p, col, sms, s);
+                    return;
+                }
+            }
+            using L = ActLoad<A::base, A::gated, false>;
+            const unsigned grid = (unsigned)p.n_tiles;
             if (col) quantize_kernel<In, L, true, true, false, false><<<grid, kThreads, 0, s>>>(p);
             else quantize_kernel<In, L, true, false, false, false><<<grid, kThreads, 0, s>>>(p);
         }

@@ -86,7 +86,7 @@ __device__ __forceinline__ uint32_t word_of(const uint4 &v, int w) {
 struct Params {
     const void *x;
     int64_t rows, cols, ld;      /* x: [M, K], row stride ld elements */
-    int64_t n_kb;                /* tiles along K */
+    int64_t n_kb, n_tiles;       /* tiles along K, in all */
     uint8_t *data;               /* [M, K] or NULL */
     float *scale_inv;            /* 1D [ceil(K/128), pad4(M)]; 2D [ceil(M/128), pad4(ceil(K/128))] */
     int64_t scale_ld;
@@ -130,6 +130,7 @@ inline Params tile_params(const void *x, tq_dtype dtype, int64_t ld, int64_t row
     Params p = {};
     p.x = x;
     p.rows = rows, p.cols = cols, p.ld = ld, p.n_kb = (cols + kTile - 1) / kTile;
+    p.n_tiles = (rows + kTile - 1) / kTile * p.n_kb;
     p.data = static_cast<uint8_t *>(q->data.data);
     p.scale_inv = static_cast<float *>(q->scale_inv.data);
     p.scale_ld = q->scale_inv.ld;
@@ -150,9 +151,10 @@ __device__ __forceinline__ float block_scale(const Params &p, float amax) {
 
 /* The plain loader: the tile of x itself (16-byte loads where x's rows allow). */
 struct RawLoad {
+    __device__ __forceinline__ void init() {}
     template <typename In, int kLoads, int kRowsPerPass, int kVec>
-    static __device__ __forceinline__ void load(const Params &p, uint4 (&in)[kLoads], int64_t m0,
-                                                int64_t col, int row_in_pass) {
+    __device__ __forceinline__ void load(const Params &p, uint4 (&in)[kLoads], int64_t m0,
+                                         int64_t col, int row_in_pass) const {
         constexpr int kPerWord = In::kPerWord;
         constexpr int kElemBytes = 4 / kPerWord;
 #pragma unroll
@@ -192,160 +194,166 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const Params p) {
     const auto acc_max = [](Acc a, Acc b) { return In::acc_max(a, b); };
     const auto f32_max = [](float a, float b) { return fmaxf(a, b); };
 
-    const int64_t tile = blockIdx.x;
-    const int64_t mb = tile / p.n_kb, kb = tile - mb * p.n_kb;
-    const int64_t m0 = mb * kTile, k0 = kb * kTile;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int chunk = tid % kChunksPerRow, row_in_pass = tid / kChunksPerRow;
-    const int64_t col = k0 + (int64_t)chunk * kVec;
+    Load loader;
+    loader.init(); /* e.g. an activation's table: every thread, then a barrier */
+    /* A tile per CTA, or the CTA's tiles in turn where the grid is smaller (launches that
+     * amortize the loader's init over several tiles). */
+    for (int64_t tile = blockIdx.x; tile < p.n_tiles; tile += gridDim.x) {
+        if (tile != blockIdx.x) __syncthreads(); /* the last tile's shared-memory reads are done */
+        const int64_t mb = tile / p.n_kb, kb = tile - mb * p.n_kb;
+        const int64_t m0 = mb * kTile, k0 = kb * kTile;
+        const int64_t col = k0 + (int64_t)chunk * kVec;
 
-    /* Load the tile once (Load's rule). Out-of-range elements read as 0, which no amax can
-     * exceed. */
-    uint4 in[kLoads];
-    Load::template load<In, kLoads, kRowsPerPass, kVec>(p, in, m0, col, row_in_pass);
+        /* Load the tile once (Load's rule). Out-of-range elements read as 0, which no amax can
+         * exceed. */
+        uint4 in[kLoads];
+        loader.template load<In, kLoads, kRowsPerPass, kVec>(p, in, m0, col, row_in_pass);
 
-    /* 2D: one amax for the whole tile. */
-    float tile_scale = 1.0f;
-    if (k2D) {
-        Acc acc = In::acc_zero();
+        /* 2D: one amax for the whole tile. */
+        float tile_scale = 1.0f;
+        if (k2D) {
+            Acc acc = In::acc_zero();
 #pragma unroll
-        for (int i = 0; i < kLoads; i++)
-#pragma unroll
-            for (int w = 0; w < 4; w++) acc = In::acc_word(acc, word_of(in[i], w));
-        float m = 0.0f;
-#pragma unroll
-        for (int e = 0; e < kPerWord; e++) m = fmaxf(m, In::acc_elem(acc, e));
-        m = lane_group_max<32>(m, f32_max);
-        if (lane == 0) warp_amax[warp] = m;
-        __syncthreads();
-        m = 0.0f;
-#pragma unroll
-        for (int w = 0; w < kWarps; w++) m = fmaxf(m, warp_amax[w]);
-        tile_scale = block_scale(p, m);
-        if (tid == 0) {
-            const float scale_inv = tq_rcp(tile_scale);
-            const int64_t n_mb = (p.rows + kTile - 1) / kTile;
-            if (kRow) {
-                p.scale_inv[mb * p.scale_ld + kb] = scale_inv;
-                if (kb == p.n_kb - 1) /* this row of tiles' padding entries */
-                    for (int64_t j = p.n_kb; j < p.scale_ld; j++) p.scale_inv[mb * p.scale_ld + j] = 0.0f;
-            }
-            if (kCol) {
-                p.scale_inv_t[kb * p.scale_t_ld + mb] = scale_inv;
-                if (mb == n_mb - 1)
-                    for (int64_t j = n_mb; j < p.scale_t_ld; j++) p.scale_inv_t[kb * p.scale_t_ld + j] = 0.0f;
-            }
-        }
-    }
-
-    /* Rowwise: each tile row is one 1x128 block (or part of the 2D tile), held by kChunksPerRow
-     * consecutive lanes; codes go out straight from registers, kVec bytes per lane. The lanes of
-     * a row group share the division work: lane j computes the scale of its j-th row (mod
-     * kLoads) and the others read it with a shuffle. */
-    if (kRow) {
-        float my_scale = tile_scale;
-        if (!k2D) {
-            const int my_i = chunk % kLoads;
-            float my_amax = 0.0f;
-#pragma unroll
-            for (int i = 0; i < kLoads; i++) {
-                Acc acc = In::acc_zero();
+            for (int i = 0; i < kLoads; i++)
 #pragma unroll
                 for (int w = 0; w < 4; w++) acc = In::acc_word(acc, word_of(in[i], w));
-                float a = 0.0f;
+            float m = 0.0f;
 #pragma unroll
-                for (int e = 0; e < kPerWord; e++) a = fmaxf(a, In::acc_elem(acc, e));
-                a = lane_group_max<kChunksPerRow>(a, f32_max);
-                my_amax = i == my_i ? a : my_amax;
-            }
-            my_scale = block_scale(p, my_amax);
-            const int64_t m = m0 + my_i * kRowsPerPass + row_in_pass;
-            if (chunk < kLoads && m < p.scale_ld) /* rows M .. pad4(M) get the padding 0 */
-                p.scale_inv[kb * p.scale_ld + m] = m < p.rows ? tq_rcp(my_scale) : 0.0f;
-        }
-#pragma unroll
-        for (int i = 0; i < kLoads; i++) {
-            const int64_t m = m0 + i * kRowsPerPass + row_in_pass;
-            const float scale = k2D ? tile_scale : __shfl_sync(0xffffffffu, my_scale, i, kChunksPerRow);
-            if (m >= p.rows) continue;
-            uint32_t codes[kVec / 4] = {};
-#pragma unroll
-            for (int t = 0; t < kVec / 2; t++) { /* elements 2t, 2t + 1 */
-                const int e0 = 2 * t, e1 = 2 * t + 1;
-                const float lo = tq_mul(In::widen(word_of(in[i], e0 / kPerWord), e0 % kPerWord), scale);
-                const float hi = tq_mul(In::widen(word_of(in[i], e1 / kPerWord), e1 % kPerWord), scale);
-                codes[t / 2] |= cvt8x2<kE5M2>(lo, hi) << (16 * (t % 2));
-            }
-            uint8_t *dst = p.data + m * p.cols + col;
-            if (p.vec_row && col + kVec <= p.cols) {
-                if constexpr (kVec == 8) *reinterpret_cast<uint2 *>(dst) = make_uint2(codes[0], codes[1]);
-                else *reinterpret_cast<uint32_t *>(dst) = codes[0];
-            } else {
-#pragma unroll
-                for (int e = 0; e < kVec; e++)
-                    if (col + e < p.cols) dst[e] = (uint8_t)(codes[e / 4] >> (8 * (e % 4)));
-            }
-        }
-    }
-
-    /* Columnwise through shared memory, 64 words (256 bytes) of each tile row per round. In a
-     * pass, lane (g = lane / 8, c = lane % 8) reads word g of its warp's chunk in rows
-     * 16c .. 16c + 15, i.e. kPerWord columns x 16 rows; 8 lanes cover a column's 128 rows,
-     * and each writes its 16 codes per column as one 16-byte store into a row of data_t. */
-    if (kCol) {
-        const int g = lane >> 3, c = lane & 7;
-#pragma unroll
-        for (int round = 0; round < kRounds; round++) {
-            if (round > 0) __syncthreads(); /* the previous round's reads are done */
-            tq_tile::stage_round<kLoads, kRowsPerPass>(smem, in, round, chunk, row_in_pass);
+            for (int e = 0; e < kPerWord; e++) m = fmaxf(m, In::acc_elem(acc, e));
+            m = lane_group_max<32>(m, f32_max);
+            if (lane == 0) warp_amax[warp] = m;
             __syncthreads();
+            m = 0.0f;
 #pragma unroll
-            for (int pass = 0; pass < kSmemChunks / kWarps; pass++) {
-                const int lc = pass * kWarps + warp; /* logical chunk of this warp */
-                uint32_t words[16];
-                tq_tile::column_words(smem, lc, g, c, words);
-                /* tile column of element e of word (lc * 4 + g) in this round: k_first + e */
-                const int64_t k_first = k0 + (int64_t)round * kSmemChunks * kVec + (int64_t)(lc * 4 + g) * kPerWord;
-                float scale[kPerWord];
-                if (k2D) {
+            for (int w = 0; w < kWarps; w++) m = fmaxf(m, warp_amax[w]);
+            tile_scale = block_scale(p, m);
+            if (tid == 0) {
+                const float scale_inv = tq_rcp(tile_scale);
+                const int64_t n_mb = (p.rows + kTile - 1) / kTile;
+                if (kRow) {
+                    p.scale_inv[mb * p.scale_ld + kb] = scale_inv;
+                    if (kb == p.n_kb - 1) /* this row of tiles' padding entries */
+                        for (int64_t j = p.n_kb; j < p.scale_ld; j++) p.scale_inv[mb * p.scale_ld + j] = 0.0f;
+                }
+                if (kCol) {
+                    p.scale_inv_t[kb * p.scale_t_ld + mb] = scale_inv;
+                    if (mb == n_mb - 1)
+                        for (int64_t j = n_mb; j < p.scale_t_ld; j++) p.scale_inv_t[kb * p.scale_t_ld + j] = 0.0f;
+                }
+            }
+        }
+
+        /* Rowwise: each tile row is one 1x128 block (or part of the 2D tile), held by kChunksPerRow
+         * consecutive lanes; codes go out straight from registers, kVec bytes per lane. The lanes of
+         * a row group share the division work: lane j computes the scale of its j-th row (mod
+         * kLoads) and the others read it with a shuffle. */
+        if (kRow) {
+            float my_scale = tile_scale;
+            if (!k2D) {
+                const int my_i = chunk % kLoads;
+                float my_amax = 0.0f;
 #pragma unroll
-                    for (int e = 0; e < kPerWord; e++) scale[e] = tile_scale;
-                } else {
+                for (int i = 0; i < kLoads; i++) {
                     Acc acc = In::acc_zero();
 #pragma unroll
-                    for (int j = 0; j < 16; j++) acc = In::acc_word(acc, words[j]);
-                    acc = lane_group_max<8>(acc, acc_max);
-                    /* lane c computes the scale of column c mod kPerWord; its group reads it */
-                    const int my_e = c % kPerWord;
-                    float my_amax = In::acc_elem(acc, 0);
+                    for (int w = 0; w < 4; w++) acc = In::acc_word(acc, word_of(in[i], w));
+                    float a = 0.0f;
 #pragma unroll
-                    for (int e = 1; e < kPerWord; e++) my_amax = e == my_e ? In::acc_elem(acc, e) : my_amax;
-                    const float my_scale = block_scale(p, my_amax);
-                    const int64_t k = k_first + my_e;
-                    if (c < kPerWord && k < p.scale_t_ld) /* columns K .. pad4(K): padding 0 */
-                        p.scale_inv_t[mb * p.scale_t_ld + k] = k < p.cols ? tq_rcp(my_scale) : 0.0f;
-#pragma unroll
-                    for (int e = 0; e < kPerWord; e++) scale[e] = __shfl_sync(0xffffffffu, my_scale, e, 8);
+                    for (int e = 0; e < kPerWord; e++) a = fmaxf(a, In::acc_elem(acc, e));
+                    a = lane_group_max<kChunksPerRow>(a, f32_max);
+                    my_amax = i == my_i ? a : my_amax;
                 }
+                my_scale = block_scale(p, my_amax);
+                const int64_t m = m0 + my_i * kRowsPerPass + row_in_pass;
+                if (chunk < kLoads && m < p.scale_ld) /* rows M .. pad4(M) get the padding 0 */
+                    p.scale_inv[kb * p.scale_ld + m] = m < p.rows ? tq_rcp(my_scale) : 0.0f;
+            }
 #pragma unroll
-                for (int e = 0; e < kPerWord; e++) {
-                    const int64_t k = k_first + e;
-                    if (k >= p.cols) continue;
-                    uint32_t packed[4] = {0u, 0u, 0u, 0u};
+            for (int i = 0; i < kLoads; i++) {
+                const int64_t m = m0 + i * kRowsPerPass + row_in_pass;
+                const float scale = k2D ? tile_scale : __shfl_sync(0xffffffffu, my_scale, i, kChunksPerRow);
+                if (m >= p.rows) continue;
+                uint32_t codes[kVec / 4] = {};
 #pragma unroll
-                    for (int t = 0; t < 8; t++) { /* rows 16c + 2t, 16c + 2t + 1 */
-                        const float lo = tq_mul(In::widen(words[2 * t], e), scale[e]);
-                        const float hi = tq_mul(In::widen(words[2 * t + 1], e), scale[e]);
-                        packed[t / 2] |= cvt8x2<kE5M2>(lo, hi) << (16 * (t % 2));
-                    }
-                    const int64_t m = m0 + 16 * c;
-                    uint8_t *dst = p.data_t + k * p.rows + m;
-                    if (p.vec_col && m + 16 <= p.rows) {
-                        *reinterpret_cast<uint4 *>(dst) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+                for (int t = 0; t < kVec / 2; t++) { /* elements 2t, 2t + 1 */
+                    const int e0 = 2 * t, e1 = 2 * t + 1;
+                    const float lo = tq_mul(In::widen(word_of(in[i], e0 / kPerWord), e0 % kPerWord), scale);
+                    const float hi = tq_mul(In::widen(word_of(in[i], e1 / kPerWord), e1 % kPerWord), scale);
+                    codes[t / 2] |= cvt8x2<kE5M2>(lo, hi) << (16 * (t % 2));
+                }
+                uint8_t *dst = p.data + m * p.cols + col;
+                if (p.vec_row && col + kVec <= p.cols) {
+                    if constexpr (kVec == 8) *reinterpret_cast<uint2 *>(dst) = make_uint2(codes[0], codes[1]);
+                    else *reinterpret_cast<uint32_t *>(dst) = codes[0];
+                } else {
+#pragma unroll
+                    for (int e = 0; e < kVec; e++)
+                        if (col + e < p.cols) dst[e] = (uint8_t)(codes[e / 4] >> (8 * (e % 4)));
+                }
+            }
+        }
+
+        /* Columnwise through shared memory, 64 words (256 bytes) of each tile row per round. In a
+         * pass, lane (g = lane / 8, c = lane % 8) reads word g of its warp's chunk in rows
+         * 16c .. 16c + 15, i.e. kPerWord columns x 16 rows; 8 lanes cover a column's 128 rows,
+         * and each writes its 16 codes per column as one 16-byte store into a row of data_t. */
+        if (kCol) {
+            const int g = lane >> 3, c = lane & 7;
+#pragma unroll
+            for (int round = 0; round < kRounds; round++) {
+                if (round > 0) __syncthreads(); /* the previous round's reads are done */
+                tq_tile::stage_round<kLoads, kRowsPerPass>(smem, in, round, chunk, row_in_pass);
+                __syncthreads();
+#pragma unroll
+                for (int pass = 0; pass < kSmemChunks / kWarps; pass++) {
+                    const int lc = pass * kWarps + warp; /* logical chunk of this warp */
+                    uint32_t words[16];
+                    tq_tile::column_words(smem, lc, g, c, words);
+                    /* tile column of element e of word (lc * 4 + g) in this round: k_first + e */
+                    const int64_t k_first = k0 + (int64_t)round * kSmemChunks * kVec + (int64_t)(lc * 4 + g) * kPerWord;
+                    float scale[kPerWord];
+                    if (k2D) {
+#pragma unroll
+                        for (int e = 0; e < kPerWord; e++) scale[e] = tile_scale;
                     } else {
+                        Acc acc = In::acc_zero();
 #pragma unroll
-                        for (int j = 0; j < 16; j++)
-                            if (m + j < p.rows) dst[j] = (uint8_t)(packed[j / 4] >> (8 * (j % 4)));
+                        for (int j = 0; j < 16; j++) acc = In::acc_word(acc, words[j]);
+                        acc = lane_group_max<8>(acc, acc_max);
+                        /* lane c computes the scale of column c mod kPerWord; its group reads it */
+                        const int my_e = c % kPerWord;
+                        float my_amax = In::acc_elem(acc, 0);
+#pragma unroll
+                        for (int e = 1; e < kPerWord; e++) my_amax = e == my_e ? In::acc_elem(acc, e) : my_amax;
+                        const float my_scale = block_scale(p, my_amax);
+                        const int64_t k = k_first + my_e;
+                        if (c < kPerWord && k < p.scale_t_ld) /* columns K .. pad4(K): padding 0 */
+                            p.scale_inv_t[mb * p.scale_t_ld + k] = k < p.cols ? tq_rcp(my_scale) : 0.0f;
+#pragma unroll
+                        for (int e = 0; e < kPerWord; e++) scale[e] = __shfl_sync(0xffffffffu, my_scale, e, 8);
+                    }
+#pragma unroll
+                    for (int e = 0; e < kPerWord; e++) {
+                        const int64_t k = k_first + e;
+                        if (k >= p.cols) continue;
+                        uint32_t packed[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+                        for (int t = 0; t < 8; t++) { /* rows 16c + 2t, 16c + 2t + 1 */
+                            const float lo = tq_mul(In::widen(words[2 * t], e), scale[e]);
+                            const float hi = tq_mul(In::widen(words[2 * t + 1], e), scale[e]);
+                            packed[t / 2] |= cvt8x2<kE5M2>(lo, hi) << (16 * (t % 2));
+                        }
+                        const int64_t m = m0 + 16 * c;
+                        uint8_t *dst = p.data_t + k * p.rows + m;
+                        if (p.vec_col && m + 16 <= p.rows) {
+                            *reinterpret_cast<uint4 *>(dst) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+                        } else {
+#pragma unroll
+                            for (int j = 0; j < 16; j++)
+                                if (m + j < p.rows) dst[j] = (uint8_t)(packed[j / 4] >> (8 * (j % 4)));
+                        }
                     }
                 }
             }

@@ -6,12 +6,13 @@ cuda/act_quantize_block.cu, _C._act_fwd, python/tequant/_act_fn.py).
   casts and math) of the activation rounded to h's dtype, zero rows appended up to `padded`:
   torch's own activation where it is exact (relu, srelu, reglu; float32 and every dtype), else
   the activation kernel's y_hp (whose arithmetic tests/test_act_kernels.py checks). CPU and CUDA,
-  CUDA bit-exact against the CPU reference, every activation and dtype, partial blocks.
+  CUDA bit-exact against the CPU reference, every activation and dtype, partial blocks, and the
+  bf16 table launches (several tiles per CTA) with values outside the table's window.
 - Bad input: a config of another block shape or format, identity, y_hp, no q: clear errors.
 - te.LayerNormMLP under Float8BlockScaling (eager): outputs and gradients bit-identical to the
   same module with the fusion off (the activation kernel's y_hp quantized by fc2's te.Linear)
   for the activations the unfused module computes with the kernels, within the recipe's
-  tolerance for gelu / silu (torch's there), and no [M, N] high-precision activation saved.
+  tolerance for gelu / silu (torch's there).
 """
 import os
 import sys
@@ -105,6 +106,20 @@ def test_cuda_is_the_cpu_reference(shape, act, dtype):
     got = _fused(h.cuda(), act, padded)
     for name, a, b in zip(MEMBERS, got, want):
         assert_bits(a, b, f"{name} {shape}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("act", ["gelu", "silu", "qgelu", "geglu", "swiglu"])
+def test_cuda_table_launch_is_the_cpu_reference(act):
+    # bf16 sigmoid-family activations over enough elements read act_table.cuh's table, in CTAs
+    # that take several tiles each (16.8M elements: 1024 tiles)
+    m, n = 4096, 4096
+    h = _h(m, 2 * n if act in GATED else n, torch.bfloat16, "cpu", seed=7)
+    h[1, :6] = torch.tensor([float("inf"), -float("inf"), 300.0, -300.0, 1e-6, -1e-38])
+    want = _fused(h, act, m)
+    got = _fused(h.cuda(), act, m)
+    for name, a, b in zip(MEMBERS, got, want):
+        assert_bits(a, b, f"{name} {act}")
 
 
 @pytest.mark.parametrize("device", DEVICES)

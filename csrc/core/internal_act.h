@@ -82,7 +82,13 @@ TQ_HD float tq_act_z(int base, float x) {
 }
 
 /* relu as torch's: x < 0 -> +0, else x (-0 and NaN kept). */
-TQ_HD float tq_act_relu(float x) { return x < 0.0f ? 0.0f : x; }
+/* x < 0 gives +0, any other x itself (-0 and NaN kept, as torch's relu). The test is on the bits
+ * (negative, non-zero, not NaN): a float select of 0 or x may be compiled into a max
+ * instruction, which makes -0 +0 (seen on the GPU in act_quantize_block.cu's float32 loader). */
+TQ_HD float tq_act_relu(float x) {
+    const uint32_t b = tq_f32_bits(x);
+    return b > 0x80000000u && b <= 0xFF800000u ? 0.0f : x;
+}
 
 /* act(x) of a base activation: x / RN(1 + E(-z)) for gelu, silu, qgelu (one rounding after the
  * sum, as torch's silu); relu; srelu = RN(relu(x)^2); identity x. */
