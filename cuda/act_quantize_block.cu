@@ -65,22 +65,27 @@ struct ActLoad {
                 y[e] = tq_act_value(kBase, In::widen(word_of(a, e / kPerWord), e % kPerWord));
         }
     }
+    /* Every chunk's loads first (kLoads 16-byte loads in flight per thread, as RawLoad's), then
+     * the activation of each: a load consumed right away left one in flight, and the pass
+     * waited on memory however cheap the activation (the table did not help that form). */
     template <typename In, int kLoads, int kRowsPerPass, int kVec>
     __device__ __forceinline__ void load(const Params &p, uint4 (&in)[kLoads], int64_t m0,
                                          int64_t col, int row_in_pass) const {
         constexpr int kPerWord = In::kPerWord;
         constexpr int kElemBytes = 4 / kPerWord;
         const int valid = col >= p.cols ? 0 : (col + kVec <= p.cols ? kVec : (int)(p.cols - col));
+        uint4 second[kGated ? kLoads : 1];
 #pragma unroll
         for (int i = 0; i < kLoads; i++) {
             const int64_t m = m0 + i * kRowsPerPass + row_in_pass;
             const int n = m < p.h_rows ? valid : 0;
             const char *first = static_cast<const char *>(p.x) + (m * p.ld + col) * kElemBytes;
-            const char *second = first + p.cols * kElemBytes;
-            uint4 a = make_uint4(0u, 0u, 0u, 0u), b = a;
+            const char *other = first + p.cols * kElemBytes;
+            uint4 b = make_uint4(0u, 0u, 0u, 0u);
+            in[i] = b;
             if (n == kVec && p.act_vec) {
-                a = __ldcs(reinterpret_cast<const uint4 *>(first));
-                if (kGated) b = __ldcs(reinterpret_cast<const uint4 *>(second));
+                in[i] = __ldcs(reinterpret_cast<const uint4 *>(first));
+                if (kGated) b = __ldcs(reinterpret_cast<const uint4 *>(other));
             } else {
                 uint32_t wa[4] = {0u, 0u, 0u, 0u}, wb[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
@@ -89,24 +94,30 @@ struct ActLoad {
                     const int sh = 16 * (e % kPerWord);
                     if (kElemBytes == 4) {
                         wa[e] = reinterpret_cast<const uint32_t *>(first)[e];
-                        if (kGated) wb[e] = reinterpret_cast<const uint32_t *>(second)[e];
+                        if (kGated) wb[e] = reinterpret_cast<const uint32_t *>(other)[e];
                     } else {
                         wa[e / kPerWord] |= (uint32_t)reinterpret_cast<const uint16_t *>(first)[e] << sh;
                         if (kGated)
-                            wb[e / kPerWord] |= (uint32_t)reinterpret_cast<const uint16_t *>(second)[e] << sh;
+                            wb[e / kPerWord] |= (uint32_t)reinterpret_cast<const uint16_t *>(other)[e] << sh;
                     }
                 }
-                a = make_uint4(wa[0], wa[1], wa[2], wa[3]);
+                in[i] = make_uint4(wa[0], wa[1], wa[2], wa[3]);
                 b = make_uint4(wb[0], wb[1], wb[2], wb[3]);
             }
+            if constexpr (kGated) second[i] = b;
+        }
+#pragma unroll
+        for (int i = 0; i < kLoads; i++) {
+            const int64_t m = m0 + i * kRowsPerPass + row_in_pass;
+            const int n = m < p.h_rows ? valid : 0;
             float y[kVec];
-            values<In, kVec>(a, y);
+            values<In, kVec>(in[i], y);
             uint32_t w[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
             for (int e = 0; e < kVec; e++) {
                 const int word = e / kPerWord, pos = e % kPerWord;
                 float v = y[e];
-                if (kGated) v = tq_nmul(v, In::widen(word_of(b, word), pos));
+                if constexpr (kGated) v = tq_nmul(v, In::widen(word_of(second[i], word), pos));
                 if (e < n) w[word] |= In::narrow(tq_norm_canon(v)) << (16 * pos);
             }
             in[i] = make_uint4(w[0], w[1], w[2], w[3]);
@@ -121,26 +132,22 @@ template <> struct InOf<tq_fp::Half> { using type = F16; };
 constexpr size_t kTableBytes = sizeof(float) * tq_act_table::kEntries;
 
 /* A table launch: the table in dynamic shared memory beside the kernel's static tile (past the
- * 48 KB a launch gets without opting in), and as many CTAs as fit at once, each filling its
- * table once and then taking tiles in turn. */
-template <typename K>
-void opt_in_table(K kernel) {
-    static const cudaError_t once = cudaFuncSetAttribute(
-        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kTableBytes);
-    (void)once; /* a failure shows as the launch's error */
-}
-
-template <typename In, typename L>
-void launch_table(const Params &p, int col, int sms, cudaStream_t s) {
-    const auto kernel = col ? quantize_kernel<In, L, true, true, false, false>
-                            : quantize_kernel<In, L, true, false, false, false>;
-    opt_in_table(kernel);
-    int per_sm = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(&per_sm, kernel, kThreads,
-                                                               kTableBytes, 0) != cudaSuccess
-        || per_sm < 1)
-        per_sm = 1;
-    int64_t grid = (int64_t)per_sm * sms;
+ * 48 KB a launch gets without opting in, set once per kernel and device), and as many CTAs as
+ * fit at once, each filling its table once and then taking tiles in turn. */
+template <typename In, typename L, bool kCol>
+void launch_table(const Params &p, int device, int sms, cudaStream_t s) {
+    const auto kernel = quantize_kernel<In, L, true, kCol, false, false>;
+    constexpr int kDevices = 64;
+    static int per_sm[kDevices]; /* 0: not yet set up on that device (a race sets it twice) */
+    int n = device >= 0 && device < kDevices ? per_sm[device] : 0;
+    if (n == 0) {
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kTableBytes);
+        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, kTableBytes)
+                != cudaSuccess || n < 1)
+            n = 1; /* a failed set-up shows as the launch's error */
+        if (device >= 0 && device < kDevices) per_sm[device] = n;
+    }
+    int64_t grid = (int64_t)n * sms;
     if (grid > p.n_tiles) grid = p.n_tiles;
     kernel<<<(unsigned)grid, kThreads, kTableBytes, s>>>(p);
 }
@@ -179,7 +186,8 @@ extern "C" tq_status tq_act_forward_block_cuda(const tq_tensor *h, const tq_act_
             if constexpr (tq_act_table::kUses<T, A::base>) {
                 if (table_pays) {
                     using L = ActLoad<A::base, A::gated, true>;
-                    launch_table<In, L>(p, col, sms, s);
+                    if (col) launch_table<In, L, true>(p, h->device, sms, s);
+                    else launch_table<In, L, false>(p, h->device, sms, s);
                     return;
                 }
             }

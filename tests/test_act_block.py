@@ -53,8 +53,8 @@ def _h(m, k, dtype, device, seed=0):
 
 def _act_hp(h, act):
     """act(h) in h's dtype: torch's where exact, else the activation kernel's y_hp."""
-    if act in TORCH_EXACT and h.dtype == torch.float32:
-        return TORCH_EXACT[act](h)
+    if act in TORCH_EXACT and h.dtype == torch.float32:  # on the CPU: torch's CUDA relu
+        return TORCH_EXACT[act](h.cpu())  # may turn -0 into +0, its CPU one keeps it (as ours)
     return _C._act_fwd(h, act, True, None, None, None, 0, False)[0]
 
 

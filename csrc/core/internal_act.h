@@ -81,10 +81,9 @@ TQ_HD float tq_act_z(int base, float x) {
     return x;
 }
 
-/* relu as torch's: x < 0 -> +0, else x (-0 and NaN kept). */
-/* x < 0 gives +0, any other x itself (-0 and NaN kept, as torch's relu). The test is on the bits
- * (negative, non-zero, not NaN): a float select of 0 or x may be compiled into a max
- * instruction, which makes -0 +0 (seen on the GPU in act_quantize_block.cu's float32 loader). */
+/* relu as torch's on the CPU: x < 0 gives +0, any other x itself (-0 and NaN kept). The test is
+ * on the bits (negative, non-zero, not NaN): the float select `x < 0 ? 0 : x` came out of the
+ * GPU compiler as +0 for -0 in act_quantize_block.cu's float32 loader (a max, presumably). */
 TQ_HD float tq_act_relu(float x) {
     const uint32_t b = tq_f32_bits(x);
     return b > 0x80000000u && b <= 0xFF800000u ? 0.0f : x;
