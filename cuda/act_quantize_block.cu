@@ -112,13 +112,22 @@ struct ActLoad {
             const int n = m < p.h_rows ? valid : 0;
             float y[kVec];
             values<In, kVec>(in[i], y);
-            uint32_t w[4] = {0u, 0u, 0u, 0u};
+            if constexpr (kGated) {
 #pragma unroll
-            for (int e = 0; e < kVec; e++) {
-                const int word = e / kPerWord, pos = e % kPerWord;
-                float v = y[e];
-                if constexpr (kGated) v = tq_nmul(v, In::widen(word_of(second[i], word), pos));
-                if (e < n) w[word] |= In::narrow(tq_norm_canon(v)) << (16 * pos);
+                for (int e = 0; e < kVec; e++)
+                    y[e] = tq_nmul(y[e], In::widen(word_of(second[i], e / kPerWord), e % kPerWord));
+            }
+            uint32_t w[4] = {0u, 0u, 0u, 0u};
+            if constexpr (kPerWord == 2) { /* 16-bit: a pair per conversion (cvt.rn.*x2) */
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    const uint32_t keep = 2 * j + 1 < n ? 0xFFFFFFFFu : 2 * j < n ? 0xFFFFu : 0u;
+                    w[j] = In::narrow2(tq_norm_canon(y[2 * j]), tq_norm_canon(y[2 * j + 1])) & keep;
+                }
+            } else {
+#pragma unroll
+                for (int e = 0; e < kVec; e++)
+                    if (e < n) w[e] = In::narrow(tq_norm_canon(y[e]));
             }
             in[i] = make_uint4(w[0], w[1], w[2], w[3]);
         }

@@ -63,6 +63,11 @@ struct BF16 {
         return tq_bf16_to_f32((uint16_t)(w >> (16 * e)));
     }
     static __device__ __forceinline__ uint32_t narrow(float v) { return tq_f32_to_bf16(v); }
+    /* two values in one word (lo in the low half): the hardware's RNE, narrow's bits but for a
+     * NaN's payload (pass canonical NaNs: fp_cast.cuh) */
+    static __device__ __forceinline__ uint32_t narrow2(float lo, float hi) {
+        return tq_fp::narrow2(lo, hi, static_cast<const tq_fp::Bf16 *>(nullptr));
+    }
 };
 struct F16 {
     static constexpr int kPerWord = 2;
@@ -75,6 +80,9 @@ struct F16 {
         return tq_f16_to_f32((uint16_t)(w >> (16 * e)));
     }
     static __device__ __forceinline__ uint32_t narrow(float v) { return tq_f32_to_f16(v); }
+    static __device__ __forceinline__ uint32_t narrow2(float lo, float hi) {
+        return tq_fp::narrow2(lo, hi, static_cast<const tq_fp::Half *>(nullptr));
+    }
 };
 
 using tq_fp::cvt8x2;
