@@ -10,9 +10,8 @@ cuda/act_quantize_block.cu, _C._act_fwd, python/tequant/_act_fn.py).
   bf16 table launches (several tiles per CTA) with values outside the table's window.
 - Bad input: a config of another block shape or format, identity, y_hp, no q: clear errors.
 - te.LayerNormMLP under Float8BlockScaling (eager): outputs and gradients bit-identical to the
-  same module with the fusion off (the activation kernel's y_hp quantized by fc2's te.Linear)
-  for the activations the unfused module computes with the kernels, within the recipe's
-  tolerance for gelu / silu (torch's there).
+  same module with the fusion off (the activation kernel's y_hp quantized by fc2's te.Linear);
+  gelu / silu stay unfused (torch's activation is faster there, NOTES.md).
 """
 import os
 import sys
@@ -181,14 +180,14 @@ def test_layernorm_mlp_fused_blocks(act, device, monkeypatch):
     monkeypatch.setattr(_act_fn.ActFunction, "apply",
                         lambda *a: calls.append(a[5]) or real(*a))
     fused = _run(m, x, True, monkeypatch)
+    if act in _act_fn.ARITHMETIC_BOUND:  # torch's activation, then fc2's quantization
+        assert calls == [], "gelu / silu must stay unfused under block scaling (NOTES.md)"
+        return
     assert calls and calls[0] is not None, "the activation did not write fc2's blocks"
     unfused = _run(m, x, False, monkeypatch)
     names = ["y", "x.grad"] + [n for n, _ in m.named_parameters()]
     for name, a, b in zip(names, fused, unfused):
-        if act in _act_fn.ARITHMETIC_BOUND:  # unfused: torch's activation
-            torch.testing.assert_close(a.float(), b.float(), rtol=0.15, atol=0.15 * b.abs().max().item())
-        else:
-            assert same_bits(a, b), f"{act} {name}"
+        assert same_bits(a, b), f"{act} {name}"
 
 
 def test_layernorm_mlp_other_recipes_and_no_grad_unchanged():

@@ -205,9 +205,7 @@ def test_layernorm_mlp_is_the_composition(name):
             n.bias.copy_(m.layer_norm_bias)
     fc1, fc2 = copy.deepcopy(m.fc1), copy.deepcopy(m.fc2)
     act = m.activation
-    # the kernels' activation where the fused forward writes fc2's operand (block: rounded to
-    # h's dtype, so the same bits as te.Linear's quantization of the kernel's output)
-    activate = _act_fn.kernel_activate if name in ("delayed", "block") else _act_fn.activate
+    activate = _act_fn.kernel_activate if name == "delayed" else _act_fn.activate
 
     class Composed(torch.nn.Module):
         def __init__(self):

@@ -281,13 +281,17 @@ class ActInput:
         """NormInput.fusable's rule: per-tensor FP8, no backward_override, the kernels run, no
         tensor parallelism over several ranks; an ARITHMETIC_BOUND activation under
         DelayedScaling only. Float8BlockScaling too where `block` (its input QuantizerConfig,
-        which eager te.Linear passes) has 1x128 E4M3 blocks: the activation's pass writes both
-        directions' blocks."""
+        which eager te.Linear passes) has 1x128 E4M3 blocks, but for the ARITHMETIC_BOUND
+        activations: the activation's pass writes both directions' blocks (H200, 8192 rows,
+        bf16, docs/results/NOTES.md: swiglu 317.5 us against 327.3 for the kernel's activation +
+        te.Linear's quantization, relu 197.1 against 284.9; gelu 314.6 against 303.7 and silu
+        315.8 against 293.1 for torch's activation + the quantization, so those stay unfused)."""
         if (self.refusal is not None or backward_override is not None
                 or (tp is not None and tp.size != 1)):
             return False
         if scaling == "block":
-            return block is not None and block.block == (1, 128) and block.format == "E4M3"
+            return (block is not None and block.block == (1, 128) and block.format == "E4M3"
+                    and self.activation not in ARITHMETIC_BOUND)
         return (scaling in PER_TENSOR
                 and (scaling == "delayed" or self.activation not in ARITHMETIC_BOUND))
 

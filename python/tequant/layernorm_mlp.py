@@ -29,7 +29,7 @@ multiplies those codes (float32: te.Linear's bits but for dbias's summation orde
 Float8BlockScaling (1x128 E4M3 input blocks, eager te.Linear; compiled code quantizes in fc2)
 the activation's pass writes fc2's blocks in both directions from the activation rounded to h's
 dtype, as TE's fused block casts do: te.Linear's bits for the kernel's activation, and no
-high-precision [M, N] activation is written or kept (tests/test_act_block.py). gelu and
+high-precision [M, N] activation is written (tests/test_act_block.py; not gelu / silu). gelu and
 silu (_act_fn.ARITHMETIC_BOUND) are torch's outside DelayedScaling: their kernels are bound
 by their exact arithmetic and slower than torch there (docs/results/bench_act.md). Outside
 te.autocast the module is the exact composition of the norm kernel, F.linear and the activation
