@@ -341,10 +341,13 @@ def _assert_same(got, want):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("act,name", [("gelu", "delayed"), ("swiglu", "delayed"),
                                       ("swiglu", "current"), ("srelu", "current"),
+                                      ("swiglu", "block"), ("reglu", "block"),
                                       ("swiglu", None), ("srelu", None)])
 def test_compile_bit_identical(act, name, device, fresh_dynamo):
     """aot_eager, fullgraph, autocast inside, 21 tokens: eager's bits; the graphs call
-    tequant::act_fwd / act_bwd (and the fused recipes linear_fwd_given twice: fc1 and fc2)."""
+    tequant::act_fwd / act_bwd (and the fused recipes linear_fwd_given twice: fc1 and fc2).
+    Block scaling: eager's activation writes fc2's blocks, compiled code quantizes the
+    activation's output in fc2 (tests/test_act_block.py): the same bits."""
     model = _mlp(act, device=device)
     twin = copy.deepcopy(model)
     torch.manual_seed(2)
