@@ -345,9 +345,8 @@ def _assert_same(got, want):
                                       ("swiglu", None), ("srelu", None)])
 def test_compile_bit_identical(act, name, device, fresh_dynamo):
     """aot_eager, fullgraph, autocast inside, 21 tokens: eager's bits; the graphs call
-    tequant::act_fwd / act_bwd (and the fused recipes linear_fwd_given twice: fc1 and fc2).
-    Block scaling: eager's activation writes fc2's blocks, compiled code quantizes the
-    activation's output in fc2 (tests/test_act_block.py): the same bits."""
+    tequant::act_fwd / act_bwd (and the fused recipes linear_fwd_given twice: fc1 and fc2;
+    block scaling once: fc2, whose blocks the activation writes, as in eager)."""
     model = _mlp(act, device=device)
     twin = copy.deepcopy(model)
     torch.manual_seed(2)
@@ -361,16 +360,19 @@ def test_compile_bit_identical(act, name, device, fresh_dynamo):
     _assert_same(_run(torch.compile(step, backend=recorder, fullgraph=True), twin, xs), want)
     ops = set(op_names(recorder.fw_graphs + recorder.bw_graphs))
     assert {"tequant.act_fwd.default", "tequant.act_bwd.default"} <= ops
+    if name == "block":
+        assert op_names(recorder.fw_graphs).count("tequant.linear_fwd_given.default") == 1
     assert not any(a in op for op in ops for a in ("gelu", "silu", "relu", "sigmoid")), ops
 
 
-def test_inductor_bit_identical(fresh_dynamo):
+@pytest.mark.parametrize("name", ["delayed", "block"])
+def test_inductor_bit_identical(name, fresh_dynamo):
     model = _mlp("geglu")
     twin = copy.deepcopy(model)
     xs = [(torch.randn(21, 64) * 2).to(torch.bfloat16) for _ in range(2)]
 
     def step(m, x):
-        with te.autocast(recipe=RECIPES["delayed"]):
+        with te.autocast(recipe=RECIPES[name]):
             return m(x)
     want = _run(step, model, xs)
     _assert_same(_run(torch.compile(step, backend="inductor", fullgraph=True), twin, xs), want)

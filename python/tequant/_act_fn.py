@@ -21,10 +21,10 @@ quantizer (its DelayedScaling scale and history slot), its amax and dbias (the k
 fixed-order FP32 column sums) in the same pass; fc1's backward multiplies those codes
 (given_dy_backward, tequant::linear_bwd_dy_given, which compiled under DelayedScaling also
 accumulates that amax into fc1's history and runs its update in place, as linear_bwd does).
-Fused Float8BlockScaling (eager te.Linear, 1x128 E4M3 input blocks): the forward writes fc2's
-blocks in both directions from act(h) rounded to h's dtype (TransformerEngine's rule for its fused
-block-format casts), the bits te.Linear's own quantization of the kernel's y_hp would give; the
-backward returns dh (fc1 quantizes its grad_output itself).
+Fused Float8BlockScaling (1x128 E4M3 input blocks, _plan.Plan.act_blocks): the forward writes
+fc2's blocks in both directions from act(h) rounded to h's dtype (TransformerEngine's rule for its
+fused block-format casts), the bits te.Linear's own quantization of the kernel's y_hp would give;
+the backward returns dh (fc1 quantizes its grad_output itself).
 Tests: tests/test_fused_act_modules.py, tests/test_fused_dh.py, tests/test_compile_delayed.py,
 tests/test_act_block.py.
 """
@@ -129,12 +129,13 @@ def _forward_into(h, activation, want_hp, recipe_id, scale, padded, amax, column
 
 @op("tequant::act_fwd", mutates_args=())
 def _act_fwd(h: torch.Tensor, activation: str, want_hp: bool, recipe_id: Optional[str],
-             scale: Optional[torch.Tensor], padded: int) -> list[torch.Tensor]:
+             scale: Optional[torch.Tensor], padded: int,
+             columnwise: bool = False) -> list[torch.Tensor]:
     """_forward_into with a fresh amax (the op mutates nothing: compiled code max-accumulates
     the returned amax into DelayedScaling's history). Its outputs may become a CUDA graph's
     (reduce-overhead), so the C call allocates them as torch.empty does (graph_safe_workspace)."""
     with graph_safe_workspace():
-        return _forward_into(h, activation, want_hp, recipe_id, scale, padded, None)
+        return _forward_into(h, activation, want_hp, recipe_id, scale, padded, None, columnwise)
 
 
 def _fake_codes(like, recipe_id, role, padded, n):
@@ -145,10 +146,15 @@ def _fake_codes(like, recipe_id, role, padded, n):
 
 
 @fake("tequant::act_fwd")
-def _act_fwd_fake(h, activation, want_hp, recipe_id, scale, padded):
+def _act_fwd_fake(h, activation, want_hp, recipe_id, scale, padded, columnwise=False):
     m, k = h.shape
     n = _cols(activation, k)
     outs = [h.new_empty((m, n))] if want_hp else []
+    if recipe_id is not None and _plan.of_id(recipe_id).x.scaling == "block":
+        usage = _plan.ROWWISE | (_plan.COLUMNWISE if columnwise else 0)
+        layout = _C._quantize_layout(config_of(recipe_id, "input"), int(padded), int(n), usage)
+        return outs + [h.new_empty((r, c), dtype=dtype) for r, c, dtype in
+                       layout[:4 if columnwise else 2]]
     if recipe_id is not None:
         outs += _fake_codes(h, recipe_id, "input", padded, n)
     return outs
@@ -210,7 +216,7 @@ class ActFunction(torch.autograd.Function):
         shape = h.shape[:-1] + (_cols(activation, k),)
         args = (h2d, activation, want_hp, recipe_id, scale, padded)
         if torch.compiler.is_compiling():
-            outs = torch.ops.tequant.act_fwd(*args)
+            outs = torch.ops.tequant.act_fwd(*args, columnwise)
         else:
             outs = _forward_into(*args, amax, columnwise)
         it = iter(outs)
@@ -277,11 +283,11 @@ class ActInput:
         h = self.h
         return h.shape[:-1] + (_cols(self.activation, h.shape[-1]),)
 
-    def fusable(self, scaling, backward_override, tp, block=None):
+    def fusable(self, scaling, backward_override, tp, act_blocks=False):
         """NormInput.fusable's rule: per-tensor FP8, no backward_override, the kernels run, no
         tensor parallelism over several ranks; an ARITHMETIC_BOUND activation under
-        DelayedScaling only. Float8BlockScaling too where `block` (its input QuantizerConfig,
-        which eager te.Linear passes) has 1x128 E4M3 blocks, but for the ARITHMETIC_BOUND
+        DelayedScaling only. Float8BlockScaling too where its input blocks are 1x128 E4M3
+        (act_blocks: the recipe's _plan.Plan.act_blocks), but for the ARITHMETIC_BOUND
         activations: the activation's pass writes both directions' blocks (H200, 8192 rows,
         bf16, docs/results/NOTES.md: swiglu 317.5 us against 327.3 for the kernel's activation +
         te.Linear's quantization, relu 197.1 against 284.9; gelu 314.6 against 303.7 and silu
@@ -290,8 +296,7 @@ class ActInput:
                 or (tp is not None and tp.size != 1)):
             return False
         if scaling == "block":
-            return (block is not None and block.block == (1, 128) and block.format == "E4M3"
-                    and self.activation not in ARITHMETIC_BOUND)
+            return act_blocks and self.activation not in ARITHMETIC_BOUND
         return (scaling in PER_TENSOR
                 and (scaling == "delayed" or self.activation not in ARITHMETIC_BOUND))
 

@@ -85,6 +85,12 @@ def _reduces(recipe_id, group):
 
 
 @_compile.constant
+def _act_blocks(recipe_id):
+    """Whether an activation's pass can write the recipe's input blocks (_plan.Plan.act_blocks)."""
+    return _plan.of_id(recipe_id).act_blocks
+
+
+@_compile.constant
 def _fused_rule(recipe_id):
     """Whether the recipe's update is the fused rule that the backward ops run themselves."""
     plan = _plan.of_id(recipe_id)
@@ -160,15 +166,16 @@ class _CompiledLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, inp, weight, bias, scale_fwd, hist_fwd, scale_bwd, hist_bwd, recipe_id,
-                group, x_data=None, x_scale_inv=None, x_amax=None, dh=None):
+                group, x_data=None, x_scale_inv=None, x_amax=None, dh=None, x_data_t=None,
+                x_scale_inv_t=None):
         needs = ((NEED_DGRAD if ctx.needs_input_grad[0] else 0)
                  | (NEED_WGRAD if ctx.needs_input_grad[1] else 0))
         scaling, align, is_delayed, override, _, x_kept, w_kept, _ = info(recipe_id, needs)
         ctx.given = x_data is not None
         if ctx.given:
             return _given_forward(ctx, needs, inp, weight, bias, scale_fwd, hist_fwd, scale_bwd,
-                                  hist_bwd, recipe_id, group, is_delayed, x_data, x_scale_inv,
-                                  x_amax, dh)
+                                  hist_bwd, recipe_id, group, is_delayed,
+                                  (x_data, x_scale_inv, x_data_t, x_scale_inv_t, x_amax), dh)
         if override == "dequantized":  # its backward reads the members of x and W
             c_needs = KEEP_X_ROWWISE
             x_kept = info(recipe_id, c_needs)[5]
@@ -289,22 +296,27 @@ def _grads(ctx, outs, bias_dtype, scale_bwd, hist_bwd):
     return (dx, dw, db) + _NONE_ARGS
 
 
-_NONE_ARGS = (None,) * 10  # _CompiledLinear's arguments after the bias
+_NONE_ARGS = (None,) * 12  # _CompiledLinear's arguments after the bias
 
 
 def _given_forward(ctx, needs, inp, weight, bias, scale_fwd, hist_fwd, scale_bwd, hist_bwd,
-                   recipe_id, group, is_delayed, x_data, x_scale_inv, x_amax, dh):
-    """_CompiledLinear's forward for an x given as the fused norm's rowwise codes (x_data
-    [padded rows, K], x_scale_inv, x_amax: DelayedScaling's amax of this x, accumulated here
-    with W's into the history; inp carries only the gradient). Backward keeps x's columnwise
-    codes (transposed here, as eager's with_columnwise) and W's packed buffer. dh: the
-    activation writes dy's codes (_act_fn.GradOutput): (y, *placeholders)."""
-    members = [x_data, x_scale_inv, None, None, x_amax, None]
+                   recipe_id, group, is_delayed, x, dh):
+    """_CompiledLinear's forward for an x given quantized by the fused norm or activation
+    (inp carries only the gradient): x = (data [padded rows, K], scale_inv, data_t,
+    scale_inv_t, amax): per-tensor codes (data_t None) with amax, DelayedScaling's amax of this
+    x, accumulated here with W's into the history; or Float8BlockScaling's blocks (data_t given
+    where wgrad needs it, no amax). Backward keeps x's columnwise members (per-tensor: the codes
+    transposed here, as eager's with_columnwise) and W's packed buffer. dh: the activation
+    writes dy's codes (_act_fn.GradOutput): (y, *placeholders)."""
+    x_data, x_scale_inv, x_data_t, x_scale_inv_t, x_amax = x
+    members = [x_data, x_scale_inv, x_data_t, x_scale_inv_t, x_amax, None]
     outs = torch.ops.tequant.linear_fwd_given(members, list(inp.shape), inp.dtype, weight, bias,
                                               recipe_id, needs, scale_fwd, hist_fwd)
     x_kept = ()
+    ctx.x_blocks = x_data_t is not None
     if needs & NEED_WGRAD:
-        x_kept = (torch.ops.tequant.transpose_codes(x_data), x_scale_inv, x_amax)
+        x_kept = ((x_data_t, x_scale_inv_t) if ctx.x_blocks else
+                  (torch.ops.tequant.transpose_codes(x_data), x_scale_inv, x_amax))
     ctx.recipe_id, ctx.needs = recipe_id, needs
     delayed_ctx(ctx, recipe_id, group, is_delayed)
     ctx.shape, ctx.x_dtype, ctx.w_dtype = tuple(inp.shape), inp.dtype, weight.dtype
@@ -321,7 +333,10 @@ def _given_backward(ctx, dy, dy_q):
     saved = ctx.saved_tensors
     needs = ctx.needs
     x_members = [None] * 6
-    if needs & NEED_WGRAD:
+    if needs & NEED_WGRAD and ctx.x_blocks:
+        x_members[2], x_members[3] = saved[:2]
+        saved = saved[2:]
+    elif needs & NEED_WGRAD:
         x_members[2], x_members[1], x_members[4] = saved[:3]
         saved = saved[3:]
     scale_bwd = hist_bwd = None
@@ -423,7 +438,8 @@ def _local(module, inp, weight, bias, is_first_microbatch):
     norm_in = None  # a NormInput / ActInput whose norm / activation writes x's codes
     if type(inp) is NormInput or type(inp) is ActInput:
         if state.enabled and not state.recipe.custom() and inp.fusable(
-                info(recipe_id, 0)[0], info(recipe_id, 0)[3], module._tp):
+                info(recipe_id, 0)[0], info(recipe_id, 0)[3], module._tp,
+                _act_blocks(recipe_id)):
             norm_in = inp
         else:
             inp = inp.high_precision()
@@ -482,7 +498,8 @@ def _local(module, inp, weight, bias, is_first_microbatch):
         return _gathered.GatheredLinear.apply(inp, weight, bias, scale_fwd, hist_fwd, scale_bwd,
                                               hist_bwd, recipe_id, group)
     if norm_in is not None:  # x's codes from the norm (a fresh amax: accumulated with W's)
-        carrier, x = norm_in.fused(recipe_id, align, scale_fwd[0:1] if is_delayed else None, None)
+        carrier, x = norm_in.fused(recipe_id, align, scale_fwd[0:1] if is_delayed else None, None,
+                                   columnwise=torch.is_grad_enabled() and weight.requires_grad)
         dh = None  # LayerNormMLP's fc1: dy's codes from the activation's backward (eager's rule)
         if type(norm_in) is NormInput and norm_in.grad_output is not None \
                 and torch.is_grad_enabled():
@@ -490,7 +507,7 @@ def _local(module, inp, weight, bias, is_first_microbatch):
                                          (scale_bwd[0:1], None) if is_delayed else (None, None),
                                          delayed=is_delayed)
         out = _CompiledLinear.apply(carrier, weight, bias, scale_fwd, hist_fwd, scale_bwd,
-                                    hist_bwd, recipe_id, group, x[0], x[1], x[4], dh)
+                                    hist_bwd, recipe_id, group, x[0], x[1], x[4], dh, x[2], x[3])
         return out if dh is None else norm_in.grad_output.received(out)
     return _CompiledLinear.apply(inp, weight, bias, scale_fwd, hist_fwd, scale_bwd,
                                  hist_bwd, recipe_id, group)

@@ -250,7 +250,7 @@ class NormInput:
         """The norm's output shape (x's)."""
         return self.x.shape
 
-    def fusable(self, scaling, backward_override, tp, block=None):
+    def fusable(self, scaling, backward_override, tp, act_blocks=False):
         """The codes can come from the norm: per-tensor FP8, no backward_override (which reads
         x itself), the kernels run, and no tensor parallelism over several ranks (sequence
         parallelism gathers its own quantized input; a column-parallel layer's input gradient
@@ -269,7 +269,8 @@ class NormInput:
         """(y, the six members of the rowwise quantization te.Linear multiplies) for the recipe
         registered as recipe_id (per-tensor FP8). scale: DelayedScaling's [1] scale of the
         input; amax: the slot to max-accumulate amax(y) into, or None (a fresh amax, which the
-        members then hold). block, columnwise: ActInput's (Float8BlockScaling), unused here."""
+        members then hold). act_blocks (fusable), columnwise: ActInput's (Float8BlockScaling),
+        unused here."""
         x = self.x
         rows = x.numel() // x.shape[-1]
         y, data, scale_inv, fresh = NormFunction.apply(

@@ -23,7 +23,7 @@ class Plan:
     """What one recipe asks of a Linear, looked up once per recipe and cached."""
 
     __slots__ = ("recipe", "key", "x", "w", "dy", "align", "flags", "backward_override",
-                 "delayed", "c_args")
+                 "delayed", "c_args", "act_blocks")
 
     def __init__(self, recipe):
         self.recipe = recipe
@@ -36,6 +36,10 @@ class Plan:
         self.flags = tuple(0 if s else _C.GEMM_FAST_ACCUM for s in split)  # fprop, dgrad, wgrad
         self.backward_override = getattr(recipe, "backward_override", None)
         self.delayed = self.x.scaling == "delayed"
+        # Float8BlockScaling whose input blocks an activation's pass can write (1x128, E4M3:
+        # tq_act_forward's BLOCK case, _act_fn.ActInput.fusable)
+        self.act_blocks = (self.x.scaling == "block" and self.x.block == (1, 128)
+                           and self.x.format == "E4M3")
         emulated = self.x.scaling in ("mxfp8", "nvfp4")
         self.c_args = (self.key, self.x, self.w, self.dy, self.align) + self.flags + (emulated,)
 

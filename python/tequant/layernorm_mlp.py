@@ -26,7 +26,7 @@ the FP32 dh with fc1's grad_output quantizer: E5M2 for HYBRID; its DelayedScalin
 max-accumulated into fc1's grad_output history slot), and fc1's bias gradient is the kernel's
 fixed-order FP32 column sum of dh (then the bias dtype), in the same pass; fc1's backward
 multiplies those codes (float32: te.Linear's bits but for dbias's summation order). Under
-Float8BlockScaling (1x128 E4M3 input blocks, eager te.Linear; compiled code quantizes in fc2)
+Float8BlockScaling (1x128 E4M3 input blocks; eager and compiled alike)
 the activation's pass writes fc2's blocks in both directions from the activation rounded to h's
 dtype, as TE's fused block casts do: te.Linear's bits for the kernel's activation, and no
 high-precision [M, N] activation is written (tests/test_act_block.py; not gelu / silu). gelu and

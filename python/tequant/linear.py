@@ -469,7 +469,7 @@ class Linear(torch.nn.Linear):
         if type(inp) is NormInput or type(inp) is ActInput:
             plan = None if recipe is None or recipe.custom() else self._plan(recipe)
             if plan is not None and inp.fusable(plan.x.scaling, plan.backward_override, tp,
-                                                plan.x):
+                                                plan.act_blocks):
                 norm_in = inp
             else:
                 inp = inp.high_precision()
