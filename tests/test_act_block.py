@@ -9,8 +9,8 @@ cuda/act_quantize_block.cu, _C._act_fwd, python/tequant/_act_fn.py).
   CUDA bit-exact against the CPU reference, every activation and dtype, partial blocks, and the
   bf16 table launches (several tiles per CTA) with values outside the table's window.
 - Bad input: a config of another block shape or format, identity, y_hp, no q: clear errors.
-- te.LayerNormMLP under Float8BlockScaling (eager): outputs and gradients bit-identical to the
-  same module with the fusion off (the activation kernel's y_hp quantized by fc2's te.Linear);
+- te.LayerNormMLP under Float8BlockScaling and MXFP8BlockScaling (eager): outputs and gradients
+  bit-identical to the same module with the fusion off (the activation kernel's y_hp quantized by fc2's te.Linear);
   gelu / silu stay unfused (torch's activation is faster there, NOTES.md).
 """
 import os
@@ -21,7 +21,7 @@ import torch
 
 import tequant as te
 from tequant import _C, _act_fn
-from tequant.recipe import DelayedScaling, Float8BlockScaling, Format
+from tequant.recipe import DelayedScaling, Float8BlockScaling, Format, MXFP8BlockScaling
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_quantize_fp8_block import assert_bits, reference  # noqa: E402
@@ -132,7 +132,7 @@ def test_errors(device):
         _C._act_fwd(h, "gelu", False, weight, None, None, 16, True)
     with pytest.raises(ValueError, match="TQ_ACT_IDENTITY with a BLOCK config"):
         _C._act_fwd(h, "identity", False, _config(), None, None, 16, True)
-    with pytest.raises(ValueError, match="y_hp was given, but a BLOCK config writes q"):
+    with pytest.raises(ValueError, match="y_hp was given, but a block-format config writes q"):
         _C._act_fwd(h, "gelu", True, _config(), None, None, 16, True)
     with pytest.raises(ValueError, match="padded=2 must be at least the 4 rows"):
         _C._act_fwd(h, "gelu", False, _config(), None, None, 2, True)
@@ -156,13 +156,18 @@ def _mlp(activation, device):
     return m
 
 
-def _run(m, x, fused, monkeypatch):
+def _run(m, x, fused, monkeypatch, recipe=None, compiled=False):
+    """y, x's and the parameters' gradients of m(x) under recipe (Float8BlockScaling), with the
+    activation's block-format pass or (not fused) without it; compiled: aot_eager, fullgraph."""
+    recipe = recipe or Float8BlockScaling()
     if not fused:
+        off = te.quantizer_config(recipe, "input").scaling
         monkeypatch.setattr(_act_fn.ActInput, "fusable",
-                            lambda self, scaling, *a, **k: False if scaling == "block" else None)
+                            lambda self, scaling, *a, **k: False if scaling == off else None)
     xi = x.clone().requires_grad_()
-    with te.autocast(recipe=Float8BlockScaling()):
-        y = m(xi)
+    fn = torch.compile(m, backend="aot_eager", fullgraph=True) if compiled else m
+    with te.autocast(recipe=recipe):
+        y = fn(xi)
     y.float().square().sum().backward()
     grads = [y.detach(), xi.grad] + [p.grad.clone() for p in m.parameters()]
     m.zero_grad(set_to_none=True)
@@ -172,19 +177,20 @@ def _run(m, x, fused, monkeypatch):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("act", ACTS)
-def test_layernorm_mlp_fused_blocks(act, device, monkeypatch):
+@pytest.mark.parametrize("recipe", [Float8BlockScaling, MXFP8BlockScaling])
+def test_layernorm_mlp_fused_blocks(recipe, act, device, monkeypatch):
     m = _mlp(act, device)
     x = torch.randn(3, 37, 128, device=device).to(torch.bfloat16)  # 111 tokens: padded rows
     calls = []
     real = _act_fn.ActFunction.apply
     monkeypatch.setattr(_act_fn.ActFunction, "apply",
                         lambda *a: calls.append(a[5]) or real(*a))
-    fused = _run(m, x, True, monkeypatch)
+    fused = _run(m, x, True, monkeypatch, recipe())
     if act in _act_fn.ARITHMETIC_BOUND:  # torch's activation, then fc2's quantization
         assert calls == [], "gelu / silu must stay unfused under block scaling (NOTES.md)"
         return
     assert calls and calls[0] is not None, "the activation did not write fc2's blocks"
-    unfused = _run(m, x, False, monkeypatch)
+    unfused = _run(m, x, False, monkeypatch, recipe())
     names = ["y", "x.grad"] + [n for n, _ in m.named_parameters()]
     for name, a, b in zip(names, fused, unfused):
         assert same_bits(a, b), f"{act} {name}"

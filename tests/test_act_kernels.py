@@ -454,8 +454,11 @@ def test_errors_forward():
                         scale=torch.ones(1))
     with pytest.raises(ValueError, match="y_q has dtype float32"):
         _C._act_forward(h, "gelu", config=delayed, y_q=y, scale_inv=sinv, scale=torch.ones(1))
-    mx = te.quantizer_config(te.recipe.MXFP8BlockScaling(), "input")
+    nv = te.quantizer_config(te.recipe.NVFP4BlockScaling(), "input")
     with pytest.raises(NotImplementedError, match="per-tensor FP8"):
+        _C._act_forward(h, "gelu", config=nv, y_q=codes, scale_inv=sinv)
+    mx = te.quantizer_config(te.recipe.MXFP8BlockScaling(), "input")  # its blocks go to q
+    with pytest.raises(ValueError, match="y_q was given, but a block-format config writes q"):
         _C._act_forward(h, "gelu", config=mx, y_q=codes, scale_inv=sinv)
     with pytest.raises(NotImplementedError, match="h is on a meta device"):
         _C._act_forward(torch.empty(4, 16, device="meta"), "gelu")

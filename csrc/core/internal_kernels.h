@@ -91,7 +91,7 @@ tq_status tq_norm_backward_cuda(const tq_tensor *dy, const tq_tensor *x,
                                 const tq_norm_backward_args *args, struct CUstream_st *stream);
 
 /* Activations (csrc/core/act.c checks, csrc/ref/act_{forward,backward}_ref.c,
- * cuda/act_{forward,backward}.cu): shapes, dtypes and devices as tequant.h names them; a gated
+ * cuda/act_{forward,backward}.cu, the block formats' cuda/act_quantize_{block,mxfp8}.cu): shapes, dtypes and devices as tequant.h names them; a gated
  * h has an even number of columns; with dbias the workspace is large enough. */
 tq_status tq_act_forward_ref(const tq_tensor *h, const tq_act_forward_args *args,
                              struct CUstream_st *stream);
@@ -100,6 +100,10 @@ tq_status tq_act_forward_cuda(const tq_tensor *h, const tq_act_forward_args *arg
 tq_status tq_act_forward_block_ref(const tq_tensor *h, const tq_act_forward_args *args,
                                    struct CUstream_st *stream);
 tq_status tq_act_forward_block_cuda(const tq_tensor *h, const tq_act_forward_args *args,
+                                    struct CUstream_st *stream);
+tq_status tq_act_forward_mxfp8_ref(const tq_tensor *h, const tq_act_forward_args *args,
+                                   struct CUstream_st *stream);
+tq_status tq_act_forward_mxfp8_cuda(const tq_tensor *h, const tq_act_forward_args *args,
                                     struct CUstream_st *stream);
 tq_status tq_act_backward_ref(const tq_tensor *dy, const tq_tensor *h,
                               const tq_act_backward_args *args, struct CUstream_st *stream);

@@ -128,7 +128,7 @@ static PyObject *py_act_backward(PyObject *module, PyObject *args, PyObject *kwa
 /* ---- the allocating forms te.LayerNormMLP runs: one C call per direction, its outputs made by
  * fused_out.c ---- */
 
-/* A BLOCK config's outputs, appended to outs: act(h)'s members for [padded, n] (data and
+/* A BLOCK or MXFP8 config's outputs, appended to outs: act(h)'s members for [padded, n] (data and
  * scale_inv, then data_t and scale_inv_t with columnwise) from one tq_act_forward. -1 with an
  * exception. */
 static int block_forward(tqx_state *st, PyObject *outs, const tq_tensor *h, tq_act_forward_args *a,
@@ -184,13 +184,13 @@ static PyObject *py_act_fwd(PyObject *module, PyObject *const *args, Py_ssize_t 
         goto fail;
     if (config == Py_None) {
         if (run_forward(st, &h, &a, info.stream) < 0) goto fail;
-    } else if (cfg.scaling == TQ_SCALING_BLOCK) {
+    } else if (cfg.scaling == TQ_SCALING_BLOCK || cfg.scaling == TQ_SCALING_MXFP8) {
         a.config = &cfg;
         if (block_forward(st, outs, &h, &a, padded, n, columnwise, device, info.stream) < 0)
             goto fail;
     } else {
         if (columnwise) {
-            PyErr_SetString(PyExc_ValueError, "_act_fwd: columnwise=True is for a BLOCK config; "
+            PyErr_SetString(PyExc_ValueError, "_act_fwd: columnwise=True is for a BLOCK or MXFP8 config; "
                             "per-tensor codes are transposed by their GEMM's caller");
             goto fail;
         }
@@ -316,7 +316,8 @@ PyMethodDef tqx_act_methods[] = {
      "activation of h [M, K] with its outputs allocated here: [y_hp (h's dtype, [M, N]: N = K, "
      "or K / 2 gated) if want_hp]; with a DELAYED or CURRENT QuantizerConfig also te.Linear's "
      "rowwise FP8 codes of y [padded, N] (rows past M zero), scale_inv and amax (`amax` itself, "
-     "DelayedScaling's slot, or for None a fresh one), as _norm_fwd; with a BLOCK (1x128) one "
+     "DelayedScaling's slot, or for None a fresh one), as _norm_fwd; with a BLOCK (1x128) or "
+     "MXFP8 one "
      "(no y_hp) y's members data, scale_inv and, with columnwise, data_t, scale_inv_t for "
      "[padded, N] (tq_quantize's of y_hp padded with zero rows)."},
     {"_act_bwd", (PyCFunction)(void (*)(void))py_act_bwd, METH_FASTCALL,

@@ -6,9 +6,9 @@
  * Each element's value is internal_act.h's (tq_act_value, the same code the kernel runs); the
  * outputs follow norm_forward_ref.c: y_hp = RNE of the canonical FP32 value, amax its max |.|
  * max-accumulated into the slot, codes cvt8(tq_mul(y, scale)).
- * With a BLOCK config, act(h) in h's dtype goes through the FP8 block quantizer's reference.
+ * With a BLOCK or MXFP8 config, act(h) in h's dtype goes through that quantizer's reference.
  * Tests: tests/test_act_kernels.py (against torch's float32 activations and te.ops.quantize;
- * CUDA against this).
+ * CUDA against this), tests/test_act_block.py, tests/test_act_mxfp8.py (the block formats).
  */
 #include "internal_act.h"
 #include "internal_fused.h"
@@ -41,11 +41,12 @@ tq_status tq_act_forward_ref(const tq_tensor *h, const tq_act_forward_args *a,
     return TQ_SUCCESS;
 }
 
-/* A BLOCK config: y_hp's values (act(h) rounded to h's dtype after the canonical NaN) in a
- * zero-padded [q->rows, N] copy of h's dtype, then the FP8 block quantizer's reference on it:
- * the definition the kernel (cuda/act_quantize_block.cu) is checked against. */
-tq_status tq_act_forward_block_ref(const tq_tensor *h, const tq_act_forward_args *a,
-                                   struct CUstream_st *stream) {
+/* A block-format config: y_hp's values (act(h) rounded to h's dtype after the canonical NaN) in
+ * a zero-padded [q->rows, N] copy of h's dtype, then that format's quantizer reference on it:
+ * the definition the kernels (cuda/act_quantize_block.cu, cuda/act_quantize_mxfp8.cu) are
+ * checked against. */
+static tq_status block_format_ref(const tq_tensor *h, const tq_act_forward_args *a,
+                                  struct CUstream_st *stream) {
     const int gated = tq_act_gated(a->act), base = tq_act_base(a->act);
     tq_qtensor *q = a->q;
     const int64_t n = q->cols, rows = q->rows;
@@ -63,7 +64,19 @@ tq_status tq_act_forward_block_ref(const tq_tensor *h, const tq_act_forward_args
     }
     tq_quantize_args qa = TQ_QUANTIZE_ARGS_INIT;
     qa.usage = TQ_USAGE_ROWWISE | (q->data_t.data != NULL ? TQ_USAGE_COLUMNWISE : 0u);
-    const tq_status st = tq_quantize_fp8_block_ref(&y, a->config, &qa, q, stream);
+    const tq_status st = a->config->scaling == TQ_SCALING_MXFP8
+                             ? tq_quantize_mxfp8_ref(&y, a->config, &qa, q, stream)
+                             : tq_quantize_fp8_block_ref(&y, a->config, &qa, q, stream);
     free(y.data);
     return st;
+}
+
+tq_status tq_act_forward_block_ref(const tq_tensor *h, const tq_act_forward_args *a,
+                                   struct CUstream_st *stream) {
+    return block_format_ref(h, a, stream);
+}
+
+tq_status tq_act_forward_mxfp8_ref(const tq_tensor *h, const tq_act_forward_args *a,
+                                   struct CUstream_st *stream) {
+    return block_format_ref(h, a, stream);
 }

@@ -21,12 +21,12 @@ quantizer (its DelayedScaling scale and history slot), its amax and dbias (the k
 fixed-order FP32 column sums) in the same pass; fc1's backward multiplies those codes
 (given_dy_backward, tequant::linear_bwd_dy_given, which compiled under DelayedScaling also
 accumulates that amax into fc1's history and runs its update in place, as linear_bwd does).
-Fused Float8BlockScaling (1x128 E4M3 input blocks, _plan.Plan.act_blocks): the forward writes
-fc2's blocks in both directions from act(h) rounded to h's dtype (TransformerEngine's rule for its
+Fused Float8BlockScaling and MXFP8BlockScaling (1x128 / 1x32 E4M3 input blocks,
+_plan.Plan.act_blocks): the forward writes fc2's blocks in both directions from act(h) rounded to h's dtype (TransformerEngine's rule for its
 fused block-format casts), the bits te.Linear's own quantization of the kernel's y_hp would give;
 the backward returns dh (fc1 quantizes its grad_output itself).
 Tests: tests/test_fused_act_modules.py, tests/test_fused_dh.py, tests/test_compile_delayed.py,
-tests/test_act_block.py.
+tests/test_act_block.py, tests/test_act_mxfp8.py.
 """
 from typing import Optional
 
@@ -150,7 +150,7 @@ def _act_fwd_fake(h, activation, want_hp, recipe_id, scale, padded, columnwise=F
     m, k = h.shape
     n = _cols(activation, k)
     outs = [h.new_empty((m, n))] if want_hp else []
-    if recipe_id is not None and _plan.of_id(recipe_id).x.scaling == "block":
+    if recipe_id is not None and _plan.of_id(recipe_id).x.scaling in _plan.BLOCK_FORMATS:
         usage = _plan.ROWWISE | (_plan.COLUMNWISE if columnwise else 0)
         layout = _C._quantize_layout(config_of(recipe_id, "input"), int(padded), int(n), usage)
         return outs + [h.new_empty((r, c), dtype=dtype) for r, c, dtype in
@@ -233,7 +233,7 @@ class ActFunction(torch.autograd.Function):
         # the codes have no gradient: autograd must not make (and fill) zeros of their shape
         ctx.set_materialize_grads(False)
         ctx.n_tokens = len(dh_tokens)
-        if _plan.of_id(recipe_id).x.scaling == "block":  # the members, no amax
+        if _plan.of_id(recipe_id).x.scaling in _plan.BLOCK_FORMATS:  # the members, no amax
             members = tuple(it)
             ctx.mark_non_differentiable(*members)
             return (y,) + members
@@ -286,16 +286,16 @@ class ActInput:
     def fusable(self, scaling, backward_override, tp, act_blocks=False):
         """NormInput.fusable's rule: per-tensor FP8, no backward_override, the kernels run, no
         tensor parallelism over several ranks; an ARITHMETIC_BOUND activation under
-        DelayedScaling only. Float8BlockScaling too where its input blocks are 1x128 E4M3
-        (act_blocks: the recipe's _plan.Plan.act_blocks), but for the ARITHMETIC_BOUND
-        activations: the activation's pass writes both directions' blocks (H200, 8192 rows,
+        DelayedScaling only. Float8BlockScaling and MXFP8BlockScaling too where their input
+        blocks are 1x128 / 1x32 E4M3 (act_blocks: the recipe's _plan.Plan.act_blocks), but for
+        the ARITHMETIC_BOUND activations: the activation's pass writes both directions' blocks (H200, 8192 rows,
         bf16, docs/results/NOTES.md: swiglu 317.5 us against 327.3 for the kernel's activation +
         te.Linear's quantization, relu 197.1 against 284.9; gelu 314.6 against 303.7 and silu
         315.8 against 293.1 for torch's activation + the quantization, so those stay unfused)."""
         if (self.refusal is not None or backward_override is not None
                 or (tp is not None and tp.size != 1)):
             return False
-        if scaling == "block":
+        if scaling in _plan.BLOCK_FORMATS:
             return act_blocks and self.activation not in ARITHMETIC_BOUND
         return (scaling in PER_TENSOR
                 and (scaling == "delayed" or self.activation not in ARITHMETIC_BOUND))
@@ -305,11 +305,11 @@ class ActInput:
 
     def fused(self, recipe_id, align, scale, amax, columnwise=False):
         """(y carrier, the six members of the quantization te.Linear multiplies), as
-        NormInput.fused: per-tensor FP8 rowwise; Float8BlockScaling's blocks with the
-        columnwise ones too where `columnwise` (wgrad will read them)."""
+        NormInput.fused: per-tensor FP8 rowwise; Float8BlockScaling's / MXFP8BlockScaling's
+        blocks with the columnwise ones too where `columnwise` (wgrad will read them)."""
         h = self.h
         rows = h.numel() // h.shape[-1]
-        block = _plan.of_id(recipe_id).x.scaling == "block"
+        block = _plan.of_id(recipe_id).x.scaling in _plan.BLOCK_FORMATS
         outs = ActFunction.apply(
             h, scale, amax, self.activation, False, recipe_id, _plan.padded(rows, align),
             block and columnwise, *_dh_args(self.dh))

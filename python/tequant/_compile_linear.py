@@ -305,7 +305,7 @@ def _given_forward(ctx, needs, inp, weight, bias, scale_fwd, hist_fwd, scale_bwd
     (inp carries only the gradient): x = (data [padded rows, K], scale_inv, data_t,
     scale_inv_t, amax): per-tensor codes (data_t None) with amax, DelayedScaling's amax of this
     x, accumulated here with W's into the history; or Float8BlockScaling's blocks (data_t given
-    where wgrad needs it, no amax). Backward keeps x's columnwise members (per-tensor: the codes
+    where wgrad needs it, no amax; MXFP8BlockScaling's alike). Backward keeps x's columnwise members (per-tensor: the codes
     transposed here, as eager's with_columnwise) and W's packed buffer. dh: the activation
     writes dy's codes (_act_fn.GradOutput): (y, *placeholders)."""
     x_data, x_scale_inv, x_data_t, x_scale_inv_t, x_amax = x

@@ -13,6 +13,8 @@ ROWWISE, COLUMNWISE = _C.USAGE_ROWWISE, _C.USAGE_COLUMNWISE
 # Feature dims must be multiples of these (the quantizers' and cuBLASLt's rules); rows are padded
 # to them (FP8 wgrad contracts over rows: cuBLASLt needs K % 16; MXFP8 / NVFP4 quantize 32 / 16).
 ALIGN = {"delayed": 16, "current": 16, "block": 16, "mxfp8": 32, "nvfp4": 16}
+# Scalings whose fused outputs are a quantization's members in both directions, without amax
+BLOCK_FORMATS = ("block", "mxfp8")
 
 NEED_DGRAD, NEED_WGRAD = _C.LINEAR_NEED_DGRAD, _C.LINEAR_NEED_WGRAD  # csrc/ext/module.h
 KEEP_X_ROWWISE, PACKED = _C.LINEAR_KEEP_X_ROWWISE, _C.LINEAR_PACKED
@@ -36,10 +38,11 @@ class Plan:
         self.flags = tuple(0 if s else _C.GEMM_FAST_ACCUM for s in split)  # fprop, dgrad, wgrad
         self.backward_override = getattr(recipe, "backward_override", None)
         self.delayed = self.x.scaling == "delayed"
-        # Float8BlockScaling whose input blocks an activation's pass can write (1x128, E4M3:
-        # tq_act_forward's BLOCK case, _act_fn.ActInput.fusable)
-        self.act_blocks = (self.x.scaling == "block" and self.x.block == (1, 128)
-                           and self.x.format == "E4M3")
+        # Float8BlockScaling (1x128) or MXFP8BlockScaling (1x32) whose E4M3 input blocks an
+        # activation's pass can write (tq_act_forward's block formats, _act_fn.ActInput.fusable)
+        self.act_blocks = (self.x.format == "E4M3" and not self.x.two_d and (
+            (self.x.scaling == "block" and self.x.block == (1, 128))
+            or (self.x.scaling == "mxfp8" and self.x.block == (1, 32))))
         emulated = self.x.scaling in ("mxfp8", "nvfp4")
         self.c_args = (self.key, self.x, self.w, self.dy, self.align) + self.flags + (emulated,)
 

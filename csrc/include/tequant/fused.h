@@ -196,15 +196,17 @@ typedef struct tq_act_forward_args {
     tq_tensor y_hp;      /* [M, N] of h's dtype, ld >= N (N = K, or K / 2 gated) */
     tq_tensor amax;      /* one FLOAT32, max-accumulated */
     const tq_quant_config *config; /* NULL: no y_q; else DELAYED or CURRENT (E4M3 or E5M2), or
-                                      BLOCK (q below) */
+                                      BLOCK or MXFP8 (q below) */
     tq_tensor y_q;       /* [M, N] codes, the config's FP8 dtype or UINT8, ld >= N */
     tq_tensor scale_inv; /* one FLOAT32 = RN(1 / scale) */
     tq_tensor scale;     /* DELAYED: one FLOAT32, the scale to cast with */
     tq_tensor amax_in;   /* CURRENT: one FLOAT32, the amax the scale comes from (not `amax`) */
-    /* A BLOCK config (1x128 blocks, E4M3: Float8BlockScaling's fc2 input) writes q instead of
-     * y_q .. amax_in (and without y_hp or amax): laid out by tq_quantize_layout for [R, N] with
-     * R >= M (rows past M quantize as zero rows: a GEMM's padded operand), its rowwise members
-     * given, the columnwise ones optional. The values quantized are act(h) rounded to h's dtype
+    /* A BLOCK config (1x128 blocks, E4M3: Float8BlockScaling's fc2 input) or an MXFP8 one (1x32,
+     * E4M3: MXFP8BlockScaling's; its members 16-byte aligned, as tq_quantize_layout's
+     * allocations are) writes q instead of y_q .. amax_in (and without y_hp or amax): laid out
+     * by tq_quantize_layout for [R, N] with R >= M (rows past M quantize as zero rows: a GEMM's
+     * padded operand; MXFP8: R and N multiples of 32), its rowwise members given, the
+     * columnwise ones optional. The values quantized are act(h) rounded to h's dtype
      * (canonical NaN first: y_hp's bits, as TransformerEngine's fused block-format casts round),
      * so q equals tq_quantize of y_hp zero-padded to R rows, bit for bit; one pass over h. */
     tq_qtensor *q;
