@@ -59,11 +59,12 @@ struct BwdParams {
     int dy_vec, h_vec, dh_vec; /* 16-byte rows (and second halves) of dy, h, dh */
 };
 
-/* One row's chunk c (n valid elements) of dh into the outputs, and amax. */
-template <typename T>
+/* One row's chunk c (n valid elements) of dh into the outputs, and amax; kWords: the codes
+ * also into w, written or not (the identity's columnwise tile reuses them). */
+template <typename T, bool kWords = false>
 __device__ __forceinline__ void write_half(const BwdParams &p, int64_t r, int64_t col0,
                                            int64_t c, int n, const float (&d)[kChunk],
-                                           float scale, float &amax) {
+                                           float scale, float &amax, uint32_t (*w)[2] = nullptr) {
 #pragma unroll
     for (int e = 0; e < kChunk; e++)
         if (e < n) amax = tq_amax_step(amax, d[e]);
@@ -73,9 +74,14 @@ __device__ __forceinline__ void write_half(const BwdParams &p, int64_t r, int64_
         for (int e = 0; e < kChunk; e++) o[e] = tq_norm_canon(d[e]);
         tq_chunk::store_chunk(static_cast<T *>(p.dh) + r * p.ld_dh + col0, c, o, n, p.dh_vec);
     }
-    if (p.out.q != nullptr)
-        tq_fp8out::store_codes(p.out.q + r * p.out.ld_q + col0 + (int64_t)kChunk * c, d, scale,
-                               p.out.e5m2, n, p.out.q_vec);
+    if (kWords || p.out.q != nullptr) {
+        uint32_t words[2];
+        tq_fp8out::chunk_codes(d, scale, p.out.e5m2, words);
+        if (p.out.q != nullptr)
+            tq_fp8out::store_words(p.out.q + r * p.out.ld_q + col0 + (int64_t)kChunk * c, words,
+                                   n, p.out.q_vec);
+        if constexpr (kWords) (*w)[0] = words[0], (*w)[1] = words[1];
+    }
 }
 
 /* One row's inputs at chunk c: dy, and h (both halves gated) unless kBase is the identity. */
@@ -219,14 +225,10 @@ template <typename T, bool kDbias>
 __device__ __forceinline__ void identity_row(const BwdParams &p, const Chunk<T> &g, int64_t r,
                                              int64_t c, int n, float scale, float &amax,
                                              float (&acc)[kChunk], uint32_t (&w)[2]) {
-    float d[kChunk], scaled[kChunk];
+    float d[kChunk];
 #pragma unroll
-    for (int e = 0; e < kChunk; e++) {
-        d[e] = tq_fp::widen(g.t[e]);
-        scaled[e] = tq_mul(d[e], scale);
-    }
-    write_half<T>(p, r, 0, c, n, d, scale, amax);
-    tq_fp::cvt8x8(scaled, p.out.e5m2 != 0, w); /* store_codes' codes */
+    for (int e = 0; e < kChunk; e++) d[e] = tq_fp::widen(g.t[e]);
+    write_half<T, true>(p, r, 0, c, n, d, scale, amax, &w); /* the rowwise codes, once */
     if constexpr (kDbias) {
 #pragma unroll
         for (int e = 0; e < kChunk; e++) acc[e] = tq_nadd(acc[e], d[e]);

@@ -65,14 +65,17 @@ __device__ __forceinline__ void write_scale_inv(const Out &o, float scale) {
     if (o.quantize && blockIdx.x == 0 && threadIdx.x == 0) *o.scale_inv = tq_rcp(scale);
 }
 
-/* The n <= 8 valid codes of v at dst (8-byte stores where whole and vec). */
-__device__ __forceinline__ void store_codes(uint8_t *dst, const float (&v)[kChunk], float scale,
-                                            int e5m2, int n, bool vec) {
+/* A chunk's 8 codes cvt8(tq_mul(v, scale)) as two words (element 0 in the low byte). */
+__device__ __forceinline__ void chunk_codes(const float (&v)[kChunk], float scale, int e5m2,
+                                            uint32_t (&w)[2]) {
     float scaled[kChunk];
-    uint32_t w[2];
 #pragma unroll
     for (int e = 0; e < kChunk; e++) scaled[e] = tq_mul(v[e], scale);
     tq_fp::cvt8x8(scaled, e5m2, w);
+}
+
+/* The n <= 8 valid codes of w at dst (one 8-byte store where whole and vec). */
+__device__ __forceinline__ void store_words(uint8_t *dst, const uint32_t (&w)[2], int n, bool vec) {
     if (vec && n == kChunk) {
         *reinterpret_cast<uint2 *>(dst) = make_uint2(w[0], w[1]);
     } else {
@@ -80,6 +83,14 @@ __device__ __forceinline__ void store_codes(uint8_t *dst, const float (&v)[kChun
         for (int e = 0; e < kChunk; e++)
             if (e < n) dst[e] = (uint8_t)(w[e / 4] >> (8 * (e % 4)));
     }
+}
+
+/* The n <= 8 valid codes of v at dst. */
+__device__ __forceinline__ void store_codes(uint8_t *dst, const float (&v)[kChunk], float scale,
+                                            int e5m2, int n, bool vec) {
+    uint32_t w[2];
+    chunk_codes(v, scale, e5m2, w);
+    store_words(dst, w, n, vec);
 }
 
 /* The CTA's amax into the slot; every thread of the CTA calls it (kThreads of them). */
