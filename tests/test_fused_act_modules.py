@@ -365,7 +365,7 @@ def test_compile_bit_identical(act, name, device, fresh_dynamo):
     assert not any(a in op for op in ops for a in ("gelu", "silu", "relu", "sigmoid")), ops
 
 
-@pytest.mark.parametrize("name", ["delayed", "block"])
+@pytest.mark.parametrize("name", ["delayed", "block", "mxfp8"])  # mxfp8: E8M0 members (ops)
 def test_inductor_bit_identical(name, fresh_dynamo):
     model = _mlp("geglu")
     twin = copy.deepcopy(model)
@@ -380,7 +380,7 @@ def test_inductor_bit_identical(name, fresh_dynamo):
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", FUSED)
+@pytest.mark.parametrize("name", FUSED + ("block", "mxfp8"))  # swiglu: the block formats fused too
 def test_reduce_overhead_bit_identical(name, fresh_dynamo):
     model = _mlp("swiglu", device="cuda")
     twin = copy.deepcopy(model)

@@ -299,6 +299,11 @@ def _grads(ctx, outs, bias_dtype, scale_bwd, hist_bwd):
 _NONE_ARGS = (None,) * 12  # _CompiledLinear's arguments after the bias
 
 
+def _as_bytes(t):
+    """t, or a uint8 view of it where it holds E8M0 exponents (the C side reads either)."""
+    return t.view(torch.uint8) if t is not None and t.dtype == torch.float8_e8m0fnu else t
+
+
 def _given_forward(ctx, needs, inp, weight, bias, scale_fwd, hist_fwd, scale_bwd, hist_bwd,
                    recipe_id, group, is_delayed, x, dh):
     """_CompiledLinear's forward for an x given quantized by the fused norm or activation
@@ -309,6 +314,10 @@ def _given_forward(ctx, needs, inp, weight, bias, scale_fwd, hist_fwd, scale_bwd
     transposed here, as eager's with_columnwise) and W's packed buffer. dh: the activation
     writes dy's codes (_act_fn.GradOutput): (y, *placeholders)."""
     x_data, x_scale_inv, x_data_t, x_scale_inv_t, x_amax = x
+    # MXFP8's E8M0 exponents enter the (mutating, so auto-functionalized) ops as uint8 views:
+    # with float8_e8m0fnu arguments inductor's decompose_auto_functionalized pass (torch 2.11,
+    # 2.13) leaves the node in place and fails ("auto_functionalized_v2 was not removed")
+    x_scale_inv, x_scale_inv_t = _as_bytes(x_scale_inv), _as_bytes(x_scale_inv_t)
     members = [x_data, x_scale_inv, x_data_t, x_scale_inv_t, x_amax, None]
     outs = torch.ops.tequant.linear_fwd_given(members, list(inp.shape), inp.dtype, weight, bias,
                                               recipe_id, needs, scale_fwd, hist_fwd)
