@@ -2,8 +2,9 @@
  * mxfp8_tile.cuh), internal to cuda/: act(h) rounded to h's dtype, computed as the tile is loaded,
  * so the block formats are written from h in one pass (act_quantize_block.cu,
  * act_quantize_mxfp8.cu), and the launch of its table instances (CTAs that stay resident).
- * A tile kernel's params P give the loader x (h), ld, cols (the output's columns, where a gated
- * h's second half starts), h_rows (rows past it read as zeros) and act_vec (16-byte loads of h).
+ * A tile kernel's params P give the loader x (h), ld and cols (the output's columns, where a
+ * gated h's second half starts); the loader holds h_rows (rows past it read as zeros) and vec
+ * (16-byte loads of h's rows and, gated, of the second half).
  * Tests: tests/test_act_block.py, tests/test_act_mxfp8.py (GPU cases: bit-exact against the C
  * references).
  */
@@ -28,6 +29,8 @@ using tq_block::word_of;
 template <int kBase, bool kGated, bool kTable, typename E>
 struct ActLoad {
     static constexpr bool kManyTiles = kTable; /* the table launches' resident CTAs */
+    int64_t h_rows;
+    int vec;
     float *table;
     __device__ __forceinline__ void init() {
         if constexpr (kTable) {
@@ -65,12 +68,12 @@ struct ActLoad {
 #pragma unroll
         for (int i = 0; i < kLoads; i++) {
             const int64_t m = m0 + i * kRowsPerPass + row_in_pass;
-            const int n = m < p.h_rows ? valid : 0;
+            const int n = m < h_rows ? valid : 0;
             const char *first = static_cast<const char *>(p.x) + (m * p.ld + col) * kElemBytes;
             const char *other = first + p.cols * kElemBytes;
             uint4 b = make_uint4(0u, 0u, 0u, 0u);
             in[i] = b;
-            if (n == kVec && p.act_vec) {
+            if (n == kVec && vec) {
                 in[i] = __ldcs(reinterpret_cast<const uint4 *>(first));
                 if (kGated) b = __ldcs(reinterpret_cast<const uint4 *>(other));
             } else {
@@ -96,7 +99,7 @@ struct ActLoad {
 #pragma unroll
         for (int i = 0; i < kLoads; i++) {
             const int64_t m = m0 + i * kRowsPerPass + row_in_pass;
-            const int n = m < p.h_rows ? valid : 0;
+            const int n = m < h_rows ? valid : 0;
             float y[kVec];
             values<kVec>(in[i], y);
             if constexpr (kGated) {
@@ -132,8 +135,9 @@ constexpr size_t kTableBytes = sizeof(float) * tq_act_table::kEntries;
  * the kernel's static tile (past the 48 KB a launch gets without opting in, set once per kernel
  * and device: each instance has its own kKernel, so its own cache), and as many CTAs as fit at
  * once (at most n_tiles), each filling its table once and then taking tiles in turn. */
-template <auto kKernel, typename P>
-void launch_table(const P &p, int64_t n_tiles, int device, int sms, cudaStream_t s) {
+template <auto kKernel, typename P, typename L>
+void launch_table(const P &p, const L &loader, int64_t n_tiles, int device, int sms,
+                  cudaStream_t s) {
     constexpr int kDevices = 64, kThreads = 256;
     static int per_sm[kDevices]; /* 0: not yet set up on that device (a race sets it twice) */
     int n = device >= 0 && device < kDevices ? per_sm[device] : 0;
@@ -146,7 +150,7 @@ void launch_table(const P &p, int64_t n_tiles, int device, int sms, cudaStream_t
     }
     int64_t grid = (int64_t)n * sms;
     if (grid > n_tiles) grid = n_tiles;
-    kKernel<<<(unsigned)grid, kThreads, kTableBytes, s>>>(p);
+    kKernel<<<(unsigned)grid, kThreads, kTableBytes, s>>>(p, loader);
 }
 
 }  // namespace tq_act_load

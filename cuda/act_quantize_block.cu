@@ -58,8 +58,7 @@ extern "C" tq_status tq_act_forward_block_cuda(const tq_tensor *h, const tq_act_
     const int64_t elem = h->dtype == TQ_DTYPE_FLOAT32 ? 4 : 2;
     const int gated = tq_act_gated(a->act);
     Params p = tile_params(h->data, h->dtype, h->ld, M, N, c, q);
-    p.h_rows = h->rows;
-    p.act_vec = reinterpret_cast<uintptr_t>(h->data) % 16 == 0 && (h->ld * elem) % 16 == 0
+    const int act_vec = reinterpret_cast<uintptr_t>(h->data) % 16 == 0 && (h->ld * elem) % 16 == 0
                 && (!gated || (N * elem) % 16 == 0);
     cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
     const int sms = tq_act_dispatch::sm_count(h->device);
@@ -73,15 +72,17 @@ extern "C" tq_status tq_act_forward_block_cuda(const tq_tensor *h, const tq_act_
             if constexpr (tq_act_table::kUses<T, A::base>) {
                 if (table_pays) {
                     using L = ActLoad<A::base, A::gated, true, In>;
-                    if (col) launch_table<quantize_kernel<In, L, true, true, false, false>>(p, p.n_tiles, h->device, sms, s);
-                    else launch_table<quantize_kernel<In, L, true, false, false, false>>(p, p.n_tiles, h->device, sms, s);
+                    const L l = {h->rows, act_vec, nullptr};
+                    if (col) launch_table<quantize_kernel<In, L, true, true, false, false>>(p, l, p.n_tiles, h->device, sms, s);
+                    else launch_table<quantize_kernel<In, L, true, false, false, false>>(p, l, p.n_tiles, h->device, sms, s);
                     return;
                 }
             }
             using L = ActLoad<A::base, A::gated, false, In>;
+            const L l = {h->rows, act_vec, nullptr};
             const unsigned grid = (unsigned)p.n_tiles;
-            if (col) quantize_kernel<In, L, true, true, false, false><<<grid, kThreads, 0, s>>>(p);
-            else quantize_kernel<In, L, true, false, false, false><<<grid, kThreads, 0, s>>>(p);
+            if (col) quantize_kernel<In, L, true, true, false, false><<<grid, kThreads, 0, s>>>(p, l);
+            else quantize_kernel<In, L, true, false, false, false><<<grid, kThreads, 0, s>>>(p, l);
         }
     });
     if (cudaPeekAtLastError() != cudaSuccess) return launch_failed("act forward block kernel launch");

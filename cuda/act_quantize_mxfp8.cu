@@ -64,8 +64,7 @@ extern "C" tq_status tq_act_forward_mxfp8_cuda(const tq_tensor *h, const tq_act_
     p.scale_inv = static_cast<uint8_t *>(q->scale_inv.data);
     p.data_t = col ? static_cast<uint8_t *>(q->data_t.data) : nullptr;
     p.scale_inv_t = col ? static_cast<uint8_t *>(q->scale_inv_t.data) : nullptr;
-    p.h_rows = h->rows;
-    p.act_vec = aligned16(h->data) && (h->ld * elem) % 16 == 0 && (!gated || (N * elem) % 16 == 0);
+    const int act_vec = aligned16(h->data) && (h->ld * elem) % 16 == 0 && (!gated || (N * elem) % 16 == 0);
     cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
     const int sms = tq_act_dispatch::sm_count(h->device);
     const bool table_pays = tq_act_table::worth_it(M * N, sms);
@@ -80,16 +79,18 @@ extern "C" tq_status tq_act_forward_mxfp8_cuda(const tq_tensor *h, const tq_act_
             if constexpr (tq_act_table::kUses<T, A::base>) {
                 if (table_pays) {
                     using L = ActLoad<A::base, A::gated, true, E>;
-                    if (col) launch_table<quantize_kernel<In, L, true, true, true, false, false>>(p, tiles, h->device, sms, s);
-                    else launch_table<quantize_kernel<In, L, true, true, false, false, false>>(p, tiles, h->device, sms, s);
+                    const L l = {h->rows, act_vec, nullptr};
+                    if (col) launch_table<quantize_kernel<In, L, true, true, true, false, false>>(p, l, tiles, h->device, sms, s);
+                    else launch_table<quantize_kernel<In, L, true, true, false, false, false>>(p, l, tiles, h->device, sms, s);
                     return;
                 }
             }
             using L = ActLoad<A::base, A::gated, false, E>;
+            const L l = {h->rows, act_vec, nullptr};
             const unsigned grid = (unsigned)tiles;
             const unsigned threads = tq_mxfp8::kThreads;
-            if (col) quantize_kernel<In, L, true, true, true, false, false><<<grid, threads, 0, s>>>(p);
-            else quantize_kernel<In, L, true, true, false, false, false><<<grid, threads, 0, s>>>(p);
+            if (col) quantize_kernel<In, L, true, true, true, false, false><<<grid, threads, 0, s>>>(p, l);
+            else quantize_kernel<In, L, true, true, false, false, false><<<grid, threads, 0, s>>>(p, l);
         }
     });
     if (cudaPeekAtLastError() != cudaSuccess) return launch_failed("act forward mxfp8 kernel launch");

@@ -106,10 +106,6 @@ struct Params {
     int vec_load;  /* x and ld allow 16-byte loads */
     int vec_row;   /* data rows allow one vector store per 16-byte input chunk */
     int vec_col;   /* data_t rows allow 16-byte stores (M % 16 == 0) */
-    /* ActLoad (act_quantize_block.cu): x = act(h) of h [h_rows, h_cols] (row stride ld); the
-     * gated second half starts at column cols; rows h_rows .. rows read as zeros */
-    int64_t h_rows;
-    int act_vec;   /* 16-byte loads of h's rows (and of the second half) */
 };
 
 /* max over groups of kWidth lanes (a power of two <= 32); the values are never NaN. */
@@ -130,8 +126,8 @@ inline float input_max(tq_dtype dtype) {
 }
 
 /* Params of a launch over an [rows, cols] x of `dtype` (row stride ld) into q with config c:
- * the members, the block rule and the stores' alignment; the loader's own fields (vec_load;
- * h_rows, act_vec) are the caller's. */
+ * the members, the block rule and the stores' alignment; vec_load (RawLoad's) is the
+ * caller's. */
 inline Params tile_params(const void *x, tq_dtype dtype, int64_t ld, int64_t rows, int64_t cols,
                           const tq_quant_config *c, const tq_qtensor *q) {
     const int64_t vec = dtype == TQ_DTYPE_FLOAT32 ? 4 : 8; /* elements per 16-byte load */
@@ -188,7 +184,7 @@ struct RawLoad {
 };
 
 template <typename In, typename Load, bool kRow, bool kCol, bool k2D, bool kE5M2>
-__global__ void __launch_bounds__(kThreads) quantize_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads) quantize_kernel(const Params p, Load loader) {
     using Acc = typename In::Acc;
     constexpr int kPerWord = In::kPerWord;
     constexpr int kElemBytes = 4 / kPerWord;
@@ -204,7 +200,6 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const Params p) {
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int chunk = tid % kChunksPerRow, row_in_pass = tid / kChunksPerRow;
-    Load loader;
     loader.init(); /* e.g. an activation's table: every thread, then a barrier */
     /* A tile per CTA, or the CTA's tiles in turn where the grid is smaller (launches that
      * amortize the loader's init over several tiles). */

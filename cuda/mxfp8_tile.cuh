@@ -140,10 +140,6 @@ struct Args {
     int64_t ld, rows, cols; /* x [rows, cols], row stride ld elements; both multiples of 32 */
     uint32_t tiles_k, n_tiles; /* tiles along cols, in all (31 bits: checked at launch) */
     uint8_t *data, *scale_inv, *data_t, *scale_inv_t; /* NULL for a direction not produced */
-    /* ActLoad (act_load.cuh): x = act(h) of h [h_rows, ...] (row stride ld); the gated second
-     * half starts at column cols; rows h_rows .. rows read as zeros */
-    int64_t h_rows;
-    int act_vec; /* 16-byte loads of h's rows (and of the second half) */
 };
 
 /* The plain loader: the tile of x itself; rows and columns outside x read as 0 (no amax can be
@@ -195,13 +191,13 @@ struct Ctas<In, RawLoad<kVec>> {
     static constexpr int kPerSm = sizeof(typename In::storage) == 2 ? 4 : 2;
 };
 
-/* Load: RawLoad, or a loader with its init() (every thread, then a barrier of its own) and
+/* Load (a kernel argument: a loader's state is its own): RawLoad, or a loader with its init() (every thread, then a barrier of its own) and
  * load(). A tile per CTA, or with Load::kManyTiles the CTA's tiles in turn where the grid is
  * smaller (launches that amortize the loader's init over several tiles). The loop is compiled
  * only where a loader asks for it: around RawLoad's 2D tiles it cost spills (44 bytes) and 24%
  * of the 32x32 weight quantization's time. */
 template <typename In, typename Load, bool kVec, bool kRow, bool kCol, bool k2D, bool kE5M2>
-__global__ void __launch_bounds__(kThreads, (Ctas<In, Load>::kPerSm)) quantize_kernel(const Args a) {
+__global__ void __launch_bounds__(kThreads, (Ctas<In, Load>::kPerSm)) quantize_kernel(const Args a, Load loader) {
     using S = Tile<In>;
     __shared__ uint4 smem[kCol ? kTile : 1][kSmemChunks];
     __shared__ uint32_t tile_amax[k2D ? 4 : 1][k2D ? 4 : 1]; /* fp32 bits, >= 0: ordered as ints */
@@ -211,7 +207,6 @@ __global__ void __launch_bounds__(kThreads, (Ctas<In, Load>::kPerSm)) quantize_k
     __shared__ __align__(16) uint8_t row_e[kRow ? 4 : 1][kTile], col_e[kCol ? 4 : 1][kTile];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int chunk = tid % S::kChunksPerRow, row_in_pass = tid / S::kChunksPerRow;
-    Load loader;
     loader.init();
     uint32_t tile = blockIdx.x;
     do {

@@ -71,8 +71,8 @@ namespace {
 
 template <typename In, bool kRow, bool kCol, bool k2D>
 void launch_format(const Params &p, int e5m2, unsigned grid, cudaStream_t s) {
-    if (e5m2) quantize_kernel<In, RawLoad, kRow, kCol, k2D, true><<<grid, kThreads, 0, s>>>(p);
-    else quantize_kernel<In, RawLoad, kRow, kCol, k2D, false><<<grid, kThreads, 0, s>>>(p);
+    if (e5m2) quantize_kernel<In, RawLoad, kRow, kCol, k2D, true><<<grid, kThreads, 0, s>>>(p, RawLoad{});
+    else quantize_kernel<In, RawLoad, kRow, kCol, k2D, false><<<grid, kThreads, 0, s>>>(p, RawLoad{});
 }
 
 template <typename In, bool k2D>

@@ -48,9 +48,9 @@ template <typename In, bool kVec, bool k2D, bool kE5M2>
 void launch_directions(const Args &a, unsigned grid, cudaStream_t st) {
     const bool row = a.data != nullptr, col = a.data_t != nullptr;
     using L = RawLoad<kVec>;
-    if (row && col) quantize_kernel<In, L, kVec, true, true, k2D, kE5M2><<<grid, kThreads, 0, st>>>(a);
-    else if (row) quantize_kernel<In, L, kVec, true, false, k2D, kE5M2><<<grid, kThreads, 0, st>>>(a);
-    else quantize_kernel<In, L, kVec, false, true, k2D, kE5M2><<<grid, kThreads, 0, st>>>(a);
+    if (row && col) quantize_kernel<In, L, kVec, true, true, k2D, kE5M2><<<grid, kThreads, 0, st>>>(a, L{});
+    else if (row) quantize_kernel<In, L, kVec, true, false, k2D, kE5M2><<<grid, kThreads, 0, st>>>(a, L{});
+    else quantize_kernel<In, L, kVec, false, true, k2D, kE5M2><<<grid, kThreads, 0, st>>>(a, L{});
 }
 
 template <typename In>
@@ -79,7 +79,6 @@ tq_status quantize_mxfp8(const tq_tensor *x, const tq_quant_config *config, cons
     Args a;
     a.x = x->data;
     a.ld = x->ld, a.rows = M, a.cols = K;
-    a.h_rows = M, a.act_vec = 0;
     const int64_t tiles_k = (K + kTile - 1) / kTile, tiles = (M + kTile - 1) / kTile * tiles_k;
     a.tiles_k = (uint32_t)tiles_k, a.n_tiles = (uint32_t)tiles;
     if (tiles > INT32_MAX)

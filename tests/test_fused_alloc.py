@@ -82,7 +82,7 @@ def test_act_errors():
         _C._act_fwd(h, "tanh", True, None, None, None, 0, False)
     with pytest.raises(ValueError, match="padded=2 must be at least the 4 rows quantized"):
         _C._act_fwd(h, "gelu", True, cur, None, None, 2, False)
-    with pytest.raises(ValueError, match="columnwise=True is for a BLOCK config"):
+    with pytest.raises(ValueError, match="columnwise=True is for a BLOCK or MXFP8 config"):
         _C._act_fwd(h, "gelu", False, cur, None, None, 16, True)
     with pytest.raises(TypeError, match="takes 8 positional arguments, got 7"):
         _C._act_bwd(dy, h, "gelu", None, None, None, 0)

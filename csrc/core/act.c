@@ -33,52 +33,20 @@ static tq_status check_amax(const char *fn, const tq_tensor *amax, int device) {
     return tq_fused_check_vector(fn, amax, "amax", 1, TQ_F32_MASK, device);
 }
 
-/* A block-format config: BLOCK as 1x128 E4M3 blocks, MXFP8 as E4M3 1x32 blocks into q whose
- * members start 16-byte aligned (the kernel's vector stores; tq_quantize_layout's allocations
- * are); q has act(h)'s columns and at least its rows, its rowwise members given; none of the
- * per-tensor outputs, y_hp or amax. */
+/* A block-format config: q alone (tq_fused_check_block_q), none of the per-tensor outputs, y_hp
+ * or amax. */
 static tq_status check_block(const char *fn, const tq_tensor *h, const tq_act_forward_args *a,
                              int64_t m, int64_t n) {
-    const tq_quant_config *c = a->config;
-    const int mx = c->scaling == TQ_SCALING_MXFP8;
-    const char *kind = mx ? "an MXFP8" : "a BLOCK";
-    tq_status st = tq_quant_config_check(c);
-    if (st != TQ_SUCCESS) return st;
-    if (c->block_rows != 1 || c->block_cols != (mx ? 32 : 128) || (c->flags & TQ_QUANT_2D)
-        || c->elem_dtype != TQ_DTYPE_FLOAT8_E4M3)
-        return tq_fail(TQ_ERROR_NOT_SUPPORTED, "%s: %s config is fused as 1x%d blocks of E4M3 (a "
-                       "forward activation's); this one has %dx%d blocks of %s: quantize y_hp "
-                       "with tq_quantize", fn, kind, mx ? 32 : 128, (int)c->block_rows,
-                       (int)c->block_cols, tq_dtype_name(c->elem_dtype));
     if (a->act == TQ_ACT_IDENTITY)
         return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "%s: TQ_ACT_IDENTITY with %s config is "
-                       "tq_quantize of h", fn, kind);
+                       "tq_quantize of h", fn,
+                       a->config->scaling == TQ_SCALING_MXFP8 ? "an MXFP8" : "a BLOCK");
     const tq_tensor *ts[] = {&a->y_hp, &a->amax, &a->y_q, &a->scale_inv, &a->scale, &a->amax_in};
     static const char *const names[] = {"y_hp", "amax", "y_q", "scale_inv", "scale", "amax_in"};
     for (int i = 0; i < 6; i++)
         if (tq_given(ts[i]))
             return tq_fused_not_for(fn, names[i], "a block-format config writes q alone");
-    const tq_qtensor *q = a->q;
-    if (q == NULL || q->struct_size < sizeof(tq_qtensor))
-        return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "%s: %s config needs q (a tq_qtensor, "
-                       "TQ_QTENSOR_INIT)", fn, kind);
-    if (q->rows < m || q->cols != n)
-        return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "%s: q is [%lld, %lld]; act(h) is [%lld, "
-                       "%lld]: q needs its columns and at least its rows", fn,
-                       (long long)q->rows, (long long)q->cols, (long long)m, (long long)n);
-    if (q->data.data == NULL && q->rows * q->cols > 0)
-        return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "%s: q needs its rowwise members (data, "
-                       "scale_inv); the columnwise ones are optional", fn);
-    const uint32_t usage = TQ_USAGE_ROWWISE | (q->data_t.data != NULL ? TQ_USAGE_COLUMNWISE : 0u);
-    if ((st = tq_qtensor_check_members(c, q, usage, h->device)) != TQ_SUCCESS) return st;
-    const tq_tensor *members[] = {&q->data, &q->scale_inv, &q->data_t, &q->scale_inv_t};
-    static const char *const member_names[] = {"data", "scale_inv", "data_t", "scale_inv_t"};
-    for (int i = 0; mx && i < 4; i++)
-        if ((uintptr_t)members[i]->data % 16 != 0)
-            return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "%s: q.%s starts at %p; the MXFP8 pass "
-                           "stores 16 bytes at a time and needs 16-byte aligned members", fn,
-                           member_names[i], members[i]->data);
-    return TQ_SUCCESS;
+    return tq_fused_check_block_q(fn, a->config, a->q, m, n, h->device, "act(h)");
 }
 
 tq_status tq_act_forward(const tq_tensor *h, const tq_act_forward_args *a,
@@ -96,10 +64,9 @@ tq_status tq_act_forward(const tq_tensor *h, const tq_act_forward_args *a,
                                        "act(h)")) != TQ_SUCCESS)
         return st;
     if ((st = check_amax(fn, &a->amax, h->device)) != TQ_SUCCESS) return st;
-    const int scaling = a->config != NULL ? (int)a->config->scaling : -1;
-    if (scaling == TQ_SCALING_BLOCK || scaling == TQ_SCALING_MXFP8) {
+    if (tq_fused_block_format(a->config)) {
         if ((st = check_block(fn, h, a, m, n)) != TQ_SUCCESS) return st;
-        if (scaling == TQ_SCALING_MXFP8)
+        if (a->config->scaling == TQ_SCALING_MXFP8)
             return TQ_DISPATCH(act_forward_mxfp8, h->device == TQ_DEVICE_CPU, h, a, stream);
         return TQ_DISPATCH(act_forward_block, h->device == TQ_DEVICE_CPU, h, a, stream);
     }

@@ -1,10 +1,11 @@
 /* fused_args.c: argument checks shared by the fused kernels' entry points (norm.c, act.c); the
- * rules are in internal_fused.h, the messages name the function, the argument, what it is and
- * what was expected. Tests: tests/test_norm_kernels.py, tests/test_act_kernels.py (errors).
+ * rules are in internal_fused.h (the block formats' q: tq_fused_check_block_q), the messages
+ * name the function, the argument, what it is and what was expected. Tests: tests/test_norm_kernels.py, tests/test_act_kernels.py (errors).
  */
 #include <stdio.h>
 
 #include "internal_fused.h"
+#include "internal_kernels.h"
 
 tq_status tq_fused_not_for(const char *fn, const char *name, const char *what) {
     return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "%s: %s was given, but %s", fn, name, what);
@@ -122,5 +123,39 @@ tq_status tq_fused_check_workspace(const char *fn, const tq_tensor *w, size_t ne
     if (w->device != device)
         return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "%s: workspace is on device %d, the input on "
                        "device %d", fn, w->device, device);
+    return TQ_SUCCESS;
+}
+
+tq_status tq_fused_check_block_q(const char *fn, const tq_quant_config *c, const tq_qtensor *q,
+                                 int64_t rows, int64_t cols, int device, const char *what) {
+    const int mx = c->scaling == TQ_SCALING_MXFP8;
+    const char *kind = mx ? "an MXFP8" : "a BLOCK";
+    tq_status st = tq_quant_config_check(c);
+    if (st != TQ_SUCCESS) return st;
+    if (c->block_rows != 1 || c->block_cols != (mx ? 32 : 128) || (c->flags & TQ_QUANT_2D)
+        || c->elem_dtype != TQ_DTYPE_FLOAT8_E4M3)
+        return tq_fail(TQ_ERROR_NOT_SUPPORTED, "%s: %s config is fused as 1x%d blocks of E4M3 (a "
+                       "forward operand's); this one has %dx%d blocks of %s: quantize %s with "
+                       "tq_quantize", fn, kind, mx ? 32 : 128, (int)c->block_rows,
+                       (int)c->block_cols, tq_dtype_name(c->elem_dtype), what);
+    if (q == NULL || q->struct_size < sizeof(tq_qtensor))
+        return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "%s: %s config needs q (a tq_qtensor, "
+                       "TQ_QTENSOR_INIT)", fn, kind);
+    if (q->rows < rows || q->cols != cols)
+        return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "%s: q is [%lld, %lld]; %s is [%lld, %lld]: q "
+                       "needs its columns and at least its rows", fn, (long long)q->rows,
+                       (long long)q->cols, what, (long long)rows, (long long)cols);
+    if (q->data.data == NULL && q->rows * q->cols > 0)
+        return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "%s: q needs its rowwise members (data, "
+                       "scale_inv); the columnwise ones are optional", fn);
+    const uint32_t usage = TQ_USAGE_ROWWISE | (q->data_t.data != NULL ? TQ_USAGE_COLUMNWISE : 0u);
+    if ((st = tq_qtensor_check_members(c, q, usage, device)) != TQ_SUCCESS) return st;
+    const tq_tensor *members[] = {&q->data, &q->scale_inv, &q->data_t, &q->scale_inv_t};
+    static const char *const names[] = {"data", "scale_inv", "data_t", "scale_inv_t"};
+    for (int i = 0; mx && i < 4; i++)
+        if ((uintptr_t)members[i]->data % 16 != 0)
+            return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "%s: q.%s starts at %p; the MXFP8 pass "
+                           "stores 16 bytes at a time and needs 16-byte aligned members", fn,
+                           names[i], members[i]->data);
     return TQ_SUCCESS;
 }

@@ -47,6 +47,20 @@ typedef struct tq_fused_fp8 {
 tq_status tq_fused_check_fp8(const char *fn, const tq_fused_fp8 *o, int64_t rows, int64_t cols,
                              int device, const char *like);
 
+/* Whether config is a block format a fused kernel writes into a tq_qtensor (BLOCK, MXFP8). */
+static inline int tq_fused_block_format(const tq_quant_config *config) {
+    return config != NULL
+           && (config->scaling == TQ_SCALING_BLOCK || config->scaling == TQ_SCALING_MXFP8);
+}
+
+/* A block-format output: BLOCK as 1x128 E4M3 blocks, MXFP8 as 1x32 E4M3 (a forward operand's
+ * formats), into q laid out by tq_quantize_layout for [R >= rows, cols] on device, its rowwise
+ * members given (the columnwise ones optional); MXFP8's members 16-byte aligned (the kernel's
+ * vector stores; tq_quantize_layout's allocations are). what: the values ("act(h)"). */
+tq_status tq_fused_check_block_q(const char *fn, const tq_quant_config *config,
+                                 const tq_qtensor *q, int64_t rows, int64_t cols, int device,
+                                 const char *what);
+
 /* need bytes of contiguous, 4-byte aligned workspace on device (nothing when need is 0). */
 tq_status tq_fused_check_workspace(const char *fn, const tq_tensor *w, size_t need, int device,
                                    const char *sized_by);

@@ -101,6 +101,9 @@ tq_status tq_act_forward_block_ref(const tq_tensor *h, const tq_act_forward_args
                                    struct CUstream_st *stream);
 tq_status tq_act_forward_block_cuda(const tq_tensor *h, const tq_act_forward_args *args,
                                     struct CUstream_st *stream);
+/* block_format_ref.c: y (a zero-padded [q->rows, cols] high-precision copy) into q's BLOCK or
+ * MXFP8 members, columnwise where q has them. */
+tq_status tq_block_format_ref(const tq_tensor *y, const tq_quant_config *config, tq_qtensor *q);
 tq_status tq_act_forward_mxfp8_ref(const tq_tensor *h, const tq_act_forward_args *args,
                                    struct CUstream_st *stream);
 tq_status tq_act_forward_mxfp8_cuda(const tq_tensor *h, const tq_act_forward_args *args,

@@ -42,7 +42,8 @@ tq_status tq_act_forward_ref(const tq_tensor *h, const tq_act_forward_args *a,
 }
 
 /* A block-format config: y_hp's values (act(h) rounded to h's dtype after the canonical NaN) in
- * a zero-padded [q->rows, N] copy of h's dtype, then that format's quantizer reference on it:
+ * a zero-padded [q->rows, N] copy of h's dtype, then that format's quantizer reference on it
+ * (block_format_ref.c):
  * the definition the kernels (cuda/act_quantize_block.cu, cuda/act_quantize_mxfp8.cu) are
  * checked against. */
 static tq_status block_format_ref(const tq_tensor *h, const tq_act_forward_args *a,
@@ -62,11 +63,8 @@ static tq_status block_format_ref(const tq_tensor *h, const tq_act_forward_args 
             tq_ref_store(&y, r, j, tq_norm_canon(v));
         }
     }
-    tq_quantize_args qa = TQ_QUANTIZE_ARGS_INIT;
-    qa.usage = TQ_USAGE_ROWWISE | (q->data_t.data != NULL ? TQ_USAGE_COLUMNWISE : 0u);
-    const tq_status st = a->config->scaling == TQ_SCALING_MXFP8
-                             ? tq_quantize_mxfp8_ref(&y, a->config, &qa, q, stream)
-                             : tq_quantize_fp8_block_ref(&y, a->config, &qa, q, stream);
+    (void)stream;
+    const tq_status st = tq_block_format_ref(&y, a->config, q);
     free(y.data);
     return st;
 }

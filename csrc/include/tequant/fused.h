@@ -68,8 +68,7 @@ typedef struct tq_norm_forward_args {
     tq_tensor mean;        /* LayerNorm: M FLOAT32 */
     tq_tensor rstd;        /* M FLOAT32 */
     tq_tensor amax;        /* one FLOAT32, max-accumulated (see above) */
-    const tq_quant_config *config; /* NULL: no y_q; else DELAYED or CURRENT (E4M3 or E5M2), or
-                                      BLOCK (q below) */
+    const tq_quant_config *config; /* NULL: no y_q; else DELAYED or CURRENT (E4M3 or E5M2) */
     tq_tensor y_q;         /* [M, K] codes, the config's FP8 dtype or UINT8, ld >= K */
     tq_tensor scale_inv;   /* one FLOAT32 = RN(1 / scale) */
     tq_tensor scale;       /* DELAYED: one FLOAT32, the scale to cast with */
