@@ -1,7 +1,8 @@
 /* act_load.cuh: the activation's loader for the 128x128-tile block quantizers (fp8_block_tile.cuh,
  * mxfp8_tile.cuh), internal to cuda/: act(h) rounded to h's dtype, computed as the tile is loaded,
  * so the block formats are written from h in one pass (act_quantize_block.cu,
- * act_quantize_mxfp8.cu), and the launch of its table instances (CTAs that stay resident).
+ * act_quantize_mxfp8.cu), and their launch (launch_act; the table instances' CTAs stay
+ * resident).
  * A tile kernel's params P give the loader x (h), ld and cols (the output's columns, where a
  * gated h's second half starts); the loader holds h_rows (rows past it read as zeros) and vec
  * (16-byte loads of h's rows and, gated, of the second half).
@@ -13,6 +14,7 @@
 
 #include <cuda_runtime.h>
 
+#include "act_dispatch.cuh"
 #include "act_table.cuh"
 #include "fp8_block_tile.cuh"
 #include "internal_act.h"
@@ -130,6 +132,7 @@ template <> struct InOf<tq_fp::Bf16> { using type = tq_block::BF16; };
 template <> struct InOf<tq_fp::Half> { using type = tq_block::F16; };
 
 constexpr size_t kTableBytes = sizeof(float) * tq_act_table::kEntries;
+constexpr int kTileThreads = 256; /* the tile kernels' CTA (static_assert by each format) */
 
 /* A table launch of kKernel (256 threads, P params): the table in dynamic shared memory beside
  * the kernel's static tile (past the 48 KB a launch gets without opting in, set once per kernel
@@ -138,7 +141,7 @@ constexpr size_t kTableBytes = sizeof(float) * tq_act_table::kEntries;
 template <auto kKernel, typename P, typename L>
 void launch_table(const P &p, const L &loader, int64_t n_tiles, int device, int sms,
                   cudaStream_t s) {
-    constexpr int kDevices = 64, kThreads = 256;
+    constexpr int kDevices = 64, kThreads = kTileThreads;
     static int per_sm[kDevices]; /* 0: not yet set up on that device (a race sets it twice) */
     int n = device >= 0 && device < kDevices ? per_sm[device] : 0;
     if (n == 0) {
@@ -151,6 +154,41 @@ void launch_table(const P &p, const L &loader, int64_t n_tiles, int device, int 
     int64_t grid = (int64_t)n * sms;
     if (grid > n_tiles) grid = n_tiles;
     kKernel<<<(unsigned)grid, kThreads, kTableBytes, s>>>(p, loader);
+}
+
+/* The activation's tile pass of h into a format's blocks (q: [M, N] in the launch's params p,
+ * n_tiles 128x128 tiles, checked to fit 31 bits), every activation but the identity and every
+ * dtype: K::kernel<E, L, kCol>() is the format's tile kernel instance for x's element type E
+ * (fp8_block_tile.cuh's), loader L and the columnwise direction or not (rowwise always). bf16
+ * gelu / silu / qgelu over enough elements take the table launch. */
+template <typename K, typename P>
+void launch_act(const tq_tensor *h, tq_act act, const P &p, int64_t n_tiles, int64_t n,
+                bool col, cudaStream_t s) {
+    const int64_t elem = h->dtype == TQ_DTYPE_FLOAT32 ? 4 : 2;
+    const int vec = reinterpret_cast<uintptr_t>(h->data) % 16 == 0 && (h->ld * elem) % 16 == 0
+                    && (!tq_act_gated(act) || (n * elem) % 16 == 0);
+    const int sms = tq_act_dispatch::sm_count(h->device);
+    const bool table_pays = tq_act_table::worth_it(p.rows * n, sms);
+    tq_act_dispatch::with_dtype_act(h->dtype, act, [&](auto t, auto a) {
+        using A = decltype(a);
+        using T = decltype(t);
+        using E = typename InOf<T>::type;
+        if constexpr (A::base != TQ_ACT_IDENTITY) {
+            if constexpr (tq_act_table::kUses<T, A::base>) {
+                if (table_pays) {
+                    using L = ActLoad<A::base, A::gated, true, E>;
+                    const L l = {h->rows, vec, nullptr};
+                    if (col) launch_table<K::template kernel<E, L, true>()>(p, l, n_tiles, h->device, sms, s);
+                    else launch_table<K::template kernel<E, L, false>()>(p, l, n_tiles, h->device, sms, s);
+                    return;
+                }
+            }
+            using L = ActLoad<A::base, A::gated, false, E>;
+            const L l = {h->rows, vec, nullptr};
+            const auto kernel = col ? K::template kernel<E, L, true>() : K::template kernel<E, L, false>();
+            kernel<<<(unsigned)n_tiles, kTileThreads, 0, s>>>(p, l);
+        }
+    });
 }
 
 }  // namespace tq_act_load

@@ -21,70 +21,41 @@
  */
 #include <cuda_runtime.h>
 
-#include "act_dispatch.cuh"
 #include "act_load.cuh"
-#include "act_table.cuh"
 #include "fp8_block_tile.cuh"
-#include "internal_act.h"
 #include "internal_kernels.h"
 #include "launch.cuh"
 
 namespace {
 
-using namespace tq_block;
 using tq_cuda::DeviceGuard;
 using tq_cuda::launch_failed;
+static_assert(tq_block::kThreads == tq_act_load::kTileThreads, "launch_act's CTA size");
 
-using tq_act_load::ActLoad;
-using tq_act_load::launch_table;
-using tq_act_load::InOf;
+/* The FP8 block tile kernel (1x128 E4M3, rowwise + optionally columnwise) for launch_act. */
+struct BlockKernel {
+    template <typename E, typename L, bool kCol>
+    static constexpr auto kernel() { return &tq_block::quantize_kernel<E, L, true, kCol, false, false>; }
+};
 
 }  // namespace
 
 extern "C" tq_status tq_act_forward_block_cuda(const tq_tensor *h, const tq_act_forward_args *a,
                                                struct CUstream_st *stream) {
     const tq_qtensor *q = a->q;
-    const tq_quant_config *c = a->config;
-    const int col = q->data_t.data != NULL;
     const int64_t M = q->rows, N = q->cols; /* M: the padded rows (>= h's) */
     if (M == 0 || N == 0) return TQ_SUCCESS;
-    const int64_t kTileL = kTile;
-    const int64_t n_mb = (M + kTileL - 1) / kTileL, n_kb = (N + kTileL - 1) / kTileL;
+    const int64_t tile = tq_block::kTile;
+    const int64_t n_mb = (M + tile - 1) / tile, n_kb = (N + tile - 1) / tile;
     if (n_mb > INT32_MAX / n_kb)
         return tq_fail(TQ_ERROR_NOT_SUPPORTED, "act forward: [%lld, %lld] has more than 2^31 - 1 "
                        "tiles of 128x128", (long long)M, (long long)N);
     DeviceGuard guard(h->device);
     if (guard.status != cudaSuccess) return launch_failed("act forward: making h's device current");
-    const int64_t elem = h->dtype == TQ_DTYPE_FLOAT32 ? 4 : 2;
-    const int gated = tq_act_gated(a->act);
-    Params p = tile_params(h->data, h->dtype, h->ld, M, N, c, q);
-    const int act_vec = reinterpret_cast<uintptr_t>(h->data) % 16 == 0 && (h->ld * elem) % 16 == 0
-                && (!gated || (N * elem) % 16 == 0);
-    cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-    const int sms = tq_act_dispatch::sm_count(h->device);
-    const bool table_pays = tq_act_table::worth_it(M * N, sms);
+    const tq_block::Params p = tq_block::tile_params(h->data, h->dtype, h->ld, M, N, a->config, q);
     /* E4M3 rowwise (+ columnwise): what act.c lets through (a forward operand's format) */
-    tq_act_dispatch::with_dtype_act(h->dtype, a->act, [&](auto t, auto act) {
-        using A = decltype(act);
-        using T = decltype(t);
-        using In = typename InOf<T>::type;
-        if constexpr (A::base != TQ_ACT_IDENTITY) {
-            if constexpr (tq_act_table::kUses<T, A::base>) {
-                if (table_pays) {
-                    using L = ActLoad<A::base, A::gated, true, In>;
-                    const L l = {h->rows, act_vec, nullptr};
-                    if (col) launch_table<quantize_kernel<In, L, true, true, false, false>>(p, l, p.n_tiles, h->device, sms, s);
-                    else launch_table<quantize_kernel<In, L, true, false, false, false>>(p, l, p.n_tiles, h->device, sms, s);
-                    return;
-                }
-            }
-            using L = ActLoad<A::base, A::gated, false, In>;
-            const L l = {h->rows, act_vec, nullptr};
-            const unsigned grid = (unsigned)p.n_tiles;
-            if (col) quantize_kernel<In, L, true, true, false, false><<<grid, kThreads, 0, s>>>(p, l);
-            else quantize_kernel<In, L, true, false, false, false><<<grid, kThreads, 0, s>>>(p, l);
-        }
-    });
+    tq_act_load::launch_act<BlockKernel>(h, a->act, p, p.n_tiles, N, q->data_t.data != NULL,
+                                         reinterpret_cast<cudaStream_t>(stream));
     if (cudaPeekAtLastError() != cudaSuccess) return launch_failed("act forward block kernel launch");
     return TQ_SUCCESS;
 }

@@ -15,29 +15,30 @@
  */
 #include <cuda_runtime.h>
 
-#include "act_dispatch.cuh"
 #include "act_load.cuh"
-#include "internal_act.h"
 #include "internal_kernels.h"
 #include "launch.cuh"
 #include "mxfp8_tile.cuh"
 
 namespace {
 
-using tq_act_load::ActLoad;
-using tq_act_load::InOf;
-using tq_act_load::launch_table;
 using tq_cuda::DeviceGuard;
 using tq_cuda::launch_failed;
-using tq_mxfp8::Args;
-using tq_mxfp8::quantize_kernel;
+static_assert(tq_mxfp8::kThreads == tq_act_load::kTileThreads, "launch_act's CTA size");
 
-/* The MXFP8 kernel's element type of the dispatch's T (float, Bf16, Half). */
-template <typename T> struct MxOf { using type = tq_mxfp8::F32; };
-template <> struct MxOf<tq_fp::Bf16> { using type = tq_mxfp8::Bf16; };
-template <> struct MxOf<tq_fp::Half> { using type = tq_mxfp8::F16; };
+/* The MXFP8 kernel's element type of x's (fp8_block_tile.cuh's) E. */
+template <typename E> struct MxOf { using type = tq_mxfp8::F32; };
+template <> struct MxOf<tq_block::BF16> { using type = tq_mxfp8::Bf16; };
+template <> struct MxOf<tq_block::F16> { using type = tq_mxfp8::F16; };
 
-bool aligned16(const void *p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+/* The MXFP8 tile kernel (1x32 E4M3, vector stores, rowwise + optionally columnwise) for
+ * launch_act. */
+struct MxKernel {
+    template <typename E, typename L, bool kCol>
+    static constexpr auto kernel() {
+        return &tq_mxfp8::quantize_kernel<typename MxOf<E>::type, L, true, true, kCol, false, false>;
+    }
+};
 
 }  // namespace
 
@@ -54,9 +55,7 @@ extern "C" tq_status tq_act_forward_mxfp8_cuda(const tq_tensor *h, const tq_act_
                        "tiles of 128x128", (long long)M, (long long)N);
     DeviceGuard guard(h->device);
     if (guard.status != cudaSuccess) return launch_failed("act forward: making h's device current");
-    const int64_t elem = h->dtype == TQ_DTYPE_FLOAT32 ? 4 : 2;
-    const int gated = tq_act_gated(a->act);
-    Args p = {};
+    tq_mxfp8::Args p = {};
     p.x = h->data;
     p.ld = h->ld, p.rows = M, p.cols = N;
     p.tiles_k = (uint32_t)tiles_k, p.n_tiles = (uint32_t)tiles;
@@ -64,35 +63,10 @@ extern "C" tq_status tq_act_forward_mxfp8_cuda(const tq_tensor *h, const tq_act_
     p.scale_inv = static_cast<uint8_t *>(q->scale_inv.data);
     p.data_t = col ? static_cast<uint8_t *>(q->data_t.data) : nullptr;
     p.scale_inv_t = col ? static_cast<uint8_t *>(q->scale_inv_t.data) : nullptr;
-    const int act_vec = aligned16(h->data) && (h->ld * elem) % 16 == 0 && (!gated || (N * elem) % 16 == 0);
-    cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-    const int sms = tq_act_dispatch::sm_count(h->device);
-    const bool table_pays = tq_act_table::worth_it(M * N, sms);
     /* E4M3, 1D blocks, q's members 16-byte aligned (the kernel's vector stores): what act.c
      * lets through */
-    tq_act_dispatch::with_dtype_act(h->dtype, a->act, [&](auto t, auto act) {
-        using A = decltype(act);
-        using T = decltype(t);
-        using In = typename MxOf<T>::type;
-        using E = typename InOf<T>::type;
-        if constexpr (A::base != TQ_ACT_IDENTITY) {
-            if constexpr (tq_act_table::kUses<T, A::base>) {
-                if (table_pays) {
-                    using L = ActLoad<A::base, A::gated, true, E>;
-                    const L l = {h->rows, act_vec, nullptr};
-                    if (col) launch_table<quantize_kernel<In, L, true, true, true, false, false>>(p, l, tiles, h->device, sms, s);
-                    else launch_table<quantize_kernel<In, L, true, true, false, false, false>>(p, l, tiles, h->device, sms, s);
-                    return;
-                }
-            }
-            using L = ActLoad<A::base, A::gated, false, E>;
-            const L l = {h->rows, act_vec, nullptr};
-            const unsigned grid = (unsigned)tiles;
-            const unsigned threads = tq_mxfp8::kThreads;
-            if (col) quantize_kernel<In, L, true, true, true, false, false><<<grid, threads, 0, s>>>(p, l);
-            else quantize_kernel<In, L, true, true, false, false, false><<<grid, threads, 0, s>>>(p, l);
-        }
-    });
+    tq_act_load::launch_act<MxKernel>(h, a->act, p, tiles, N, col,
+                                      reinterpret_cast<cudaStream_t>(stream));
     if (cudaPeekAtLastError() != cudaSuccess) return launch_failed("act forward mxfp8 kernel launch");
     return TQ_SUCCESS;
 }
