@@ -23,6 +23,26 @@ namespace tq_act_load {
 
 using tq_block::word_of;
 
+/* A chunk's values y (n of kVec valid, the rest 0) rounded to E's dtype after the canonical
+ * NaN, as the tile kernel's 16-byte input chunk: the bits a y_hp / dh output of that dtype
+ * holds. */
+template <typename E, int kVec>
+__device__ __forceinline__ uint4 pack_chunk(const float (&y)[kVec], int n) {
+    uint32_t w[4] = {0u, 0u, 0u, 0u};
+    if constexpr (E::kPerWord == 2) { /* 16-bit: a pair per conversion (cvt.rn.*x2) */
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const uint32_t keep = 2 * j + 1 < n ? 0xFFFFFFFFu : 2 * j < n ? 0xFFFFu : 0u;
+            w[j] = E::narrow2(tq_norm_canon(y[2 * j]), tq_norm_canon(y[2 * j + 1])) & keep;
+        }
+    } else {
+#pragma unroll
+        for (int e = 0; e < kVec; e++)
+            if (e < n) w[e] = E::narrow(tq_norm_canon(y[e]));
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 /* The activation's loader: x = act(h) over the tile; h's row m holds the output's first half at
  * columns [0, cols) and, gated, the second at [cols, 2 cols). Rows >= h_rows and columns >= cols
  * give 0 (a padded operand's zero rows: no amax exceeds them). kTable: bf16 gelu / silu / qgelu
@@ -31,6 +51,7 @@ using tq_block::word_of;
 template <int kBase, bool kGated, bool kTable, typename E>
 struct ActLoad {
     static constexpr bool kManyTiles = kTable; /* the table launches' resident CTAs */
+    static constexpr size_t kTableBytes = sizeof(float) * tq_act_table::kEntries; /* act(x) */
     int64_t h_rows;
     int vec;
     float *table;
@@ -109,19 +130,7 @@ struct ActLoad {
                 for (int e = 0; e < kVec; e++)
                     y[e] = tq_nmul(y[e], E::widen(word_of(second[i], e / kPerWord), e % kPerWord));
             }
-            uint32_t w[4] = {0u, 0u, 0u, 0u};
-            if constexpr (kPerWord == 2) { /* 16-bit: a pair per conversion (cvt.rn.*x2) */
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    const uint32_t keep = 2 * j + 1 < n ? 0xFFFFFFFFu : 2 * j < n ? 0xFFFFu : 0u;
-                    w[j] = E::narrow2(tq_norm_canon(y[2 * j]), tq_norm_canon(y[2 * j + 1])) & keep;
-                }
-            } else {
-#pragma unroll
-                for (int e = 0; e < kVec; e++)
-                    if (e < n) w[e] = E::narrow(tq_norm_canon(y[e]));
-            }
-            in[i] = make_uint4(w[0], w[1], w[2], w[3]);
+            in[i] = pack_chunk<E, kVec>(y, n);
         }
     }
 };
@@ -131,64 +140,86 @@ template <typename T> struct InOf { using type = tq_block::F32; };
 template <> struct InOf<tq_fp::Bf16> { using type = tq_block::BF16; };
 template <> struct InOf<tq_fp::Half> { using type = tq_block::F16; };
 
-constexpr size_t kTableBytes = sizeof(float) * tq_act_table::kEntries;
 constexpr int kTileThreads = 256; /* the tile kernels' CTA (static_assert by each format) */
 
-/* A table launch of kKernel (256 threads, P params): the table in dynamic shared memory beside
- * the kernel's static tile (past the 48 KB a launch gets without opting in, set once per kernel
- * and device: each instance has its own kKernel, so its own cache), and as many CTAs as fit at
- * once (at most n_tiles), each filling its table once and then taking tiles in turn. */
+/* A table launch of kKernel (256 threads, P params): the loader's tables (L::kTableBytes) in
+ * dynamic shared memory beside the kernel's static tile (past the 48 KB a launch gets without
+ * opting in, set once per kernel and device: each instance has its own kKernel, so its own
+ * cache), and as many CTAs as fit at once (at most n_tiles), each filling its tables once and
+ * then taking tiles in turn. */
 template <auto kKernel, typename P, typename L>
 void launch_table(const P &p, const L &loader, int64_t n_tiles, int device, int sms,
                   cudaStream_t s) {
     constexpr int kDevices = 64, kThreads = kTileThreads;
+    constexpr int kBytes = (int)L::kTableBytes;
     static int per_sm[kDevices]; /* 0: not yet set up on that device (a race sets it twice) */
     int n = device >= 0 && device < kDevices ? per_sm[device] : 0;
     if (n == 0) {
-        cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kTableBytes);
-        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kKernel, kThreads, kTableBytes)
+        cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
+        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kKernel, kThreads, kBytes)
                 != cudaSuccess || n < 1)
             n = 1; /* a failed set-up shows as the launch's error */
         if (device >= 0 && device < kDevices) per_sm[device] = n;
     }
     int64_t grid = (int64_t)n * sms;
     if (grid > n_tiles) grid = n_tiles;
-    kKernel<<<(unsigned)grid, kThreads, kTableBytes, s>>>(p, loader);
+    kKernel<<<(unsigned)grid, kThreads, kBytes, s>>>(p, loader);
 }
 
-/* The activation's tile pass of h into a format's blocks (q: [M, N] in the launch's params p,
- * n_tiles 128x128 tiles, checked to fit 31 bits), every activation but the identity and every
- * dtype: K::kernel<E, L, kCol>() is the format's tile kernel instance for x's element type E
- * (fp8_block_tile.cuh's), loader L and the columnwise direction or not (rowwise always). bf16
- * gelu / silu / qgelu over enough elements take the table launch. */
-template <typename K, typename P>
-void launch_act(const tq_tensor *h, tq_act act, const P &p, int64_t n_tiles, int64_t n,
-                bool col, cudaStream_t s) {
-    const int64_t elem = h->dtype == TQ_DTYPE_FLOAT32 ? 4 : 2;
-    const int vec = reinterpret_cast<uintptr_t>(h->data) % 16 == 0 && (h->ld * elem) % 16 == 0
-                    && (!tq_act_gated(act) || (n * elem) % 16 == 0);
-    const int sms = tq_act_dispatch::sm_count(h->device);
-    const bool table_pays = tq_act_table::worth_it(p.rows * n, sms);
-    tq_act_dispatch::with_dtype_act(h->dtype, act, [&](auto t, auto a) {
+template <typename T> struct Tag { using type = T; };
+
+/* A loader family's tile pass of h into a format's blocks (q: [M, N] in the launch's params p,
+ * n_tiles 128x128 tiles, checked to fit 31 bits, `elements` computed in all), every activation
+ * but the identity and every dtype: K::kernel<E, L, kCol>() is the format's tile kernel
+ * instance for x's element type E (fp8_block_tile.cuh's), loader L = Loader<base, gated,
+ * table, E> and the columnwise direction or not (rowwise always); make(Tag<L>{}) gives the
+ * loader's state. bf16 gelu / silu / qgelu over enough elements take the table launch. */
+template <template <int, bool, bool, typename> class Loader, typename K, typename P,
+          typename Make>
+void launch_loaded(tq_dtype dtype, int device, tq_act act, const P &p, int64_t n_tiles,
+                   int64_t elements, bool col, cudaStream_t s, Make make) {
+    const int sms = tq_act_dispatch::sm_count(device);
+    const bool table_pays = tq_act_table::worth_it(elements, sms);
+    tq_act_dispatch::with_dtype_act(dtype, act, [&](auto t, auto a) {
         using A = decltype(a);
         using T = decltype(t);
         using E = typename InOf<T>::type;
         if constexpr (A::base != TQ_ACT_IDENTITY) {
             if constexpr (tq_act_table::kUses<T, A::base>) {
                 if (table_pays) {
-                    using L = ActLoad<A::base, A::gated, true, E>;
-                    const L l = {h->rows, vec, nullptr};
-                    if (col) launch_table<K::template kernel<E, L, true>()>(p, l, n_tiles, h->device, sms, s);
-                    else launch_table<K::template kernel<E, L, false>()>(p, l, n_tiles, h->device, sms, s);
+                    using L = Loader<A::base, A::gated, true, E>;
+                    const L l = make(Tag<L>{});
+                    if (col) launch_table<K::template kernel<E, L, true>()>(p, l, n_tiles, device, sms, s);
+                    else launch_table<K::template kernel<E, L, false>()>(p, l, n_tiles, device, sms, s);
                     return;
                 }
             }
-            using L = ActLoad<A::base, A::gated, false, E>;
-            const L l = {h->rows, vec, nullptr};
+            using L = Loader<A::base, A::gated, false, E>;
+            const L l = make(Tag<L>{});
             const auto kernel = col ? K::template kernel<E, L, true>() : K::template kernel<E, L, false>();
             kernel<<<(unsigned)n_tiles, kTileThreads, 0, s>>>(p, l);
         }
     });
+}
+
+/* Whether 16-byte loads of a 16-bit or FP32 matrix t (its start and row stride) are allowed. */
+inline bool vec_ok(const tq_tensor *t) {
+    const int64_t elem = t->dtype == TQ_DTYPE_FLOAT32 ? 4 : 2;
+    return reinterpret_cast<uintptr_t>(t->data) % 16 == 0 && (t->ld * elem) % 16 == 0;
+}
+
+/* The activation's tile pass (ActLoad) of h into a format's blocks: launch_loaded for the
+ * forward, n the output's columns. */
+template <typename K, typename P>
+void launch_act(const tq_tensor *h, tq_act act, const P &p, int64_t n_tiles, int64_t n,
+                bool col, cudaStream_t s) {
+    const int64_t elem = h->dtype == TQ_DTYPE_FLOAT32 ? 4 : 2;
+    const int vec = vec_ok(h) && (!tq_act_gated(act) || (n * elem) % 16 == 0);
+    launch_loaded<ActLoad, K>(h->dtype, h->device, act, p, n_tiles, p.rows * n, col, s,
+                              [&](auto tag) {
+                                  using L = typename decltype(tag)::type;
+                                  return L{h->rows, vec, nullptr};
+                              });
 }
 
 }  // namespace tq_act_load

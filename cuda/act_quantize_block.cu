@@ -16,11 +16,14 @@
  * pass (gelu ~75 instructions per element: docs/results/NOTES.md), so bf16 gelu / silu / qgelu
  * over enough elements read act(x) from act_table.cuh's table (the same bits), filled once per
  * CTA in dynamic shared memory by CTAs that stay resident and take tiles in turn.
+ * tq_act_backward with a BLOCK config is the same pass over dh = dy * act'(h) rounded to h's
+ * dtype (act_grad_load.cuh: fc1's grad_output, Float8BlockScaling's, from dy and h).
  * Tests: tests/test_act_block.py (GPU cases: bit-exact against the C reference and against
- * tq_quantize of the activation's y_hp).
+ * tq_quantize of the activation's y_hp), tests/test_act_grad_block.py (the backward).
  */
 #include <cuda_runtime.h>
 
+#include "act_grad_load.cuh"
 #include "act_load.cuh"
 #include "fp8_block_tile.cuh"
 #include "internal_kernels.h"
@@ -38,24 +41,45 @@ struct BlockKernel {
     static constexpr auto kernel() { return &tq_block::quantize_kernel<E, L, true, kCol, false, false>; }
 };
 
-}  // namespace
-
-extern "C" tq_status tq_act_forward_block_cuda(const tq_tensor *h, const tq_act_forward_args *a,
-                                               struct CUstream_st *stream) {
-    const tq_qtensor *q = a->q;
-    const int64_t M = q->rows, N = q->cols; /* M: the padded rows (>= h's) */
+/* The tile pass over q's [M, N] (M: the padded rows, >= h's) that launch(p) makes, on h's device;
+ * fn names the call in errors. */
+template <typename Launch>
+tq_status run(const tq_tensor *h, const tq_quant_config *config, const tq_qtensor *q,
+              const char *fn, Launch launch) {
+    const int64_t M = q->rows, N = q->cols;
     if (M == 0 || N == 0) return TQ_SUCCESS;
     const int64_t tile = tq_block::kTile;
     const int64_t n_mb = (M + tile - 1) / tile, n_kb = (N + tile - 1) / tile;
     if (n_mb > INT32_MAX / n_kb)
-        return tq_fail(TQ_ERROR_NOT_SUPPORTED, "act forward: [%lld, %lld] has more than 2^31 - 1 "
-                       "tiles of 128x128", (long long)M, (long long)N);
+        return tq_fail(TQ_ERROR_NOT_SUPPORTED, "%s: [%lld, %lld] has more than 2^31 - 1 tiles of "
+                       "128x128", fn, (long long)M, (long long)N);
     DeviceGuard guard(h->device);
-    if (guard.status != cudaSuccess) return launch_failed("act forward: making h's device current");
-    const tq_block::Params p = tq_block::tile_params(h->data, h->dtype, h->ld, M, N, a->config, q);
-    /* E4M3 rowwise (+ columnwise): what act.c lets through (a forward operand's format) */
-    tq_act_load::launch_act<BlockKernel>(h, a->act, p, p.n_tiles, N, q->data_t.data != NULL,
-                                         reinterpret_cast<cudaStream_t>(stream));
-    if (cudaPeekAtLastError() != cudaSuccess) return launch_failed("act forward block kernel launch");
+    if (guard.status != cudaSuccess) return launch_failed(fn);
+    launch(tq_block::tile_params(h->data, h->dtype, h->ld, M, N, config, q));
+    if (cudaPeekAtLastError() != cudaSuccess) return launch_failed(fn);
     return TQ_SUCCESS;
+}
+
+}  // namespace
+
+/* E4M3 rowwise (+ columnwise): what act.c lets through */
+extern "C" tq_status tq_act_forward_block_cuda(const tq_tensor *h, const tq_act_forward_args *a,
+                                               struct CUstream_st *stream) {
+    const tq_qtensor *q = a->q;
+    return run(h, a->config, q, "act forward block kernel", [&](const tq_block::Params &p) {
+        tq_act_load::launch_act<BlockKernel>(h, a->act, p, p.n_tiles, q->cols,
+                                             q->data_t.data != NULL,
+                                             reinterpret_cast<cudaStream_t>(stream));
+    });
+}
+
+extern "C" tq_status tq_act_backward_block_cuda(const tq_tensor *dy, const tq_tensor *h,
+                                                const tq_act_backward_args *a,
+                                                struct CUstream_st *stream) {
+    const tq_qtensor *q = a->q;
+    return run(h, a->config, q, "act backward block kernel", [&](const tq_block::Params &p) {
+        tq_act_load::launch_act_grad<BlockKernel>(dy, h, a->act, p, p.n_tiles,
+                                                  q->data_t.data != NULL,
+                                                  reinterpret_cast<cudaStream_t>(stream));
+    });
 }

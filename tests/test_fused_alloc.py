@@ -84,13 +84,15 @@ def test_act_errors():
         _C._act_fwd(h, "gelu", True, cur, None, None, 2, False)
     with pytest.raises(ValueError, match="columnwise=True is for a BLOCK or MXFP8 config"):
         _C._act_fwd(h, "gelu", False, cur, None, None, 16, True)
-    with pytest.raises(TypeError, match="takes 8 positional arguments, got 7"):
-        _C._act_bwd(dy, h, "gelu", None, None, None, 0)
+    with pytest.raises(TypeError, match="takes 9 positional arguments, got 8"):
+        _C._act_bwd(dy, h, "gelu", None, None, None, 0, None)
     with pytest.raises(TypeError, match="dbias_dtype must be None, torch.float32"):
-        _C._act_bwd(dy, h, "gelu", cur, None, None, 16, torch.int8)
+        _C._act_bwd(dy, h, "gelu", cur, None, None, 16, torch.int8, False)
     with pytest.raises(ValueError, match="dy is float32 \\[4, 16\\] on device -1; expected"):
-        _C._act_bwd(dy, h, "swiglu", None, None, None, 0, None)
-    outs = _C._act_bwd(dy, h, "gelu", cur, None, None, 16, torch.bfloat16)
+        _C._act_bwd(dy, h, "swiglu", None, None, None, 0, None, False)
+    with pytest.raises(ValueError, match="columnwise=True is for a BLOCK or MXFP8 config"):
+        _C._act_bwd(dy, h, "gelu", cur, None, None, 16, None, True)
+    outs = _C._act_bwd(dy, h, "gelu", cur, None, None, 16, torch.bfloat16, False)
     assert [tuple(t.shape) for t in outs] == [(16, 16), (1, 1), (1, 1), (16,)]
     assert outs[3].dtype == torch.bfloat16 and not outs[0][4:].view(torch.uint8).any()
 

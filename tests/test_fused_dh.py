@@ -53,9 +53,10 @@ def spied():
     acts, dys = [], []
     into, linear_backward = _act_fn._backward_into, _C.linear_backward
 
-    def act_spy(dy, h, activation, recipe_id, padded, scale, dbias_dtype, slot):
+    def act_spy(dy, h, activation, recipe_id, padded, scale, dbias_dtype, slot,
+                columnwise=False):
         before = None if scale is None else scale.clone()
-        outs = into(dy, h, activation, recipe_id, padded, scale, dbias_dtype, slot)
+        outs = into(dy, h, activation, recipe_id, padded, scale, dbias_dtype, slot, columnwise)
         if recipe_id is not None:
             acts.append(dict(dy=dy.clone(), h=h.clone(), act=activation, scale=before,
                              outs=[t.clone() for t in outs], returned=outs))

@@ -49,6 +49,24 @@ static tq_status check_block(const char *fn, const tq_tensor *h, const tq_act_fo
     return tq_fused_check_block_q(fn, a->config, a->q, m, n, h->device, "act(h)");
 }
 
+/* The backward's block-format config: q alone (tq_fused_check_block_q for [m, k]), none of the
+ * other outputs. */
+static tq_status check_block_backward(const char *fn, const tq_tensor *h,
+                                      const tq_act_backward_args *a, int64_t m, int64_t k) {
+    if (a->act == TQ_ACT_IDENTITY)
+        return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "%s: TQ_ACT_IDENTITY with %s config is "
+                       "tq_quantize of dy", fn,
+                       a->config->scaling == TQ_SCALING_MXFP8 ? "an MXFP8" : "a BLOCK");
+    const tq_tensor *ts[] = {&a->dh, &a->amax, &a->dh_q, &a->scale_inv, &a->scale, &a->amax_in,
+                             &a->dbias, &a->workspace, &a->dh_q_t};
+    static const char *const names[] = {"dh", "amax", "dh_q", "scale_inv", "scale", "amax_in",
+                                        "dbias", "workspace", "dh_q_t"};
+    for (int i = 0; i < 9; i++)
+        if (tq_given(ts[i]))
+            return tq_fused_not_for(fn, names[i], "a block-format config writes q alone");
+    return tq_fused_check_block_q(fn, a->config, a->q, m, k, h->device, "dh");
+}
+
 tq_status tq_act_forward(const tq_tensor *h, const tq_act_forward_args *a,
                          struct CUstream_st *stream) {
     static const char fn[] = "act forward";
@@ -113,6 +131,14 @@ tq_status tq_act_backward(const tq_tensor *dy, const tq_tensor *h,
                != TQ_SUCCESS)
         return st;
     if ((st = check_amax(fn, &a->amax, h->device)) != TQ_SUCCESS) return st;
+    if (tq_fused_block_format(a->config)) {
+        if ((st = check_block_backward(fn, h, a, m, k)) != TQ_SUCCESS) return st;
+        if (a->config->scaling == TQ_SCALING_MXFP8)
+            return TQ_DISPATCH(act_backward_mxfp8, h->device == TQ_DEVICE_CPU, dy, h, a, stream);
+        return TQ_DISPATCH(act_backward_block, h->device == TQ_DEVICE_CPU, dy, h, a, stream);
+    }
+    if (a->q != NULL)
+        return tq_fused_not_for(fn, "q", "it is a BLOCK or MXFP8 config's output");
     const tq_fused_fp8 o = {a->config, &a->dh_q, &a->scale_inv, &a->scale, &a->amax_in, &a->amax,
                             "dh_q"};
     if ((st = tq_fused_check_fp8(fn, &o, m, k, h->device, "h")) != TQ_SUCCESS) return st;

@@ -134,8 +134,8 @@ tq_status tq_fused_check_block_q(const char *fn, const tq_quant_config *c, const
     if (st != TQ_SUCCESS) return st;
     if (c->block_rows != 1 || c->block_cols != (mx ? 32 : 128) || (c->flags & TQ_QUANT_2D)
         || c->elem_dtype != TQ_DTYPE_FLOAT8_E4M3)
-        return tq_fail(TQ_ERROR_NOT_SUPPORTED, "%s: %s config is fused as 1x%d blocks of E4M3 (a "
-                       "forward operand's); this one has %dx%d blocks of %s: quantize %s with "
+        return tq_fail(TQ_ERROR_NOT_SUPPORTED, "%s: %s config is fused as 1x%d blocks of E4M3 (the "
+                       "recipes' defaults); this one has %dx%d blocks of %s: quantize %s with "
                        "tq_quantize", fn, kind, mx ? 32 : 128, (int)c->block_rows,
                        (int)c->block_cols, tq_dtype_name(c->elem_dtype), what);
     if (q == NULL || q->struct_size < sizeof(tq_qtensor))

@@ -112,6 +112,14 @@ tq_status tq_act_backward_ref(const tq_tensor *dy, const tq_tensor *h,
                               const tq_act_backward_args *args, struct CUstream_st *stream);
 tq_status tq_act_backward_cuda(const tq_tensor *dy, const tq_tensor *h,
                                const tq_act_backward_args *args, struct CUstream_st *stream);
+tq_status tq_act_backward_block_ref(const tq_tensor *dy, const tq_tensor *h,
+                                    const tq_act_backward_args *args, struct CUstream_st *stream);
+tq_status tq_act_backward_block_cuda(const tq_tensor *dy, const tq_tensor *h,
+                                     const tq_act_backward_args *args, struct CUstream_st *stream);
+tq_status tq_act_backward_mxfp8_ref(const tq_tensor *dy, const tq_tensor *h,
+                                    const tq_act_backward_args *args, struct CUstream_st *stream);
+tq_status tq_act_backward_mxfp8_cuda(const tq_tensor *dy, const tq_tensor *h,
+                                     const tq_act_backward_args *args, struct CUstream_st *stream);
 
 #ifdef __cplusplus
 }

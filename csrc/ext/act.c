@@ -128,29 +128,31 @@ static PyObject *py_act_backward(PyObject *module, PyObject *args, PyObject *kwa
 /* ---- the allocating forms te.LayerNormMLP runs: one C call per direction, its outputs made by
  * fused_out.c ---- */
 
-/* A BLOCK or MXFP8 config's outputs, appended to outs: act(h)'s members for [padded, n] (data and
- * scale_inv, then data_t and scale_inv_t with columnwise) from one tq_act_forward. -1 with an
+/* A BLOCK or MXFP8 config's outputs for [padded, n] of h's rows, allocated into q and appended
+ * to outs: data and scale_inv, then data_t and scale_inv_t with columnwise. -1 with an
  * exception. */
-static int block_forward(tqx_state *st, PyObject *outs, const tq_tensor *h, tq_act_forward_args *a,
-                         int64_t padded, int64_t n, int columnwise, PyObject *device,
-                         void *stream) {
+static int new_block_q(tqx_state *st, PyObject *outs, const tq_tensor *h,
+                       const tq_quant_config *config, int64_t padded, int64_t n, int columnwise,
+                       PyObject *device, tq_qtensor *q) {
     if (padded < h->rows) {
         PyErr_Format(PyExc_ValueError, "padded=%lld must be at least the %lld rows quantized",
                      (long long)padded, (long long)h->rows);
         return -1;
     }
-    tq_qtensor q = TQ_QTENSOR_INIT;
     const uint32_t usage = TQ_USAGE_ROWWISE | (columnwise ? TQ_USAGE_COLUMNWISE : 0u);
-    const tq_status s = tq_quantize_layout(a->config, padded, n, usage, &q);
+    const tq_status s = tq_quantize_layout(config, padded, n, usage, q);
     if (s != TQ_SUCCESS) return tqx_raise_status(st, s), -1;
-    tq_tensor *members[] = {&q.data, &q.scale_inv, &q.data_t, &q.scale_inv_t};
+    tq_tensor *members[] = {&q->data, &q->scale_inv, &q->data_t, &q->scale_inv_t};
     for (int i = 0; i < (columnwise ? 4 : 2); i++) {
         tq_tensor *t = members[i];
         if (tqx_new_output(st, outs, t->rows, t->cols, 0, t->dtype, device, h->device, 0, t) < 0)
             return -1;
     }
-    a->q = &q;
-    return run_forward(st, h, a, stream);
+    return 0;
+}
+
+static int is_block_format(const tq_quant_config *c) {
+    return c->scaling == TQ_SCALING_BLOCK || c->scaling == TQ_SCALING_MXFP8;
 }
 
 /* _act_fwd(h, act, want_hp, config, scale, amax, padded, columnwise): see the method table. */
@@ -184,9 +186,11 @@ static PyObject *py_act_fwd(PyObject *module, PyObject *const *args, Py_ssize_t 
         goto fail;
     if (config == Py_None) {
         if (run_forward(st, &h, &a, info.stream) < 0) goto fail;
-    } else if (cfg.scaling == TQ_SCALING_BLOCK || cfg.scaling == TQ_SCALING_MXFP8) {
-        a.config = &cfg;
-        if (block_forward(st, outs, &h, &a, padded, n, columnwise, device, info.stream) < 0)
+    } else if (is_block_format(&cfg)) {
+        tq_qtensor q = TQ_QTENSOR_INIT;
+        a.config = &cfg, a.q = &q;
+        if (new_block_q(st, outs, &h, &cfg, padded, n, columnwise, device, &q) < 0
+            || run_forward(st, &h, &a, info.stream) < 0)
             goto fail;
     } else {
         if (columnwise) {
@@ -218,11 +222,12 @@ fail:
     return NULL;
 }
 
-/* _act_bwd(dy, h, act, config, scale, amax, padded, dbias_dtype): see the method table. */
+/* _act_bwd(dy, h, act, config, scale, amax, padded, dbias_dtype, columnwise): see the method
+ * table. */
 static PyObject *py_act_bwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 8) {
+    if (nargs != 9) {
         PyErr_Format(PyExc_TypeError, "_act_bwd(dy, h, act, config, scale, amax, padded, "
-                     "dbias_dtype) takes 8 positional arguments, got %zd", nargs);
+                     "dbias_dtype, columnwise) takes 9 positional arguments, got %zd", nargs);
         return NULL;
     }
     tqx_state *st = tqx_module_state(module);
@@ -232,7 +237,9 @@ static PyObject *py_act_bwd(PyObject *module, PyObject *const *args, Py_ssize_t 
     tqx_tensor_info info;
     tq_quant_config cfg;
     const long long padded = PyLong_AsLongLong(args[6]);
+    int columnwise;
     if (PyErr_Occurred() || act_from_py(args[2], &a.act) < 0
+        || tqx_flag_arg(args[8], &columnwise) < 0
         || tqx_tensor_from_py(st, args[0], "dy", TQX_FLOAT_DTYPES, &dy, NULL) < 0
         || tqx_tensor_from_py(st, h_obj, "h", TQX_FLOAT_DTYPES, &h, &info) < 0
         || tqx_optional_tensor(st, args[4], "scale", F32, &a.scale) < 0
@@ -254,11 +261,36 @@ static PyObject *py_act_bwd(PyObject *module, PyObject *const *args, Py_ssize_t 
     PyObject *outs = device ? PyList_New(0) : NULL;
     if (outs == NULL) goto fail;
     if (config == Py_None) {
+        if (columnwise) {
+            PyErr_SetString(PyExc_ValueError, "_act_bwd: columnwise=True is for a BLOCK or "
+                            "MXFP8 config");
+            goto fail;
+        }
         if (tqx_new_output(st, outs, m, k, 0, h.dtype, device, h.device, 0, &a.dh) < 0
             || run_backward(st, &dy, h_obj, &h, &a, info.stream) < 0)
             goto fail;
         Py_DECREF(device);
         return outs;
+    }
+    if (is_block_format(&cfg)) {
+        if (dbias_dtype != Py_None) {
+            PyErr_SetString(PyExc_ValueError, "_act_bwd: a BLOCK or MXFP8 config writes dh's "
+                            "blocks alone; dbias_dtype must be None (the bias gradient is "
+                            "te.Linear's own there)");
+            goto fail;
+        }
+        tq_qtensor q = TQ_QTENSOR_INIT;
+        a.config = &cfg, a.q = &q;
+        if (new_block_q(st, outs, &h, &cfg, padded, k, columnwise, device, &q) < 0
+            || run_backward(st, &dy, h_obj, &h, &a, info.stream) < 0)
+            goto fail;
+        Py_DECREF(device);
+        return outs;
+    }
+    if (columnwise) {
+        PyErr_SetString(PyExc_ValueError, "_act_bwd: columnwise=True is for a BLOCK or MXFP8 "
+                        "config; per-tensor codes are transposed by their GEMM's caller");
+        goto fail;
     }
     tq_tensor codes, scale_inv;
     if (tqx_fused_fp8_outputs(st, outs, &cfg, padded, m, k, device, h.device, args[5], &codes,
@@ -321,11 +353,13 @@ PyMethodDef tqx_act_methods[] = {
      "(no y_hp) y's members data, scale_inv and, with columnwise, data_t, scale_inv_t for "
      "[padded, N] (tq_quantize's of y_hp padded with zero rows)."},
     {"_act_bwd", (PyCFunction)(void (*)(void))py_act_bwd, METH_FASTCALL,
-     "_act_bwd(dy, h, act, config, scale, amax, padded, dbias_dtype) -> list\n\nThe "
-     "activation's backward with its outputs allocated here: without config [dh] ([M, K], h's "
-     "dtype); with a DELAYED or CURRENT QuantizerConfig (fc1's grad_output quantizer) te.Linear's "
-     "rowwise FP8 codes of dh [padded, K], scale_inv, amax (as _act_fwd's) and, unless "
-     "dbias_dtype is None, dbias [K] in that dtype."},
+     "_act_bwd(dy, h, act, config, scale, amax, padded, dbias_dtype, columnwise) -> list\n\n"
+     "The activation's backward with its outputs allocated here: without config [dh] ([M, K], "
+     "h's dtype); with a DELAYED or CURRENT QuantizerConfig (fc1's grad_output quantizer) "
+     "te.Linear's rowwise FP8 codes of dh [padded, K], scale_inv, amax (as _act_fwd's) and, "
+     "unless dbias_dtype is None, dbias [K] in that dtype; with a BLOCK (1x128) or MXFP8 one "
+     "(dbias_dtype None) dh's members data, scale_inv and, with columnwise, data_t, "
+     "scale_inv_t for [padded, K] (tq_quantize's of dh padded with zero rows)."},
     {"_act_backward_workspace_size", (PyCFunction)(void (*)(void))py_act_workspace_size,
      METH_VARARGS,
      "_act_backward_workspace_size(rows, cols) -> int\n\nBytes of FP32 column partials dbias "

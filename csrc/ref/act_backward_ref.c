@@ -7,14 +7,17 @@
  * column order: rows in chunks of R(M, K) (tq_norm_partial_rows), each chunk's partial added row
  * by row into the workspace ([chunk][K] FP32, the kernel's layout), then
  * tq_norm_column_sum_ref (groups of 32 chunks, the group sums in order), rounded once to dbias's
- * dtype. TQ_ACT_IDENTITY reads no h (dh = dy).
+ * dtype. TQ_ACT_IDENTITY reads no h (dh = dy). With a BLOCK or MXFP8 config, dh in h's dtype
+ * goes through that quantizer's reference.
  * Tests: tests/test_act_kernels.py (against torch autograd of the float32 activations; CUDA
- * against this).
+ * against this), tests/test_act_grad_block.py (the block formats).
  */
 #include "internal_act.h"
 #include "internal_fused.h"
 #include "internal_kernels.h"
 #include "ref_io.h"
+
+#include <stdlib.h>
 
 /* The FP32 dh of row r, column j (j < n; gated: j of each half into dh[0], dh[1]). */
 static void dh_elems(const tq_tensor *dy, const tq_tensor *h, int base, int gated, int64_t n,
@@ -77,4 +80,43 @@ tq_status tq_act_backward_ref(const tq_tensor *dy, const tq_tensor *h,
         tq_ref_store(&dbias, 0, j, tq_norm_column_sum_ref(partials, p_count, k, j));
     if (a->amax.data != NULL) tq_fused_max_accumulate((float *)a->amax.data, amax);
     return TQ_SUCCESS;
+}
+
+/* A block-format config: dh's values (the FP32 dh rounded to h's dtype after the canonical NaN:
+ * the bits of the dh output) in a zero-padded [q->rows, K] copy of h's dtype, then that format's
+ * quantizer reference on it (block_format_ref.c): the definition the kernels
+ * (cuda/act_quantize_block.cu, cuda/act_quantize_mxfp8.cu) are checked against. */
+static tq_status block_format_ref(const tq_tensor *dy, const tq_tensor *h,
+                                  const tq_act_backward_args *a) {
+    const int gated = tq_act_gated(a->act), base = tq_act_base(a->act);
+    tq_qtensor *q = a->q;
+    const int64_t k = h->cols, n = gated ? k / 2 : k, rows = q->rows;
+    const size_t elem = h->dtype == TQ_DTYPE_FLOAT32 ? 4 : 2;
+    tq_tensor d = {NULL, rows, k, k, h->dtype, TQ_DEVICE_CPU};
+    if (rows * k > 0 && (d.data = calloc((size_t)(rows * k), elem)) == NULL)
+        return tq_fail(TQ_ERROR_OUT_OF_MEMORY, "act backward (CPU): no memory for dh [%lld, "
+                       "%lld]", (long long)rows, (long long)k);
+    for (int64_t r = 0; r < h->rows; r++) {
+        for (int64_t j = 0; j < n; j++) {
+            float dh[2] = {0.0f, 0.0f};
+            dh_elems(dy, h, base, gated, n, r, j, dh);
+            for (int half = 0; half <= gated; half++)
+                tq_ref_store(&d, r, j + half * n, tq_norm_canon(dh[half]));
+        }
+    }
+    const tq_status st = tq_block_format_ref(&d, a->config, q);
+    free(d.data);
+    return st;
+}
+
+tq_status tq_act_backward_block_ref(const tq_tensor *dy, const tq_tensor *h,
+                                    const tq_act_backward_args *a, struct CUstream_st *stream) {
+    (void)stream;
+    return block_format_ref(dy, h, a);
+}
+
+tq_status tq_act_backward_mxfp8_ref(const tq_tensor *dy, const tq_tensor *h,
+                                    const tq_act_backward_args *a, struct CUstream_st *stream) {
+    (void)stream;
+    return block_format_ref(dy, h, a);
 }

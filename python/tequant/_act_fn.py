@@ -24,7 +24,9 @@ accumulates that amax into fc1's history and runs its update in place, as linear
 Fused Float8BlockScaling and MXFP8BlockScaling (1x128 / 1x32 E4M3 input blocks,
 _plan.Plan.act_blocks): the forward writes fc2's blocks in both directions from act(h) rounded to h's dtype (TransformerEngine's rule for its
 fused block-format casts), the bits te.Linear's own quantization of the kernel's y_hp would give;
-the backward returns dh (fc1 quantizes its grad_output itself).
+where fc1 (on the norm's output, its bias not learning, eager) asked through its GradOutput, the
+backward writes fc1's grad_output blocks in both directions from dh rounded to h's dtype (the
+bits of fc1's own quantization of dh; _plan.Plan.dy_blocks), else it returns dh.
 Tests: tests/test_fused_act_modules.py, tests/test_fused_dh.py, tests/test_compile_delayed.py,
 tests/test_act_block.py, tests/test_act_mxfp8.py.
 """
@@ -160,15 +162,18 @@ def _act_fwd_fake(h, activation, want_hp, recipe_id, scale, padded, columnwise=F
     return outs
 
 
-def _backward_into(dy, h, activation, recipe_id, padded, scale, dbias_dtype, slot):
+def _backward_into(dy, h, activation, recipe_id, padded, scale, dbias_dtype, slot,
+                   columnwise=False):
     """[dh [M, K] (h's dtype)] of h [M, K] from dy [M, N] in h's dtype; with recipe_id (a
     per-tensor FP8 recipe) fc1's grad_output instead (GradOutput): [codes [padded, K] (rows
     past M zero) of its "grad_output" quantizer, scale_inv, amax [1, 1], dbias ([K] of
     dbias_dtype, fc1's bias dtype: the kernel rounds its float32 sums to it) if dbias_dtype],
     in one C call that allocates them (_C._act_bwd). slot: the tensor to max-accumulate amax(dh)
-    into (DelayedScaling's history slot, eager), or None for a fresh one."""
+    into (DelayedScaling's history slot, eager), or None for a fresh one. Float8BlockScaling /
+    MXFP8BlockScaling (_plan.Plan.dy_blocks, no dbias): [data, scale_inv] + [data_t,
+    scale_inv_t] with columnwise, of dh rounded to h's dtype."""
     config = None if recipe_id is None else config_of(recipe_id, "grad_output")
-    outs = _C._act_bwd(dy, h, activation, config, scale, slot, padded, dbias_dtype)
+    outs = _C._act_bwd(dy, h, activation, config, scale, slot, padded, dbias_dtype, columnwise)
     if config is not None and slot is not None:
         outs[2] = slot.view(1, 1)
     return outs
@@ -176,19 +181,23 @@ def _backward_into(dy, h, activation, recipe_id, padded, scale, dbias_dtype, slo
 
 @op("tequant::act_bwd", mutates_args=())
 def _act_bwd(dy: torch.Tensor, h: torch.Tensor, activation: str, recipe_id: Optional[str],
-             padded: int, scale: Optional[torch.Tensor],
-             dbias_dtype: Optional[torch.dtype]) -> list[torch.Tensor]:
+             padded: int, scale: Optional[torch.Tensor], dbias_dtype: Optional[torch.dtype],
+             columnwise: bool = False) -> list[torch.Tensor]:
     """_backward_into with a fresh amax (compiled code max-accumulates it into fc1's history),
     its outputs allocated as torch.empty does (see _act_fwd)."""
     with graph_safe_workspace():
-        return _backward_into(dy, h, activation, recipe_id, padded, scale, dbias_dtype, None)
+        return _backward_into(dy, h, activation, recipe_id, padded, scale, dbias_dtype, None,
+                              columnwise)
 
 
 @fake("tequant::act_bwd")
-def _act_bwd_fake(dy, h, activation, recipe_id, padded, scale, dbias_dtype):
+def _act_bwd_fake(dy, h, activation, recipe_id, padded, scale, dbias_dtype, columnwise=False):
     if recipe_id is None:
         return [torch.empty_like(h)]
     k = h.shape[1]
+    if _plan.of_id(recipe_id).dy.scaling in _plan.BLOCK_FORMATS:
+        return [h.new_empty(shape, dtype=dtype)
+                for shape, dtype in _block_shapes(recipe_id, padded, k, columnwise)]
     outs = _fake_codes(h, recipe_id, "grad_output", padded, k)
     return outs + ([h.new_empty((k,), dtype=dbias_dtype)] if dbias_dtype is not None else [])
 
@@ -226,8 +235,7 @@ class ActFunction(torch.autograd.Function):
             ctx.activation, ctx.shape = activation, h.shape
             # fc1's grad_output quantizer (recipe id, padded rows) and its DelayedScaling scale
             # and slot, read when backward runs, as te.Linear's backward reads them
-            ctx.dh = (dh, dh_scale, dh_slot, dh_tokens[3].dtype if len(dh_tokens) == 4
-                      else None) if dh_tokens else None
+            ctx.dh = (dh, dh_scale, dh_slot, _dbias_dtype(dh, dh_tokens)) if dh_tokens else None
         if recipe_id is None:
             return y
         # the codes have no gradient: autograd must not make (and fill) zeros of their shape
@@ -248,12 +256,13 @@ class ActFunction(torch.autograd.Function):
         dy2d = dy.reshape(h2d.shape[0], _cols(ctx.activation, h2d.shape[1])).to(
             h2d.dtype).contiguous()
         dh = ctx.dh
-        (recipe_id, padded), scale, slot, dbias_dtype = dh or ((None, 0), None, None, None)
+        (recipe_id, padded, columnwise), scale, slot, dbias_dtype = dh or (
+            (None, 0, False), None, None, None)
         args = (dy2d, h2d, ctx.activation, recipe_id, padded, scale, dbias_dtype)
         if torch.compiler.is_compiling():
-            outs = torch.ops.tequant.act_bwd(*args)
+            outs = torch.ops.tequant.act_bwd(*args, columnwise)
         else:
-            outs = _backward_into(*args, slot)
+            outs = _backward_into(*args, slot, columnwise)
         if dh is None:
             return (outs[0].view(ctx.shape),) + _NONE_ARGS
         # fc1's backward multiplies the codes (given_dy_backward): h's gradient is a placeholder
@@ -343,15 +352,16 @@ class GradOutput:
         self.spec = self.scale = self.slot = None
         self.tokens = ()
 
-    def ask(self, recipe_id, padded, state, *, delayed):
-        """fc1's request: its recipe id, the padded rows of its fused x, and DelayedScaling's
+    def ask(self, recipe_id, padded, state, *, delayed, columnwise=False):
+        """fc1's request: its recipe id, the padded rows of its x, and DelayedScaling's
         (scale [1], history slot [1]; None in compiled code: a fresh amax) of its grad_output,
-        or (None, None). Returns the spec fc1's Function takes (its `dh`), or None where the
-        activation's backward would be slower than fc1's own quantization (ARITHMETIC_BOUND
-        under current scaling: torch runs that activation)."""
+        or (None, None); columnwise: Float8BlockScaling's / MXFP8BlockScaling's columnwise
+        blocks too (fc1's wgrad reads them). Returns the spec fc1's Function takes (its `dh`),
+        or None where the activation's backward would be slower than fc1's own quantization
+        (ARITHMETIC_BOUND outside DelayedScaling: torch runs that activation)."""
         if not delayed and self.activation in ARITHMETIC_BOUND:
             return None
-        self.spec = (recipe_id, padded)
+        self.spec = (recipe_id, padded, columnwise)
         self.scale, self.slot = state
         return self.spec
 
@@ -359,6 +369,21 @@ class GradOutput:
         """fc1's output from its Function's (h, *tokens)."""
         self.tokens = tuple(outs[1:])
         return outs[0]
+
+
+def _dbias_dtype(spec, tokens):
+    """The dbias dtype of a GradOutput's tokens (the fourth per-tensor token), or None."""
+    if len(tokens) != 4 or _plan.of_id(spec[0]).dy.scaling in _plan.BLOCK_FORMATS:
+        return None
+    return tokens[3].dtype
+
+
+def _block_shapes(recipe_id, padded, n, columnwise):
+    """[(shape, dtype)] of the block-format grad_output members the activation's backward
+    writes for [padded, n]: data, scale_inv (+ data_t, scale_inv_t with columnwise)."""
+    usage = _plan.ROWWISE | (_plan.COLUMNWISE if columnwise else 0)
+    layout = _C._quantize_layout(config_of(recipe_id, "grad_output"), int(padded), int(n), usage)
+    return [((r, c), dtype) for r, c, dtype in layout[:4 if columnwise else 2]]
 
 
 def _dh_args(dh):
@@ -378,25 +403,36 @@ def placeholders(like, spec, n, dbias_dtype):
     """The tokens fc1's Function returns (GradOutput): one expanded scalar (no storage) per
     tensor the activation's backward makes, of its shape and dtype: codes [padded, n],
     scale_inv and amax [1, 1], then dbias [n] of dbias_dtype (fc1's bias dtype, where its bias
-    learns; None: no dbias)."""
-    recipe_id, padded = spec
-    shapes = [((padded, n), _codes_dtype(recipe_id)), ((1, 1), torch.float32),
-              ((1, 1), torch.float32)] + ([((n,), dbias_dtype)] if dbias_dtype is not None
-                                          else [])
+    learns; None: no dbias); block formats: their members (_block_shapes), no dbias."""
+    recipe_id, padded, columnwise = spec
+    if _plan.of_id(recipe_id).dy.scaling in _plan.BLOCK_FORMATS:
+        if dbias_dtype is not None:
+            raise ValueError("a block-format grad_output from the activation has no dbias")
+        shapes = _block_shapes(recipe_id, padded, n, columnwise)
+    else:
+        shapes = [((padded, n), _codes_dtype(recipe_id)), ((1, 1), torch.float32),
+                  ((1, 1), torch.float32)] + ([((n,), dbias_dtype)] if dbias_dtype is not None
+                                              else [])
     return tuple(like.new_empty((), dtype=dtype).expand(shape) for shape, dtype in shapes)
 
 
-def given_dy_backward(c_args, saved, dy_q, needs, inp_shape, pending):
+def given_dy_backward(c_args, saved, dy_q, needs, inp_shape, pending, blocks=False):
     """te.Linear's backward (csrc/ext/linear.c linear_backward) on the grad_output the
-    activation quantized, dy_q = (codes [padded, N], scale_inv, amax, ...): (dx or None, dW or
-    None); the caller takes dbias. saved: linear_forward's. linear.c takes a quantized
-    grad_output of the forward's rows only where they are already the padded rows (a gathered
-    one's), so the call is made for the padded rows (zero codes, which add nothing to dW) and
-    dx keeps the first M of the [padded, K] dgrad: the bits of te.Linear's own padding."""
-    codes, scale_inv, amax = dy_q[:3]
-    members = (codes, scale_inv, None, None, amax, None)
-    if needs & _plan.NEED_WGRAD:
-        members = with_columnwise(members)
+    activation quantized, dy_q = (codes [padded, N], scale_inv, amax, ...), or with blocks
+    (Float8BlockScaling / MXFP8BlockScaling) its members (data, scale_inv[, data_t,
+    scale_inv_t]): (dx or None, dW or None); the caller takes dbias. saved:
+    linear_forward's. linear.c takes a quantized grad_output of the forward's rows only where
+    they are already the padded rows (a gathered one's), so the call is made for the padded
+    rows (zero codes, which add nothing to dW) and dx keeps the first M of the [padded, K]
+    dgrad: the bits of te.Linear's own padding."""
+    codes = dy_q[0]
+    if blocks:
+        members = (codes, dy_q[1]) + (tuple(dy_q[2:4]) if len(dy_q) >= 4 else (None, None)) \
+            + (None, None)
+    else:
+        members = (codes, dy_q[1], None, None, dy_q[2], None)
+        if needs & _plan.NEED_WGRAD:
+            members = with_columnwise(members)
     padded, n = codes.shape
     rows, k = saved[2], saved[5]
     dx, dw, _ = _C.linear_backward(c_args, saved[:2] + (padded,) + saved[3:],

@@ -25,7 +25,7 @@ class Plan:
     """What one recipe asks of a Linear, looked up once per recipe and cached."""
 
     __slots__ = ("recipe", "key", "x", "w", "dy", "align", "flags", "backward_override",
-                 "delayed", "c_args", "act_blocks")
+                 "delayed", "c_args", "act_blocks", "dy_blocks")
 
     def __init__(self, recipe):
         self.recipe = recipe
@@ -40,11 +40,19 @@ class Plan:
         self.delayed = self.x.scaling == "delayed"
         # Float8BlockScaling (1x128) or MXFP8BlockScaling (1x32) whose E4M3 input blocks an
         # activation's pass can write (tq_act_forward's block formats, _act_fn.ActInput.fusable)
-        self.act_blocks = (self.x.format == "E4M3" and not self.x.two_d and (
-            (self.x.scaling == "block" and self.x.block == (1, 128))
-            or (self.x.scaling == "mxfp8" and self.x.block == (1, 32))))
+        self.act_blocks = _fusable_blocks(self.x)
+        # ... and whose grad_output blocks the activation's backward can write (tq_act_backward)
+        self.dy_blocks = _fusable_blocks(self.dy)
         emulated = self.x.scaling in ("mxfp8", "nvfp4")
         self.c_args = (self.key, self.x, self.w, self.dy, self.align) + self.flags + (emulated,)
+
+
+def _fusable_blocks(config):
+    """Whether a fused kernel writes this quantizer's blocks: 1x128 (Float8BlockScaling) or 1x32
+    (MXFP8BlockScaling) E4M3 blocks."""
+    return config.format == "E4M3" and not config.two_d and (
+        (config.scaling == "block" and config.block == (1, 128))
+        or (config.scaling == "mxfp8" and config.block == (1, 32)))
 
 
 _BY_ID = {}  # recipe id (the registry key as a str, as compiled code names recipes) -> Plan

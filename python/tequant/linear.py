@@ -22,8 +22,10 @@ te.LayerNormMLP's fc2 gets a _act_fn.ActInput (fc1's output before the activatio
 its fc1, fed the norm's codes, also has the activation's backward quantize its grad_output
 (_act_fn.GradOutput: the Function then returns placeholders beside y, and its backward
 multiplies the codes that arrive as their gradients and returns the dbias that comes with them).
+Under Float8BlockScaling / MXFP8BlockScaling its fc1 on the norm's output asks the same for dh's
+blocks where its bias does not learn (no dbias in that pass).
 Tests: tests/test_linear.py, tests/test_linear_module.py, tests/test_linear_delayed.py,
-tests/test_checkpoint.py, tests/test_copy.py.
+tests/test_checkpoint.py, tests/test_copy.py, tests/test_act_grad_block.py.
 """
 import math
 
@@ -101,9 +103,10 @@ class _QuantizedLinear(torch.autograd.Function):
         saved, kept = _saved(ctx, _ROWWISE if plan.backward_override == "dequantized"
                              else _COLUMNWISE if needs & _NEED_DGRAD else 0)
         if dy_q and dy_q[0] is not None:  # dy's codes from the activation (_act_fn.GradOutput)
+            blocks = plan.dy.scaling in _plan.BLOCK_FORMATS  # (no dbias: not asked with a bias)
             dx, dw = _act_fn.given_dy_backward(plan.c_args, saved, dy_q, needs, ctx.shape,
-                                               ctx.pending)
-            db = dy_q[3] if ctx.needs_input_grad[2] else None  # in the bias dtype already
+                                               ctx.pending, blocks)
+            db = dy_q[3] if ctx.needs_input_grad[2] and not blocks else None  # bias dtype
             return dx, dw, db, None, None, None, None, None, None, None, None
         dy = _operands.waited(dy).contiguous()  # a collective's output (DTensor's)
         bias_dtype = ctx.bias_dtype if ctx.needs_input_grad[2] else None
@@ -466,12 +469,15 @@ class Linear(torch.nn.Linear):
                     inp = _norm_fn.resolved(inp)
                     delayed.calibrate(self, plan.x.amax_history_len, inp)
         norm_in = None  # a NormInput / ActInput whose norm / activation writes x's codes
+        block_dh = None  # LayerNormMLP's fc1 on the norm's output: its GradOutput (block formats)
         if type(inp) is NormInput or type(inp) is ActInput:
             plan = None if recipe is None or recipe.custom() else self._plan(recipe)
             if plan is not None and inp.fusable(plan.x.scaling, plan.backward_override, tp,
                                                 plan.act_blocks):
                 norm_in = inp
             else:
+                if type(inp) is NormInput and plan is not None and plan.dy_blocks:
+                    block_dh = inp.grad_output
                 inp = inp.high_precision()
         if recipe is None:
             if _operands.quantized_weight(weight) is not None:
@@ -522,15 +528,24 @@ class Linear(torch.nn.Linear):
                 bias is not None and bias.requires_grad))) or _operands.transformed() \
                 or tp is not None:
             dh = None  # LayerNormMLP's fc1: dy's codes from the activation's backward
+            source = None
             if (given is not None and type(norm_in) is NormInput
                     and norm_in.grad_output is not None):
-                dh = norm_in.grad_output.ask(plan.recipe._tequant_id, given[0].shape[0],
-                                             delayed.slots(self, delayed.BACKWARD)[0]
-                                             if plan.delayed else (None, None),
-                                             delayed=plan.delayed)
+                source = norm_in.grad_output
+                dh = source.ask(plan.recipe._tequant_id, given[0].shape[0],
+                                delayed.slots(self, delayed.BACKWARD)[0] if plan.delayed
+                                else (None, None), delayed=plan.delayed)
+            elif (block_dh is not None and tp is None and plan.backward_override is None
+                  and (bias is None or not bias.requires_grad)):
+                # Float8BlockScaling / MXFP8BlockScaling: dh's blocks from the activation's
+                # backward (no bias gradient there), x quantized here as without it
+                source = block_dh
+                dh = source.ask(plan.recipe._tequant_id,
+                                _plan.padded(inp.numel() // inp.shape[-1], plan.align),
+                                (None, None), delayed=False, columnwise=weight.requires_grad)
             out = _quantized_linear(inp, weight, bias, self, plan, is_first_microbatch, pending,
                                     states, tp, given, dh)
-            return out if dh is None else norm_in.grad_output.received(out)
+            return out if dh is None else source.received(out)
         # no graph to record (eval, inference): the C forward alone, x rowwise only
         x = inp.contiguous() if given is None else (given, tuple(inp.shape),
                                                     _operands.TQ_DTYPE[inp.dtype])

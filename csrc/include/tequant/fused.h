@@ -227,7 +227,8 @@ typedef struct tq_act_backward_args {
     /* outputs: data == NULL means not wanted */
     tq_tensor dh;        /* [M, K] of h's dtype, ld >= K */
     tq_tensor amax;      /* one FLOAT32, max-accumulated over the FP32 dh */
-    const tq_quant_config *config; /* NULL: no dh_q; else DELAYED or CURRENT (E4M3 or E5M2) */
+    const tq_quant_config *config; /* NULL: no dh_q; else DELAYED or CURRENT (E4M3 or E5M2), or
+                                      BLOCK or MXFP8 (q below) */
     tq_tensor dh_q;      /* [M, K] codes, ld >= K */
     tq_tensor scale_inv;
     tq_tensor scale;     /* DELAYED */
@@ -238,12 +239,21 @@ typedef struct tq_act_backward_args {
     tq_tensor dh_q_t;    /* [K, M] columnwise codes: dh_q's transpose (wgrad's operand), with
                             dh_q; ld >= M. TQ_ACT_IDENTITY writes them in its pass (tq_quantize's
                             dbias pass), the activations by a transpose after it */
+    /* A BLOCK config (1x128 blocks, E4M3) or an MXFP8 one (1x32, E4M3; members 16-byte
+     * aligned) writes q instead of every output above (no dh, amax, codes or dbias): the
+     * grad_output of fc1 in Float8BlockScaling / MXFP8BlockScaling's forward-operand format
+     * (their recipes' grad_output is E4M3 1x128 / 1x32 too), laid out by tq_quantize_layout
+     * for [R, K] with R >= M (rows past M quantize as zero rows), rowwise members given, the
+     * columnwise ones optional. The values quantized are dh rounded to h's dtype (canonical NaN
+     * first: dh's bits), so q equals tq_quantize of dh zero-padded to R rows, bit for bit; one
+     * pass over dy and h. Not with TQ_ACT_IDENTITY (that is tq_quantize of dy). */
+    tq_qtensor *q;
 } tq_act_backward_args;
 
 #define TQ_ACT_BACKWARD_ARGS_INIT \
     {sizeof(tq_act_backward_args), TQ_ACT_GELU, TQ_TENSOR_NONE, TQ_TENSOR_NONE, NULL, \
      TQ_TENSOR_NONE, TQ_TENSOR_NONE, TQ_TENSOR_NONE, TQ_TENSOR_NONE, TQ_TENSOR_NONE, \
-     TQ_TENSOR_NONE, TQ_TENSOR_NONE}
+     TQ_TENSOR_NONE, TQ_TENSOR_NONE, NULL}
 
 /* The workspace bytes of dbias for an h of [rows, cols] (FP32 partials; 0 when rows is 0). */
 TQ_API tq_status tq_act_backward_workspace_size(int64_t rows, int64_t cols, size_t *bytes);
