@@ -58,6 +58,13 @@ GATED = ("geglu", "reglu", "swiglu")
 # three kernels, slower than the fused current run. The gated ones evaluate act on half of h,
 # and relu / srelu run at memory speed, so they win everywhere.
 ARITHMETIC_BOUND = ("gelu", "silu")
+# The activations whose backward writes fc1's Float8BlockScaling / MXFP8BlockScaling grad_output
+# blocks (GradOutput.ask): those without the bf16 table. H200, bf16, 8192 rows, both directions
+# (docs/results/NOTES.md, eighteenth session): relu [8192, 16384] 253.0 us fused against 358.2
+# for the kernel's dh + te.ops.quantize, reglu [8192, 28672] 512.9 against 567.5; the table's
+# activations lose in the tile pass (lookups latency-bound at its two CTAs per SM): swiglu 978.0
+# against 615.3, gelu 470.2 against 355.6 (torch's dh + quantize).
+BLOCK_DH = ("relu", "srelu", "reglu")
 
 
 def _cols(activation, k):
@@ -358,8 +365,12 @@ class GradOutput:
         or (None, None); columnwise: Float8BlockScaling's / MXFP8BlockScaling's columnwise
         blocks too (fc1's wgrad reads them). Returns the spec fc1's Function takes (its `dh`),
         or None where the activation's backward would be slower than fc1's own quantization
-        (ARITHMETIC_BOUND outside DelayedScaling: torch runs that activation)."""
+        (ARITHMETIC_BOUND outside DelayedScaling: torch runs that activation; block formats
+        but for BLOCK_DH)."""
         if not delayed and self.activation in ARITHMETIC_BOUND:
+            return None
+        if (_plan.of_id(recipe_id).dy.scaling in _plan.BLOCK_FORMATS
+                and self.activation not in BLOCK_DH):
             return None
         self.spec = (recipe_id, padded, columnwise)
         self.scale, self.slot = state
