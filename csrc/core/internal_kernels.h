@@ -101,9 +101,13 @@ tq_status tq_act_forward_block_ref(const tq_tensor *h, const tq_act_forward_args
                                    struct CUstream_st *stream);
 tq_status tq_act_forward_block_cuda(const tq_tensor *h, const tq_act_forward_args *args,
                                     struct CUstream_st *stream);
-/* block_format_ref.c: y (a zero-padded [q->rows, cols] high-precision copy) into q's BLOCK or
- * MXFP8 members, columnwise where q has them. */
-tq_status tq_block_format_ref(const tq_tensor *y, const tq_quant_config *config, tq_qtensor *q);
+/* block_format_ref.c: tq_block_format_values allocates y, a zeroed [rows, cols] CPU matrix of
+ * dtype for a fused reference's values (fn and what name it in the out-of-memory error);
+ * tq_block_format_ref quantizes y (zero-padded to q->rows) into q's BLOCK or MXFP8 members,
+ * columnwise where q has them, and frees y's buffer. */
+tq_status tq_block_format_values(const char *fn, const char *what, int64_t rows, int64_t cols,
+                                 tq_dtype dtype, tq_tensor *y);
+tq_status tq_block_format_ref(tq_tensor *y, const tq_quant_config *config, tq_qtensor *q);
 tq_status tq_act_forward_mxfp8_ref(const tq_tensor *h, const tq_act_forward_args *args,
                                    struct CUstream_st *stream);
 tq_status tq_act_forward_mxfp8_cuda(const tq_tensor *h, const tq_act_forward_args *args,

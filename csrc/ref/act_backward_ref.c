@@ -17,8 +17,6 @@
 #include "internal_kernels.h"
 #include "ref_io.h"
 
-#include <stdlib.h>
-
 /* The FP32 dh of row r, column j (j < n; gated: j of each half into dh[0], dh[1]). */
 static void dh_elems(const tq_tensor *dy, const tq_tensor *h, int base, int gated, int64_t n,
                      int64_t r, int64_t j, float dh[2]) {
@@ -90,12 +88,10 @@ static tq_status block_format_ref(const tq_tensor *dy, const tq_tensor *h,
                                   const tq_act_backward_args *a) {
     const int gated = tq_act_gated(a->act), base = tq_act_base(a->act);
     tq_qtensor *q = a->q;
-    const int64_t k = h->cols, n = gated ? k / 2 : k, rows = q->rows;
-    const size_t elem = h->dtype == TQ_DTYPE_FLOAT32 ? 4 : 2;
-    tq_tensor d = {NULL, rows, k, k, h->dtype, TQ_DEVICE_CPU};
-    if (rows * k > 0 && (d.data = calloc((size_t)(rows * k), elem)) == NULL)
-        return tq_fail(TQ_ERROR_OUT_OF_MEMORY, "act backward (CPU): no memory for dh [%lld, "
-                       "%lld]", (long long)rows, (long long)k);
+    const int64_t k = h->cols, n = gated ? k / 2 : k;
+    tq_tensor d;
+    const tq_status st = tq_block_format_values("act backward", "dh", q->rows, k, h->dtype, &d);
+    if (st != TQ_SUCCESS) return st;
     for (int64_t r = 0; r < h->rows; r++) {
         for (int64_t j = 0; j < n; j++) {
             float dh[2] = {0.0f, 0.0f};
@@ -104,9 +100,7 @@ static tq_status block_format_ref(const tq_tensor *dy, const tq_tensor *h,
                 tq_ref_store(&d, r, j + half * n, tq_norm_canon(dh[half]));
         }
     }
-    const tq_status st = tq_block_format_ref(&d, a->config, q);
-    free(d.data);
-    return st;
+    return tq_block_format_ref(&d, a->config, q);
 }
 
 tq_status tq_act_backward_block_ref(const tq_tensor *dy, const tq_tensor *h,

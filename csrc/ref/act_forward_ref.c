@@ -15,8 +15,6 @@
 #include "internal_kernels.h"
 #include "ref_io.h"
 
-#include <stdlib.h>
-
 tq_status tq_act_forward_ref(const tq_tensor *h, const tq_act_forward_args *a,
                              struct CUstream_st *stream) {
     (void)stream;
@@ -50,12 +48,10 @@ static tq_status block_format_ref(const tq_tensor *h, const tq_act_forward_args 
                                   struct CUstream_st *stream) {
     const int gated = tq_act_gated(a->act), base = tq_act_base(a->act);
     tq_qtensor *q = a->q;
-    const int64_t n = q->cols, rows = q->rows;
-    const size_t elem = h->dtype == TQ_DTYPE_FLOAT32 ? 4 : 2;
-    tq_tensor y = {NULL, rows, n, n, h->dtype, TQ_DEVICE_CPU};
-    if (rows * n > 0 && (y.data = calloc((size_t)(rows * n), elem)) == NULL)
-        return tq_fail(TQ_ERROR_OUT_OF_MEMORY, "act forward (CPU): no memory for act(h) [%lld, "
-                       "%lld]", (long long)rows, (long long)n);
+    const int64_t n = q->cols;
+    tq_tensor y;
+    const tq_status st = tq_block_format_values("act forward", "act(h)", q->rows, n, h->dtype, &y);
+    if (st != TQ_SUCCESS) return st;
     for (int64_t r = 0; r < h->rows; r++) {
         for (int64_t j = 0; j < n; j++) {
             float v = tq_act_value(base, tq_ref_load(h, r, j));
@@ -64,9 +60,7 @@ static tq_status block_format_ref(const tq_tensor *h, const tq_act_forward_args 
         }
     }
     (void)stream;
-    const tq_status st = tq_block_format_ref(&y, a->config, q);
-    free(y.data);
-    return st;
+    return tq_block_format_ref(&y, a->config, q);
 }
 
 tq_status tq_act_forward_block_ref(const tq_tensor *h, const tq_act_forward_args *a,
