@@ -26,6 +26,9 @@ in one process group:
 - tp: TransformerEngine's tensor parallelism over the N ranks with sequence parallelism
   (te.Linear(tp_group, parallel_mode, sequence_parallel); QKV / fc1 / gate / up column, proj /
   fc2 / down row; bf16 parameters), bf16 and each recipe;
+- tp-overlap: tp with every tensor-parallel te.Linear's tp_comm_overlap on (the forward's
+  sequence-parallel gathers and reduce-scatters as rings beside the GEMM's row blocks,
+  tequant.distributed.pipelined; the input gradient's reduction beside wgrad);
 - fsdp-tp: FSDP2 over dp = N / --tp on a (dp, tp) mesh around the tp layers (N >= 4, or when
   listed in --modes).
 Recipe "torchao" (in the default --recipes when torchao imports; asked for without it, its rows
@@ -64,7 +67,7 @@ tests/test_bench_distributed.py (torchao too: torch._scaled_mm runs on CPU). Mar
 to --out (appended), every number to --json.
 
 Run: python3 benchmarks/bench_distributed.py [--gpus N] [--models gpt,llama]
-         [--modes 1gpu,fsdp,fsdp-hp,tp,fsdp-tp] [--recipes ...] [--exec eager,compile]
+         [--modes 1gpu,fsdp,fsdp-hp,tp,tp-overlap,fsdp-tp] [--recipes ...] [--exec eager,compile]
          [--layers 2] [--width 4096] [--seq 2048] [--batch 4] [--tp 2] [--time-limit S]
          [--out FILE] [--json FILE] [--device cpu]
 """
@@ -88,7 +91,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchutil  # noqa: E402
 import distbench  # noqa: E402
 
-MODES = ("1gpu", "fsdp", "fsdp-hp", "tp", "fsdp-tp")
+MODES = ("1gpu", "fsdp", "fsdp-hp", "tp", "tp-overlap", "fsdp-tp")
 TORCHAO = "torchao"  # the recipe name of torchao.float8's training (not a tequant recipe)
 GRACE = 60  # seconds after --time-limit before the ranks are killed (a hang, a slow compile)
 SIZES = {  # defaults by device: (width, ffn, llama ffn, seq, batch, layers, warmup, iters)
@@ -157,7 +160,7 @@ def not_measured(mode, recipe):
     """Why a configuration is skipped (None: it runs)."""
     if recipe != TORCHAO:
         return None
-    if mode in ("tp", "fsdp-tp"):
+    if mode in ("tp", "tp-overlap", "fsdp-tp"):
         return ("not measured: torchao's TP needs its Float8ColwiseParallel / "
                 "Float8RowwiseParallel DTensor styles")
     why = torchao_error()
@@ -204,12 +207,15 @@ class Rank:
         if recipe == TORCHAO:  # nn.Linear on the same weights, float8 gather in fsdp only
             model = distbench.torchao_stack(whole, kind, a.width, ffn, a.heads, a.layers,
                                             float8_all_gather=mode == "fsdp")
-        elif mode in ("tp", "fsdp-tp"):
-            group = dist.group.WORLD if mode == "tp" else self.mesh2d["tp"].get_group()
+        elif mode in ("tp", "tp-overlap", "fsdp-tp"):
+            group = dist.group.WORLD if mode != "fsdp-tp" else self.mesh2d["tp"].get_group()
             tp = dist.get_world_size(group)
-            dp_rank = 0 if mode == "tp" else self.mesh2d.get_coordinate()[0]
+            dp_rank = 0 if mode != "fsdp-tp" else self.mesh2d.get_coordinate()[0]
             model = distbench.Stack(kind, a.width, ffn, a.heads, a.layers, dev, tp_group=group)
             distbench.load_whole(model, whole, dist.get_rank(group), tp)
+            for m in model.modules():  # tp-overlap: every tensor-parallel layer's
+                if isinstance(m, te.Linear) and m.tp_group is not None:
+                    m.tp_comm_overlap = mode == "tp-overlap"
         else:
             model = whole
         if mode == "1gpu":
@@ -376,7 +382,7 @@ def launch(args, lines, main=None):
 # ---- tables and checks ------------------------------------------------------------------------
 
 LABELS = {"1gpu": "1 GPU alone", "fsdp": "FSDP2", "fsdp-hp": "FSDP2", "tp": "TP+SP",
-          "fsdp-tp": "FSDP2 x TP+SP"}
+          "tp-overlap": "TP+SP, tp_comm_overlap", "fsdp-tp": "FSDP2 x TP+SP"}
 
 
 def label(r):
@@ -384,6 +390,8 @@ def label(r):
         return LABELS[r["mode"]]
     if r["mode"] == "tp":
         return f"TP+SP tp={r['tp']}"
+    if r["mode"] == "tp-overlap":
+        return f"TP+SP tp={r['tp']}, tp_comm_overlap"
     if r["mode"] == "fsdp-tp":
         return f"FSDP2 dp={r['dp']} x TP+SP tp={r['tp']}"
     return f"FSDP2 dp={r['dp']}"

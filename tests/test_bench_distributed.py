@@ -23,7 +23,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "bench_distributed.py")
-MODES = ("1gpu", "fsdp", "fsdp-hp", "tp", "fsdp-tp")
+MODES = ("1gpu", "fsdp", "fsdp-hp", "tp", "tp-overlap", "fsdp-tp")
 RECIPES = ("current",)
 
 
@@ -72,9 +72,13 @@ def test_cpu_smoke_tables_and_numbers(smoke):
         for recipe in RECIPES:
             assert got[(model, "fsdp", recipe)]["gathered_bytes"] < 0.6 * bf16, (model, recipe)
             assert got[(model, "fsdp-hp", recipe)]["gathered_bytes"] == bf16, (model, recipe)
+        for recipe in ("bf16", *RECIPES):  # the ring's gathers count as the all-gather's bytes
+            assert got[(model, "tp-overlap", recipe)]["gathered_bytes"] == \
+                got[(model, "tp", recipe)]["gathered_bytes"], (model, recipe)
     assert "GPU: none (CPU reference)" in text and "torch " in text and "commit " in text
     labels = {"1gpu": "1 GPU alone", "fsdp": "FSDP2 dp=2", "fsdp-hp": "FSDP2 dp=2",
-              "tp": "TP+SP tp=2", "fsdp-tp": "FSDP2 dp=1 x TP+SP tp=2"}
+              "tp": "TP+SP tp=2", "tp-overlap": "TP+SP tp=2, tp_comm_overlap",
+              "fsdp-tp": "FSDP2 dp=1 x TP+SP tp=2"}
     for model in ("gpt", "llama"):
         table = text.split(f"### {model}, eager")[1].split("###")[0]
         rows = [line for line in table.splitlines() if line.startswith("| ") and

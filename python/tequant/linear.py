@@ -65,14 +65,15 @@ class _QuantizedLinear(torch.autograd.Function):
             inp = (_norm_fn.with_columnwise(given) if needs & _NEED_WGRAD else given,
                    tuple(inp.shape), _operands.TQ_DTYPE[inp.dtype])
         ctx.tp = tp
+        ring = None  # tp_comm_overlap: the collectives beside the fprop GEMM's row blocks
         if tp is not None:  # tensor parallelism: the collectives around the C calls
             if plan.delayed and states is None:
                 states = delayed.slots(module, delayed.FORWARD)
-            inp = tp.gather_input(inp, plan, states, needs & _NEED_WGRAD, override is None)
+            inp, ring = tp.gather_input(inp, plan, states, needs & _NEED_WGRAD, override is None)
         out, saved = _forward(inp, weight, bias, module, plan, is_first_microbatch, c_needs,
-                              states)
+                              states, ring)
         if tp is not None:
-            out = tp.reduce_output(out)
+            out = tp.reduce_output(out, ring)
         # The quantized operands go through save_for_backward, so activation checkpointing can
         # drop them and have them recomputed; their amaxes stay on ctx: DelayedScaling's are
         # views of the module's history, which the autocast's exit updates in place before
@@ -151,10 +152,12 @@ def _saved(ctx, w_usage=_COLUMNWISE):
     return saved, tensors[n_x + n_w:]
 
 
-def _forward(inp, weight, bias, module, plan, is_first_microbatch, c_needs, states=None):
+def _forward(inp, weight, bias, module, plan, is_first_microbatch, c_needs, states=None,
+             ring=None):
     """linear_forward's (out, saved) for a contiguous inp. states: DelayedScaling's (scale, amax
     slot) pairs of x and W (None: the module's own). A weight that arrives quantized goes to C
-    as it is (rowwise), with no second quantization."""
+    as it is (rowwise), with no second quantization. ring: tensor parallelism's pieces step
+    (distributed/pipelined.py), run between the fprop GEMM's row blocks."""
     if plan.delayed:
         x_state, w_state = states or delayed.slots(module, delayed.FORWARD)
     else:
@@ -165,6 +168,9 @@ def _forward(inp, weight, bias, module, plan, is_first_microbatch, c_needs, stat
                       weight.shape[1], _operands.TQ_DTYPE[weight.dtype])
         else:  # a wrapper of the high-precision weight (tequant.distributed.ShardedWeight)
             weight = getattr(weight, "tq_data", weight)
+    if ring is not None:
+        return _C.linear_forward(plan.c_args, inp, weight, bias, c_needs, module._weight_cache,
+                                 is_first_microbatch, x_state, w_state, (ring.size, ring))
     return _C.linear_forward(plan.c_args, inp, weight, bias, c_needs, module._weight_cache,
                              is_first_microbatch, x_state, w_state)
 
