@@ -49,7 +49,7 @@ def test_pieces_any_order_is_the_one_gemm():
     def reversed_order(i, blocks):
         calls.append((i, tuple(blocks.shape)))
         return None if i == 4 else 3 - i
-    split = _plan_forward(Float8CurrentScaling(), x, (4, reversed_order), layer)
+    split = _plan_forward(Float8CurrentScaling(), x, (4, reversed_order, 16), layer)
     assert torch.equal(split, whole)
     assert calls == [(i, (4, 32, 32)) for i in range(5)]
 
@@ -60,18 +60,33 @@ def test_pieces_errors():
     with pytest.raises(TypeError, match="pieces must be None or"):
         _plan_forward(current, x, "pieces")
     with pytest.raises(TypeError, match="pieces must be None or"):
-        _plan_forward(current, x, (0, lambda i, b: 0))
+        _plan_forward(current, x, (0, lambda i, b: 0, 0))
+    with pytest.raises(TypeError, match="pieces must be None or"):
+        _plan_forward(current, x, (2, lambda i, b: 0))  # no SM margin
+    with pytest.raises(TypeError, match="SMs to leave free 0..1024"):
+        _plan_forward(current, x, (2, lambda i, b: 0, -1))
     with pytest.raises(ValueError, match=r"step\(0\) returned block 5; the blocks are 0 to 1"):
-        _plan_forward(current, x, (2, lambda i, b: 5))
+        _plan_forward(current, x, (2, lambda i, b: 5, 0))
     with pytest.raises(ValueError, match="per-tensor FP8 input whose 64 rows split into 3"):
-        _plan_forward(current, x, (3, lambda i, b: i))
+        _plan_forward(current, x, (3, lambda i, b: i, 0))
     with pytest.raises(ValueError, match="per-tensor FP8 input"):
-        _plan_forward(MXFP8BlockScaling(), x, (2, lambda i, b: i))
+        _plan_forward(MXFP8BlockScaling(), x, (2, lambda i, b: i, 0))
 
     def broken(i, blocks):
         raise RuntimeError("the ring broke")
     with pytest.raises(RuntimeError, match="the ring broke"):
-        _plan_forward(current, x, (2, broken))
+        _plan_forward(current, x, (2, broken, 0))
+
+
+def test_sm_margin_setting():
+    import subprocess
+    code = "import tequant.distributed.pipelined as p; print(p.SM_MARGIN)"
+    env = dict(os.environ, TEQUANT_TP_OVERLAP_SM_MARGIN="24")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "24", out.stderr[-2000:]
+    env["TEQUANT_TP_OVERLAP_SM_MARGIN"] = "many"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode != 0 and "must be a number of SMs from 0 to 1024, got 'many'" in out.stderr
 
 
 def pipelined_worker(rank, world, names, tokens=(256, 2)):
@@ -143,3 +158,21 @@ def test_rings_give_the_plain_collectives_results(world):
     names = NAMES if world == 2 else ["current"]
     for results in run_ranks(pipelined_worker, world, names, timeout=240):
         check(results, world, names, exact=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pieces_leave_sms_on_cuda():
+    """On CUDA the blocks' GEMMs plan for the SMs less the margin: a plan of their own (the SM
+    count is in cuBLASLt's plan key), and the product of the one GEMM (another kernel may
+    accumulate in another order: within fp32 rounding)."""
+    torch.manual_seed(0)
+    layer = te.Linear(1024, 512, device="cuda")
+    x = torch.randn(4096, 1024, device="cuda")
+    whole = _plan_forward(Float8CurrentScaling(), x, layer=layer)
+    plans = dict(_C._gemm_plan_stats())["plans"]
+    for margin in (16, 0):
+        split = _plan_forward(Float8CurrentScaling(), x, (2, lambda i, b: None if i == 2 else i,
+                                                          margin), layer)
+        assert rel(split, whole) < 1e-6, margin
+    # blocks of 2048 rows: one plan with the margin, one without
+    assert dict(_C._gemm_plan_stats())["plans"] == plans + 2

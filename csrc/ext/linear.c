@@ -21,9 +21,10 @@
  * a multiple of the format's (tensor / sequence parallelism's quantized all-gathers; a quantized
  * x may also hold its rows zero-padded to that multiple: the fused norm's codes); x_state /
  * dy_state are then unused, and a quantized dy gives no bias gradient.
- * pieces: None, or (count, step): fprop runs as `count` row blocks in the order step gives
- * (linear_pieces.c; tensor parallelism's collectives beside the GEMMs); per-tensor FP8 only,
- * with no padded rows and blocks of whole multiples of the format's rows.
+ * pieces: None, or (count, step, sm_margin): fprop runs as `count` row blocks in the order step
+ * gives, each GEMM leaving sm_margin SMs free (linear_pieces.c; tensor parallelism's collectives
+ * beside the GEMMs); per-tensor FP8 only, with no padded rows and blocks of whole multiples of
+ * the format's rows.
  * Forward quantizes x rowwise (+ columnwise for wgrad) and W in both directions, runs fprop with
  * the bias in the epilogue, and saves the columnwise x and W for backward (TE_REFERENCE 7.3-7.5).
  * Backward quantizes dy, with the bias grad (bias_dtype None: none) from the same pass over dy
@@ -329,19 +330,21 @@ PyObject *tqx_linear_forward(PyObject *module, PyObject *const *args, Py_ssize_t
                      nargs);
         return NULL;
     }
-    long count = 0; /* pieces: the fprop GEMM in `count` row blocks, ordered by step */
+    long count = 0, sm_margin = -1; /* pieces: the fprop GEMM in `count` row blocks */
     PyObject *step = NULL;
     if (nargs == 10 && args[9] != Py_None) {
         PyObject *pieces = args[9];
-        if (PyTuple_Check(pieces) && PyTuple_GET_SIZE(pieces) == 2
-            && PyLong_Check(PyTuple_GET_ITEM(pieces, 0))) {
+        if (PyTuple_Check(pieces) && PyTuple_GET_SIZE(pieces) == 3
+            && PyLong_Check(PyTuple_GET_ITEM(pieces, 0))
+            && PyLong_Check(PyTuple_GET_ITEM(pieces, 2))) {
             count = PyLong_AsLong(PyTuple_GET_ITEM(pieces, 0));
             step = PyTuple_GET_ITEM(pieces, 1);
+            sm_margin = PyLong_AsLong(PyTuple_GET_ITEM(pieces, 2));
         }
-        if (count == -1 && PyErr_Occurred()) return NULL;
-        if (count < 1 || !PyCallable_Check(step)) {
+        if (PyErr_Occurred()) return NULL;
+        if (count < 1 || !PyCallable_Check(step) || sm_margin < 0 || sm_margin > 1024) {
             PyErr_SetString(PyExc_TypeError, "linear_forward's pieces must be None or (count >= 1, "
-                            "a callable step)");
+                            "a callable step, SMs to leave free 0..1024)");
             return NULL;
         }
     }
@@ -457,7 +460,7 @@ PyObject *tqx_linear_forward(PyObject *module, PyObject *const *args, Py_ssize_t
             goto done;
         }
         out = tqx_gemm_pieces(st, &a, &b, x.dtype, bias, p.flags[0], x.rows, n, shape, device,
-                              count, step);
+                              count, step, (int)sm_margin);
     } else {
         out = gemm(st, &p, &a, &b, x.dtype, bias, p.flags[0], x.rows, padded, shape, device);
     }

@@ -13,6 +13,8 @@
  * A row block of A's rowwise codes and of out is a contiguous slice; per-tensor FP8 scales apply
  * to every block alike, so each block's product is the same GEMM on fewer rows (the bias in
  * every block's epilogue). Only per-tensor FP8 A operands split this way (linear.c checks).
+ * The GEMMs leave sm_margin SMs free (cuBLASLt's SM count target): cuBLASLt's kernels would
+ * otherwise hold every SM, and the transfers' kernels would wait for a whole GEMM.
  * Tests: tests/test_tp_pipelined.py.
  */
 #include "module.h"
@@ -20,7 +22,7 @@
 PyObject *tqx_gemm_pieces(tqx_state *st, const tqx_operand *a, tqx_operand *b,
                           tq_dtype out_dtype, PyObject *bias, uint32_t flags, int64_t rows,
                           int64_t n, PyObject *shape, PyObject *device, long count,
-                          PyObject *step) {
+                          PyObject *step, int sm_margin) {
     void *data;
     PyObject *out = tqx_torch_new(st, rows, n, out_dtype, device, 0, &data);
     const int64_t block = rows / count;
@@ -55,7 +57,8 @@ PyObject *tqx_gemm_pieces(tqx_state *st, const tqx_operand *a, tqx_operand *b,
         PyObject *index = PyLong_FromLong(j);
         PyObject *rows_j = index ? PyObject_GetItem(blocks, index) : NULL;
         Py_XDECREF(index);
-        PyObject *done_j = rows_j ? tqx_gemm_run(st, &piece, b, rows_j, out_dtype, bias, flags)
+        PyObject *done_j = rows_j ? tqx_gemm_run_beside(st, &piece, b, rows_j, out_dtype, bias,
+                                                        flags, sm_margin)
                                   : NULL;
         Py_XDECREF(rows_j);
         if (done_j == NULL) goto done;

@@ -170,7 +170,8 @@ def _forward(inp, weight, bias, module, plan, is_first_microbatch, c_needs, stat
             weight = getattr(weight, "tq_data", weight)
     if ring is not None:
         return _C.linear_forward(plan.c_args, inp, weight, bias, c_needs, module._weight_cache,
-                                 is_first_microbatch, x_state, w_state, (ring.size, ring))
+                                 is_first_microbatch, x_state, w_state,
+                                 (ring.size, ring, ring.sm_margin))
     return _C.linear_forward(plan.c_args, inp, weight, bias, c_needs, module._weight_cache,
                              is_first_microbatch, x_state, w_state)
 

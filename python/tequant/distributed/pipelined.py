@@ -14,11 +14,17 @@ csrc/ext/linear_pieces.c), on the collectives' stream while the GEMMs run on the
   this rank's own, complete. With two ranks each output element is one addition of the two
   partials, as in the reduce-scatter (the same bits); with more, the order of the additions is
   the ring's.
+The GEMMs leave SM_MARGIN of the GPU's SMs to the transfers' kernels (cuBLASLt's SM count
+target; the environment variable TEQUANT_TP_OVERLAP_SM_MARGIN sets it, default 16, as
+TransformerEngine's overlap leaves 16): cuBLASLt's kernels would otherwise hold every SM, and a
+transfer would start only after the GEMM it was meant to run beside.
 Eager only (a compiled graph's collectives are functional; torch.compile keeps the plain path),
 per-tensor FP8 recipes (whose row blocks share one scale), sequence dim 0 (TE's [s, b, h]) and
 token counts that split into blocks of the format's row multiple; elsewhere the plain
 collectives run. Tests: tests/test_tp_pipelined.py.
 """
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -27,7 +33,18 @@ from .._operands import TQ_DTYPE
 from ..quantized import COLUMNWISE
 from . import gather_layout
 
-__all__ = ["GatherRing", "ScatterRing", "gather_input", "scatter_ring"]
+__all__ = ["GatherRing", "ScatterRing", "gather_input", "scatter_ring", "SM_MARGIN"]
+
+
+def _sm_margin():
+    text = os.environ.get("TEQUANT_TP_OVERLAP_SM_MARGIN", "16")
+    if not text.strip().isdigit() or int(text) > 1024:
+        raise ValueError(f"TEQUANT_TP_OVERLAP_SM_MARGIN must be a number of SMs from 0 to 1024, "
+                         f"got {text!r}")
+    return int(text)
+
+
+SM_MARGIN = _sm_margin()
 
 
 def usable(tp, plan, t):
@@ -42,6 +59,7 @@ class _Ring:
 
     def __init__(self, group, size):
         self.group, self.size = group, size
+        self.sm_margin = SM_MARGIN
         self.rank = dist.get_rank(group)
         self.next = dist.get_global_rank(group, (self.rank + 1) % size)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % size)
