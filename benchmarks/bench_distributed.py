@@ -26,9 +26,8 @@ in one process group:
 - tp: TransformerEngine's tensor parallelism over the N ranks with sequence parallelism
   (te.Linear(tp_group, parallel_mode, sequence_parallel); QKV / fc1 / gate / up column, proj /
   fc2 / down row; bf16 parameters), bf16 and each recipe;
-- tp-overlap: tp with every tensor-parallel te.Linear's tp_comm_overlap on (the forward's
-  sequence-parallel gathers and reduce-scatters as rings beside the GEMM's row blocks,
-  tequant.distributed.pipelined; the input gradient's reduction beside wgrad);
+- tp-overlap: tp with every tensor-parallel te.Linear's tp_comm_overlap on (a column layer's
+  input-gradient reduction started between its dgrad and wgrad GEMMs, beside wgrad);
 - fsdp-tp: FSDP2 over dp = N / --tp on a (dp, tp) mesh around the tp layers (N >= 4, or when
   listed in --modes).
 Recipe "torchao" (in the default --recipes when torchao imports; asked for without it, its rows

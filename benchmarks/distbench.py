@@ -160,26 +160,17 @@ def fully_shard_stack(model, *, quantized, mesh=None, param_dtype=torch.bfloat16
 
 class AllGatherBytes:
     """Bytes this rank puts into torch.distributed's all-gathers (FSDP2's, and the
-    sequence-parallel ones of te.Linear in eager code, tp_comm_overlap's ring gathers counted
-    as the one block of this rank they spread), counted by wrapping the functions on the
-    torch.distributed module (and pipelined.GatherRing) while installed. Collectives inside a compiled graph
+    sequence-parallel ones of te.Linear in eager code), counted by wrapping the functions on
+    the torch.distributed module while installed. Collectives inside a compiled graph
     (functional collectives) are not seen."""
 
     NAMES = ("all_gather_into_tensor", "all_gather_single")
 
     def __init__(self):
-        from tequant.distributed import pipelined
         self.sent = 0
         self.saved = {name: getattr(dist, name) for name in self.NAMES if hasattr(dist, name)}
         for name, fn in self.saved.items():
             setattr(dist, name, self._counted(fn))
-        # tp_comm_overlap's ring gathers (point-to-point): this rank's block, as an all-gather
-        self.ring_init = pipelined.GatherRing.__init__
-
-        def ring_init(ring, group, size, blocks, data, data_t):
-            self.sent += blocks[0].numel() * blocks.element_size()
-            self.ring_init(ring, group, size, blocks, data, data_t)
-        pipelined.GatherRing.__init__ = ring_init
 
     def _counted(self, fn):
         def counted(*args, **kwargs):
@@ -189,7 +180,5 @@ class AllGatherBytes:
         return counted
 
     def restore(self):
-        from tequant.distributed import pipelined
         for name, fn in self.saved.items():
             setattr(dist, name, fn)
-        pipelined.GatherRing.__init__ = self.ring_init

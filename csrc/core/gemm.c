@@ -423,7 +423,6 @@ static tq_status gemm_cuda(const tq_gemm_operand *a, const tq_gemm_operand *b,
     call.workspace_bytes = args->workspace.data ? (size_t)args->workspace.rows * (size_t)args->workspace.cols : 0;
     call.stream = stream;
     call.what = what;
-    call.sm_margin = args->sm_margin;
     if (info->emulated) return run_emulated(&call, f, a, b, &da, &db, info, args, out, &sp);
     call.a_type = cuda_type(b->config->elem_dtype);
     call.b_type = cuda_type(a->config->elem_dtype);

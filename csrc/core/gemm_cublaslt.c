@@ -25,7 +25,6 @@ typedef struct plan_key {
     int32_t device, a_type, b_type, d_type, bias_type, a_scale_mode, b_scale_mode;
     int32_t fast_accum, device_scalars;
     int32_t align_a, align_b, align_d, align_bias;
-    int32_t sm_count; /* cuBLASLt's SM count target (SMs less tq_gemm_args.sm_margin), 0: all */
     int64_t m, n, k, lda, ldb, ldd;
     uint64_t workspace_bytes;
 } plan_key;
@@ -41,7 +40,6 @@ typedef struct plan {
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static cublasLtHandle_t handles[MAX_DEVICES];
-static int sm_counts[MAX_DEVICES]; /* multiprocessors per device, asked once */
 static plan cache[CACHE_SLOTS];
 static uint64_t n_heuristic, n_hits, n_plans;
 
@@ -132,8 +130,6 @@ static tq_status plan_build(plan *p, const plan_key *key, const tq_lt_call *c) {
         if (st == TQ_SUCCESS)
             st = set_desc(p->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &c->bias_type, sizeof(int32_t), c);
     }
-    if (st == TQ_SUCCESS && key->sm_count > 0) /* the heuristic plans for these SMs */
-        st = set_desc(p->desc, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &key->sm_count, sizeof(int32_t), c);
     if (st == TQ_SUCCESS) st = set_pointers(p->desc, c); /* the heuristic reads their alignment */
     if (st != TQ_SUCCESS) return st;
     LT_TRY(cublasLtMatrixLayoutCreate(&p->la, (cudaDataType_t)c->a_type, (uint64_t)c->k, (uint64_t)c->m, c->lda),
@@ -213,14 +209,6 @@ static tq_status run_locked(const tq_lt_call *c) {
     key.align_bias = c->bias_type >= 0 ? alignment(c->bias) : 0;
     key.m = c->m, key.n = c->n, key.k = c->k, key.lda = c->lda, key.ldb = c->ldb, key.ldd = c->ldd;
     key.workspace_bytes = c->workspace_bytes;
-    if (c->sm_margin > 0) {
-        if (sm_counts[c->device] == 0
-            && cudaDeviceGetAttribute(&sm_counts[c->device], cudaDevAttrMultiProcessorCount,
-                                      c->device) != cudaSuccess)
-            return tq_fail(TQ_ERROR_CUDA, "cudaDeviceGetAttribute(MultiProcessorCount) failed on "
-                           "device %d", c->device);
-        key.sm_count = sm_counts[c->device] > c->sm_margin ? sm_counts[c->device] - c->sm_margin : 1;
-    }
     plan *p;
     tq_status st = plan_get(&key, c, &p);
     if (st == TQ_SUCCESS) st = set_pointers(p->desc, c);

@@ -30,7 +30,6 @@ typedef struct tq_lt_call {
     size_t workspace_bytes;
     struct CUstream_st *stream;
     const char *what; /* the pair, for error messages ("FP8 E4M3 x E4M3 per-tensor") */
-    int sm_margin;    /* tq_gemm_args.sm_margin */
 } tq_lt_call;
 
 /* Runs the call through a cached plan (heuristic on the first call of its kind). */

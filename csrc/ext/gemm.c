@@ -175,12 +175,6 @@ done:
 
 PyObject *tqx_gemm_run(tqx_state *st, tqx_operand *a, tqx_operand *b, PyObject *out_obj,
                        tq_dtype out_dtype, PyObject *bias_obj, uint32_t flags) {
-    return tqx_gemm_run_beside(st, a, b, out_obj, out_dtype, bias_obj, flags, 0);
-}
-
-PyObject *tqx_gemm_run_beside(tqx_state *st, tqx_operand *a, tqx_operand *b, PyObject *out_obj,
-                              tq_dtype out_dtype, PyObject *bias_obj, uint32_t flags,
-                              int sm_margin) {
     if (tqx_torch_import(st) < 0) return NULL;
     const int accumulate = (flags & TQ_GEMM_ACCUMULATE) != 0;
     PyObject *bias = NULL, *device = NULL, *result = NULL;
@@ -215,7 +209,6 @@ PyObject *tqx_gemm_run_beside(tqx_state *st, tqx_operand *a, tqx_operand *b, PyO
     }
     tq_gemm_args gargs = TQ_GEMM_ARGS_INIT;
     gargs.flags = flags;
-    gargs.sm_margin = sm_margin;
     if (bias_obj != Py_None) { /* the epilogue's dtype, converted once here when it differs */
         if (tqx_tensor_from_py(st, bias_obj, "bias", TQX_FLOAT_DTYPES, &gargs.bias, NULL) < 0)
             goto done;

@@ -1,8 +1,8 @@
 /* linear.c: te.Linear's host path, one C call per direction (python/tequant/linear.py holds
  * the autograd Function around them).
  *
- *   linear_forward(plan, inp, weight, bias, needs, cache, first_microbatch, x_state, w_state
- *                  [, pieces]) -> (out, saved)
+ *   linear_forward(plan, inp, weight, bias, needs, cache, first_microbatch, x_state, w_state)
+ *       -> (out, saved)
  *   linear_backward(plan, saved, dy, needs, dy_state, input_shape, bias_dtype, pending
  *                   [, after_dgrad]) -> (dx, dw, db)
  *
@@ -21,10 +21,6 @@
  * a multiple of the format's (tensor / sequence parallelism's quantized all-gathers; a quantized
  * x may also hold its rows zero-padded to that multiple: the fused norm's codes); x_state /
  * dy_state are then unused, and a quantized dy gives no bias gradient.
- * pieces: None, or (count, step, sm_margin): fprop runs as `count` row blocks in the order step
- * gives, each GEMM leaving sm_margin SMs free (linear_pieces.c; tensor parallelism's collectives
- * beside the GEMMs); per-tensor FP8 only, with no padded rows and blocks of whole multiples of
- * the format's rows.
  * Forward quantizes x rowwise (+ columnwise for wgrad) and W in both directions, runs fprop with
  * the bias in the epilogue, and saves the columnwise x and W for backward (TE_REFERENCE 7.3-7.5).
  * Backward quantizes dy, with the bias grad (bias_dtype None: none) from the same pass over dy
@@ -325,28 +321,9 @@ static PyObject *given_operand(tqx_state *st, PyObject *obj, const char *name, t
 }
 
 PyObject *tqx_linear_forward(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 9 && nargs != 10) {
-        PyErr_Format(PyExc_TypeError, "linear_forward takes 9 or 10 arguments (%zd given)",
-                     nargs);
+    if (nargs != 9) {
+        PyErr_Format(PyExc_TypeError, "linear_forward takes 9 arguments (%zd given)", nargs);
         return NULL;
-    }
-    long count = 0, sm_margin = -1; /* pieces: the fprop GEMM in `count` row blocks */
-    PyObject *step = NULL;
-    if (nargs == 10 && args[9] != Py_None) {
-        PyObject *pieces = args[9];
-        if (PyTuple_Check(pieces) && PyTuple_GET_SIZE(pieces) == 3
-            && PyLong_Check(PyTuple_GET_ITEM(pieces, 0))
-            && PyLong_Check(PyTuple_GET_ITEM(pieces, 2))) {
-            count = PyLong_AsLong(PyTuple_GET_ITEM(pieces, 0));
-            step = PyTuple_GET_ITEM(pieces, 1);
-            sm_margin = PyLong_AsLong(PyTuple_GET_ITEM(pieces, 2));
-        }
-        if (PyErr_Occurred()) return NULL;
-        if (count < 1 || !PyCallable_Check(step) || sm_margin < 0 || sm_margin > 1024) {
-            PyErr_SetString(PyExc_TypeError, "linear_forward's pieces must be None or (count >= 1, "
-                            "a callable step, SMs to leave free 0..1024)");
-            return NULL;
-        }
     }
     tqx_state *st = tqx_module_state(module);
     plan p;
@@ -448,23 +425,10 @@ PyObject *tqx_linear_forward(PyObject *module, PyObject *const *args, Py_ssize_t
         || tqx_operand_from_kept(st, &p.w, n, k, qw, TQX_PART_ROWWISE | TQX_PART_COLUMNWISE,
                                  TQ_USAGE_ROWWISE, &b) < 0)
         goto done;
-    if ((shape = shape_with_last(x_shape, n)) == NULL) goto done;
-    if (step != NULL) {
-        const int per_tensor = p.x.scaling == TQ_SCALING_DELAYED
-                               || p.x.scaling == TQ_SCALING_CURRENT;
-        if (!per_tensor || p.emulated || padded != x.rows || x.rows % count
-            || (x.rows / count) % p.align) {
-            PyErr_Format(PyExc_ValueError, "linear_forward's pieces need a per-tensor FP8 input "
-                         "whose %lld rows split into %ld blocks of a multiple of %lld rows",
-                         (long long)x.rows, count, (long long)p.align);
-            goto done;
-        }
-        out = tqx_gemm_pieces(st, &a, &b, x.dtype, bias, p.flags[0], x.rows, n, shape, device,
-                              count, step, (int)sm_margin);
-    } else {
-        out = gemm(st, &p, &a, &b, x.dtype, bias, p.flags[0], x.rows, padded, shape, device);
-    }
-    if (out == NULL) goto done;
+    if ((shape = shape_with_last(x_shape, n)) == NULL
+        || (out = gemm(st, &p, &a, &b, x.dtype, bias, p.flags[0], x.rows, padded, shape,
+                       device)) == NULL)
+        goto done;
     /* saved: (x kept (its columnwise part, or all of it) or None, W kept, rows, padded rows, N,
      * K, dtype of x, dtype of W) */
     PyObject *x_saved = x_kept(&qx, &p.x, needs);
@@ -613,8 +577,7 @@ done:
 
 PyMethodDef tqx_linear_methods[] = {
     {"linear_forward", (PyCFunction)(void (*)(void))tqx_linear_forward, METH_FASTCALL,
-     "linear_forward(plan, inp, weight, bias, needs, cache, first_microbatch, x_state, w_state"
-     "[, pieces])"
+     "linear_forward(plan, inp, weight, bias, needs, cache, first_microbatch, x_state, w_state)"
      " -> (out, saved)\n\nte.Linear's quantized forward; see csrc/ext/linear.c."},
     {"linear_backward", (PyCFunction)(void (*)(void))tqx_linear_backward, METH_FASTCALL,
      "linear_backward(plan, saved, dy, needs, dy_state, input_shape, bias_dtype, pending"

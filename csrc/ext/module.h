@@ -319,19 +319,7 @@ void tqx_operand_of(const tq_quant_config *config, const tq_qtensor *q, uint32_t
  * out_dtype), bias_obj a tensor or Py_None; flags tq_gemm_flags. New reference, or NULL. */
 PyObject *tqx_gemm_run(tqx_state *st, tqx_operand *a, tqx_operand *b, PyObject *out_obj,
                        tq_dtype out_dtype, PyObject *bias_obj, uint32_t flags);
-/* The same, leaving sm_margin of the GPU's SMs to kernels running beside it (CUDA). */
-PyObject *tqx_gemm_run_beside(tqx_state *st, tqx_operand *a, tqx_operand *b, PyObject *out_obj,
-                              tq_dtype out_dtype, PyObject *bias_obj, uint32_t flags,
-                              int sm_margin);
 extern PyMethodDef tqx_gemm_methods[];
-/* linear_pieces.c: out [rows, n] = A . B^T (+ bias) as `count` row blocks of A (per-tensor FP8
- * rowwise codes, rows a multiple of count), each block j = step(i, blocks) multiplied after that
- * call (i = 0..count-1; blocks: out as [count, rows / count, n]), then step(count, blocks); out
- * viewed as `shape`. The GEMMs leave sm_margin SMs to the transfers beside them. New reference, or NULL. */
-PyObject *tqx_gemm_pieces(tqx_state *st, const tqx_operand *a, tqx_operand *b,
-                          tq_dtype out_dtype, PyObject *bias, uint32_t flags, int64_t rows,
-                          int64_t n, PyObject *shape, PyObject *device, long count,
-                          PyObject *step, int sm_margin);
 
 /* packed.c: te.Linear's quantized operands in one uint8 buffer per part (members at offsets). */
 typedef enum tqx_part { /* the same bits as tq_usage: a quantization's usage is all its parts */

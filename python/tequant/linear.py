@@ -65,15 +65,14 @@ class _QuantizedLinear(torch.autograd.Function):
             inp = (_norm_fn.with_columnwise(given) if needs & _NEED_WGRAD else given,
                    tuple(inp.shape), _operands.TQ_DTYPE[inp.dtype])
         ctx.tp = tp
-        ring = None  # tp_comm_overlap: the collectives beside the fprop GEMM's row blocks
         if tp is not None:  # tensor parallelism: the collectives around the C calls
             if plan.delayed and states is None:
                 states = delayed.slots(module, delayed.FORWARD)
-            inp, ring = tp.gather_input(inp, plan, states, needs & _NEED_WGRAD, override is None)
+            inp = tp.gather_input(inp, plan, states, needs & _NEED_WGRAD, override is None)
         out, saved = _forward(inp, weight, bias, module, plan, is_first_microbatch, c_needs,
-                              states, ring)
+                              states)
         if tp is not None:
-            out = tp.reduce_output(out, ring)
+            out = tp.reduce_output(out)
         # The quantized operands go through save_for_backward, so activation checkpointing can
         # drop them and have them recomputed; their amaxes stay on ctx: DelayedScaling's are
         # views of the module's history, which the autocast's exit updates in place before
@@ -152,12 +151,10 @@ def _saved(ctx, w_usage=_COLUMNWISE):
     return saved, tensors[n_x + n_w:]
 
 
-def _forward(inp, weight, bias, module, plan, is_first_microbatch, c_needs, states=None,
-             ring=None):
+def _forward(inp, weight, bias, module, plan, is_first_microbatch, c_needs, states=None):
     """linear_forward's (out, saved) for a contiguous inp. states: DelayedScaling's (scale, amax
     slot) pairs of x and W (None: the module's own). A weight that arrives quantized goes to C
-    as it is (rowwise), with no second quantization. ring: tensor parallelism's pieces step
-    (distributed/pipelined.py), run between the fprop GEMM's row blocks."""
+    as it is (rowwise), with no second quantization."""
     if plan.delayed:
         x_state, w_state = states or delayed.slots(module, delayed.FORWARD)
     else:
@@ -168,10 +165,6 @@ def _forward(inp, weight, bias, module, plan, is_first_microbatch, c_needs, stat
                       weight.shape[1], _operands.TQ_DTYPE[weight.dtype])
         else:  # a wrapper of the high-precision weight (tequant.distributed.ShardedWeight)
             weight = getattr(weight, "tq_data", weight)
-    if ring is not None:
-        return _C.linear_forward(plan.c_args, inp, weight, bias, c_needs, module._weight_cache,
-                                 is_first_microbatch, x_state, w_state,
-                                 (ring.size, ring, ring.sm_margin))
     return _C.linear_forward(plan.c_args, inp, weight, bias, c_needs, module._weight_cache,
                              is_first_microbatch, x_state, w_state)
 

@@ -396,11 +396,9 @@ typedef struct tq_gemm_args {
     tq_tensor workspace; /* cuBLASLt workspace bytes (UINT8, any size; TQ_GEMM_WORKSPACE_BYTES
                             lets it choose among all algorithms); the caller keeps one per stream */
     tq_tensor scratch;  /* UINT8, at least info.scratch_bytes (may be empty when that is 0) */
-    int32_t sm_margin;  /* CUDA: SMs the GEMM leaves to kernels running beside it (tensor
-                           parallelism's transfers; cuBLASLt's SM count target), 0: all */
 } tq_gemm_args;
 
-#define TQ_GEMM_ARGS_INIT {sizeof(tq_gemm_args), 0u, {0}, {0}, {0}, 0}
+#define TQ_GEMM_ARGS_INIT {sizeof(tq_gemm_args), 0u, {0}, {0}, {0}}
 #define TQ_GEMM_WORKSPACE_BYTES ((size_t)32 << 20)
 
 /* Checks the pair, shapes and out_dtype (the same rules on every device) and fills info. */

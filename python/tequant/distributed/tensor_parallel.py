@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from .. import _C, ops
 from .._operands import TQ_DTYPE
 from ..quantized import COLUMNWISE, ROWWISE
-from . import gather_layout, pipelined
+from . import gather_layout
 
 __all__ = ["TensorParallel", "reduce_sequence_parallel_grads", "fallbacks"]
 
@@ -152,33 +152,20 @@ class TensorParallel:
     # ---- hooks of the quantized Function ----------------------------------------------------
 
     def gather_input(self, inp, plan, states, needs_wgrad, quantized):
-        """(input, ring): column, sequence parallel: the whole input from this rank's tokens,
-        quantized ((members, shape, dtype) for C) or in high precision where it cannot be (or
-        where the recipe's backward_override reads it, quantized=False). ring: None, or with
-        tp_comm_overlap linear_forward's pieces step (pipelined.py), which brings the other
-        ranks' tokens in beside the GEMM (a column layer) or reduce-scatters the output there
-        (a row layer: reduce_output takes the ring's result)."""
-        if self.size == 1 or not self.sequence_parallel:
-            return inp, None
-        if self.mode == "row":
-            pipe = quantized and pipelined.usable(self, plan, inp)
-            return inp, pipelined.scatter_ring(inp, plan, self) if pipe else None
+        """Column, sequence parallel: the whole input from this rank's tokens, quantized
+        ((members, shape, dtype) for C) or in high precision where it cannot be (or where the
+        recipe's backward_override reads it, quantized=False)."""
+        if self.mode != "column" or not self.sequence_parallel or self.size == 1:
+            return inp
         if not quantized:
-            return _gather_tokens(inp, self.group, self.dim), None
+            return _gather_tokens(inp, self.group, self.dim)
         usage = ROWWISE | (COLUMNWISE if needs_wgrad else 0)
         state = states[0] if states else None
-        if pipelined.usable(self, plan, inp):
-            pipe = pipelined.gather_input(inp, plan, usage, self, state)
-            if pipe is not None:
-                return pipe
-        return _gather_quantized(inp, plan, "input", usage, self, state), None
+        return _gather_quantized(inp, plan, "input", usage, self, state)
 
-    def reduce_output(self, out, ring=None):
+    def reduce_output(self, out):
         if self.mode != "row" or self.size == 1:
             return out
-        if ring is not None:  # reduce-scattered beside the GEMMs (pipelined.ScatterRing)
-            shape = (out.shape[0] // self.size,) + tuple(out.shape[1:])
-            return ring.result.view(shape)
         return _scatter_tokens(out, self.group, self.dim) if self.sequence_parallel else \
             _all_reduce(out, self.group)
 
