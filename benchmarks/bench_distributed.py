@@ -265,6 +265,8 @@ class Rank:
         if ex == "compile":
             torch._dynamo.reset()
         model, group, dp_rank, tp = self.build(kind, mode, recipe, ex == "compile")
+        overlapped = sum(1 for m in model.modules()  # te.Linears with tp_comm_overlap on
+                         if isinstance(m, te.Linear) and m.tp_comm_overlap)
         x, step = self.step_of(model, mode, recipe, group, dp_rank, tp)
         before = (dict(te.distributed.fallbacks), dict(tensor_parallel.fallbacks))
         counter = distbench.AllGatherBytes()
@@ -304,7 +306,7 @@ class Rank:
                 "tokens_per_gpu": tokens, "step_ms": 1e3 * step_s,
                 "tokens_per_s_per_gpu": tokens / step_s, "peak_gib": peak,
                 "gathered_bytes": statistics.median(sent), "loss": float(loss),
-                "fallbacks": fallbacks}
+                "fallbacks": fallbacks, "overlapped_layers": overlapped}
 
 
 def init_rank(rank, world, port, device):

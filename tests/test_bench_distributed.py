@@ -73,8 +73,10 @@ def test_cpu_smoke_tables_and_numbers(smoke):
             assert got[(model, "fsdp", recipe)]["gathered_bytes"] < 0.6 * bf16, (model, recipe)
             assert got[(model, "fsdp-hp", recipe)]["gathered_bytes"] == bf16, (model, recipe)
         for recipe in ("bf16", *RECIPES):  # tp_comm_overlap moves no other bytes
-            assert got[(model, "tp-overlap", recipe)]["gathered_bytes"] == \
-                got[(model, "tp", recipe)]["gathered_bytes"], (model, recipe)
+            on, off = got[(model, "tp-overlap", recipe)], got[(model, "tp", recipe)]
+            assert on["gathered_bytes"] == off["gathered_bytes"], (model, recipe)
+            # the stack's tensor-parallel layers have it on, and only in tp-overlap
+            assert on["overlapped_layers"] > 0 and off["overlapped_layers"] == 0, (model, recipe)
     assert "GPU: none (CPU reference)" in text and "torch " in text and "commit " in text
     labels = {"1gpu": "1 GPU alone", "fsdp": "FSDP2 dp=2", "fsdp-hp": "FSDP2 dp=2",
               "tp": "TP+SP tp=2", "tp-overlap": "TP+SP tp=2, tp_comm_overlap",
