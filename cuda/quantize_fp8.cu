@@ -20,242 +20,28 @@
  * a larger one runs tq_amax_cuda first (same stream, no host sync): 6 bytes moved per 4 counted
  * for bf16 (walking the tiles in reverse to reuse x's tail in L2, with streaming stores, measured
  * no gain on H200).
- * Reference: csrc/ref/quantize_fp8_ref.c. Tests: tests/test_quantize_fp8.py.
+ * Current scaling's one launch also sums a bf16 grad_output's columns for dbias where
+ * quantize_dbias.c asks (tq_fp8_current_fuses_dbias). The tile code: fp8_cast_tile.cuh.
+ * Reference: csrc/ref/quantize_fp8_ref.c. Tests: tests/test_quantize_fp8.py,
+ * tests/test_dbias_fused.py.
  */
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <type_traits>
 
-#include "fp_cast.cuh"
+#include "column_sums.cuh"
+#include "fp8_cast_tile.cuh"
 #include "internal_kernels.h"
 #include "launch.cuh"
-#include "tile_transpose.cuh"
-#include "tequant/formats.h"
 
 namespace {
 
 using tq_cuda::DeviceGuard;
 using tq_cuda::cuda_failed;
 using tq_cuda::launch_failed;
-
-constexpr int kTile = 128;    /* a CTA's tile of x: kTile rows x kTile cols */
-constexpr int kThreads = 256; /* 8 warps; each thread owns 4 row segments of 16 elements */
-constexpr int kIters = kTile * kTile / 16 / kThreads;
-
-using tq_fp::Bf16;
-using tq_fp::Half;
-using tq_fp::cvt8x2;
-using tq_fp::widen;
-
-template <typename T>
-union Vec16 { /* 16 bytes of x: 4 floats or 8 bf16 / fp16 */
-    uint4 u;
-    T t[16 / sizeof(T)];
-};
-
-struct CastParams {
-    const void *x;
-    int64_t rows, cols, ld;
-    uint8_t *data;         /* [rows, cols] rowwise codes, or NULL */
-    uint8_t *data_t;       /* [cols, rows] columnwise codes, or NULL */
-    const float *scale;    /* DELAYED: the scale to cast with */
-    const float *amax_in;  /* CURRENT: max|x| from the amax pass, or the caller's given amax */
-    float *amax_copy;      /* CURRENT with a given amax: q's amax, set to it by CTA 0 */
-    float *amax_out;       /* DELAYED: the history slot to max-accumulate into */
-    float *scale_inv;
-    float fmax, eps;
-    int pow2;
-    int64_t tiles_k;       /* tiles along cols */
-    int x_vec_ok;          /* x's base and row pitch allow 16-byte loads */
-    int data_vec_ok;       /* rowwise rows allow kVec-byte stores */
-    int data_t_vec_ok;     /* columnwise rows allow 16-byte stores */
-};
-
-__device__ __forceinline__ float cast_scale(const CastParams &p) {
-    if (p.scale != nullptr) return *p.scale;
-    return tq_scale_from_amax(*p.amax_in, p.fmax, p.eps, p.pow2, TQ_FLT_MAX);
-}
-
-/* Rowwise store of n <= 8 codes packed little-endian in `codes` at row-major position dst. */
-template <int kN>
-__device__ __forceinline__ void store_codes(uint8_t *dst, const uint32_t (&codes)[kN / 4],
-                                            int valid, bool vec_ok) {
-    if (vec_ok && valid >= kN) {
-        if constexpr (kN == 8) *reinterpret_cast<uint2 *>(dst) = make_uint2(codes[0], codes[1]);
-        else *reinterpret_cast<uint32_t *>(dst) = codes[0];
-        return;
-    }
-#pragma unroll
-    for (int e = 0; e < kN; e++) /* constant indices keep codes in registers */
-        if (e < valid) dst[e] = (uint8_t)(codes[e / 4] >> (8 * (e % 4)));
-}
-
-/* One CTA = one 128x128 tile of x. Thread t owns rows 4*(t/8) + it (it < 4) and, in each, the
- * vectors v*8 + t%8 (v < 16/kVec) of kVec elements: a warp's load instruction covers 4 whole
- * 128-column rows (coalesced). Its 4 consecutive rows make 4x4 byte blocks that a register
- * transpose turns into 32-bit words of the transposed tile. That tile, [k][m] bytes in shared
- * memory, has its 16-byte chunks of m XOR-swizzled by (k/kVec)%8 = t%8, so a warp's word stores
- * hit 32 different banks and each row is still 8 whole chunks for the 16-byte read-back. */
-template <typename T>
-using TileRegs = Vec16<T>[kIters][16 / (16 / sizeof(T))]; /* a thread's part of a tile */
-
-/* The tile's loads, all issued before any use: 4 x 16 elements in flight per thread; elements
- * past x's edge load as 0 (no code is stored for them, and 0 leaves a max unchanged). */
-template <typename T, bool kFull>
-__device__ __forceinline__ void load_tile(const CastParams &p, int64_t m0, int64_t k0,
-                                          TileRegs<T> &raw) {
-    constexpr int kVec = 16 / sizeof(T), kNV = 16 / kVec;
-    const int lane8 = threadIdx.x & 7, row8 = threadIdx.x >> 3;
-    const T *x = static_cast<const T *>(p.x);
-#pragma unroll
-    for (int it = 0; it < kIters; it++) {
-        const int64_t gr = m0 + 4 * row8 + it;
-#pragma unroll
-        for (int v = 0; v < kNV; v++) {
-            const int64_t gc = k0 + (v * 8 + lane8) * kVec;
-            if (kFull || (p.x_vec_ok && gr < p.rows && gc + kVec <= p.cols)) {
-                raw[it][v].u = __ldg(reinterpret_cast<const uint4 *>(x + gr * p.ld + gc));
-            } else {
-#pragma unroll
-                for (int e = 0; e < kVec; e++)
-                    raw[it][v].t[e] = (gr < p.rows && gc + e < p.cols) ? x[gr * p.ld + gc + e] : T{0};
-            }
-        }
-    }
-}
-
-/* max(a, |v|) over a thread's loaded elements: fmaxf drops NaN and fabsf makes -0 +0, the rule
- * of tq_amax_step. */
-template <typename T>
-__device__ __forceinline__ float regs_amax(const TileRegs<T> &raw, float a) {
-    constexpr int kVec = 16 / sizeof(T), kNV = 16 / kVec;
-#pragma unroll
-    for (int it = 0; it < kIters; it++)
-#pragma unroll
-        for (int v = 0; v < kNV; v++)
-#pragma unroll
-            for (int e = 0; e < kVec; e++) a = fmaxf(a, fabsf(widen(raw[it][v].t[e])));
-    return a;
-}
-
-/* One CTA = one 128x128 tile of x. Thread t owns rows 4*(t/8) + it (it < 4) and, in each, the
- * vectors v*8 + t%8 (v < 16/kVec) of kVec elements: a warp's load instruction covers 4 whole
- * 128-column rows (coalesced). Its 4 consecutive rows make 4x4 byte blocks that a register
- * transpose turns into 32-bit words of the transposed tile. That tile, [k][m] bytes in shared
- * memory, has its 16-byte chunks of m XOR-swizzled by (k/kVec)%8 = t%8, so a warp's word stores
- * hit 32 different banks and each row is still 8 whole chunks for the 16-byte read-back.
- * cast_loaded casts a tile load_tile has loaded; cast_tile loads and casts. */
-template <typename T, bool kRow, bool kCol, bool kDelayed, bool kE5M2, bool kFull>
-__device__ __forceinline__ void cast_loaded(const CastParams &p, int64_t m0, int64_t k0,
-                                            const TileRegs<T> &raw, uint8_t *tile_t,
-                                            float *warp_amax) {
-    constexpr int kVec = 16 / sizeof(T), kNV = 16 / kVec, kWords = kVec / 4;
-    const int lane8 = threadIdx.x & 7, row8 = threadIdx.x >> 3;
-
-    const float scale = cast_scale(p);
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-        *p.scale_inv = tq_rcp(scale);
-        if (p.amax_copy != nullptr) *p.amax_copy = *p.amax_in;
-    }
-
-    /* Where this thread's 4 rows sit in a row of the transposed tile (m = 4*row8 .. +3). */
-    const int swizzled_m = (((row8 >> 2) ^ lane8) << 4) | ((row8 & 3) << 2);
-    float amax = 0.0f;
-#pragma unroll
-    for (int v = 0; v < kNV; v++) {
-        const int c = (v * 8 + lane8) * kVec; /* the vector's first column in the tile */
-        uint32_t codes[kIters][kWords];
-#pragma unroll
-        for (int it = 0; it < kIters; it++) {
-#pragma unroll
-            for (int g = 0; g < kWords; g++) {
-                float x_hp[4];
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    x_hp[e] = widen(raw[it][v].t[4 * g + e]);
-                    /* = tq_amax_step (NaN ignored, |x| >= 0) in one FMNMX; out-of-range
-                     * elements were loaded as 0 */
-                    if constexpr (kDelayed) amax = fmaxf(amax, fabsf(x_hp[e]));
-                }
-                codes[it][g] = cvt8x2<kE5M2>(tq_mul(x_hp[0], scale), tq_mul(x_hp[1], scale))
-                               | cvt8x2<kE5M2>(tq_mul(x_hp[2], scale), tq_mul(x_hp[3], scale)) << 16;
-            }
-            const int64_t gr = m0 + 4 * row8 + it;
-            if (kRow && (kFull || (gr < p.rows && k0 + c < p.cols)))
-                store_codes<kVec>(p.data + gr * p.cols + k0 + c, codes[it],
-                                  kFull ? kVec : (int)(p.cols - k0 - c), kFull || p.data_vec_ok);
-        }
-        if constexpr (kCol) {
-#pragma unroll
-            for (int g = 0; g < kWords; g++) {
-                const uint32_t rows4[4] = {codes[0][g], codes[1][g], codes[2][g], codes[3][g]};
-                uint32_t cols4[4];
-                tq_tile::transpose4x4(rows4, cols4);
-#pragma unroll
-                for (int e = 0; e < 4; e++)
-                    *reinterpret_cast<uint32_t *>(&tile_t[(c + 4 * g + e) * kTile + swizzled_m]) = cols4[e];
-            }
-        }
-    }
-
-    if constexpr (kCol) {
-        __syncthreads();
-#pragma unroll
-        for (int it = 0; it < kIters; it++) {
-            const int k = it * 32 + row8, j = lane8;
-            const int64_t gk = k0 + k, gm = m0 + 16 * j;
-            if (!kFull && (gk >= p.cols || gm >= p.rows)) continue;
-            const uint4 chunk = *reinterpret_cast<const uint4 *>(
-                &tile_t[k * kTile + ((j ^ ((k / kVec) & 7)) << 4)]);
-            uint8_t *dst = p.data_t + gk * p.rows + gm;
-            if (kFull || (p.data_t_vec_ok && gm + 16 <= p.rows)) {
-                *reinterpret_cast<uint4 *>(dst) = chunk;
-            } else {
-                const uint32_t w[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
-#pragma unroll
-                for (int i = 0; i < 16; i++)
-                    if (gm + i < p.rows) dst[i] = (uint8_t)(w[i / 4] >> (8 * (i % 4)));
-            }
-        }
-    }
-
-    if constexpr (kDelayed) {
-        for (int offset = 16; offset > 0; offset >>= 1)
-            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-        if ((threadIdx.x & 31) == 0) warp_amax[threadIdx.x >> 5] = amax;
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            for (int w = 1; w < kThreads / 32; w++) amax = fmaxf(amax, warp_amax[w]);
-            /* Signed compare of the bits, as the reference: float max for values >= 0. Always
-             * issued so a zero tile still replaces a negative old slot, like the reference. */
-            atomicMax(reinterpret_cast<int *>(p.amax_out), __float_as_int(amax));
-        }
-    }
-}
-
-template <typename T, bool kRow, bool kCol, bool kDelayed, bool kE5M2, bool kFull>
-__device__ __forceinline__ void cast_tile(const CastParams &p, int64_t m0, int64_t k0,
-                                          uint8_t *tile_t, float *warp_amax) {
-    TileRegs<T> raw;
-    load_tile<T, kFull>(p, m0, k0, raw);
-    cast_loaded<T, kRow, kCol, kDelayed, kE5M2, kFull>(p, m0, k0, raw, tile_t, warp_amax);
-}
-
-/* The first row and column of tile number `tile` (row-major over the tiles). */
-__device__ __forceinline__ void tile_origin(const CastParams &p, int64_t tile, int64_t &m0,
-                                            int64_t &k0) {
-    const int64_t tm = tile / p.tiles_k;
-    m0 = tm * kTile;
-    k0 = (tile - tm * p.tiles_k) * kTile;
-}
-
-/* Interior tiles with aligned rows (nearly all of a large tensor) skip every bounds check. */
-__device__ __forceinline__ bool full_tile(const CastParams &p, bool row, bool col, int64_t m0,
-                                          int64_t k0) {
-    return p.x_vec_ok && (!row || p.data_vec_ok) && (!col || p.data_t_vec_ok)
-           && m0 + kTile <= p.rows && k0 + kTile <= p.cols;
-}
+using namespace tq_fp8cast;
 
 /* 16-bit inputs: 4 CTAs (1024 threads, 64 registers each) per SM keep enough loads in flight. */
 template <typename T, bool kRow, bool kCol, bool kDelayed, bool kE5M2>
@@ -359,11 +145,17 @@ void launch_small(const CastParams &p, uint32_t usage, int e5m2, float *amax, cu
  * rule, which also guarantees every CTA runs while the others wait at the barrier). */
 constexpr int64_t kFusedMaxElems = 1 << 24;
 
-template <typename T, bool kRow, bool kCol, bool kE5M2>
-__global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 4 : 2) fused_current_kernel(const CastParams p, float *amax) {
+/* CTAs per SM the registers are planned for: 16-bit x 4; with dbias (bf16 only) 3, as the sums'
+ * registers spilled at 4 (ptxas -v: 260 bytes; 20 at 3). */
+template <typename T, bool kDbias>
+constexpr int kFusedMinCtas = sizeof(T) == 4 ? 2 : kDbias ? 3 : 4;
+
+template <typename T, bool kRow, bool kCol, bool kE5M2, bool kDbias>
+__global__ void __launch_bounds__(kThreads, kFusedMinCtas<T, kDbias>) fused_current_kernel(const CastParams p, float *amax) {
     __shared__ alignas(16) uint8_t tile_t[kCol ? kTile * kTile : 16];
     __shared__ float warp_amax[kThreads / 32];
     __shared__ float amax_s;
+    __shared__ float carry[kDbias ? kThreads / 32 * 8 * (16 / sizeof(T)) : 1];
     cooperative_groups::grid_group grid = cooperative_groups::this_grid();
     const int64_t tiles = ((p.rows + kTile - 1) / kTile) * p.tiles_k;
     /* One tile per CTA (the grid covers x): the tile stays in registers across the barriers and
@@ -379,6 +171,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 4 : 2) fused_curren
         if (full) load_tile<T, true>(p, m0, k0, raw);
         else load_tile<T, false>(p, m0, k0, raw);
         a = regs_amax<T>(raw, a);
+        if constexpr (kDbias) tile_partials<T>(p, m0, k0, raw, carry);
     } else {
         for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
             int64_t tm0, tk0;
@@ -387,6 +180,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 4 : 2) fused_curren
             if (full_tile(p, kRow, kCol, tm0, tk0)) load_tile<T, true>(p, tm0, tk0, r);
             else load_tile<T, false>(p, tm0, tk0, r);
             a = regs_amax<T>(r, a);
+            if constexpr (kDbias) tile_partials<T>(p, tm0, tk0, r, carry);
         }
     }
     a = block_max(a, warp_amax);
@@ -431,12 +225,18 @@ int fused_blocks_per_sm(Kernel kernel, int device, std::atomic<int> (&cache)[64]
     return v;
 }
 
-/* Launches the fused kernel; false (nothing queued) where the device cannot run it. */
-template <typename T, bool kRow, bool kCol, bool kE5M2>
-bool launch_fused(const CastParams &p, float *amax, int device, unsigned tiles, cudaStream_t s) {
-    auto kernel = fused_current_kernel<T, kRow, kCol, kE5M2>;
+/* CTAs per SM of one fused_current_kernel instance on `device` (0: no cooperative launch). */
+template <typename T, bool kRow, bool kCol, bool kE5M2, bool kDbias>
+int fused_per_sm(int device) {
     static std::atomic<int> cache[64]; /* this instance's */
-    const int per_sm = fused_blocks_per_sm(kernel, device, cache);
+    return fused_blocks_per_sm(fused_current_kernel<T, kRow, kCol, kE5M2, kDbias>, device, cache);
+}
+
+/* Launches the fused kernel; false (nothing queued) where the device cannot run it. */
+template <typename T, bool kRow, bool kCol, bool kE5M2, bool kDbias = false>
+bool launch_fused(const CastParams &p, float *amax, int device, unsigned tiles, cudaStream_t s) {
+    auto kernel = fused_current_kernel<T, kRow, kCol, kE5M2, kDbias>;
+    const int per_sm = fused_per_sm<T, kRow, kCol, kE5M2, kDbias>(device);
     int sms = 0;
     if (per_sm <= 0 || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
         return false;
@@ -455,9 +255,18 @@ bool launch_fused(const CastParams &p, int e5m2, float *amax, int device, unsign
                 : launch_fused<T, kRow, kCol, false>(p, amax, device, tiles, s);
 }
 
+/* With dbias (p.partials set: bf16, both directions, te.Linear's grad_output) the summing
+ * instances; other dtypes keep the pass (tq_fp8_current_fuses_dbias), so their instances are
+ * not compiled. */
 template <typename T>
 bool launch_fused(const CastParams &p, uint32_t usage, int e5m2, float *amax, int device,
                   unsigned tiles, cudaStream_t s) {
+    if (p.partials != nullptr) {
+        if constexpr (std::is_same<T, Bf16>::value)
+            return e5m2 ? launch_fused<T, true, true, true, true>(p, amax, device, tiles, s)
+                        : launch_fused<T, true, true, false, true>(p, amax, device, tiles, s);
+        return false;
+    }
     if (usage == (TQ_USAGE_ROWWISE | TQ_USAGE_COLUMNWISE))
         return launch_fused<T, true, true>(p, e5m2, amax, device, tiles, s);
     if (usage == TQ_USAGE_ROWWISE) return launch_fused<T, true, false>(p, e5m2, amax, device, tiles, s);
@@ -485,6 +294,23 @@ bool aligned16(const void *ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u
 
 extern "C" int tq_fp8_current_one_launch(int64_t elems) {
     return elems > 0 && elems <= kFusedMaxElems;
+}
+
+
+extern "C" int tq_fp8_current_fuses_dbias(const tq_tensor *x, const tq_quant_config *c,
+                                          uint32_t usage) {
+    const int64_t n = x->rows * x->cols;
+    if (x->device == TQ_DEVICE_CPU || x->dtype != TQ_DTYPE_BFLOAT16
+        || c->scaling != TQ_SCALING_CURRENT || usage != (TQ_USAGE_ROWWISE | TQ_USAGE_COLUMNWISE)
+        || n <= kSmallElems || n > kFusedMaxElems || tq_norm_partial_rows(x->rows, x->cols) > kTile)
+        return 0;
+    DeviceGuard guard(x->device);
+    if (guard.status != cudaSuccess) {
+        cudaGetLastError();
+        return 0;
+    }
+    return (c->elem_dtype == TQ_DTYPE_FLOAT8_E5M2 ? fused_per_sm<Bf16, true, true, true, true>(x->device)
+                                                  : fused_per_sm<Bf16, true, true, false, true>(x->device)) > 0;
 }
 
 extern "C" tq_status tq_quantize_fp8_cuda(const tq_tensor *x, const tq_quant_config *c,
@@ -516,6 +342,12 @@ extern "C" tq_status tq_quantize_fp8_cuda(const tq_tensor *x, const tq_quant_con
     p.fmax = c->fmax;
     p.eps = c->amax_epsilon;
     p.pow2 = (c->flags & TQ_QUANT_POW2_SCALE) != 0;
+    /* dbias only where tq_fp8_current_fuses_dbias said yes (quantize_dbias.c) */
+    const bool dbias = a->dbias.data != nullptr;
+    if (dbias) {
+        p.partials = static_cast<float *>(a->workspace.data);
+        while ((int64_t)1 << p.r_shift < tq_norm_partial_rows(x->rows, x->cols)) p.r_shift++;
+    }
 
     if (n == 0) {
         empty_kernel<<<1, 1, 0, s>>>(p, own_amax ? static_cast<float *>(q->amax.data) : nullptr);
@@ -546,7 +378,14 @@ extern "C" tq_status tq_quantize_fp8_cuda(const tq_tensor *x, const tq_quant_con
                 default: done = launch_fused<Half>(p, a->usage, e5m2, amax, x->device, grid, s); break;
             }
         }
-        if (!done) {
+        if (dbias) {
+            if (!done)
+                return tq_fail(TQ_ERROR_INTERNAL, "fp8 quantize: dbias asked of a launch that "
+                               "cannot sum (x [%lld, %lld])", (long long)x->rows, (long long)x->cols);
+            const int64_t r = (int64_t)1 << p.r_shift;
+            tq_colsum::launch(p.partials, (x->rows + r - 1) / r, x->cols,
+                              a->dbias.data, nullptr, a->dbias.dtype, s);
+        } else if (!done) {
             if (own_amax) { /* the amax pass; the cast reads it from device memory */
                 tq_status st = tq_amax_cuda(x, &q->amax, stream);
                 if (st != TQ_SUCCESS) return st;

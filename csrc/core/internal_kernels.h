@@ -44,6 +44,11 @@ tq_status tq_codec_cuda(tq_codec codec, const tq_tensor *in, tq_tensor *out, str
  * in the cast's own launch (quantize_fp8.cu: the small and the cooperative paths), so that a
  * pass before it (quantize_dbias.c) need not find it (a memset and a larger pass fewer). */
 int tq_fp8_current_one_launch(int64_t elems);
+/* Whether tq_quantize_fp8_cuda sums dbias in its own launch for this x, config and usage
+ * (CURRENT, a bfloat16 x for the cooperative launch, both directions, R(M, K) <= 128, a device
+ * that runs it): quantize_dbias.c then passes args->dbias and the workspace through, and no
+ * pass runs. */
+int tq_fp8_current_fuses_dbias(const tq_tensor *x, const tq_quant_config *config, uint32_t usage);
 
 /* tq_<stem>_ref(...) for CPU tensors, tq_<stem>_cuda(...) for CUDA tensors (NOT_SUPPORTED in a
  * build without CUDA). */
@@ -63,7 +68,8 @@ tq_status tq_qtensor_check_members(const tq_quant_config *config, const tq_qtens
                                    uint32_t usage, int device);
 tq_status tq_dequantize_dispatch(const tq_quant_config *config, const tq_qtensor *q,
                                  uint32_t usage, tq_tensor *out, struct CUstream_st *stream);
-/* tq_quantize's dispatch on the scaling without its checks (args->dbias ignored), and its path
+/* tq_quantize's dispatch on the scaling without its checks (args->dbias is read only by the
+ * kernels that sum it themselves: quantize_dbias.c passes it only to those), and its path
  * with args->dbias (quantize_dbias.c), called once tq_quantize has checked all but dbias and
  * the workspace. */
 tq_status tq_quantize_dispatch(const tq_tensor *x, const tq_quant_config *config,

@@ -12,9 +12,13 @@
  *   CURRENT, own amax     the pass finds max |x| (into the workspace's last float, zeroed first);
  *                         the cast is tq_quantize's with that amax given (no amax pass); except
  *                         on CUDA where the cast finds the amax in its own launch anyway
- *                         (x of at most 16M elements: tq_fp8_current_one_launch).
+ *                         (x of at most 16M elements: tq_fp8_current_one_launch); and no
+ *                         pass at all where that launch is the cooperative one with both
+ *                         directions: it sums the columns too (tq_fp8_current_fuses_dbias).
  *   otherwise             (block formats, DELAYED columnwise alone, a given amax) the pass only
- *                         sums; tq_quantize's kernels follow as without dbias.
+ *                         sums; tq_quantize's kernels follow as without dbias. (Summing in
+ *                         Float8BlockScaling's tile kernel instead was measured slower than the
+ *                         pass: docs/results/NOTES.md, twentieth session.)
  * Tests: tests/test_linear_dbias.py.
  */
 #include <stdio.h>
@@ -48,6 +52,18 @@ static int cast_finds_amax(const tq_tensor *x) {
     return x->device != TQ_DEVICE_CPU && tq_fp8_current_one_launch(x->rows * x->cols);
 #else
     (void)x;
+    return 0;
+#endif
+}
+
+/* Whether the quantize kernel sums x's columns itself (CUDA only; see the callees). */
+static int kernel_sums(const tq_tensor *x, const tq_quant_config *c, const tq_quantize_args *a) {
+#ifdef TQ_WITH_CUDA
+    if (x->device == TQ_DEVICE_CPU) return 0;
+    return c->scaling == TQ_SCALING_CURRENT && a->amax.data == NULL
+           && tq_fp8_current_fuses_dbias(x, c, a->usage);
+#else
+    (void)x, (void)c, (void)a;
     return 0;
 #endif
 }
@@ -92,6 +108,8 @@ tq_status tq_quantize_dbias_run(const tq_tensor *x, const tq_quant_config *c,
     if ((st = tq_fused_check_workspace(fn, &a->workspace, need, x->device, sized_by))
         != TQ_SUCCESS)
         return st;
+
+    if (kernel_sums(x, c, a)) return tq_quantize_dispatch(x, c, a, q, stream); /* no pass */
 
     tq_act_backward_args pass = TQ_ACT_BACKWARD_ARGS_INIT;
     pass.act = TQ_ACT_IDENTITY;
