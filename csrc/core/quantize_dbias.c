@@ -13,8 +13,9 @@
  *                         the cast is tq_quantize's with that amax given (no amax pass); except
  *                         on CUDA where the cast finds the amax in its own launch anyway
  *                         (x of at most 16M elements: tq_fp8_current_one_launch); and no
- *                         pass at all where that launch is the cooperative one with both
- *                         directions: it sums the columns too (tq_fp8_current_fuses_dbias).
+ *                         pass at all where that launch is the cooperative one, x is bf16 and
+ *                         both directions are wanted: it sums the columns too
+ *                         (tq_fp8_current_fuses_dbias).
  *   otherwise             (block formats, DELAYED columnwise alone, a given amax) the pass only
  *                         sums; tq_quantize's kernels follow as without dbias. (Summing in
  *                         Float8BlockScaling's tile kernel instead was measured slower than the
