@@ -1,5 +1,6 @@
 /* column_sums.cuh: the second launch of the fused backward kernels that produce column sums
- * (norm_backward.cu's dgamma / dbeta, act_backward.cu's dbias), internal to cuda/: each column's
+ * (norm_backward.cu's dgamma / dbeta, act_backward.cu's dbias; finish_columns: the same work
+ * inside quantize_fp8.cu's cooperative cast after its grid barrier), internal to cuda/: each column's
  * FP32 partials (one per chunk of R(M, K) rows, written to the workspace by the first launch) in
  * tequant.h's fixed column order: groups of 32 consecutive partials, each in order onto +0, then
  * the group sums in order onto +0; canonical NaN; stored as FP32, or (dbias) rounded once to
@@ -47,6 +48,50 @@ static __global__ void __launch_bounds__(1024) column_sum_kernel(const float *__
             for (int64_t grp = 0; grp * TQ_NORM_GROUP < p_count; grp++)
                 total = tq_nadd(total, group_sum[grp][tx]);
             tq_fp::narrow(tq_norm_canon(total), out + j);
+        }
+        __syncthreads();
+    }
+}
+
+/* One column's total stored in out's dtype: canonical NaN, rounded once (dbias: BF16 / FP16). */
+__device__ __forceinline__ void store_total(float total, void *out, tq_dtype dtype, int64_t j) {
+    if (dtype == TQ_DTYPE_BFLOAT16) tq_fp::narrow(tq_norm_canon(total), static_cast<tq_fp::Bf16 *>(out) + j);
+    else if (dtype == TQ_DTYPE_FLOAT16) tq_fp::narrow(tq_norm_canon(total), static_cast<tq_fp::Half *>(out) + j);
+    else static_cast<float *>(out)[j] = tq_norm_canon(total);
+}
+
+/* column_sum_kernel's work inside a kernel that wrote the partials itself and has passed a grid
+ * barrier since (quantize_fp8.cu's cooperative cast with dbias): a CTA of kCtaThreads threads
+ * finishes the kCols columns of chunks first, first + stride, ... Thread (ty, tx) =
+ * (threadIdx.x / kCols, % kCols) sums group ty of column tx's partials as column_sum_kernel's
+ * thread (tx, ty) does (its 32 loads issued at once), the group sums then in order by thread row
+ * 0: the same bits. group_sum: kCtaThreads / kCols x (kCols + 1) floats of shared memory (free
+ * when called; the call ends with a barrier of the CTA). */
+template <int kCtaThreads, int kCols>
+__device__ __forceinline__ void finish_columns(const float *partials, int64_t p_count, int64_t cols,
+                                               void *out, tq_dtype dtype, float *group_sum,
+                                               int64_t first, int64_t stride) {
+    static_assert(kCtaThreads / kCols == TQ_NORM_GROUP, "one thread row per group of partials");
+    const int tx = threadIdx.x % kCols, ty = threadIdx.x / kCols;
+    const int64_t p_begin = (int64_t)ty * TQ_NORM_GROUP;
+    const int n = p_count - p_begin < TQ_NORM_GROUP ? (int)(p_count - p_begin) : TQ_NORM_GROUP;
+    for (int64_t j0 = first * kCols; j0 < cols; j0 += stride * kCols) {
+        const int64_t j = j0 + tx;
+        float v[TQ_NORM_GROUP];
+#pragma unroll
+        for (int q = 0; q < TQ_NORM_GROUP; q++)
+            v[q] = j < cols && q < n ? __ldcg(partials + (p_begin + q) * cols + j) : 0.0f;
+        float s = 0.0f;
+#pragma unroll
+        for (int q = 0; q < TQ_NORM_GROUP; q++)
+            if (q < n) s = tq_nadd(s, v[q]);
+        group_sum[ty * (kCols + 1) + tx] = s;
+        __syncthreads();
+        if (ty == 0 && j < cols) {
+            float total = 0.0f;
+            for (int64_t grp = 0; grp * TQ_NORM_GROUP < p_count; grp++)
+                total = tq_nadd(total, group_sum[grp * (kCols + 1) + tx]);
+            store_total(total, out, dtype, j);
         }
         __syncthreads();
     }

@@ -46,6 +46,9 @@ struct CastParams {
     int pow2;
     int64_t tiles_k;       /* tiles along cols */
     float *partials;       /* CURRENT one launch with dbias: [ceil(rows / R)][cols] */
+    float *cta_max;        /* ... and its CTAs' maxima, [gridDim.x] (the workspace's tail) */
+    void *dbias;           /* ... and the column sums it finishes, [cols] of dbias_dtype */
+    tq_dtype dbias_dtype;
     int r_shift;           /* log2 R, R = R(rows, cols) of fused.h's column order, 4 .. kTile */
     int x_vec_ok;          /* x's base and row pitch allow 16-byte loads */
     int data_vec_ok;       /* rowwise rows allow kVec-byte stores */

@@ -142,7 +142,12 @@ void launch_small(const CastParams &p, uint32_t usage, int e5m2, float *amax, cu
  * Against the amax kernel + cast kernel it saves a memset and a launch per quantization (host
  * time, te.Linear's forward and backward: ~9 us each on an H200 host) and most of the second
  * read from HBM. The grid is at most what fits on the GPU at once (the cooperative launch's
- * rule, which also guarantees every CTA runs while the others wait at the barrier). */
+ * rule, which also guarantees every CTA runs while the others wait at the barrier).
+ * With dbias (te.Linear's grad_output) the CTAs also write the column partials before the
+ * barrier, and the workspace has a slot per CTA: each CTA's max goes to its slot, and after
+ * ONE barrier every CTA reads them all (no zeroing, no atomic, no second barrier); after the
+ * cast the CTAs finish the column sums themselves (column_sums.cuh's finish_columns, the bits
+ * of column_sum_kernel, which no longer runs as a launch of its own). */
 constexpr int64_t kFusedMaxElems = 1 << 24;
 
 /* CTAs per SM the registers are planned for: 16-bit x 4; with dbias (bf16 only) 3, as the sums'
@@ -155,23 +160,28 @@ __global__ void __launch_bounds__(kThreads, kFusedMinCtas<T, kDbias>) fused_curr
     __shared__ alignas(16) uint8_t tile_t[kCol ? kTile * kTile : 16];
     __shared__ float warp_amax[kThreads / 32];
     __shared__ float amax_s;
+    /* dbias: the partials' carry between warps, then finish_columns' group sums */
     __shared__ float carry[kDbias ? kThreads / 32 * 8 * (16 / sizeof(T)) : 1];
+    static_assert(!kDbias || kThreads / 32 * 8 * (16 / sizeof(T)) >= TQ_NORM_GROUP * (kThreads / TQ_NORM_GROUP + 1),
+                  "carry holds finish_columns' group sums");
     cooperative_groups::grid_group grid = cooperative_groups::this_grid();
     const int64_t tiles = ((p.rows + kTile - 1) / kTile) * p.tiles_k;
     /* One tile per CTA (the grid covers x): the tile stays in registers across the barriers and
-     * x is read once. Else each CTA reads its tiles twice, the second time mostly from L2. */
-    const bool one_tile = tiles == (int64_t)gridDim.x;
-    if (blockIdx.x == 0 && threadIdx.x == 0) *amax = 0.0f;
+     * x is read once. Else each CTA reads its tiles twice, the second time mostly from L2. With
+     * dbias the grid may have CTAs past the tiles: they only finish the column sums. */
+    const bool one_tile = tiles <= (int64_t)gridDim.x, has_tile = blockIdx.x < tiles;
+    if (!kDbias && blockIdx.x == 0 && threadIdx.x == 0) *amax = 0.0f;
     TileRegs<T> raw;
     int64_t m0, k0;
     tile_origin(p, blockIdx.x, m0, k0);
     const bool full = full_tile(p, kRow, kCol, m0, k0);
     float a = 0.0f;
     if (one_tile) {
-        if (full) load_tile<T, true>(p, m0, k0, raw);
+        if (!has_tile) {
+        } else if (full) load_tile<T, true>(p, m0, k0, raw);
         else load_tile<T, false>(p, m0, k0, raw);
-        a = regs_amax<T>(raw, a);
-        if constexpr (kDbias) tile_partials<T>(p, m0, k0, raw, carry);
+        if (has_tile) a = regs_amax<T>(raw, a);
+        if constexpr (kDbias) if (has_tile) tile_partials<T>(p, m0, k0, raw, carry);
     } else {
         for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
             int64_t tm0, tk0;
@@ -184,23 +194,47 @@ __global__ void __launch_bounds__(kThreads, kFusedMinCtas<T, kDbias>) fused_curr
         }
     }
     a = block_max(a, warp_amax);
-    grid.sync(); /* CTA 0's zero is visible */
-    if (threadIdx.x == 0 && a > 0.0f) atomicMax(reinterpret_cast<unsigned int *>(amax), __float_as_uint(a));
-    grid.sync(); /* every CTA's max is in */
-    if (threadIdx.x == 0) amax_s = __ldcg(amax); /* from L2, not a stale L1 line */
+    if constexpr (kDbias) { /* the workspace holds a slot per CTA: one barrier, no zeroing */
+        if (threadIdx.x == 0) p.cta_max[blockIdx.x] = a;
+        grid.sync(); /* the maxima and the column partials are in */
+        float m = 0.0f;
+        for (int i = threadIdx.x; i < (int)gridDim.x; i += kThreads) m = fmaxf(m, __ldcg(p.cta_max + i));
+        m = block_max(m, warp_amax);
+        if (threadIdx.x == 0) {
+            amax_s = m;
+            if (blockIdx.x == 0) *amax = m;
+        }
+    } else {
+        grid.sync(); /* CTA 0's zero is visible */
+        if (threadIdx.x == 0 && a > 0.0f) atomicMax(reinterpret_cast<unsigned int *>(amax), __float_as_uint(a));
+        grid.sync(); /* every CTA's max is in */
+        if (threadIdx.x == 0) amax_s = __ldcg(amax); /* from L2, not a stale L1 line */
+    }
     __syncthreads();
     CastParams q = p;
     q.amax_in = &amax_s;
     if (one_tile) {
-        if (full) cast_loaded<T, kRow, kCol, false, kE5M2, true>(q, m0, k0, raw, tile_t, warp_amax);
+        if (!has_tile) {
+        } else if (full) cast_loaded<T, kRow, kCol, false, kE5M2, true>(q, m0, k0, raw, tile_t, warp_amax);
         else cast_loaded<T, kRow, kCol, false, kE5M2, false>(q, m0, k0, raw, tile_t, warp_amax);
-        return;
+    } else {
+        for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+            tile_origin(p, tile, m0, k0);
+            if (full_tile(p, kRow, kCol, m0, k0)) cast_tile<T, kRow, kCol, false, kE5M2, true>(q, m0, k0, tile_t, warp_amax);
+            else cast_tile<T, kRow, kCol, false, kE5M2, false>(q, m0, k0, tile_t, warp_amax);
+            __syncthreads(); /* the next tile reuses tile_t */
+        }
     }
-    for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        tile_origin(p, tile, m0, k0);
-        if (full_tile(p, kRow, kCol, m0, k0)) cast_tile<T, kRow, kCol, false, kE5M2, true>(q, m0, k0, tile_t, warp_amax);
-        else cast_tile<T, kRow, kCol, false, kE5M2, false>(q, m0, k0, tile_t, warp_amax);
-        __syncthreads(); /* the next tile reuses tile_t */
+    if constexpr (kDbias) { /* dbias from the partials every CTA wrote before the barrier: by
+                               * the CTAs past the tiles where the grid has them (beside the
+                               * others' casts), else by every CTA after its cast */
+        const int64_t p_count = (p.rows + ((int64_t)1 << p.r_shift) - 1) >> p.r_shift;
+        const int64_t extra = (int64_t)gridDim.x - tiles;
+        __syncthreads(); /* carry is free */
+        if (extra <= 0 || !has_tile)
+            tq_colsum::finish_columns<kThreads, kThreads / TQ_NORM_GROUP>(
+                p.partials, p_count, p.cols, p.dbias, p.dbias_dtype, carry,
+                extra > 0 ? blockIdx.x - tiles : blockIdx.x, extra > 0 ? extra : gridDim.x);
     }
 }
 
@@ -240,7 +274,13 @@ bool launch_fused(const CastParams &p, float *amax, int device, unsigned tiles, 
     int sms = 0;
     if (per_sm <= 0 || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
         return false;
-    const unsigned most = (unsigned)per_sm * (unsigned)sms;
+    unsigned most = (unsigned)per_sm * (unsigned)sms;
+    if (kDbias) {
+        if (most > TQ_FP8_CURRENT_MAX_CTAS) most = TQ_FP8_CURRENT_MAX_CTAS; /* the maxima's slots */
+        /* a CTA per 8 columns beside the tiles' CTAs, for the column sums, where they all fit */
+        const unsigned chunks = (unsigned)((p.cols + 7) / 8);
+        if (tiles + chunks <= most) tiles += chunks;
+    }
     CastParams args_p = p;
     float *args_amax = amax;
     void *args[] = {&args_p, &args_amax};
@@ -344,8 +384,14 @@ extern "C" tq_status tq_quantize_fp8_cuda(const tq_tensor *x, const tq_quant_con
     p.pow2 = (c->flags & TQ_QUANT_POW2_SCALE) != 0;
     /* dbias only where tq_fp8_current_fuses_dbias said yes (quantize_dbias.c) */
     const bool dbias = a->dbias.data != nullptr;
-    if (dbias) {
+    if (dbias) { /* the workspace: partials, the pass's amax slot, the CTA maxima */
+        size_t partial_bytes = 0;
+        tq_status st = tq_act_backward_workspace_size(x->rows, x->cols, &partial_bytes);
+        if (st != TQ_SUCCESS) return st;
         p.partials = static_cast<float *>(a->workspace.data);
+        p.cta_max = reinterpret_cast<float *>(static_cast<char *>(a->workspace.data) + partial_bytes) + 1;
+        p.dbias = a->dbias.data;
+        p.dbias_dtype = a->dbias.dtype;
         while ((int64_t)1 << p.r_shift < tq_norm_partial_rows(x->rows, x->cols)) p.r_shift++;
     }
 
@@ -378,13 +424,10 @@ extern "C" tq_status tq_quantize_fp8_cuda(const tq_tensor *x, const tq_quant_con
                 default: done = launch_fused<Half>(p, a->usage, e5m2, amax, x->device, grid, s); break;
             }
         }
-        if (dbias) {
+        if (dbias) { /* the launch summed and finished the columns */
             if (!done)
                 return tq_fail(TQ_ERROR_INTERNAL, "fp8 quantize: dbias asked of a launch that "
                                "cannot sum (x [%lld, %lld])", (long long)x->rows, (long long)x->cols);
-            const int64_t r = (int64_t)1 << p.r_shift;
-            tq_colsum::launch(p.partials, (x->rows + r - 1) / r, x->cols,
-                              a->dbias.data, nullptr, a->dbias.dtype, s);
         } else if (!done) {
             if (own_amax) { /* the amax pass; the cast reads it from device memory */
                 tq_status st = tq_amax_cuda(x, &q->amax, stream);

@@ -47,7 +47,10 @@ int tq_fp8_current_one_launch(int64_t elems);
 /* Whether tq_quantize_fp8_cuda sums dbias in its own launch for this x, config and usage
  * (CURRENT, a bfloat16 x for the cooperative launch, both directions, R(M, K) <= 128, a device
  * that runs it): quantize_dbias.c then passes args->dbias and the workspace through, and no
- * pass runs. */
+ * pass runs. That launch uses the workspace laid out by tq_quantize_workspace_size under
+ * CURRENT scaling: the column partials, one float (the pass's amax, unused there), then
+ * TQ_FP8_CURRENT_MAX_CTAS floats for its CTAs' maxima (its grid is at most that). */
+#define TQ_FP8_CURRENT_MAX_CTAS 2048
 int tq_fp8_current_fuses_dbias(const tq_tensor *x, const tq_quant_config *config, uint32_t usage);
 
 /* tq_<stem>_ref(...) for CPU tensors, tq_<stem>_cuda(...) for CUDA tensors (NOT_SUPPORTED in a

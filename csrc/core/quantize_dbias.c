@@ -43,7 +43,9 @@ tq_status tq_quantize_workspace_size(const tq_quant_config *config, int64_t rows
     *bytes = 0;
     if (cols == 0) return TQ_SUCCESS; /* no column to sum */
     st = tq_act_backward_workspace_size(rows, cols, bytes);
-    if (st == TQ_SUCCESS && config->scaling == TQ_SCALING_CURRENT) *bytes += sizeof(float);
+    /* CURRENT: the pass's amax, then the cooperative launch's CTA maxima (internal_kernels.h) */
+    if (st == TQ_SUCCESS && config->scaling == TQ_SCALING_CURRENT)
+        *bytes += (1 + TQ_FP8_CURRENT_MAX_CTAS) * sizeof(float);
     return st;
 }
 

@@ -285,7 +285,8 @@ TQ_API tq_status tq_quantize(const tq_tensor *x, const tq_quant_config *config,
                              struct CUstream_st *stream);
 
 /* The workspace bytes tq_quantize needs with args->dbias for an [rows, cols] x quantized with
- * config (FP32 column partials, plus CURRENT's amax; 0 when cols is 0). */
+ * config (FP32 column partials, plus CURRENT's amax and 8 KiB for its cast's CTA maxima; 0
+ * when cols is 0). */
 TQ_API tq_status tq_quantize_workspace_size(const tq_quant_config *config, int64_t rows,
                                             int64_t cols, size_t *bytes);
 
