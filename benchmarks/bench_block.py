@@ -111,7 +111,7 @@ CATEGORIES = (
               "_quantizedlinear", "tequant::linear_")),
     ("quantize", ("quantize_kernel", "cast_kernel", "amax_kernel", "amax_update_kernel",
                   "codec_kernel", "pad_rows_kernel", "small_kernel", "small_current_kernel",
-                  "fused_current_kernel",
+                  "fused_current_kernel", "fused_pair_kernel",
                   "values_pair_kernel", "alpha_kernel", "transpose_kernel", "empty_kernel")),
     ("norm", ("layer_norm", "layernorm", "rms_norm", "rmsnorm", "gammabeta", "rowwisemoments",
               "computeinternalgradients", "computegradientfusedparams", "fwdparams",

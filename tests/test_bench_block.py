@@ -138,6 +138,8 @@ def test_a_wrong_fused_block_fails_the_run(monkeypatch, capsys):
     ("void (anonymous namespace)::cast_kernel<__nv_bfloat16, true>(CastParams)", "quantize"),
     ("void (anonymous namespace)::quantize_kernel<__nv_bfloat16, 128>(BlockParams)", "quantize"),
     ("void (anonymous namespace)::amax_update_kernel(SlotBatch, float const*)", "quantize"),
+    ("void (anonymous namespace)::fused_pair_kernel<tq_fp::Bf16, false>(tq_fp8cast::CastParams, "
+     "tq_fp8cast::CastParams, float*, float*)", "quantize"),
     ("void (anonymous namespace)::alpha_kernel(float const*, float const*, float*, int)",
      "quantize"),
     ("void (anonymous namespace)::fast_kernel<__nv_bfloat16, 32, 4, false, true, 512>("

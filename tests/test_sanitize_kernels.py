@@ -50,6 +50,10 @@ quantize_fp8.cu small_current_kernel      quantize_dequantize[current-*] (<= 64K
                                           row / col / both), linear_step[current-*], graphs
                fused_current_kernel       quantize_dequantize[current-*] (> 64K elements: one
                                           cooperative launch, one tile per CTA)
+               fused_current_kernel<dbias> quantize_dbias_one_launch (bf16 grad_output: the
+                                          partials, the CTAs' maxima, the sums finished inside)
+               fused_pair_kernel<E4M3|E5M2>  quantize_pair (one tile per CTA; ragged and several
+                                          per CTA), linear_step[current-*] (x and W)
                cast_kernel<delayed=false> quantize_given_amax[current-*] (and x > 16M elements,
                                           after the amax pass: not at these shapes)
                cast_kernel<delayed=true>  quantize_dequantize[delayed-*], linear_step[delayed-*]
@@ -454,6 +458,32 @@ def test_quantize_dbias(name):
 GIVEN = {"current-input": ("current", "input"), "current-grad": ("current", "grad_output"),
          "nvfp4-input": ("nvfp4", "input"), "nvfp4-weight": ("nvfp4", "weight"),
          "nvfp4-grad": ("nvfp4", "grad_output")}
+
+
+@pytest.mark.parametrize("shapes", [((256, 512), (384, 512)), ((1000, 700), (333, 700))],
+                         ids=["one-tile-per-cta", "ragged"])
+def test_quantize_pair(shapes):
+    # two tensors' current scaling in one cooperative launch (tq_quantize_pair)
+    x0, x1 = (_randn(*shape, dtype=BF16, seed=i) for i, shape in enumerate(shapes))
+    for role in ("input", "grad_output"):
+        config = te.quantizer_config(RECIPES["current"], role)
+        for members in _C._quantize_pair(x0, config, x1, config):
+            for m in members:
+                if m is not None:  # every byte read (initcheck)
+                    torch.sum(m.contiguous().view(torch.uint8), dtype=torch.int64).item()
+
+
+@pytest.mark.parametrize("shape", [(256, 512), (1000, 700)], ids=["one-tile-per-cta", "ragged"])
+def test_quantize_dbias_one_launch(shape):
+    # current scaling's cooperative cast of a bf16 grad_output that sums dbias itself
+    x = _randn(*shape, dtype=BF16, seed=11)
+    dbias = torch.empty(shape[1], dtype=BF16, device=DEVICE)
+    cfg = te.quantizer_config(RECIPES["current"], "grad_output")
+    members = _C._quantize(x, cfg, 3, None, None, None, None, dbias)
+    _finite(dbias)
+    for t in members:
+        if t is not None:
+            torch.sum(t.contiguous().view(torch.uint8), dtype=torch.int64).item()
 
 
 @pytest.mark.parametrize("name", list(GIVEN))

@@ -51,6 +51,16 @@ int tq_fp8_current_one_launch(int64_t elems);
  * CURRENT scaling: the column partials, one float (the pass's amax, unused there), then
  * TQ_FP8_CURRENT_MAX_CTAS floats for its CTAs' maxima (its grid is at most that). */
 #define TQ_FP8_CURRENT_MAX_CTAS 2048
+/* tq_quantize_pair's one launch (quantize_fp8.cu: CURRENT, own amaxes, both directions, no
+ * dbias, two bfloat16 x on one device, each of the cooperative launch's size, one
+ * element format): *launched 0 and nothing queued where the pair does not qualify or the
+ * device cannot run it (the caller then quantizes one after the other). Checked by the caller
+ * as two tq_quantize calls are. */
+tq_status tq_quantize_fp8_pair_cuda(const tq_tensor *x0, const tq_quant_config *c0,
+                                    const tq_quantize_args *a0, tq_qtensor *q0,
+                                    const tq_tensor *x1, const tq_quant_config *c1,
+                                    const tq_quantize_args *a1, tq_qtensor *q1,
+                                    struct CUstream_st *stream, int *launched);
 int tq_fp8_current_fuses_dbias(const tq_tensor *x, const tq_quant_config *config, uint32_t usage);
 
 /* tq_<stem>_ref(...) for CPU tensors, tq_<stem>_cuda(...) for CUDA tensors (NOT_SUPPORTED in a

@@ -2,9 +2,10 @@
  * tq_dequantize. The layout rules (documented in tequant.h) live here once; the kernels
  * (csrc/ref/quantize_<stem>_ref.c, cuda/quantize_<stem>.cu) trust what these checks establish:
  * members laid out as tq_quantize_layout says, contiguous, on x's device. With args->dbias,
- * quantize_dbias.c takes over after these checks.
+ * quantize_dbias.c takes over after these checks. tq_quantize_pair: two such calls, or one launch
+ * of both where the kernels have one (quantize_fp8.cu: te.Linear's x and W under current scaling).
  * Tests: tests/test_quantize_*.py (through te.ops), tests/test_ops.py (errors),
- * tests/test_linear_dbias.py (dbias).
+ * tests/test_linear_dbias.py (dbias), tests/test_quantize_pair.py (the pair).
  */
 #include "internal_kernels.h"
 
@@ -167,8 +168,9 @@ static tq_status check_given_amax(const tq_tensor *x, const tq_quant_config *c,
     return st != TQ_SUCCESS ? st : check_amax_tensor(&a->amax_t, "amax_t", x->device);
 }
 
-tq_status tq_quantize(const tq_tensor *x, const tq_quant_config *c, const tq_quantize_args *a,
-                      tq_qtensor *q, struct CUstream_st *stream) {
+/* tq_quantize's checks of everything but dbias and the workspace (quantize_dbias.c's). */
+static tq_status quantize_check(const tq_tensor *x, const tq_quant_config *c,
+                                const tq_quantize_args *a, const tq_qtensor *q) {
     tq_status st = tq_tensor_check(x, "x");
     if (st != TQ_SUCCESS) return st;
     if (!float_dtype(x->dtype))
@@ -207,10 +209,34 @@ tq_status tq_quantize(const tq_tensor *x, const tq_quant_config *c, const tq_qua
                            (long long)a->rng_state.rows, (long long)a->rng_state.cols,
                            (long long)a->rng_state.ld, a->rng_state.device);
     }
-    st = check_given_amax(x, c, a);
+    return check_given_amax(x, c, a);
+}
+
+tq_status tq_quantize(const tq_tensor *x, const tq_quant_config *c, const tq_quantize_args *a,
+                      tq_qtensor *q, struct CUstream_st *stream) {
+    tq_status st = quantize_check(x, c, a, q);
     if (st != TQ_SUCCESS) return st;
     if (a->dbias.data != NULL) return tq_quantize_dbias_run(x, c, a, q, stream);
     return tq_quantize_dispatch(x, c, a, q, stream);
+}
+
+tq_status tq_quantize_pair(const tq_tensor *x0, const tq_quant_config *c0,
+                           const tq_quantize_args *a0, tq_qtensor *q0, const tq_tensor *x1,
+                           const tq_quant_config *c1, const tq_quantize_args *a1, tq_qtensor *q1,
+                           struct CUstream_st *stream) {
+#ifdef TQ_WITH_CUDA
+    tq_status st = quantize_check(x0, c0, a0, q0);
+    if (st == TQ_SUCCESS) st = quantize_check(x1, c1, a1, q1);
+    if (st != TQ_SUCCESS) return st;
+    int launched = 0;
+    if (x0->device != TQ_DEVICE_CPU && a0->dbias.data == NULL && a1->dbias.data == NULL
+        && (st = tq_quantize_fp8_pair_cuda(x0, c0, a0, q0, x1, c1, a1, q1, stream, &launched))
+               != TQ_SUCCESS)
+        return st;
+    if (launched) return TQ_SUCCESS;
+#endif
+    tq_status first = tq_quantize(x0, c0, a0, q0, stream);
+    return first != TQ_SUCCESS ? first : tq_quantize(x1, c1, a1, q1, stream);
 }
 
 tq_status tq_quantize_dispatch(const tq_tensor *x, const tq_quant_config *c,

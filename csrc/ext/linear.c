@@ -114,7 +114,7 @@ static void quantized_clear(tqx_state *st, quantized *z) {
 static int quantize(tqx_state *st, PyObject *x_obj, const tq_tensor *x_in, void *stream,
                     const tq_quant_config *config, uint32_t usage, PyObject *state,
                     PyObject *device, int device_index, int n_parts, const uint32_t *parts,
-                    uint32_t transient, quantized *z) {
+                    uint32_t transient, quantized *z, tqx_pending *later) {
     const tq_tensor x = *x_in;
     z->source = x_obj;
     tq_quantize_args qa = TQ_QUANTIZE_ARGS_INIT;
@@ -132,13 +132,13 @@ static int quantize(tqx_state *st, PyObject *x_obj, const tq_tensor *x_in, void 
     int rc;
     if (n_parts == 0) {
         z->members = tqx_quantize_members(st, x_obj, &x, stream, config, &qa, scale, amax,
-                                          &z->q);
+                                          &z->q, later);
         rc = z->members ? 0 : -1;
     } else {
         PyObject *dev = x.device == device_index ? Py_NewRef(device)
                                                  : PyObject_GetAttrString(x_obj, "device");
         rc = dev ? tqx_quantize_packed(st, &x, stream, dev, config, &qa, scale, amax, n_parts,
-                                       parts, transient, z->bufs, z->scratch, &z->q)
+                                       parts, transient, z->bufs, z->scratch, &z->q, later)
                  : -1;
         Py_XDECREF(dev);
         z->amax = amax;
@@ -226,7 +226,7 @@ static PyObject *gemm(tqx_state *st, const plan *p, tqx_operand *a, tqx_operand 
  * cached unless None). */
 static PyObject *weight_kept(tqx_state *st, const plan *p, PyObject *weight, const tq_tensor *w,
                              void *w_stream, PyObject *cache, PyObject *first, PyObject *state,
-                             long needs, PyObject *device, int device_index) {
+                             long needs, PyObject *device, int device_index, tqx_pending *later) {
     const int packed = (needs & TQX_PACKED) != 0;
     if (!PyList_Check(cache)) {
         PyErr_SetString(PyExc_TypeError, "linear weight cache must be a list");
@@ -248,7 +248,7 @@ static PyObject *weight_kept(tqx_state *st, const plan *p, PyObject *weight, con
     static const uint32_t both = TQX_PART_ROWWISE | TQX_PART_COLUMNWISE;
     quantized z = QUANTIZED_INIT;
     if (quantize(st, weight, w, w_stream, &p->w, TQ_USAGE_ROWWISE | TQ_USAGE_COLUMNWISE, state,
-                 device, device_index, packed ? 1 : 0, &both, 0, &z) < 0) {
+                 device, device_index, packed ? 1 : 0, &both, 0, &z, later) < 0) {
         quantized_clear(st, &z);
         return NULL;
     }
@@ -361,7 +361,7 @@ PyObject *tqx_linear_forward(PyObject *module, PyObject *const *args, Py_ssize_t
     quantized qx = QUANTIZED_INIT;
     tqx_scratch pad = TQX_SCRATCH_INIT;
     tq_tensor x, xp;
-    tqx_tensor_info x_info;
+    tqx_tensor_info x_info = {0};
     /* x may come quantized too, (members, shape, dtype): tensor parallelism's all-gathered
      * input (python/tequant/distributed/tensor_parallel.py), its rows the format's multiple, or
      * the fused norm's codes (python/tequant/_norm_fn.py), whose members hold the rows
@@ -399,6 +399,11 @@ PyObject *tqx_linear_forward(PyObject *module, PyObject *const *args, Py_ssize_t
                      "takes %lld", (long long)x.cols, (long long)k);
         goto done;
     }
+    /* current scaling quantizes x and a W not kept from before in one launch where it can
+     * (tq_quantize_pair): both are recorded, then run together before the GEMM */
+    tqx_pending later[2] = {TQX_PENDING_INIT, TQX_PENDING_INIT};
+    const int pair = qx.members == NULL && w_given == NULL && x_info.stream == w_info.stream
+                     && p.x.scaling == TQ_SCALING_CURRENT && p.w.scaling == TQ_SCALING_CURRENT;
     if (qx.members == NULL) {
         if (pad_rows(st, &x, x_info.stream, p.align, device, &xp, &pad) < 0) goto done;
         const uint32_t x_usage =
@@ -409,7 +414,7 @@ PyObject *tqx_linear_forward(PyObject *module, PyObject *const *args, Py_ssize_t
         const int x_n_parts = !packed ? 0 : (needs & TQX_NEED_WGRAD) ? 2 : 1;
         if (quantize(st, inp, &xp, x_info.stream, &p.x, x_usage, args[7], device, x.device,
                      x_n_parts, x_n_parts == 2 ? x_parts : x_parts + 1,
-                     x_n_parts == 2 ? 2u : 1u, &qx) < 0)
+                     x_n_parts == 2 ? 2u : 1u, &qx, pair ? &later[0] : NULL) < 0)
             goto done;
     }
     const int64_t padded = xp.rows;
@@ -417,9 +422,10 @@ PyObject *tqx_linear_forward(PyObject *module, PyObject *const *args, Py_ssize_t
         qw = Py_NewRef(w_given);
         w.device = x.device;
     } else if ((qw = weight_kept(st, &p, weight, &w, w_info.stream, args[5], args[6], args[8],
-                                 needs, device, x.device)) == NULL) {
+                                 needs, device, x.device, pair ? &later[1] : NULL)) == NULL) {
         goto done;
     }
+    if (tqx_run_pending(st, &later[0], &later[1]) < 0) goto done;
     tqx_operand a, b;
     if (operand(st, &qx, &p.x, padded, k, TQ_USAGE_ROWWISE, &a) < 0
         || tqx_operand_from_kept(st, &p.w, n, k, qw, TQX_PART_ROWWISE | TQX_PART_COLUMNWISE,
@@ -520,7 +526,7 @@ PyObject *tqx_linear_backward(PyObject *module, PyObject *const *args, Py_ssize_
                                               device, &db_workspace, &qdy.dbias,
                                               &qdy.workspace)) == NULL)
             || (usage ? quantize(st, dy, &dyp, dy_info.stream, &p.dy, usage, args[4], device,
-                                 d.device, 1, &usage, 1u, &qdy)
+                                 d.device, 1, &usage, 1u, &qdy, NULL)
                 : db  ? tqx_linear_dbias_alone(st, &dyp, dy_info.stream, &qdy.dbias,
                                                &qdy.workspace)
                       : 0) < 0))

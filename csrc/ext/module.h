@@ -275,18 +275,41 @@ static inline int tqx_member_used(const tq_tensor *t) {
 extern PyMethodDef tqx_quantize_methods[];
 /* A QuantizerConfig object that quantizes in the core -> its config; -1 with an exception. */
 int tqx_config_from_py(tqx_state *st, PyObject *obj, tq_quant_config *out);
+/* A quantization laid out and allocated whose kernel is still to run: tqx_quantize_members /
+ * tqx_quantize_packed given `later` (not NULL) record it there instead of running it (all but
+ * DelayedScaling, which runs at once), and tqx_run_pending runs what was recorded, two of them
+ * through tq_quantize_pair (te.Linear's x and W: one launch under current scaling). The
+ * tensors q points into must live until it runs. */
+typedef struct tqx_pending {
+    tq_tensor x;
+    tq_quant_config config;
+    tq_quantize_args args;
+    tq_qtensor q;
+    void *stream;
+    int set;
+} tqx_pending;
+#define TQX_PENDING_INIT {{0}, {0}, {0}, {0}, NULL, 0}
+/* Runs first and second where set (second: with first, on first's stream), with the GIL
+ * released; both cleared. -1 with an exception. */
+int tqx_run_pending(tqx_state *st, tqx_pending *first, tqx_pending *second);
 /* Quantizes x_obj (viewed as x; its current stream) with config into new torch members, laid out
  * in q: returns the 6-tuple (data, scale_inv, data_t, scale_inv_t, amax, amax_t), None where
  * unused. qargs: usage and SR rng (its scale is filled here). scale / amax: DelayedScaling's
  * scale and history slot (None: 1 / a fresh amax). NULL with an exception. */
 PyObject *tqx_quantize_members(tqx_state *st, PyObject *x_obj, const tq_tensor *x, void *stream,
                                const tq_quant_config *config, tq_quantize_args *qargs,
-                               PyObject *scale, PyObject *amax, tq_qtensor *q);
+                               PyObject *scale, PyObject *amax, tq_qtensor *q,
+                               tqx_pending *later);
+
 /* Runs tq_quantize of x into q (laid out and allocated) on `stream` with the GIL released.
  * DelayedScaling: scale is the state's float32 scale, or None for 1 (a tensor made on `device`,
  * a torch.device). -1 with an exception. */
 int tqx_quantize_run(tqx_state *st, const tq_tensor *x, void *stream, const tq_quant_config *config,
                      tq_quantize_args *qargs, PyObject *scale, PyObject *device, tq_qtensor *q);
+/* tqx_quantize_run, or (later not NULL, not DelayedScaling) its record in *later. */
+int tqx_quantize_or_pend(tqx_state *st, const tq_tensor *x, void *stream,
+                         const tq_quant_config *config, tq_quantize_args *qargs, PyObject *scale,
+                         PyObject *device, tq_qtensor *q, tqx_pending *later);
 /* Stochastic rounding's rng (None, (seed, offset), or an int64 [2] tensor read at run time)
  * into qa; the tensor must outlive the quantize call (the caller holds rng). -1 with an exception. */
 int tqx_rng_from_py(tqx_state *st, PyObject *rng, tq_quantize_args *qa);
@@ -336,7 +359,8 @@ typedef enum tqx_part { /* the same bits as tq_usage: a quantization's usage is 
 int tqx_quantize_packed(tqx_state *st, const tq_tensor *x, void *stream, PyObject *device,
                         const tq_quant_config *config, tq_quantize_args *qargs, PyObject *scale,
                         PyObject *amax, int n_parts, const uint32_t *parts, uint32_t transient,
-                        PyObject **bufs, tqx_scratch *scratch, tq_qtensor *q);
+                        PyObject **bufs, tqx_scratch *scratch, tq_qtensor *q,
+                        tqx_pending *later);
 /* One direction (usage) of a kept quantization of [rows, cols] as a GEMM operand: kept is a
  * (buffer, amax) pair holding `parts` of a rowwise + columnwise quantization (amax: the
  * DelayedScaling slot, else None), or a member 6-tuple (tqx_operand_set). -1 with an exception. */

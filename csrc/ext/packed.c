@@ -53,7 +53,8 @@ static int64_t place(const tq_quant_config *c, tq_qtensor *q, uint32_t usage, ui
 int tqx_quantize_packed(tqx_state *st, const tq_tensor *x, void *stream, PyObject *device,
                         const tq_quant_config *config, tq_quantize_args *qargs, PyObject *scale,
                         PyObject *amax, int n_parts, const uint32_t *parts, uint32_t transient,
-                        PyObject **bufs, tqx_scratch *scratch, tq_qtensor *q) {
+                        PyObject **bufs, tqx_scratch *scratch, tq_qtensor *q,
+                        tqx_pending *later) {
     const tq_qtensor empty = TQ_QTENSOR_INIT;
     const tqx_scratch none = TQX_SCRATCH_INIT;
     *q = empty;
@@ -78,7 +79,7 @@ int tqx_quantize_packed(tqx_state *st, const tq_tensor *x, void *stream, PyObjec
     }
     if (ok && config->scaling == TQ_SCALING_DELAYED) /* max-accumulated in place: not zeroed */
         ok = tqx_tensor_from_py(st, amax, "amax", 1u << TQ_DTYPE_FLOAT32, &q->amax, NULL) == 0;
-    if (ok) ok = tqx_quantize_run(st, x, stream, config, qargs, scale, device, q) == 0;
+    if (ok) ok = tqx_quantize_or_pend(st, x, stream, config, qargs, scale, device, q, later) == 0;
     for (int p = 0; p < n_parts && !ok; p++) {
         Py_CLEAR(bufs[p]);
         tqx_scratch_release(st, &scratch[p]);

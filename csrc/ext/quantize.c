@@ -33,7 +33,8 @@ int tqx_config_from_py(tqx_state *st, PyObject *obj, tq_quant_config *out) {
 
 PyObject *tqx_quantize_members(tqx_state *st, PyObject *x_obj, const tq_tensor *x, void *stream,
                                const tq_quant_config *config, tq_quantize_args *qargs,
-                               PyObject *scale, PyObject *amax, tq_qtensor *q) {
+                               PyObject *scale, PyObject *amax, tq_qtensor *q,
+                               tqx_pending *later) {
     const tq_qtensor empty = TQ_QTENSOR_INIT;
     *q = empty;
     tq_status s = tq_quantize_layout(config, x->rows, x->cols, qargs->usage, q);
@@ -54,7 +55,7 @@ PyObject *tqx_quantize_members(tqx_state *st, PyObject *x_obj, const tq_tensor *
         /* A fresh delayed amax starts at 0 (the kernel max-accumulates into it). */
         ok = (out[i] = alloc_member(st, t, device, x->device, delayed && i == 4)) != NULL;
     }
-    if (ok) ok = tqx_quantize_run(st, x, stream, config, qargs, scale, device, q) == 0;
+    if (ok) ok = tqx_quantize_or_pend(st, x, stream, config, qargs, scale, device, q, later) == 0;
     Py_DECREF(device);
     PyObject *result = ok ? PyTuple_New(TQX_N_MEMBERS) : NULL;
     for (int i = 0; i < TQX_N_MEMBERS; i++) {
@@ -89,6 +90,36 @@ int tqx_quantize_run(tqx_state *st, const tq_tensor *x, void *stream, const tq_q
     s = tq_quantize(x, config, qargs, q, (struct CUstream_st *)stream);
     Py_END_ALLOW_THREADS
     Py_XDECREF(scale_owner); /* the kernel ran on the stream; the allocator keeps it ordered */
+    if (s != TQ_SUCCESS) return tqx_raise_status(st, s), -1;
+    return 0;
+}
+
+int tqx_quantize_or_pend(tqx_state *st, const tq_tensor *x, void *stream,
+                         const tq_quant_config *config, tq_quantize_args *qargs, PyObject *scale,
+                         PyObject *device, tq_qtensor *q, tqx_pending *later) {
+    if (later == NULL || config->scaling == TQ_SCALING_DELAYED)
+        return tqx_quantize_run(st, x, stream, config, qargs, scale, device, q);
+    later->x = *x;
+    later->config = *config;
+    later->args = *qargs;
+    later->q = *q;
+    later->stream = stream;
+    later->set = 1;
+    return 0;
+}
+
+int tqx_run_pending(tqx_state *st, tqx_pending *first, tqx_pending *second) {
+    if (!first->set && second->set) return tqx_run_pending(st, second, first);
+    if (!first->set) return 0;
+    tq_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = second->set ? tq_quantize_pair(&first->x, &first->config, &first->args, &first->q,
+                                       &second->x, &second->config, &second->args, &second->q,
+                                       (struct CUstream_st *)first->stream)
+                    : tq_quantize(&first->x, &first->config, &first->args, &first->q,
+                                  (struct CUstream_st *)first->stream);
+    Py_END_ALLOW_THREADS
+    first->set = second->set = 0;
     if (s != TQ_SUCCESS) return tqx_raise_status(st, s), -1;
     return 0;
 }
@@ -180,7 +211,7 @@ static PyObject *py_quantize(PyObject *module, PyObject *const *args, Py_ssize_t
         return NULL;
     tq_qtensor q;
     PyObject *members = tqx_quantize_members(st, args[0], &x, info.stream, &config, &qargs,
-                                             args[3], args[4], &q);
+                                             args[3], args[4], &q, NULL);
     tqx_scratch_release(st, &ws); /* the kernels are queued; the allocator orders reuse */
     return members;
 }
@@ -281,6 +312,42 @@ static PyObject *py_quantize_layout(PyObject *module, PyObject *const *args, Py_
     return result;
 }
 
+/* _quantize_pair(x0, config0, x1, config1) -> (members0, members1): both directions of each,
+ * the members two _quantize calls with usage 3 make, through tq_quantize_pair (one launch where
+ * it can; tests/test_quantize_pair.py). */
+static PyObject *py_quantize_pair(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "_quantize_pair(x0, config0, x1, config1) takes 4 "
+                     "arguments (%zd given)", nargs);
+        return NULL;
+    }
+    tqx_state *st = tqx_module_state(module);
+    tq_quant_config config[2];
+    tq_tensor x[2];
+    tqx_tensor_info info[2];
+    tq_quantize_args qargs[2] = {TQ_QUANTIZE_ARGS_INIT, TQ_QUANTIZE_ARGS_INIT};
+    tqx_pending later[2] = {TQX_PENDING_INIT, TQX_PENDING_INIT};
+    tq_qtensor q[2];
+    PyObject *members[2] = {NULL, NULL};
+    if (tqx_torch_import(st) < 0) return NULL;
+    for (int i = 0; i < 2; i++) {
+        qargs[i].usage = TQ_USAGE_ROWWISE | TQ_USAGE_COLUMNWISE;
+        if (tqx_config_from_py(st, args[2 * i + 1], &config[i]) < 0
+            || tqx_tensor_from_py(st, args[2 * i], i ? "x1" : "x0", TQX_FLOAT_DTYPES, &x[i],
+                                  &info[i]) < 0
+            || (members[i] = tqx_quantize_members(st, args[2 * i], &x[i], info[i].stream,
+                                                  &config[i], &qargs[i], Py_None, Py_None, &q[i],
+                                                  &later[i])) == NULL)
+            break;
+    }
+    if (members[1] == NULL || tqx_run_pending(st, &later[0], &later[1]) < 0) {
+        Py_XDECREF(members[0]);
+        Py_XDECREF(members[1]);
+        return NULL;
+    }
+    return Py_BuildValue("(NN)", members[0], members[1]);
+}
+
 PyMethodDef tqx_quantize_methods[] = {
     {"_quantize_layout", (PyCFunction)(void (*)(void))py_quantize_layout, METH_FASTCALL,
      "_quantize_layout(config, rows, cols, usage) -> 6-tuple of (rows, cols, dtype) or None\n\n"
@@ -289,6 +356,9 @@ PyMethodDef tqx_quantize_methods[] = {
      "_quantize(x, config, usage, scale, amax, rng, amax_in[, dbias]) -> (data, scale_inv, "
      "data_t, scale_inv_t, amax, amax_t)\n\nQuantizes x with a QuantizerConfig (and writes its "
      "column sums into dbias); see tequant.ops.quantize for the public API."},
+    {"_quantize_pair", (PyCFunction)(void (*)(void))py_quantize_pair, METH_FASTCALL,
+     "_quantize_pair(x0, config0, x1, config1) -> (members0, members1)\n\nBoth directions of "
+     "two tensors, in one launch where the kernels allow it (tq_quantize_pair)."},
     {"_dequantize", (PyCFunction)(void (*)(void))py_dequantize, METH_FASTCALL,
      "_dequantize(config, rows, cols, members, usage, out)\n\nWrites one direction's values "
      "into out; see QuantizedTensor.dequantize."},

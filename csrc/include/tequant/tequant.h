@@ -284,6 +284,15 @@ TQ_API tq_status tq_quantize(const tq_tensor *x, const tq_quant_config *config,
                              const tq_quantize_args *args, tq_qtensor *q,
                              struct CUstream_st *stream);
 
+/* Two tq_quantize calls, (x0, c0, a0, q0) then (x1, c1, a1, q1): the same checks and bits, in
+ * one launch where the kernels allow it (FP8 current scaling of two bfloat16 CUDA tensors on one
+ * device, each with its own amax, both directions, no dbias, 64K-16M elements each,
+ * one element format: a Linear's input and weight), else one after the other. */
+TQ_API tq_status tq_quantize_pair(const tq_tensor *x0, const tq_quant_config *c0,
+                                  const tq_quantize_args *a0, tq_qtensor *q0, const tq_tensor *x1,
+                                  const tq_quant_config *c1, const tq_quantize_args *a1,
+                                  tq_qtensor *q1, struct CUstream_st *stream);
+
 /* The workspace bytes tq_quantize needs with args->dbias for an [rows, cols] x quantized with
  * config (FP32 column partials, plus CURRENT's amax and 8 KiB for its cast's CTA maxima; 0
  * when cols is 0). */

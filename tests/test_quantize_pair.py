@@ -1,0 +1,154 @@
+"""tq_quantize_pair (csrc/core/quantize.c, cuda/quantize_fp8.cu's fused_pair_kernel): two tensors
+quantized as two tq_quantize calls would, bit for bit, in one cooperative launch where both are
+Float8CurrentScaling with their own amax, both directions, bfloat16 and 64K-16M elements each (te.Linear's x and W in its forward); otherwise one after the other. Each tensor's own
+quantization is tested against independent references in tests/test_quantize_fp8.py; here the
+pair's members must equal the single calls' (every member, every bit), and the profile shows
+which launches ran.
+"""
+import pytest
+import torch
+
+import tequant as te
+from tequant import _C
+from tequant.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
+from test_norm_kernels import bits  # noqa: E402
+
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+BOTH = 3
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+E4M3 = te.quantizer_config(Float8CurrentScaling(), "input")
+E4M3_W = te.quantizer_config(Float8CurrentScaling(), "weight")
+E5M2 = te.quantizer_config(Float8CurrentScaling(), "grad_output")  # HYBRID: E5M2 gradients
+
+
+def randn(shape, dtype, device, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * scale).to(dtype).to(device)
+
+
+def assert_same(got, want, what):
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert (a is None) == (b is None), (what, i)
+        if a is not None:
+            a8, b8 = (t.view(torch.uint8) if t.element_size() == 1 else t for t in (a, b))
+            assert torch.equal(bits(a8.cpu()), bits(b8.cpu())), (what, i)
+
+
+def kernels_of(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out = fn()
+        torch.cuda.synchronize()
+    return out, [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def check_pair(x0, c0, x1, c1):
+    got = _C._quantize_pair(x0, c0, x1, c1)
+    for x, c, g in ((x0, c0, got[0]), (x1, c1, got[1])):
+        assert_same(g, _C._quantize(x, c, BOTH, None, None, None, None), (tuple(x.shape), x.dtype))
+    return got
+
+
+# (x0 shape, x1 shape, dtype, configs): one tile per CTA and several; ragged edges; either first
+PAIRS = [
+    ((8192, 512), (1536, 512), BF16, (E4M3, E4M3_W)),     # a d=512 te.Linear: one tile per CTA
+    ((8192, 2048), (512, 2048), BF16, (E4M3, E4M3_W)),    # more tiles than CTAs
+    ((1000, 1000), (333, 1000), BF16, (E4M3, E4M3_W)),    # ragged
+    ((300, 300), (4100, 1030), BF16, (E5M2, E5M2)),       # the larger one second, E5M2
+    ((4096, 4096), (4096, 4096), BF16, (E4M3, E4M3_W)),   # 16M elements each (the largest)
+]
+
+
+@CUDA
+@pytest.mark.gpu
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"{p[0][0]}x{p[0][1]}+{p[1][0]}x{p[1][1]}")
+def test_cuda_pair_is_two_quantizations_in_one_launch(pair):
+    s0, s1, dtype, (c0, c1) = pair
+    x0 = randn(s0, dtype, "cuda", seed=1, scale=3.0)
+    x1 = randn(s1, dtype, "cuda", seed=2, scale=0.02)
+    x0[5, 7], x1[3, 2] = float("nan"), -0.0   # NaN ignored by the amax; -0 kept
+    x0[-1, -1] = 1e30  # its amax far above the other's
+    _, names = kernels_of(lambda: _C._quantize_pair(x0, c0, x1, c1))
+    assert len(names) == 1 and "fused_pair_kernel" in names[0], names
+    check_pair(x0, c0, x1, c1)
+
+
+@CUDA
+@pytest.mark.gpu
+def test_cuda_pair_of_zeros_and_of_one_constant():
+    """All-zero x: amax 0 (the scale's epsilon rule); a constant W: every code the same."""
+    x0 = torch.zeros(2048, 512, dtype=BF16, device="cuda")
+    x1 = torch.full((512, 512), -0.375, dtype=BF16, device="cuda")
+    check_pair(x0, E4M3, x1, E4M3_W)
+
+
+# pairs that are not one launch's: quantized one after the other, the same bits
+DECLINED = [
+    ((8192, 512), F32, (512, 512), F32, E4M3, E4M3_W, "float32"),
+    ((8192, 512), F16, (512, 512), F16, E4M3, E4M3_W, "float16"),
+    ((8192, 512), BF16, (512, 512), F16, E4M3, E4M3_W, "two dtypes"),
+    ((100, 100), BF16, (512, 512), BF16, E4M3, E4M3_W, "a small x (its own one-CTA kernel)"),
+    ((8192, 4096), BF16, (512, 512), BF16, E4M3, E4M3_W, "32M elements (the amax pass)"),
+    ((8192, 512), BF16, (512, 512), BF16, E4M3, E5M2, "two element formats"),
+]
+
+
+@CUDA
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", DECLINED, ids=lambda c: c[-1])
+def test_cuda_declined_pairs_run_one_after_the_other(case):
+    s0, d0, s1, d1, c0, c1, _ = case
+    x0, x1 = randn(s0, d0, "cuda", seed=3), randn(s1, d1, "cuda", seed=4)
+    _, names = kernels_of(lambda: _C._quantize_pair(x0, c0, x1, c1))
+    assert not any("fused_pair_kernel" in n for n in names), names
+    check_pair(x0, c0, x1, c1)
+
+
+@CUDA
+@pytest.mark.gpu
+def test_cuda_other_recipes_pair_as_two_calls():
+    x0, x1 = randn((4096, 512), BF16, "cuda", 5), randn((512, 512), BF16, "cuda", 6)
+    for recipe in (DelayedScaling(), Float8BlockScaling()):
+        check_pair(x0, te.quantizer_config(recipe, "input"), x1,
+                   te.quantizer_config(recipe, "weight"))
+
+
+@CUDA
+@pytest.mark.gpu
+def test_cuda_linear_forward_quantizes_x_and_w_in_one_launch():
+    """te.Linear's training forward under Float8CurrentScaling: x and W in the pair's launch
+    (no single cast of either), and the same output as with W cached from before (W then
+    quantized alone the step before, x alone now)."""
+    torch.manual_seed(0)
+    lin = te.Linear(512, 1536, params_dtype=BF16, device="cuda")
+    x = torch.randn(4096, 512, dtype=BF16, device="cuda", requires_grad=True)
+    recipe = Float8CurrentScaling()
+
+    def fwd(first=None):
+        with te.autocast(recipe=recipe):
+            return lin(x, is_first_microbatch=first)
+
+    y, names = kernels_of(fwd)
+    assert sum("fused_pair_kernel" in n for n in names) == 1, names
+    assert not any("fused_current_kernel" in n for n in names), names
+    fwd(first=True)                       # W quantized and kept (alone or with x)
+    y_cached, names = kernels_of(lambda: fwd(first=False))
+    assert not any("fused_pair_kernel" in n for n in names), names  # x alone
+    assert torch.equal(y, y_cached)
+
+
+def test_cpu_pair_is_two_quantizations():
+    x0, x1 = randn((64, 48), BF16, "cpu", 7, 2.0), randn((32, 48), BF16, "cpu", 8)
+    for c0, c1 in ((E4M3, E4M3_W), (E5M2, E5M2)):
+        check_pair(x0, c0, x1, c1)
+
+
+def test_pair_errors():
+    x = torch.randn(8, 8)
+    with pytest.raises(TypeError, match="takes 4 arguments"):
+        _C._quantize_pair(x, E4M3, x)
+    with pytest.raises(TypeError, match="x1 must be a torch.Tensor"):
+        _C._quantize_pair(x, E4M3, "not a tensor", E4M3_W)
+    with pytest.raises(ValueError, match="x1 has dtype"):
+        _C._quantize_pair(x, E4M3, torch.ones(8, 8, dtype=torch.int64), E4M3_W)
+    with pytest.raises(TypeError):
+        _C._quantize_pair(x, "not a config", x, E4M3_W)
