@@ -10,7 +10,8 @@ import torch
 
 import tequant as te
 from tequant import _C
-from tequant.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
+from tequant.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
+                            MXFP8BlockScaling, NVFP4BlockScaling)
 from test_norm_kernels import bits  # noqa: E402
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
@@ -137,9 +138,14 @@ def test_cuda_linear_forward_quantizes_x_and_w_in_one_launch():
 
 
 def test_cpu_pair_is_two_quantizations():
-    x0, x1 = randn((64, 48), BF16, "cpu", 7, 2.0), randn((32, 48), BF16, "cpu", 8)
+    x0, x1 = randn((64, 64), BF16, "cpu", 7, 2.0), randn((32, 64), BF16, "cpu", 8)
     for c0, c1 in ((E4M3, E4M3_W), (E5M2, E5M2)):
         check_pair(x0, c0, x1, c1)
+    # every other recipe's quantizers (deterministic roles) pair as two calls too
+    for recipe in (DelayedScaling(), Float8BlockScaling(), MXFP8BlockScaling(),
+                   NVFP4BlockScaling()):
+        check_pair(x0, te.quantizer_config(recipe, "input"), x1,
+                   te.quantizer_config(recipe, "weight"))
 
 
 def test_pair_errors():

@@ -97,7 +97,10 @@ int tqx_quantize_run(tqx_state *st, const tq_tensor *x, void *stream, const tq_q
 int tqx_quantize_or_pend(tqx_state *st, const tq_tensor *x, void *stream,
                          const tq_quant_config *config, tq_quantize_args *qargs, PyObject *scale,
                          PyObject *device, tq_qtensor *q, tqx_pending *later) {
-    if (later == NULL || config->scaling == TQ_SCALING_DELAYED)
+    /* DelayedScaling's scale and stochastic rounding's rng are Python objects the caller may
+     * drop before a later run: those run now */
+    if (later == NULL || config->scaling == TQ_SCALING_DELAYED
+        || (config->flags & TQ_QUANT_STOCHASTIC_ROUNDING))
         return tqx_quantize_run(st, x, stream, config, qargs, scale, device, q);
     later->x = *x;
     later->config = *config;
