@@ -212,22 +212,29 @@ static tq_status quantize_check(const tq_tensor *x, const tq_quant_config *c,
     return check_given_amax(x, c, a);
 }
 
+/* tq_quantize after its checks: the dbias path or the plain dispatch. */
+static tq_status quantize_checked(const tq_tensor *x, const tq_quant_config *c,
+                                  const tq_quantize_args *a, tq_qtensor *q,
+                                  struct CUstream_st *stream) {
+    if (a->dbias.data != NULL) return tq_quantize_dbias_run(x, c, a, q, stream);
+    return tq_quantize_dispatch(x, c, a, q, stream);
+}
+
 tq_status tq_quantize(const tq_tensor *x, const tq_quant_config *c, const tq_quantize_args *a,
                       tq_qtensor *q, struct CUstream_st *stream) {
     tq_status st = quantize_check(x, c, a, q);
-    if (st != TQ_SUCCESS) return st;
-    if (a->dbias.data != NULL) return tq_quantize_dbias_run(x, c, a, q, stream);
-    return tq_quantize_dispatch(x, c, a, q, stream);
+    return st != TQ_SUCCESS ? st : quantize_checked(x, c, a, q, stream);
 }
 
 tq_status tq_quantize_pair(const tq_tensor *x0, const tq_quant_config *c0,
                            const tq_quantize_args *a0, tq_qtensor *q0, const tq_tensor *x1,
                            const tq_quant_config *c1, const tq_quantize_args *a1, tq_qtensor *q1,
                            struct CUstream_st *stream) {
-#ifdef TQ_WITH_CUDA
+    /* both checked before either runs; each checked once */
     tq_status st = quantize_check(x0, c0, a0, q0);
     if (st == TQ_SUCCESS) st = quantize_check(x1, c1, a1, q1);
     if (st != TQ_SUCCESS) return st;
+#ifdef TQ_WITH_CUDA
     int launched = 0;
     if (x0->device != TQ_DEVICE_CPU && a0->dbias.data == NULL && a1->dbias.data == NULL
         && (st = tq_quantize_fp8_pair_cuda(x0, c0, a0, q0, x1, c1, a1, q1, stream, &launched))
@@ -235,8 +242,8 @@ tq_status tq_quantize_pair(const tq_tensor *x0, const tq_quant_config *c0,
         return st;
     if (launched) return TQ_SUCCESS;
 #endif
-    tq_status first = tq_quantize(x0, c0, a0, q0, stream);
-    return first != TQ_SUCCESS ? first : tq_quantize(x1, c1, a1, q1, stream);
+    st = quantize_checked(x0, c0, a0, q0, stream);
+    return st != TQ_SUCCESS ? st : quantize_checked(x1, c1, a1, q1, stream);
 }
 
 tq_status tq_quantize_dispatch(const tq_tensor *x, const tq_quant_config *c,
