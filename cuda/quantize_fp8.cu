@@ -21,7 +21,9 @@
  * for bf16 (walking the tiles in reverse to reuse x's tail in L2, with streaming stores, measured
  * no gain on H200).
  * Current scaling's one launch also sums a bf16 grad_output's columns for dbias where
- * quantize_dbias.c asks (tq_fp8_current_fuses_dbias). The tile code: fp8_cast_tile.cuh.
+ * quantize_dbias.c asks (tq_fp8_current_fuses_dbias). The tile code: fp8_cast_tile.cuh; the
+ * launch helpers shared with tq_quantize_pair's kernels (quantize_fp8_pair.cu):
+ * fp8_quantize_launch.cuh.
  * Reference: csrc/ref/quantize_fp8_ref.c. Tests: tests/test_quantize_fp8.py,
  * tests/test_dbias_fused.py.
  */
@@ -33,6 +35,7 @@
 
 #include "column_sums.cuh"
 #include "fp8_cast_tile.cuh"
+#include "fp8_quantize_launch.cuh"
 #include "internal_kernels.h"
 #include "launch.cuh"
 
@@ -68,23 +71,10 @@ void launch_cast(const CastParams &p, int e5m2, unsigned grid, cudaStream_t s) {
     else cast_kernel<T, kRow, kCol, kDelayed, false><<<grid, kThreads, 0, s>>>(p);
 }
 
-/* The max of each thread's a over the CTA (fmaxf: NaN dropped), valid in thread 0. */
-__device__ __forceinline__ float block_max(float a, float *warp_amax) {
-    for (int offset = 16; offset > 0; offset >>= 1)
-        a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, offset));
-    if ((threadIdx.x & 31) == 0) warp_amax[threadIdx.x >> 5] = a;
-    __syncthreads();
-    if (threadIdx.x == 0)
-        for (int w = 1; w < kThreads / 32; w++) a = fmaxf(a, warp_amax[w]);
-    return a;
-}
-
 /* CURRENT scaling of a small x (at most kSmallElems elements) in ONE launch and one CTA: the
  * amax (max |x|, NaN ignored: the same exact max tq_amax_cuda computes, in another order, which
  * a max does not see), then every tile in turn. Small tensors are bound by launch overhead, not
  * bandwidth: this saves the memset and the separate amax kernel. */
-constexpr int64_t kSmallElems = 1 << 16;
-
 template <typename T, bool kRow, bool kCol, bool kE5M2>
 __global__ void __launch_bounds__(kThreads) small_current_kernel(const CastParams p, float *amax) {
     __shared__ alignas(16) uint8_t tile_t[kCol ? kTile * kTile : 16];
@@ -148,13 +138,6 @@ void launch_small(const CastParams &p, uint32_t usage, int e5m2, float *amax, cu
  * ONE barrier every CTA reads them all (no zeroing, no atomic, no second barrier); after the
  * cast the CTAs finish the column sums themselves (column_sums.cuh's finish_columns, the bits
  * of column_sum_kernel, which no longer runs as a launch of its own). */
-constexpr int64_t kFusedMaxElems = 1 << 24;
-
-/* CTAs per SM the registers are planned for: 16-bit x 4; with dbias (bf16 only) 3, as the sums'
- * registers spilled at 4 (ptxas -v: 260 bytes; 20 at 3). */
-template <typename T, bool kDbias>
-constexpr int kFusedMinCtas = sizeof(T) == 4 ? 2 : kDbias ? 3 : 4;
-
 template <typename T, bool kRow, bool kCol, bool kE5M2, bool kDbias>
 __global__ void __launch_bounds__(kThreads, kFusedMinCtas<T, kDbias>) fused_current_kernel(const CastParams p, float *amax) {
     __shared__ alignas(16) uint8_t tile_t[kCol ? kTile * kTile : 16];
@@ -238,109 +221,6 @@ __global__ void __launch_bounds__(kThreads, kFusedMinCtas<T, kDbias>) fused_curr
     }
 }
 
-/* Two tensors' CURRENT scaling in ONE cooperative launch (te.Linear's x and W in its forward:
- * tq_quantize_pair): fused_current_kernel over one index space of tiles, p0's first, each
- * tensor with its own amax (both zeroed by CTA 0, both max-accumulated between the barriers),
- * scale and codes: the bits of two launches, one launch fewer. Both directions, bfloat16 x. */
-template <typename T>
-__device__ __forceinline__ float pair_load(const CastParams &p, int64_t tile, TileRegs<T> &raw) {
-    int64_t m0, k0;
-    tile_origin(p, tile, m0, k0);
-    if (full_tile(p, true, true, m0, k0)) load_tile<T, true>(p, m0, k0, raw);
-    else load_tile<T, false>(p, m0, k0, raw);
-    return regs_amax<T>(raw, 0.0f);
-}
-
-template <typename T, bool kE5M2>
-__device__ __forceinline__ void pair_cast(const CastParams &p, int64_t tile, const TileRegs<T> &raw,
-                                          uint8_t *tile_t, float *warp_amax) {
-    int64_t m0, k0;
-    tile_origin(p, tile, m0, k0);
-    if (full_tile(p, true, true, m0, k0)) cast_loaded<T, true, true, false, kE5M2, true>(p, m0, k0, raw, tile_t, warp_amax);
-    else cast_loaded<T, true, true, false, kE5M2, false>(p, m0, k0, raw, tile_t, warp_amax);
-}
-
-template <typename T, bool kE5M2>
-__global__ void __launch_bounds__(kThreads, kFusedMinCtas<T, false>) fused_pair_kernel(const CastParams p0, const CastParams p1,
-                                                                                       float *amax0, float *amax1) {
-    __shared__ alignas(16) uint8_t tile_t[kTile * kTile];
-    __shared__ float warp_amax[kThreads / 32];
-    __shared__ float amax_s[2];
-    cooperative_groups::grid_group grid = cooperative_groups::this_grid();
-    const int64_t tiles0 = ((p0.rows + kTile - 1) / kTile) * p0.tiles_k;
-    const int64_t tiles = tiles0 + ((p1.rows + kTile - 1) / kTile) * p1.tiles_k;
-    const bool one_tile = tiles == (int64_t)gridDim.x, first = blockIdx.x < tiles0;
-    if (blockIdx.x == 0 && threadIdx.x == 0) *amax0 = *amax1 = 0.0f;
-    TileRegs<T> raw;
-    float a0 = 0.0f, a1 = 0.0f;
-    if (one_tile) {
-        if (first) a0 = pair_load<T>(p0, blockIdx.x, raw);
-        else a1 = pair_load<T>(p1, blockIdx.x - tiles0, raw);
-    } else {
-        for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-            TileRegs<T> r;
-            if (tile < tiles0) a0 = fmaxf(a0, pair_load<T>(p0, tile, r));
-            else a1 = fmaxf(a1, pair_load<T>(p1, tile - tiles0, r));
-        }
-    }
-    a0 = block_max(a0, warp_amax);
-    __syncthreads(); /* thread 0 has read warp_amax */
-    a1 = block_max(a1, warp_amax);
-    grid.sync(); /* CTA 0's zeros are visible */
-    if (threadIdx.x == 0) {
-        if (a0 > 0.0f) atomicMax(reinterpret_cast<unsigned int *>(amax0), __float_as_uint(a0));
-        if (a1 > 0.0f) atomicMax(reinterpret_cast<unsigned int *>(amax1), __float_as_uint(a1));
-    }
-    grid.sync(); /* every CTA's maxima are in */
-    if (threadIdx.x == 0) {
-        amax_s[0] = __ldcg(amax0);
-        amax_s[1] = __ldcg(amax1);
-        if (blockIdx.x == 0) /* cast_loaded sets scale_inv in CTA 0, which may hold no p1 tile */
-            *p1.scale_inv = tq_rcp(tq_scale_from_amax(amax_s[1], p1.fmax, p1.eps, p1.pow2, TQ_FLT_MAX));
-    }
-    __syncthreads();
-    CastParams q0 = p0, q1 = p1;
-    q0.amax_in = &amax_s[0];
-    q1.amax_in = &amax_s[1];
-    if (one_tile) {
-        if (first) pair_cast<T, kE5M2>(q0, blockIdx.x, raw, tile_t, warp_amax);
-        else pair_cast<T, kE5M2>(q1, blockIdx.x - tiles0, raw, tile_t, warp_amax);
-        return;
-    }
-    for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        TileRegs<T> r;
-        if (tile < tiles0) {
-            pair_load<T>(q0, tile, r);
-            pair_cast<T, kE5M2>(q0, tile, r, tile_t, warp_amax);
-        } else {
-            pair_load<T>(q1, tile - tiles0, r);
-            pair_cast<T, kE5M2>(q1, tile - tiles0, r, tile_t, warp_amax);
-        }
-        __syncthreads(); /* the next tile reuses tile_t */
-    }
-}
-
-/* CTAs of `kernel` that fit on one SM of `device`, 0 where cooperative launches are not
- * supported; asked once per kernel and device, the answer kept in the kernel's own cache (0
- * unknown, else blocks + 1). Every fused_current_kernel instance has the same function type, so
- * a cache keyed by that type would hand one instance's occupancy to the others: a heavier one
- * then failed with cudaErrorCooperativeLaunchTooLarge, depending on which ran first. */
-template <typename Kernel>
-int fused_blocks_per_sm(Kernel kernel, int device, std::atomic<int> (&cache)[64]) {
-    if (device < 0 || device >= 64) return 0;
-    int v = cache[device].load(std::memory_order_relaxed);
-    if (v > 0) return v - 1;
-    int coop = 0, blocks = 0;
-    if (cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device) != cudaSuccess
-        || cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, 0) != cudaSuccess) {
-        cudaGetLastError();
-        return 0;
-    }
-    v = coop ? blocks : 0;
-    cache[device].store(v + 1, std::memory_order_relaxed);
-    return v;
-}
-
 /* CTAs per SM of one fused_current_kernel instance on `device` (0: no cooperative launch). */
 template <typename T, bool kRow, bool kCol, bool kE5M2, bool kDbias>
 int fused_per_sm(int device) {
@@ -395,25 +275,6 @@ bool launch_fused(const CastParams &p, uint32_t usage, int e5m2, float *amax, in
     return launch_fused<T, false, true>(p, e5m2, amax, device, tiles, s);
 }
 
-/* Launches fused_pair_kernel; false (nothing queued) where the device cannot run it. */
-template <typename T, bool kE5M2>
-bool launch_pair(const CastParams &p0, const CastParams &p1, float *amax0, float *amax1, int device,
-                 unsigned tiles, cudaStream_t s) {
-    static std::atomic<int> cache[64];
-    auto kernel = fused_pair_kernel<T, kE5M2>;
-    const int per_sm = fused_blocks_per_sm(kernel, device, cache);
-    int sms = 0;
-    if (per_sm <= 0 || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
-        return false;
-    const unsigned most = (unsigned)per_sm * (unsigned)sms;
-    CastParams args_p0 = p0, args_p1 = p1;
-    float *args_a0 = amax0, *args_a1 = amax1;
-    void *args[] = {&args_p0, &args_p1, &args_a0, &args_a1};
-    cudaLaunchCooperativeKernel((const void *)kernel, dim3(tiles < most ? tiles : most), dim3(kThreads),
-                                args, 0, s);
-    return true;
-}
-
 template <typename T, bool kRow, bool kCol>
 void launch_cast(const CastParams &p, int delayed, int e5m2, unsigned grid, cudaStream_t s) {
     if (delayed) launch_cast<T, kRow, kCol, true>(p, e5m2, grid, s);
@@ -427,37 +288,6 @@ void launch_cast(const CastParams &p, uint32_t usage, int delayed, int e5m2, uns
         launch_cast<T, true, true>(p, delayed, e5m2, grid, s);
     else if (usage == TQ_USAGE_ROWWISE) launch_cast<T, true, false>(p, delayed, e5m2, grid, s);
     else launch_cast<T, false, true>(p, delayed, e5m2, grid, s);
-}
-
-bool aligned16(const void *ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
-
-/* The cast's parameters for x into q (DELAYED: a->scale and q's amax as the history slot;
- * CURRENT: q's amax, or the given a->amax copied there by CTA 0); dbias apart. */
-CastParams cast_params(const tq_tensor *x, const tq_quant_config *c, const tq_quantize_args *a,
-                       tq_qtensor *q) {
-    const bool delayed = c->scaling == TQ_SCALING_DELAYED, given = a->amax.data != nullptr;
-    const int64_t elem_size = x->dtype == TQ_DTYPE_FLOAT32 ? 4 : 2, vec = 16 / elem_size;
-    CastParams p = {};
-    p.x = x->data;
-    p.rows = x->rows;
-    p.cols = x->cols;
-    p.ld = x->ld;
-    p.data = static_cast<uint8_t *>(q->data.data);
-    p.data_t = static_cast<uint8_t *>(q->data_t.data);
-    p.scale = delayed ? static_cast<const float *>(a->scale.data) : nullptr;
-    p.amax_in = delayed ? nullptr : static_cast<const float *>(given ? a->amax.data : q->amax.data);
-    /* A given amax is read where it is; CTA 0 copies it into q's (no memcpy call). */
-    p.amax_copy = given && a->amax.data != q->amax.data ? static_cast<float *>(q->amax.data) : nullptr;
-    p.amax_out = delayed ? static_cast<float *>(q->amax.data) : nullptr;
-    p.scale_inv = static_cast<float *>(q->scale_inv.data);
-    p.fmax = c->fmax;
-    p.eps = c->amax_epsilon;
-    p.pow2 = (c->flags & TQ_QUANT_POW2_SCALE) != 0;
-    p.tiles_k = (x->cols + kTile - 1) / kTile;
-    p.x_vec_ok = aligned16(x->data) && ((uint64_t)x->ld * elem_size) % 16 == 0;
-    p.data_vec_ok = p.data != nullptr && aligned16(p.data) && x->cols % vec == 0;
-    p.data_t_vec_ok = p.data_t != nullptr && aligned16(p.data_t) && x->rows % 16 == 0;
-    return p;
 }
 
 }  // namespace
@@ -553,37 +383,4 @@ extern "C" tq_status tq_quantize_fp8_cuda(const tq_tensor *x, const tq_quant_con
     return TQ_SUCCESS;
 }
 
-/* Whether x, c, a is one half of a pair fused_pair_kernel takes: CUDA, CURRENT with its own
- * amax, both directions, no dbias, a bfloat16 x of the cooperative launch's size (float16's
- * instances spilled: ptxas -v, 168 bytes). */
-static bool pair_half(const tq_tensor *x, const tq_quant_config *c, const tq_quantize_args *a) {
-    const int64_t n = x->rows * x->cols;
-    return x->device != TQ_DEVICE_CPU && c->scaling == TQ_SCALING_CURRENT && a->amax.data == nullptr
-           && a->dbias.data == nullptr && a->usage == (TQ_USAGE_ROWWISE | TQ_USAGE_COLUMNWISE)
-           && x->dtype == TQ_DTYPE_BFLOAT16 && n > kSmallElems && n <= kFusedMaxElems;
-}
 
-extern "C" tq_status tq_quantize_fp8_pair_cuda(const tq_tensor *x0, const tq_quant_config *c0,
-                                               const tq_quantize_args *a0, tq_qtensor *q0,
-                                               const tq_tensor *x1, const tq_quant_config *c1,
-                                               const tq_quantize_args *a1, tq_qtensor *q1,
-                                               struct CUstream_st *stream, int *launched) {
-    *launched = 0;
-    if (!pair_half(x0, c0, a0) || !pair_half(x1, c1, a1) || x0->dtype != x1->dtype
-        || x0->device != x1->device || c0->elem_dtype != c1->elem_dtype)
-        return TQ_SUCCESS;
-    DeviceGuard guard(x0->device);
-    if (guard.status != cudaSuccess) return cuda_failed("fp8 quantize pair: making x's device current", guard.status);
-    const CastParams p0 = cast_params(x0, c0, a0, q0), p1 = cast_params(x1, c1, a1, q1);
-    const unsigned tiles = (unsigned)(((x0->rows + kTile - 1) / kTile) * p0.tiles_k
-                                      + ((x1->rows + kTile - 1) / kTile) * p1.tiles_k);
-    float *amax0 = static_cast<float *>(q0->amax.data), *amax1 = static_cast<float *>(q1->amax.data);
-    cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-    const bool e5m2 = c0->elem_dtype == TQ_DTYPE_FLOAT8_E5M2;
-    const bool done = e5m2 ? launch_pair<Bf16, true>(p0, p1, amax0, amax1, x0->device, tiles, s)
-                           : launch_pair<Bf16, false>(p0, p1, amax0, amax1, x0->device, tiles, s);
-    const cudaError_t err = cudaPeekAtLastError();
-    if (err != cudaSuccess) return cuda_failed("fp8 quantize pair kernel launch", err);
-    *launched = done;
-    return TQ_SUCCESS;
-}

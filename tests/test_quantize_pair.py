@@ -1,9 +1,11 @@
-"""tq_quantize_pair (csrc/core/quantize.c, cuda/quantize_fp8.cu's fused_pair_kernel): two tensors
-quantized as two tq_quantize calls would, bit for bit, in one cooperative launch where both are
-Float8CurrentScaling with their own amax, both directions, bfloat16 and 64K-16M elements each (te.Linear's x and W in its forward); otherwise one after the other. Each tensor's own
-quantization is tested against independent references in tests/test_quantize_fp8.py; here the
-pair's members must equal the single calls' (every member, every bit), and the profile shows
-which launches ran.
+"""tq_quantize_pair (csrc/core/quantize.c, cuda/quantize_fp8_pair.cu): two tensors quantized as
+two tq_quantize calls would, bit for bit, in one launch where both are bfloat16, both directions,
+one element format and either Float8CurrentScaling with their own amax and 64K-16M elements each
+(fused_pair_kernel, cooperative) or DelayedScaling with their state's scale (delayed_pair_kernel);
+te.Linear's x and W in its forward. Otherwise one after the other. Each tensor's own quantization
+is tested against independent references in tests/test_quantize_fp8.py; here the pair's members
+(and a DelayedScaling amax slot) must equal the single calls' (every member, every bit), and the
+profile shows which launches ran.
 """
 import pytest
 import torch
@@ -104,6 +106,70 @@ def test_cuda_declined_pairs_run_one_after_the_other(case):
     check_pair(x0, c0, x1, c1)
 
 
+D_IN = te.quantizer_config(DelayedScaling(), "input")
+D_W = te.quantizer_config(DelayedScaling(), "weight")
+D_DY = te.quantizer_config(DelayedScaling(), "grad_output")  # HYBRID: E5M2
+
+
+def delayed_state(scale, amax):
+    return (torch.tensor([scale], dtype=F32, device="cuda"),
+            torch.tensor([amax], dtype=F32, device="cuda"))
+
+
+def check_delayed_pair(x0, c0, x1, c1, states):
+    """The pair against two _quantize calls with copies of the states: members and amax slots."""
+    copies = [tuple(t.clone() for t in st) for st in states]
+    got = _C._quantize_pair(x0, c0, x1, c1, *states)
+    for x, c, g, (scale, amax) in ((x0, c0, got[0], copies[0]), (x1, c1, got[1], copies[1])):
+        want = _C._quantize(x, c, BOTH, scale, amax, None, None)
+        assert_same(g, want, (tuple(x.shape), "delayed"))
+    for st, cp in zip(states, copies):
+        assert torch.equal(bits(st[1].cpu()), bits(cp[1].cpu()))  # the slots, max-accumulated
+    return got
+
+
+# (x0 shape, x1 shape, configs, states): a d=512 te.Linear; ragged; tiny; E5M2; a slot above
+DELAYED_PAIRS = [
+    ((8192, 512), (1536, 512), (D_IN, D_W), ((3.5, 0.0), (900.0, 0.0))),
+    ((1000, 1000), (333, 1000), (D_IN, D_W), ((0.25, 0.0), (1.0, 0.0))),
+    ((16, 32), (48, 32), (D_IN, D_W), ((1.0, 0.0), (2.0, 0.0))),
+    ((300, 300), (4100, 1030), (D_DY, D_DY), ((1e-3, 0.0), (57.0, 0.0))),
+    ((8192, 512), (512, 512), (D_IN, D_W), ((1.0, 1e6), (1.0, 0.5))),  # x's slot stays above
+]
+
+
+@CUDA
+@pytest.mark.gpu
+@pytest.mark.parametrize("pair", DELAYED_PAIRS,
+                         ids=lambda p: f"{p[0][0]}x{p[0][1]}+{p[1][0]}x{p[1][1]}")
+def test_cuda_delayed_pair_is_two_quantizations_in_one_launch(pair):
+    s0, s1, (c0, c1), (st0, st1) = pair
+    x0 = randn(s0, BF16, "cuda", seed=11, scale=3.0)
+    x1 = randn(s1, BF16, "cuda", seed=12, scale=0.02)
+    x0[5 % s0[0], 7 % s0[1]], x1[3, 2] = float("nan"), -0.0
+    x1[-1, -1] = 1e30  # saturates (satfinite), its amax far above x0's
+    states = (delayed_state(*st0), delayed_state(*st1))
+    _, names = kernels_of(lambda: _C._quantize_pair(x0, c0, x1, c1, *states))
+    assert len(names) == 1 and "delayed_pair_kernel" in names[0], names
+    check_delayed_pair(x0, c0, x1, c1, (delayed_state(*st0), delayed_state(*st1)))
+
+
+@CUDA
+@pytest.mark.gpu
+def test_cuda_delayed_pairs_declined():
+    """float32, a missing state (a scale of 1 made for the call) and a DelayedScaling x with a
+    current-scaling W run one after the other, with the same bits."""
+    x0, x1 = randn((2048, 512), BF16, "cuda", 13), randn((512, 512), BF16, "cuda", 14)
+    states = (delayed_state(2.0, 0.0), delayed_state(4.0, 0.0))
+    cases = [(x0.float(), D_IN, x1.float(), D_W, states), (x0, D_IN, x1, D_W, (None, None)),
+             (x0, D_IN, x1, E4M3_W, (states[0], None))]
+    for a0, c0, a1, c1, sts in cases:
+        _, names = kernels_of(lambda: _C._quantize_pair(a0, c0, a1, c1, *sts))
+        assert not any("pair_kernel" in n for n in names), names
+    check_delayed_pair(x0.float(), D_IN, x1.float(), D_W,
+                       (delayed_state(2.0, 0.0), delayed_state(4.0, 0.0)))
+
+
 @CUDA
 @pytest.mark.gpu
 def test_cuda_other_recipes_pair_as_two_calls():
@@ -137,6 +203,26 @@ def test_cuda_linear_forward_quantizes_x_and_w_in_one_launch():
     assert torch.equal(y, y_cached)
 
 
+@CUDA
+@pytest.mark.gpu
+def test_cuda_linear_forward_delayed_quantizes_x_and_w_in_one_launch():
+    """The same under DelayedScaling (one autocast: one scale for both calls): x and W in one
+    delayed_pair_kernel and no single cast, the output equal to the next call's, which quantizes
+    x alone and multiplies the W the first call kept."""
+    torch.manual_seed(0)
+    lin = te.Linear(512, 1536, params_dtype=BF16, device="cuda")
+    x = torch.randn(4096, 512, dtype=BF16, device="cuda")
+    with te.autocast(recipe=DelayedScaling()):  # a first step: the scales move off 1
+        lin(x)
+    with te.autocast(recipe=DelayedScaling()):
+        y, names = kernels_of(lambda: lin(x, is_first_microbatch=True))
+        assert sum("delayed_pair_kernel" in n for n in names) == 1, names
+        assert not any("cast_kernel" in n for n in names), names
+        y_cached, names = kernels_of(lambda: lin(x, is_first_microbatch=False))
+        assert not any("pair_kernel" in n for n in names), names  # x alone
+    assert torch.equal(y, y_cached)
+
+
 def test_cpu_pair_is_two_quantizations():
     x0, x1 = randn((64, 64), BF16, "cpu", 7, 2.0), randn((32, 64), BF16, "cpu", 8)
     for c0, c1 in ((E4M3, E4M3_W), (E5M2, E5M2)):
@@ -150,7 +236,7 @@ def test_cpu_pair_is_two_quantizations():
 
 def test_pair_errors():
     x = torch.randn(8, 8)
-    with pytest.raises(TypeError, match="takes 4 arguments"):
+    with pytest.raises(TypeError, match="takes 4 or 6 arguments"):
         _C._quantize_pair(x, E4M3, x)
     with pytest.raises(TypeError, match="x1 must be a torch.Tensor"):
         _C._quantize_pair(x, E4M3, "not a tensor", E4M3_W)
@@ -158,3 +244,9 @@ def test_pair_errors():
         _C._quantize_pair(x, E4M3, torch.ones(8, 8, dtype=torch.int64), E4M3_W)
     with pytest.raises(TypeError):
         _C._quantize_pair(x, "not a config", x, E4M3_W)
+    with pytest.raises(TypeError, match=r"state0 must be None or a \(scale, amax\) tuple"):
+        _C._quantize_pair(x, D_IN, x, D_W, (torch.ones(1),), None)
+    with pytest.raises(TypeError, match=r"state1 must be None or a \(scale, amax\) tuple"):
+        _C._quantize_pair(x, D_IN, x, D_W, None, [torch.ones(1), torch.zeros(1)])
+    with pytest.raises(TypeError, match="scale must be a torch.Tensor"):
+        _C._quantize_pair(x, D_IN, x, D_W, ("no", torch.zeros(1)), None)

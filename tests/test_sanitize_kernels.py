@@ -54,6 +54,7 @@ quantize_fp8.cu small_current_kernel      quantize_dequantize[current-*] (<= 64K
                                           partials, the CTAs' maxima, the sums finished inside)
                fused_pair_kernel<E4M3|E5M2>  quantize_pair (one tile per CTA; ragged and several
                                           per CTA), linear_step[current-*] (x and W)
+               delayed_pair_kernel<E4M3|E5M2>  quantize_pair, linear_step[delayed-*] (x and W)
                cast_kernel<delayed=false> quantize_given_amax[current-*] (and x > 16M elements,
                                           after the amax pass: not at these shapes)
                cast_kernel<delayed=true>  quantize_dequantize[delayed-*], linear_step[delayed-*]
@@ -89,6 +90,7 @@ Every __global__ function is reached. Template instances not reached: MXFP8 32x3
 2D blocks are for weights, which every recipe quantizes to E4M3).
 """
 import ctypes
+import itertools
 import os
 
 import pytest
@@ -463,11 +465,14 @@ GIVEN = {"current-input": ("current", "input"), "current-grad": ("current", "gra
 @pytest.mark.parametrize("shapes", [((256, 512), (384, 512)), ((1000, 700), (333, 700))],
                          ids=["one-tile-per-cta", "ragged"])
 def test_quantize_pair(shapes):
-    # two tensors' current scaling in one cooperative launch (tq_quantize_pair)
+    # two tensors' current scaling in one cooperative launch, delayed scaling in one launch with
+    # the states' scales and slots (tq_quantize_pair)
     x0, x1 = (_randn(*shape, dtype=BF16, seed=i) for i, shape in enumerate(shapes))
-    for role in ("input", "grad_output"):
-        config = te.quantizer_config(RECIPES["current"], role)
-        for members in _C._quantize_pair(x0, config, x1, config):
+    for name, role in itertools.product(("current", "delayed"), ("input", "grad_output")):
+        config = te.quantizer_config(RECIPES[name], role)
+        states = () if name == "current" else tuple(
+            (torch.full((1,), s, device=DEVICE), torch.zeros(1, device=DEVICE)) for s in (2., 4.))
+        for members in _C._quantize_pair(x0, config, x1, config, *states):
             for m in members:
                 if m is not None:  # every byte read (initcheck)
                     torch.sum(m.contiguous().view(torch.uint8), dtype=torch.int64).item()

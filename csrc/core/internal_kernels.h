@@ -51,9 +51,9 @@ int tq_fp8_current_one_launch(int64_t elems);
  * CURRENT scaling: the column partials, one float (the pass's amax, unused there), then
  * TQ_FP8_CURRENT_MAX_CTAS floats for its CTAs' maxima (its grid is at most that). */
 #define TQ_FP8_CURRENT_MAX_CTAS 2048
-/* tq_quantize_pair's one launch (quantize_fp8.cu: CURRENT, own amaxes, both directions, no
- * dbias, two bfloat16 x on one device, each of the cooperative launch's size, one
- * element format): *launched 0 and nothing queued where the pair does not qualify or the
+/* tq_quantize_pair's one launch (quantize_fp8_pair.cu: DELAYED or CURRENT, both directions,
+ * no dbias, two bfloat16 x on one device, one element format; CURRENT with own amaxes, each x
+ * of the cooperative launch's size): *launched 0 and nothing queued where the pair does not qualify or the
  * device cannot run it (the caller then quantizes one after the other). Checked by the caller
  * as two tq_quantize calls are. */
 tq_status tq_quantize_fp8_pair_cuda(const tq_tensor *x0, const tq_quant_config *c0,

@@ -3,7 +3,8 @@
  * (csrc/ref/quantize_<stem>_ref.c, cuda/quantize_<stem>.cu) trust what these checks establish:
  * members laid out as tq_quantize_layout says, contiguous, on x's device. With args->dbias,
  * quantize_dbias.c takes over after these checks. tq_quantize_pair: two such calls, or one launch
- * of both where the kernels have one (quantize_fp8.cu: te.Linear's x and W under current scaling).
+ * of both where the kernels have one (quantize_fp8_pair.cu: te.Linear's x and W under per-tensor
+ * FP8 scaling).
  * Tests: tests/test_quantize_*.py (through te.ops), tests/test_ops.py (errors),
  * tests/test_linear_dbias.py (dbias), tests/test_quantize_pair.py (the pair).
  */

@@ -277,10 +277,10 @@ extern PyMethodDef tqx_quantize_methods[];
 int tqx_config_from_py(tqx_state *st, PyObject *obj, tq_quant_config *out);
 /* A quantization laid out and allocated whose kernel is still to run: tqx_quantize_members /
  * tqx_quantize_packed given `later` (not NULL) record it there instead of running it (all but
- * DelayedScaling and stochastic rounding, which run at once), and tqx_run_pending runs what was
- * recorded, two of them
- * through tq_quantize_pair (te.Linear's x and W: one launch under current scaling). The
- * tensors q points into must live until it runs. */
+ * stochastic rounding and DelayedScaling without its state's scale, which run at once), and
+ * tqx_run_pending runs what was recorded, two of them through tq_quantize_pair (te.Linear's x
+ * and W: one launch under per-tensor FP8 scaling). The tensors q and a DelayedScaling scale
+ * point into must live until it runs. */
 typedef struct tqx_pending {
     tq_tensor x;
     tq_quant_config config;
@@ -307,8 +307,8 @@ PyObject *tqx_quantize_members(tqx_state *st, PyObject *x_obj, const tq_tensor *
  * a torch.device). -1 with an exception. */
 int tqx_quantize_run(tqx_state *st, const tq_tensor *x, void *stream, const tq_quant_config *config,
                      tq_quantize_args *qargs, PyObject *scale, PyObject *device, tq_qtensor *q);
-/* tqx_quantize_run, or (later not NULL, neither DelayedScaling nor stochastic rounding) its
- * record in *later. */
+/* tqx_quantize_run, or (later not NULL, no stochastic rounding, DelayedScaling with a scale
+ * tensor) its record in *later. */
 int tqx_quantize_or_pend(tqx_state *st, const tq_tensor *x, void *stream,
                          const tq_quant_config *config, tq_quantize_args *qargs, PyObject *scale,
                          PyObject *device, tq_qtensor *q, tqx_pending *later);

@@ -97,11 +97,16 @@ int tqx_quantize_run(tqx_state *st, const tq_tensor *x, void *stream, const tq_q
 int tqx_quantize_or_pend(tqx_state *st, const tq_tensor *x, void *stream,
                          const tq_quant_config *config, tq_quantize_args *qargs, PyObject *scale,
                          PyObject *device, tq_qtensor *q, tqx_pending *later) {
-    /* DelayedScaling's scale and stochastic rounding's rng are Python objects the caller may
-     * drop before a later run: those run now */
-    if (later == NULL || config->scaling == TQ_SCALING_DELAYED
-        || (config->flags & TQ_QUANT_STOCHASTIC_ROUNDING))
+    /* Stochastic rounding's rng and a DelayedScaling scale of 1 made for this call are objects
+     * dropped before a later run: those run now. A DelayedScaling state's scale is the caller's
+     * argument, alive until its call returns, which runs what it recorded. */
+    const int delayed = config->scaling == TQ_SCALING_DELAYED;
+    if (later == NULL || (config->flags & TQ_QUANT_STOCHASTIC_ROUNDING)
+        || (delayed && scale == Py_None))
         return tqx_quantize_run(st, x, stream, config, qargs, scale, device, q);
+    if (delayed && tqx_tensor_from_py(st, scale, "scale", 1u << TQ_DTYPE_FLOAT32, &qargs->scale,
+                                      NULL) < 0)
+        return -1;
     later->x = *x;
     later->config = *config;
     later->args = *qargs;
@@ -315,13 +320,14 @@ static PyObject *py_quantize_layout(PyObject *module, PyObject *const *args, Py_
     return result;
 }
 
-/* _quantize_pair(x0, config0, x1, config1) -> (members0, members1): both directions of each,
- * the members two _quantize calls with usage 3 make, through tq_quantize_pair (one launch where
- * it can; tests/test_quantize_pair.py). */
+/* _quantize_pair(x0, config0, x1, config1[, state0, state1]) -> (members0, members1): both
+ * directions of each, the members two _quantize calls with usage 3 make, through
+ * tq_quantize_pair (one launch where it can; tests/test_quantize_pair.py). state:
+ * DelayedScaling's (scale, amax slot) or None. */
 static PyObject *py_quantize_pair(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4) {
-        PyErr_Format(PyExc_TypeError, "_quantize_pair(x0, config0, x1, config1) takes 4 "
-                     "arguments (%zd given)", nargs);
+    if (nargs != 4 && nargs != 6) {
+        PyErr_Format(PyExc_TypeError, "_quantize_pair(x0, config0, x1, config1[, state0, "
+                     "state1]) takes 4 or 6 arguments (%zd given)", nargs);
         return NULL;
     }
     tqx_state *st = tqx_module_state(module);
@@ -335,11 +341,22 @@ static PyObject *py_quantize_pair(PyObject *module, PyObject *const *args, Py_ss
     if (tqx_torch_import(st) < 0) return NULL;
     for (int i = 0; i < 2; i++) {
         qargs[i].usage = TQ_USAGE_ROWWISE | TQ_USAGE_COLUMNWISE;
+        /* DelayedScaling's (scale, amax slot), or None: a scale of 1 and a fresh amax */
+        PyObject *state = nargs == 6 ? args[4 + i] : Py_None, *scale = Py_None, *amax = Py_None;
+        if (state != Py_None && (!PyTuple_Check(state) || PyTuple_GET_SIZE(state) != 2)) {
+            PyErr_Format(PyExc_TypeError, "_quantize_pair: state%d must be None or a (scale, "
+                         "amax) tuple, got %R", i, state);
+            break;
+        }
+        if (state != Py_None) {
+            scale = PyTuple_GET_ITEM(state, 0);
+            amax = PyTuple_GET_ITEM(state, 1);
+        }
         if (tqx_config_from_py(st, args[2 * i + 1], &config[i]) < 0
             || tqx_tensor_from_py(st, args[2 * i], i ? "x1" : "x0", TQX_FLOAT_DTYPES, &x[i],
                                   &info[i]) < 0
             || (members[i] = tqx_quantize_members(st, args[2 * i], &x[i], info[i].stream,
-                                                  &config[i], &qargs[i], Py_None, Py_None, &q[i],
+                                                  &config[i], &qargs[i], scale, amax, &q[i],
                                                   &later[i])) == NULL)
             break;
     }
@@ -360,8 +377,9 @@ PyMethodDef tqx_quantize_methods[] = {
      "data_t, scale_inv_t, amax, amax_t)\n\nQuantizes x with a QuantizerConfig (and writes its "
      "column sums into dbias); see tequant.ops.quantize for the public API."},
     {"_quantize_pair", (PyCFunction)(void (*)(void))py_quantize_pair, METH_FASTCALL,
-     "_quantize_pair(x0, config0, x1, config1) -> (members0, members1)\n\nBoth directions of "
-     "two tensors, in one launch where the kernels allow it (tq_quantize_pair)."},
+     "_quantize_pair(x0, config0, x1, config1[, state0, state1]) -> (members0, members1)\n\n"
+     "Both directions of two tensors, in one launch where the kernels allow it "
+     "(tq_quantize_pair). state: DelayedScaling's (scale, amax slot), or None."},
     {"_dequantize", (PyCFunction)(void (*)(void))py_dequantize, METH_FASTCALL,
      "_dequantize(config, rows, cols, members, usage, out)\n\nWrites one direction's values "
      "into out; see QuantizedTensor.dequantize."},
