@@ -210,7 +210,8 @@ __global__ void __launch_bounds__(kTable ? tq_act_table::kThreads : kThreads)
  * rows per load batch; a 4 x 4 byte transpose (tile_transpose.cuh) turns the batch's codes into
  * one word per column, stored in the warp's shared-memory tile. After kG rows the warp writes
  * the tile out: each column's rows of the 4 row chunks (kG = R: one run of 4 R bytes), 16 bytes
- * per lane, consecutive lanes on consecutive bytes. Rows and columns past the tensor are
+ * per lane (spanning 16 / R row chunks where R is 4 or 8), consecutive lanes on consecutive
+ * bytes. Rows and columns past the tensor are
  * skipped. The rowwise outputs, amax and the dbias partials are grad_row's. */
 constexpr int kColThreads = 128;
 
@@ -235,10 +236,43 @@ __device__ __forceinline__ void identity_row(const BwdParams &p, const Chunk<T> 
     }
 }
 
-/* The warp's tile out: row chunk spl's kG rows from group g, 16 bytes per lane. */
+/* store_tile for row chunks of kG = 4 or 8 rows (K <= 1024): the warp's four row chunks are 4 kG
+ * consecutive rows, so a column's 16-byte segment spans 16 / kG of them. */
 template <int kG>
-__device__ __forceinline__ void store_tile(const BwdParams &p, const uint32_t *tile, int64_t p0,
-                                           int64_t c0, int g, int lane) {
+__device__ __forceinline__ void store_tile_short(const BwdParams &p, const uint32_t *tile,
+                                                 int64_t p0, int64_t c0, int lane) {
+    using CT = ColTile<kG>;
+    constexpr int kChunksPerSeg = 16 / kG, kSegs = 4 / kChunksPerSeg, kColsPerPass = 32 / kSegs;
+    const int seg = lane % kSegs, cq = lane / kSegs;
+    const int64_t row0 = p0 * p.r_chunk + 16 * seg;
+    if (row0 >= p.rows) return;
+    const bool whole = p.q_t_vec && row0 + 16 <= p.rows;
+#pragma unroll 4
+    for (int k = 0; k < 64; k += kColsPerPass) {
+        const int col = k + cq;
+        const int64_t gcol = (int64_t)kChunk * c0 + col;
+        if (gcol >= p.n) continue;
+        uint32_t ws[4]; /* word i: rows row0 + 4 i .. + 3, of row chunk spl */
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int spl = seg * kChunksPerSeg + 4 * i / kG, w = (4 * i % kG) / 4;
+            ws[i] = tile[spl * CT::kSub + col * CT::kColWords + w];
+        }
+        uint8_t *dst = p.q_t + gcol * p.ld_q_t + row0;
+        if (whole) {
+            *reinterpret_cast<uint4 *>(dst) = make_uint4(ws[0], ws[1], ws[2], ws[3]);
+        } else {
+#pragma unroll
+            for (int i = 0; i < 16; i++)
+                if (row0 + i < p.rows) dst[i] = (uint8_t)(ws[i / 4] >> (8 * (i % 4)));
+        }
+    }
+}
+
+/* store_tile for row chunks of 16 or 32 k rows: row chunk spl's kG rows from group g. */
+template <int kG>
+__device__ __forceinline__ void store_tile_long(const BwdParams &p, const uint32_t *tile, int64_t p0,
+                                                int64_t c0, int g, int lane) {
     using CT = ColTile<kG>;
     constexpr int kSegs = kG / 16, kLanesPerCol = 4 * kSegs, kColsPerPass = 32 / kLanesPerCol;
     const int s = lane % kLanesPerCol, cq = lane / kLanesPerCol;
@@ -265,6 +299,14 @@ __device__ __forceinline__ void store_tile(const BwdParams &p, const uint32_t *t
                 if (row0 + i < r_end) dst[i] = (uint8_t)(ws[i / 4] >> (8 * (i % 4)));
         }
     }
+}
+
+/* The warp's tile out after group g, 16 bytes per lane. */
+template <int kG>
+__device__ __forceinline__ void store_tile(const BwdParams &p, const uint32_t *tile, int64_t p0,
+                                           int64_t c0, int g, int lane) {
+    if constexpr (kG < 16) store_tile_short<kG>(p, tile, p0, c0, lane);
+    else store_tile_long<kG>(p, tile, p0, c0, g, lane);
 }
 
 template <typename T, bool kDbias, int kG>
@@ -357,11 +399,11 @@ extern "C" tq_status tq_act_backward_cuda(const tq_tensor *dy, const tq_tensor *
     p.out = tq_fp8out::make_out(a->config, a->dh_q, a->scale_inv, a->scale, a->amax_in, a->amax);
     p.partials = static_cast<float *>(a->workspace.data);
     /* with dbias the row chunks are the fixed order's; without, any grouping gives the same
-     * bits. The identity writes the columnwise codes in its pass where the chunks are whole
-     * groups of 16 or 32 rows (identity_columnwise_kernel); otherwise (an activation, or
-     * K <= 1024 with chunks of 4 or 8 rows) they are transposed after it. */
+     * bits. The identity writes the columnwise codes in its pass (identity_columnwise_kernel:
+     * chunks of 4, 8, 16 or a multiple of 32 rows, which tq_norm_partial_rows always gives);
+     * an activation's are transposed after it. */
     const int64_t r_fixed = dbias ? tq_norm_partial_rows(p.rows, p.k) : 32;
-    const int group = r_fixed % 32 == 0 ? 32 : r_fixed == 16 ? 16 : 0;
+    const int group = r_fixed % 32 == 0 ? 32 : r_fixed <= 16 ? (int)r_fixed : 0;
     const bool col = a->dh_q_t.data != nullptr && a->act == TQ_ACT_IDENTITY && group > 0;
     p.q_t = col ? static_cast<uint8_t *>(a->dh_q_t.data) : nullptr;
     p.ld_q_t = a->dh_q_t.ld;
@@ -388,8 +430,12 @@ extern "C" tq_status tq_act_backward_cuda(const tq_tensor *dy, const tq_tensor *
                     identity_columnwise_kernel<T, true, 32><<<grid, kColThreads, 0, s>>>(p);
                 else if (group == 32)
                     identity_columnwise_kernel<T, false, 32><<<grid, kColThreads, 0, s>>>(p);
-                else
+                else if (group == 16)
                     identity_columnwise_kernel<T, true, 16><<<grid, kColThreads, 0, s>>>(p);
+                else if (group == 8)
+                    identity_columnwise_kernel<T, true, 8><<<grid, kColThreads, 0, s>>>(p);
+                else
+                    identity_columnwise_kernel<T, true, 4><<<grid, kColThreads, 0, s>>>(p);
                 return;
             }
         }

@@ -19,6 +19,9 @@ act_backward.cu act_backward_kernel<f32|bf16|f16, activation, gated or not, dbia
                                           quantize_dbias (tq_quantize's dbias pass: DelayedScaling
                                           cast + amax, current scaling's amax after a memset, the
                                           sums alone), linear_step and cuda_graph_step (bias)
+               identity_columnwise_kernel<dbias, rows>  quantize_dbias[delayed-grad] (both
+                                          directions: DelayedScaling's pass writes the columnwise
+                                          codes too; row chunks of 4 rows at these shapes)
 amax.cu        amax_kernel<f32|bf16|f16,  amax_paths (all nine); FlatVec also quantize_dequantize
                FlatVec|RowVec|Scalar>     [current-*] (an FP8 current x of more than 64K elements)
 amax_update.cu amax_update_kernel<max>    amax_update (600 slots: two launches), linear_step
@@ -78,8 +81,7 @@ quantize_nvfp4.cu small_kernel            quantize_dequantize[nvfp4-*] (<= 64K e
                                           amax[nvfp4-*]; its rng-from-device-tensor path:
                                           quantize_dequantize[nvfp4-grad] and cuda_graph_step[nvfp4]
 transpose.cu   transpose_kernel           transpose (word path: aligned rows; byte path: rows
-                                          one byte off, an edge tile of odd width),
-                                          quantize_dbias[delayed-*] (the columnwise codes)
+                                          one byte off, an edge tile of odd width)
 quantize_nvfp4_dequant.cu dequantize_kernel<values=false>  quantize_dequantize[nvfp4-*] (vec),
                                           dequantize_misaligned_out[nvfp4] (element-wise)
                dequantize_kernel<values=true>  c_api_gemm_alpha_and_values (tq_gemm_operand_values
@@ -436,7 +438,7 @@ def test_quantize_dequantize(name):
                                   "mxfp8-grad-e5m2", "nvfp4-grad"])
 def test_quantize_dbias(name):
     """tq_quantize with a dbias (csrc/core/quantize_dbias.c; tests/test_linear_dbias.py checks the
-    bits): the identity pass (DelayedScaling: codes, amax and sums, then the transpose; current
+    bits): the identity pass (DelayedScaling: codes of both directions, amax and sums; current
     scaling: amax and sums after the memset, then the cast from that amax; the block formats:
     the sums alone, then their quantizer), dbias in float32 / bfloat16 / float16, every shape,
     layout and direction of the family, and M = 0."""
