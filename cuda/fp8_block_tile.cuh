@@ -183,8 +183,13 @@ struct RawLoad {
     }
 };
 
-template <typename In, typename Load, bool kRow, bool kCol, bool k2D, bool kE5M2>
-__global__ void __launch_bounds__(kThreads) quantize_kernel(const Params p, Load loader) {
+/* One 128x128 tile of x (tile: its index, row-major over the tiles) through loader, into p's
+ * members. smem: the columnwise staging tile (kCol), warp_amax: kWarps floats; both free when
+ * called (the caller's barrier between tiles). */
+template <typename In, typename Load, bool kRow, bool kCol, bool k2D, bool kE5M2, int kSmemRows>
+__device__ __forceinline__ void quantize_tile(const Params &p, Load &loader, int64_t tile,
+                                              uint4 (&smem)[kSmemRows][kSmemChunks],
+                                              float *warp_amax) {
     using Acc = typename In::Acc;
     constexpr int kPerWord = In::kPerWord;
     constexpr int kElemBytes = 4 / kPerWord;
@@ -193,18 +198,13 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const Params p, Load
     constexpr int kRowsPerPass = kThreads / kChunksPerRow;
     constexpr int kLoads = kTile / kRowsPerPass;  /* chunks per thread: 8 or 16 */
     constexpr int kRounds = kChunksPerRow / kSmemChunks; /* shared-memory rounds: 1 or 2 */
-    __shared__ uint4 smem[kCol ? kTile : 1][kSmemChunks];
-    __shared__ float warp_amax[kWarps];
+    static_assert(!kCol || kSmemRows == kTile, "the columnwise staging tile holds 128 rows");
     const auto acc_max = [](Acc a, Acc b) { return In::acc_max(a, b); };
     const auto f32_max = [](float a, float b) { return fmaxf(a, b); };
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int chunk = tid % kChunksPerRow, row_in_pass = tid / kChunksPerRow;
-    loader.init(); /* e.g. an activation's table: every thread, then a barrier */
-    /* A tile per CTA, or the CTA's tiles in turn where the grid is smaller (launches that
-     * amortize the loader's init over several tiles). */
-    for (int64_t tile = blockIdx.x; tile < p.n_tiles; tile += gridDim.x) {
-        if (tile != blockIdx.x) __syncthreads(); /* the last tile's shared-memory reads are done */
+    {
         const int64_t mb = tile / p.n_kb, kb = tile - mb * p.n_kb;
         const int64_t m0 = mb * kTile, k0 = kb * kTile;
         const int64_t col = k0 + (int64_t)chunk * kVec;
@@ -364,6 +364,18 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const Params p, Load
     }
 }
 
+template <typename In, typename Load, bool kRow, bool kCol, bool k2D, bool kE5M2>
+__global__ void __launch_bounds__(kThreads) quantize_kernel(const Params p, Load loader) {
+    __shared__ uint4 smem[kCol ? kTile : 1][kSmemChunks];
+    __shared__ float warp_amax[kWarps];
+    loader.init(); /* e.g. an activation's table: every thread, then a barrier */
+    /* A tile per CTA, or the CTA's tiles in turn where the grid is smaller (launches that
+     * amortize the loader's init over several tiles). */
+    for (int64_t tile = blockIdx.x; tile < p.n_tiles; tile += gridDim.x) {
+        if (tile != blockIdx.x) __syncthreads(); /* the last tile's shared-memory reads are done */
+        quantize_tile<In, Load, kRow, kCol, k2D, kE5M2>(p, loader, tile, smem, warp_amax);
+    }
+}
 
 }  // namespace tq_block
 

@@ -10,7 +10,10 @@
  * the hardware cvt.rn.satfinite (fp_cast.cuh's cvt8x2).
  * One CTA per 128x128 tile of x: 16-byte loads once, rowwise output straight from registers, the
  * columnwise (transposed) output through a swizzled shared-memory tile with 16-byte stores.
- * Tests: tests/test_quantize_fp8_block.py (GPU cases: CUDA vs the CPU reference, bit for bit).
+ * tq_quantize_pair's block half: two bfloat16 tensors' tiles in one launch (quantize_pair_kernel,
+ * te.Linear's x and W), each tile as quantize_kernel's.
+ * Tests: tests/test_quantize_fp8_block.py (GPU cases: CUDA vs the CPU reference, bit for bit),
+ * tests/test_quantize_pair.py (the pair against two calls).
  */
 #include <cuda_runtime.h>
 
@@ -89,6 +92,35 @@ void launch_quantize(const Params &p, int two_d, int row, int col, int e5m2, uns
     else launch_directions<In, false>(p, row, col, e5m2, grid, s);
 }
 
+/* Two tensors' block scaling in ONE launch (tq_quantize_pair: te.Linear's x and W): a CTA per
+ * tile, p0's tiles first, each tile quantize_kernel's. Both directions, one element format,
+ * each tensor its own block shape (x 1x128, W 128x128 under Float8BlockScaling). */
+template <typename In, bool k2D0, bool k2D1, bool kE5M2>
+__global__ void __launch_bounds__(kThreads) quantize_pair_kernel(const Params p0, const Params p1) {
+    __shared__ uint4 smem[kTile][kSmemChunks];
+    __shared__ float warp_amax[kWarps];
+    RawLoad loader{};
+    if ((int64_t)blockIdx.x < p0.n_tiles)
+        quantize_tile<In, RawLoad, true, true, k2D0, kE5M2>(p0, loader, blockIdx.x, smem, warp_amax);
+    else
+        quantize_tile<In, RawLoad, true, true, k2D1, kE5M2>(p1, loader, blockIdx.x - p0.n_tiles, smem,
+                                                            warp_amax);
+}
+
+template <bool k2D0, bool k2D1>
+void launch_pair(const Params &p0, const Params &p1, int e5m2, unsigned grid, cudaStream_t s) {
+    if (e5m2) quantize_pair_kernel<BF16, k2D0, k2D1, true><<<grid, kThreads, 0, s>>>(p0, p1);
+    else quantize_pair_kernel<BF16, k2D0, k2D1, false><<<grid, kThreads, 0, s>>>(p0, p1);
+}
+
+/* x's tile parameters for the quantize kernels (vec_load: whether 16-byte loads apply). */
+Params quantize_params(const tq_tensor *x, const tq_quant_config *c, tq_qtensor *q) {
+    const int64_t elem_bytes = x->dtype == TQ_DTYPE_FLOAT32 ? 4 : 2;
+    Params p = tile_params(x->data, x->dtype, x->ld, x->rows, x->cols, c, q);
+    p.vec_load = reinterpret_cast<uintptr_t>(x->data) % 16 == 0 && (x->ld * elem_bytes) % 16 == 0;
+    return p;
+}
+
 template <tq_dtype kOut>
 void launch_dequantize(const tq_tensor *data, const tq_tensor *scale, tq_tensor *out, int two_d,
                        int e5m2, unsigned grid, cudaStream_t s) {
@@ -118,9 +150,7 @@ extern "C" tq_status tq_quantize_fp8_block_cuda(const tq_tensor *x, const tq_qua
     DeviceGuard guard(x->device);
     if (guard.status != cudaSuccess) return launch_failed("FP8 block quantize: making x's device current");
 
-    const int64_t elem_bytes = x->dtype == TQ_DTYPE_FLOAT32 ? 4 : 2;
-    Params p = tile_params(x->data, x->dtype, x->ld, M, K, c, q);
-    p.vec_load = reinterpret_cast<uintptr_t>(x->data) % 16 == 0 && (x->ld * elem_bytes) % 16 == 0;
+    const Params p = quantize_params(x, c, q);
 
     const int two_d = (c->flags & TQ_QUANT_2D) != 0, e5m2 = c->elem_dtype == TQ_DTYPE_FLOAT8_E5M2;
     const unsigned grid = (unsigned)(n_mb * n_kb);
@@ -131,6 +161,40 @@ extern "C" tq_status tq_quantize_fp8_block_cuda(const tq_tensor *x, const tq_qua
         default: launch_quantize<F16>(p, two_d, row, col, e5m2, grid, s); break;
     }
     if (cudaPeekAtLastError() != cudaSuccess) return launch_failed("FP8 block quantize kernel launch");
+    return TQ_SUCCESS;
+}
+
+/* Whether x, c, a is one half of a pair quantize_pair_kernel takes: CUDA, a non-empty bfloat16
+ * x, both directions, no dbias. */
+static bool pair_half(const tq_tensor *x, const tq_quant_config *c, const tq_quantize_args *a) {
+    return x->device != TQ_DEVICE_CPU && x->dtype == TQ_DTYPE_BFLOAT16 && x->rows > 0 && x->cols > 0
+           && c->scaling == TQ_SCALING_BLOCK && a->dbias.data == nullptr
+           && a->usage == (TQ_USAGE_ROWWISE | TQ_USAGE_COLUMNWISE);
+}
+
+extern "C" tq_status tq_quantize_fp8_block_pair_cuda(const tq_tensor *x0, const tq_quant_config *c0,
+                                                     const tq_quantize_args *a0, tq_qtensor *q0,
+                                                     const tq_tensor *x1, const tq_quant_config *c1,
+                                                     const tq_quantize_args *a1, tq_qtensor *q1,
+                                                     struct CUstream_st *stream, int *launched) {
+    *launched = 0;
+    if (!pair_half(x0, c0, a0) || !pair_half(x1, c1, a1) || x0->device != x1->device
+        || c0->elem_dtype != c1->elem_dtype)
+        return TQ_SUCCESS;
+    const Params p0 = quantize_params(x0, c0, q0), p1 = quantize_params(x1, c1, q1);
+    if (p0.n_tiles + p1.n_tiles > INT32_MAX) return TQ_SUCCESS; /* the single calls say why */
+    DeviceGuard guard(x0->device);
+    if (guard.status != cudaSuccess) return launch_failed("FP8 block quantize pair: making x's device current");
+    const int e5m2 = c0->elem_dtype == TQ_DTYPE_FLOAT8_E5M2;
+    const bool d0 = (c0->flags & TQ_QUANT_2D) != 0, d1 = (c1->flags & TQ_QUANT_2D) != 0;
+    const unsigned grid = (unsigned)(p0.n_tiles + p1.n_tiles);
+    cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+    if (d0 && d1) launch_pair<true, true>(p0, p1, e5m2, grid, s);
+    else if (d0) launch_pair<true, false>(p0, p1, e5m2, grid, s);
+    else if (d1) launch_pair<false, true>(p0, p1, e5m2, grid, s);
+    else launch_pair<false, false>(p0, p1, e5m2, grid, s);
+    if (cudaPeekAtLastError() != cudaSuccess) return launch_failed("FP8 block quantize pair kernel launch");
+    *launched = 1;
     return TQ_SUCCESS;
 }
 

@@ -1,18 +1,19 @@
-"""tq_quantize_pair (csrc/core/quantize.c, cuda/quantize_fp8_pair.cu): two tensors quantized as
-two tq_quantize calls would, bit for bit, in one launch where both are bfloat16, both directions,
-one element format and either Float8CurrentScaling with their own amax and 64K-16M elements each
-(fused_pair_kernel, cooperative) or DelayedScaling with their state's scale (delayed_pair_kernel);
-te.Linear's x and W in its forward. Otherwise one after the other. Each tensor's own quantization
-is tested against independent references in tests/test_quantize_fp8.py; here the pair's members
-(and a DelayedScaling amax slot) must equal the single calls' (every member, every bit), and the
-profile shows which launches ran.
+"""tq_quantize_pair (csrc/core/quantize.c; cuda/quantize_fp8_pair.cu, cuda/quantize_fp8_block.cu):
+two tensors quantized as two tq_quantize calls would, bit for bit, in one launch where both are
+bfloat16, both directions, one element format and either Float8CurrentScaling with their own
+amax and 64K-16M elements each (fused_pair_kernel, cooperative), DelayedScaling with their
+state's scale (delayed_pair_kernel) or Float8BlockScaling, each its own block shape
+(quantize_pair_kernel); te.Linear's x and W in its forward. Otherwise one after the other. Each
+tensor's own quantization is tested against independent references in tests/test_quantize_fp8.py
+and tests/test_quantize_fp8_block.py; here the pair's members (and a DelayedScaling amax slot)
+must equal the single calls' (every member, every bit), and the profile shows which launches ran.
 """
 import pytest
 import torch
 
 import tequant as te
 from tequant import _C
-from tequant.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
+from tequant.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format,
                             MXFP8BlockScaling, NVFP4BlockScaling)
 from test_norm_kernels import bits  # noqa: E402
 
@@ -37,6 +38,16 @@ def assert_same(got, want, what):
             assert torch.equal(bits(a8.cpu()), bits(b8.cpu())), (what, i)
 
 
+def pair_inputs(s0, s1, seed, dtype=BF16, big=0):
+    """Two bfloat16 tensors at different scales with a NaN (ignored by amaxes), a -0 (kept) and
+    one huge element in tensor `big` (its amax far above the other's)."""
+    x0 = randn(s0, dtype, "cuda", seed=seed, scale=3.0)
+    x1 = randn(s1, dtype, "cuda", seed=seed + 1, scale=0.02)
+    x0[5 % s0[0], 7 % s0[1]], x1[3 % s1[0], 2 % s1[1]] = float("nan"), -0.0
+    (x0, x1)[big][-1, -1] = 1e30
+    return x0, x1
+
+
 def kernels_of(fn):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         out = fn()
@@ -49,6 +60,13 @@ def check_pair(x0, c0, x1, c1):
     for x, c, g in ((x0, c0, got[0]), (x1, c1, got[1])):
         assert_same(g, _C._quantize(x, c, BOTH, None, None, None, None), (tuple(x.shape), x.dtype))
     return got
+
+
+def check_one_launch(x0, c0, x1, c1, kernel):
+    """The pair runs as one launch of `kernel` and equals the single calls."""
+    _, names = kernels_of(lambda: _C._quantize_pair(x0, c0, x1, c1))
+    assert len(names) == 1 and kernel in names[0], names
+    return check_pair(x0, c0, x1, c1)
 
 
 # (x0 shape, x1 shape, dtype, configs): one tile per CTA and several; ragged edges; either first
@@ -66,13 +84,8 @@ PAIRS = [
 @pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"{p[0][0]}x{p[0][1]}+{p[1][0]}x{p[1][1]}")
 def test_cuda_pair_is_two_quantizations_in_one_launch(pair):
     s0, s1, dtype, (c0, c1) = pair
-    x0 = randn(s0, dtype, "cuda", seed=1, scale=3.0)
-    x1 = randn(s1, dtype, "cuda", seed=2, scale=0.02)
-    x0[5, 7], x1[3, 2] = float("nan"), -0.0   # NaN ignored by the amax; -0 kept
-    x0[-1, -1] = 1e30  # its amax far above the other's
-    _, names = kernels_of(lambda: _C._quantize_pair(x0, c0, x1, c1))
-    assert len(names) == 1 and "fused_pair_kernel" in names[0], names
-    check_pair(x0, c0, x1, c1)
+    x0, x1 = pair_inputs(s0, s1, seed=1, dtype=dtype)
+    check_one_launch(x0, c0, x1, c1, "fused_pair_kernel")
 
 
 @CUDA
@@ -144,10 +157,7 @@ DELAYED_PAIRS = [
                          ids=lambda p: f"{p[0][0]}x{p[0][1]}+{p[1][0]}x{p[1][1]}")
 def test_cuda_delayed_pair_is_two_quantizations_in_one_launch(pair):
     s0, s1, (c0, c1), (st0, st1) = pair
-    x0 = randn(s0, BF16, "cuda", seed=11, scale=3.0)
-    x1 = randn(s1, BF16, "cuda", seed=12, scale=0.02)
-    x0[5 % s0[0], 7 % s0[1]], x1[3, 2] = float("nan"), -0.0
-    x1[-1, -1] = 1e30  # saturates (satfinite), its amax far above x0's
+    x0, x1 = pair_inputs(s0, s1, seed=11, big=1)  # x1's 1e30 saturates (satfinite)
     states = (delayed_state(*st0), delayed_state(*st1))
     _, names = kernels_of(lambda: _C._quantize_pair(x0, c0, x1, c1, *states))
     assert len(names) == 1 and "delayed_pair_kernel" in names[0], names
@@ -173,10 +183,48 @@ def test_cuda_delayed_pairs_declined():
 @CUDA
 @pytest.mark.gpu
 def test_cuda_other_recipes_pair_as_two_calls():
+    """DelayedScaling without states (a scale of 1 made per call) and the emulated formats."""
     x0, x1 = randn((4096, 512), BF16, "cuda", 5), randn((512, 512), BF16, "cuda", 6)
-    for recipe in (DelayedScaling(), Float8BlockScaling()):
-        check_pair(x0, te.quantizer_config(recipe, "input"), x1,
-                   te.quantizer_config(recipe, "weight"))
+    for recipe in (DelayedScaling(), MXFP8BlockScaling()):
+        c0, c1 = te.quantizer_config(recipe, "input"), te.quantizer_config(recipe, "weight")
+        _, names = kernels_of(lambda: _C._quantize_pair(x0, c0, x1, c1))
+        assert not any("pair_kernel" in n for n in names), names
+        check_pair(x0, c0, x1, c1)
+
+
+B_IN = te.quantizer_config(Float8BlockScaling(), "input")    # 1x128 blocks
+B_W = te.quantizer_config(Float8BlockScaling(), "weight")    # 128x128 blocks (2D)
+B_DY = te.quantizer_config(Float8BlockScaling(fp8_format=Format.HYBRID), "grad_output")  # E5M2
+BLOCK_PAIRS = [
+    ((8192, 512), (1536, 512), (B_IN, B_W)),     # a d=512 te.Linear
+    ((1000, 1000), (333, 1000), (B_IN, B_W)),    # ragged
+    ((16, 32), (48, 32), (B_W, B_IN)),           # tiny, the 2D one first
+    ((300, 300), (4100, 1030), (B_IN, B_IN)),    # both 1x128
+    ((256, 384), (128, 256), (B_W, B_W)),        # both 2D
+    ((640, 256), (256, 256), (B_DY, B_DY)),      # E5M2
+]
+
+
+@CUDA
+@pytest.mark.gpu
+@pytest.mark.parametrize("pair", BLOCK_PAIRS, ids=lambda p: f"{p[0][0]}x{p[0][1]}+{p[1][0]}x{p[1][1]}")
+def test_cuda_block_pair_is_two_quantizations_in_one_launch(pair):
+    s0, s1, (c0, c1) = pair
+    x0, x1 = pair_inputs(s0, s1, seed=21, big=1)
+    check_one_launch(x0, c0, x1, c1, "quantize_pair_kernel")
+
+
+@CUDA
+@pytest.mark.gpu
+def test_cuda_block_pairs_declined():
+    """float32, two element formats (E5M2 grad_output, E4M3 W), an empty x: one after the
+    other, the same bits."""
+    x0, x1 = randn((2048, 512), BF16, "cuda", 23), randn((512, 512), BF16, "cuda", 24)
+    for a0, c0, a1, c1 in ((x0.float(), B_IN, x1.float(), B_W), (x0, B_DY, x1, B_W),
+                           (x0[:0], B_IN, x1, B_W)):
+        _, names = kernels_of(lambda: _C._quantize_pair(a0, c0, a1, c1))
+        assert not any("pair_kernel" in n for n in names), names
+        check_pair(a0, c0, a1, c1)
 
 
 @CUDA
@@ -200,6 +248,23 @@ def test_cuda_linear_forward_quantizes_x_and_w_in_one_launch():
     fwd(first=True)                       # W quantized and kept (alone or with x)
     y_cached, names = kernels_of(lambda: fwd(first=False))
     assert not any("fused_pair_kernel" in n for n in names), names  # x alone
+    assert torch.equal(y, y_cached)
+
+
+@CUDA
+@pytest.mark.gpu
+def test_cuda_linear_forward_block_quantizes_x_and_w_in_one_launch():
+    """Float8BlockScaling: x (1x128) and W (128x128) in one quantize_pair_kernel, no single
+    quantize launch, the output that of W kept from before."""
+    torch.manual_seed(0)
+    lin = te.Linear(512, 1536, params_dtype=BF16, device="cuda")
+    x = torch.randn(4096, 512, dtype=BF16, device="cuda", requires_grad=True)
+    with te.autocast(recipe=Float8BlockScaling()):
+        y, names = kernels_of(lambda: lin(x, is_first_microbatch=True))
+        assert sum("quantize_pair_kernel" in n for n in names) == 1, names
+        assert not any("quantize_kernel" in n and "pair" not in n for n in names), names
+        y_cached, names = kernels_of(lambda: lin(x, is_first_microbatch=False))
+        assert not any("pair_kernel" in n for n in names), names
     assert torch.equal(y, y_cached)
 
 

@@ -66,6 +66,8 @@ quantize_fp8_dequant.cu dequantize_kernel quantize_dequantize[current-*|delayed-
                                           f32/bf16/f16 out), dequantize_misaligned_out[current]
 quantize_fp8_block.cu quantize_kernel     quantize_dequantize[block-*] (1x128 and 128x128, E4M3
                                           and E5M2, f32/bf16/f16, row / col / both), linear_step
+               quantize_pair_kernel<2D x 1D>  quantize_pair[block: x 1x128 with W 128x128, or
+                                          two 1x128], linear_step[block-*] (x and W)
                dequantize_kernel          quantize_dequantize[block-*], dequantize_misaligned_out
 quantize_mxfp8.cu quantize_kernel         quantize_dequantize[mxfp8-*] (vectorized; element-wise
                                           for the misaligned x; 1x32 and 32x32; E4M3 and E5M2)
@@ -468,13 +470,15 @@ GIVEN = {"current-input": ("current", "input"), "current-grad": ("current", "gra
                          ids=["one-tile-per-cta", "ragged"])
 def test_quantize_pair(shapes):
     # two tensors' current scaling in one cooperative launch, delayed scaling in one launch with
-    # the states' scales and slots (tq_quantize_pair)
+    # the states' scales and slots, block scaling (x 1x128 with W 128x128, or two 1x128) in one
+    # launch (tq_quantize_pair)
     x0, x1 = (_randn(*shape, dtype=BF16, seed=i) for i, shape in enumerate(shapes))
-    for name, role in itertools.product(("current", "delayed"), ("input", "grad_output")):
+    for name, role in itertools.product(("current", "delayed", "block"), ("input", "grad_output")):
         config = te.quantizer_config(RECIPES[name], role)
-        states = () if name == "current" else tuple(
+        states = () if name != "delayed" else tuple(
             (torch.full((1,), s, device=DEVICE), torch.zeros(1, device=DEVICE)) for s in (2., 4.))
-        for members in _C._quantize_pair(x0, config, x1, config, *states):
+        w_config = te.quantizer_config(RECIPES[name], "weight") if role == "input" else config
+        for members in _C._quantize_pair(x0, config, x1, w_config, *states):
             for m in members:
                 if m is not None:  # every byte read (initcheck)
                     torch.sum(m.contiguous().view(torch.uint8), dtype=torch.int64).item()

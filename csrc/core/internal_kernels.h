@@ -61,6 +61,14 @@ tq_status tq_quantize_fp8_pair_cuda(const tq_tensor *x0, const tq_quant_config *
                                     const tq_tensor *x1, const tq_quant_config *c1,
                                     const tq_quantize_args *a1, tq_qtensor *q1,
                                     struct CUstream_st *stream, int *launched);
+/* tq_quantize_pair's one launch of two FP8 block-scaling quantizations (quantize_fp8_block.cu:
+ * BLOCK, both directions, no dbias, two non-empty bfloat16 x on one device, one element format,
+ * each its own block shape); *launched as tq_quantize_fp8_pair_cuda's. */
+tq_status tq_quantize_fp8_block_pair_cuda(const tq_tensor *x0, const tq_quant_config *c0,
+                                          const tq_quantize_args *a0, tq_qtensor *q0,
+                                          const tq_tensor *x1, const tq_quant_config *c1,
+                                          const tq_quantize_args *a1, tq_qtensor *q1,
+                                          struct CUstream_st *stream, int *launched);
 int tq_fp8_current_fuses_dbias(const tq_tensor *x, const tq_quant_config *config, uint32_t usage);
 
 /* tq_<stem>_ref(...) for CPU tensors, tq_<stem>_cuda(...) for CUDA tensors (NOT_SUPPORTED in a

@@ -4,7 +4,7 @@
  * members laid out as tq_quantize_layout says, contiguous, on x's device. With args->dbias,
  * quantize_dbias.c takes over after these checks. tq_quantize_pair: two such calls, or one launch
  * of both where the kernels have one (quantize_fp8_pair.cu: te.Linear's x and W under per-tensor
- * FP8 scaling).
+ * FP8 scaling; quantize_fp8_block.cu: under FP8 block scaling).
  * Tests: tests/test_quantize_*.py (through te.ops), tests/test_ops.py (errors),
  * tests/test_linear_dbias.py (dbias), tests/test_quantize_pair.py (the pair).
  */
@@ -237,10 +237,12 @@ tq_status tq_quantize_pair(const tq_tensor *x0, const tq_quant_config *c0,
     if (st != TQ_SUCCESS) return st;
 #ifdef TQ_WITH_CUDA
     int launched = 0;
-    if (x0->device != TQ_DEVICE_CPU && a0->dbias.data == NULL && a1->dbias.data == NULL
-        && (st = tq_quantize_fp8_pair_cuda(x0, c0, a0, q0, x1, c1, a1, q1, stream, &launched))
-               != TQ_SUCCESS)
-        return st;
+    if (x0->device != TQ_DEVICE_CPU && a0->dbias.data == NULL && a1->dbias.data == NULL) {
+        st = c0->scaling == TQ_SCALING_BLOCK && c1->scaling == TQ_SCALING_BLOCK
+                 ? tq_quantize_fp8_block_pair_cuda(x0, c0, a0, q0, x1, c1, a1, q1, stream, &launched)
+                 : tq_quantize_fp8_pair_cuda(x0, c0, a0, q0, x1, c1, a1, q1, stream, &launched);
+        if (st != TQ_SUCCESS) return st;
+    }
     if (launched) return TQ_SUCCESS;
 #endif
     st = quantize_checked(x0, c0, a0, q0, stream);

@@ -399,12 +399,13 @@ PyObject *tqx_linear_forward(PyObject *module, PyObject *const *args, Py_ssize_t
                      "takes %lld", (long long)x.cols, (long long)k);
         goto done;
     }
-    /* per-tensor FP8 quantizes x and a W not kept from before in one launch where it can
+    /* FP8 (per-tensor, block) quantizes x and a W not kept from before in one launch where it can
      * (tq_quantize_pair): both are recorded, then run together before the GEMM */
     tqx_pending later[2] = {TQX_PENDING_INIT, TQX_PENDING_INIT};
     const int pair = qx.members == NULL && w_given == NULL && x_info.stream == w_info.stream
                      && p.x.scaling == p.w.scaling
-                     && (p.x.scaling == TQ_SCALING_CURRENT || p.x.scaling == TQ_SCALING_DELAYED);
+                     && (p.x.scaling == TQ_SCALING_CURRENT || p.x.scaling == TQ_SCALING_DELAYED
+                         || p.x.scaling == TQ_SCALING_BLOCK);
     if (qx.members == NULL) {
         if (pad_rows(st, &x, x_info.stream, p.align, device, &xp, &pad) < 0) goto done;
         const uint32_t x_usage =

@@ -279,7 +279,7 @@ int tqx_config_from_py(tqx_state *st, PyObject *obj, tq_quant_config *out);
  * tqx_quantize_packed given `later` (not NULL) record it there instead of running it (all but
  * stochastic rounding and DelayedScaling without its state's scale, which run at once), and
  * tqx_run_pending runs what was recorded, two of them through tq_quantize_pair (te.Linear's x
- * and W: one launch under per-tensor FP8 scaling). The tensors q and a DelayedScaling scale
+ * and W: one launch under FP8 per-tensor and block scaling). The tensors q and a DelayedScaling scale
  * point into must live until it runs. */
 typedef struct tqx_pending {
     tq_tensor x;
