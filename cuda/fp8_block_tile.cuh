@@ -1,7 +1,8 @@
 /* fp8_block_tile.cuh: the FP8 block-scaling tile kernel (one CTA per 128x128 tile, both
  * directions), internal to cuda/: quantize_fp8_block.cu runs it on x itself (RawLoad),
  * act_quantize_block.cu on an activation computed as the tile is loaded (ActLoad there). The
- * rule and the layout are quantize_fp8_block.cu's header comment.
+ * tile's work is quantize_tile, so a kernel can take tiles of two tensors (quantize_fp8_block.cu's
+ * quantize_pair_kernel). The rule and the layout are quantize_fp8_block.cu's header comment.
  * Tests: tests/test_quantize_fp8_block.py, tests/test_act_block.py (GPU cases: bit-exact
  * against the CPU references).
  */
