@@ -40,6 +40,7 @@ SHAPES = [
     (32768, 512, BF16, 32),     # chunks across warps
     (65536, 256, F16, 64),
     (131072, 128, BF16, 128),   # 16M elements: the cooperative launch's largest x
+    (3001, 3001, BF16, 16),     # current: one or two ragged tiles per CTA
 ]
 DECLINED = [(140000, 16, BF16, 256)]  # R > 128: the separate pass
 

@@ -74,6 +74,7 @@ PAIRS = [
     ((8192, 512), (1536, 512), BF16, (E4M3, E4M3_W)),     # a d=512 te.Linear: one tile per CTA
     ((8192, 2048), (512, 2048), BF16, (E4M3, E4M3_W)),    # more tiles than CTAs
     ((1000, 1000), (333, 1000), BF16, (E4M3, E4M3_W)),    # ragged
+    ((3001, 3001), (333, 1000), BF16, (E4M3, E4M3_W)),    # ragged, one or two tiles per CTA
     ((300, 300), (4100, 1030), BF16, (E5M2, E5M2)),       # the larger one second, E5M2
     ((4096, 4096), (4096, 4096), BF16, (E4M3, E4M3_W)),   # 16M elements each (the largest)
 ]

@@ -24,7 +24,8 @@ act_backward.cu act_backward_kernel<f32|bf16|f16, activation, gated or not, dbia
                                           codes too; row chunks of 4 rows at these shapes)
 amax.cu        amax_kernel<f32|bf16|f16,  amax_paths (all nine); FlatVec also quantize_dequantize
                FlatVec|RowVec|Scalar>     [current-*] (an FP8 current x of more than 64K elements)
-amax_update.cu amax_update_kernel<max>    amax_update (600 slots: two launches), linear_step
+amax_update.cu amax_update_kernel<max>    amax_update (600 slots: two launches; a history of
+                                          1100 entries: the roll by chunks), linear_step
                                           [delayed-*], cuda_graph_step[delayed] (autocast exit,
                                           end of backward)
                amax_update_kernel<most_recent>  amax_update (with all-reduced amaxes)
@@ -54,9 +55,11 @@ quantize_fp8.cu small_current_kernel      quantize_dequantize[current-*] (<= 64K
                fused_current_kernel       quantize_dequantize[current-*] (> 64K elements: one
                                           cooperative launch, one tile per CTA)
                fused_current_kernel<dbias> quantize_dbias_one_launch (bf16 grad_output: the
-                                          partials, the CTAs' maxima, the sums finished inside)
-               fused_pair_kernel<E4M3|E5M2>  quantize_pair (one tile per CTA; ragged and several
-                                          per CTA), linear_step[current-*] (x and W)
+                                          partials, the CTAs' maxima, the sums finished inside;
+                                          one tile per CTA, and up to three loaded again)
+               fused_pair_kernel<E4M3|E5M2>  quantize_pair (one tile per CTA; ragged; up to
+                                          three per CTA, loaded again),
+                                          linear_step[current-*] (x and W)
                delayed_pair_kernel<E4M3|E5M2>  quantize_pair, linear_step[delayed-*] (x and W)
                cast_kernel<delayed=false> quantize_given_amax[current-*] (and x > 16M elements,
                                           after the amax pass: not at these shapes)
@@ -301,6 +304,11 @@ def test_amax_update():
     _C._amax_update(slots[:3], length, "most_recent", reduced)
     _finite(hist, scale)
     assert bool((scale > 0).all())
+    # a history longer than the kernel holds in registers (1024): the roll by chunks
+    long_hist, long_scale = _randn(1100, 2, seed=5).abs(), torch.ones(2, device=DEVICE)
+    _C._amax_update([(long_hist[:, j:j + 1], long_scale[j:j + 1], 448.0) for j in range(2)], 1100,
+                    "max", None)
+    _finite(long_hist, long_scale)
 
 
 # ---- normalization ---------------------------------------------------------------------------
@@ -466,8 +474,9 @@ GIVEN = {"current-input": ("current", "input"), "current-grad": ("current", "gra
          "nvfp4-grad": ("nvfp4", "grad_output")}
 
 
-@pytest.mark.parametrize("shapes", [((256, 512), (384, 512)), ((1000, 700), (333, 700))],
-                         ids=["one-tile-per-cta", "ragged"])
+@pytest.mark.parametrize("shapes", [((256, 512), (384, 512)), ((1000, 700), (333, 700)),
+                                    ((8192, 2048), (512, 2048))],
+                         ids=["one-tile-per-cta", "ragged", "up-to-three-tiles-per-cta"])
 def test_quantize_pair(shapes):
     # two tensors' current scaling in one cooperative launch, delayed scaling in one launch with
     # the states' scales and slots, block scaling (x 1x128 with W 128x128, or two 1x128) in one
@@ -484,7 +493,8 @@ def test_quantize_pair(shapes):
                     torch.sum(m.contiguous().view(torch.uint8), dtype=torch.int64).item()
 
 
-@pytest.mark.parametrize("shape", [(256, 512), (1000, 700)], ids=["one-tile-per-cta", "ragged"])
+@pytest.mark.parametrize("shape", [(256, 512), (1000, 700), (8192, 2048)],
+                         ids=["one-tile-per-cta", "ragged", "up-to-three-tiles-per-cta"])
 def test_quantize_dbias_one_launch(shape):
     # current scaling's cooperative cast of a bf16 grad_output that sums dbias itself
     x = _randn(*shape, dtype=BF16, seed=11)
