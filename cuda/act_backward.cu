@@ -207,7 +207,8 @@ __global__ void __launch_bounds__(kTable ? tq_act_table::kThreads : kThreads)
 /* ---- the identity with the columnwise codes (tq_quantize's DelayedScaling dbias pass) -------
  * A warp takes 8 chunks (64 columns) of 4 consecutive row chunks (lane = 8 * row chunk + chunk):
  * its loads are whole 128-byte rows. Each thread walks its row chunk kG rows at a time, four
- * rows per load batch; a 4 x 4 byte transpose (tile_transpose.cuh) turns the batch's codes into
+ * rows per load batch (for kG >= 16 the next batch loads while the current one converts:
+ * kColPrefetch); a 4 x 4 byte transpose (tile_transpose.cuh) turns the batch's codes into
  * one word per column, stored in the warp's shared-memory tile. After kG rows the warp writes
  * the tile out: each column's rows of the 4 row chunks (kG = R: one run of 4 R bytes), 16 bytes
  * per lane (spanning 16 / R row chunks where R is 4 or 8), consecutive lanes on consecutive
@@ -309,8 +310,18 @@ __device__ __forceinline__ void store_tile(const BwdParams &p, const uint32_t *t
     else store_tile_long<kG>(p, tile, p0, c0, g, lane);
 }
 
+/* Groups of 16 or more rows load a lane's next four rows while the current four convert (eight
+ * rows in flight), at four CTAs per SM (110 registers); groups of 4 or 8 rows load four at a
+ * time at five (their pass is short, and the prefetch measured slower there). H200, bf16, dbias,
+ * GPU us per call, before -> after: [8192, 1536] 20.8 -> 19.7, [8192, 2048] 24.6 -> 22.0,
+ * [8192, 4096] 45.8 -> 43.0, [8192, 16384] 170.0 -> 161.2; [8192, 512] 6.8 either way (its
+ * prefetch form 7.2 - 7.5; docs/results/NOTES.md, twenty-fourth session). */
+template <int kG>
+constexpr bool kColPrefetch = kG >= 16;
+
 template <typename T, bool kDbias, int kG>
-__global__ void __launch_bounds__(kColThreads, 5) identity_columnwise_kernel(const BwdParams p) {
+__global__ void __launch_bounds__(kColThreads, kColPrefetch<kG> ? 4 : 5)
+    identity_columnwise_kernel(const BwdParams p) {
     using CT = ColTile<kG>;
     __shared__ uint32_t tiles[kColThreads / 32][CT::kWords];
     const float scale = tq_fp8out::cast_scale(p.out);
@@ -334,14 +345,29 @@ __global__ void __launch_bounds__(kColThreads, 5) identity_columnwise_kernel(con
 #pragma unroll
         for (int e = 0; e < kChunk; e++) acc[e] = 0.0f;
         uint32_t *mine = tile + pl * CT::kSub + 8 * cl * CT::kColWords;
+        Row<T, TQ_ACT_IDENTITY, false> in[4];
+        if constexpr (kColPrefetch<kG>) {
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                if (r_begin + j < r_end) in[j].load(p, r_begin + j, c, n);
+        }
         for (int g = 0; g < groups; g++) {
             const int64_t r0 = r_begin + (int64_t)g * kG;
 #pragma unroll 1 /* a loop, not kG / 4 copies of the body (code size) */
             for (int i0 = 0; i0 < kG; i0 += 4) {
-                Row<T, TQ_ACT_IDENTITY, false> in[4];
+                /* with the prefetch, the next four rows (the next group's first, after the
+                 * last four) load while these convert */
+                Row<T, TQ_ACT_IDENTITY, false> next[4];
+                if constexpr (kColPrefetch<kG>) {
+                    const int64_t rn = r0 + i0 + 4;
 #pragma unroll
-                for (int j = 0; j < 4; j++)
-                    if (r0 + i0 + j < r_end) in[j].load(p, r0 + i0 + j, c, n);
+                    for (int j = 0; j < 4; j++)
+                        if (rn + j < r_end) next[j].load(p, rn + j, c, n);
+                } else {
+#pragma unroll
+                    for (int j = 0; j < 4; j++)
+                        if (r0 + i0 + j < r_end) in[j].load(p, r0 + i0 + j, c, n);
+                }
                 uint32_t lo[4] = {0, 0, 0, 0}, hi[4] = {0, 0, 0, 0};
 #pragma unroll
                 for (int j = 0; j < 4; j++) {
@@ -357,6 +383,10 @@ __global__ void __launch_bounds__(kColThreads, 5) identity_columnwise_kernel(con
                 for (int e = 0; e < 4; e++) {
                     mine[e * CT::kColWords + i0 / 4] = cols_lo[e];
                     mine[(e + 4) * CT::kColWords + i0 / 4] = cols_hi[e];
+                }
+                if constexpr (kColPrefetch<kG>) {
+#pragma unroll
+                    for (int j = 0; j < 4; j++) in[j] = next[j];
                 }
             }
             __syncwarp();

@@ -21,7 +21,9 @@ act_backward.cu act_backward_kernel<f32|bf16|f16, activation, gated or not, dbia
                                           sums alone), linear_step and cuda_graph_step (bias)
                identity_columnwise_kernel<dbias, rows>  quantize_dbias[delayed-grad] (both
                                           directions: DelayedScaling's pass writes the columnwise
-                                          codes too; row chunks of 4 rows at these shapes)
+                                          codes too; row chunks of 4 rows at these shapes),
+                                          quantize_dbias_delayed_groups (16 and 64 rows: the
+                                          next rows' loads run ahead, across groups)
 amax.cu        amax_kernel<f32|bf16|f16,  amax_paths (all nine); FlatVec also quantize_dequantize
                FlatVec|RowVec|Scalar>     [current-*] (an FP8 current x of more than 64K elements)
 amax_update.cu amax_update_kernel<max>    amax_update (600 slots: two launches; a history of
@@ -493,18 +495,32 @@ def test_quantize_pair(shapes):
                     torch.sum(m.contiguous().view(torch.uint8), dtype=torch.int64).item()
 
 
-@pytest.mark.parametrize("shape", [(256, 512), (1000, 700), (8192, 2048)],
-                         ids=["one-tile-per-cta", "ragged", "up-to-three-tiles-per-cta"])
-def test_quantize_dbias_one_launch(shape):
-    # current scaling's cooperative cast of a bf16 grad_output that sums dbias itself
-    x = _randn(*shape, dtype=BF16, seed=11)
+def _dbias_cast(shape, name, seed, state=(None, None)):
+    """A bf16 grad_output's cast with dbias (tq_quantize), every member and dbias read whole."""
+    x = _randn(*shape, dtype=BF16, seed=seed)
     dbias = torch.empty(shape[1], dtype=BF16, device=DEVICE)
-    cfg = te.quantizer_config(RECIPES["current"], "grad_output")
-    members = _C._quantize(x, cfg, 3, None, None, None, None, dbias)
+    cfg = te.quantizer_config(RECIPES[name], "grad_output")
+    members = _C._quantize(x, cfg, 3, *state, None, None, dbias)
     _finite(dbias)
     for t in members:
         if t is not None:
             torch.sum(t.contiguous().view(torch.uint8), dtype=torch.int64).item()
+
+
+@pytest.mark.parametrize("shape", [(256, 512), (1000, 700), (8192, 2048)],
+                         ids=["one-tile-per-cta", "ragged", "up-to-three-tiles-per-cta"])
+def test_quantize_dbias_one_launch(shape):
+    # current scaling's cooperative cast of a bf16 grad_output that sums dbias itself
+    _dbias_cast(shape, "current", seed=11)
+
+
+@pytest.mark.parametrize("shape", [(3000, 1032), (300, 8000), (40000, 40)],
+                         ids=["rows-16-ragged", "rows-16-wide", "rows-64"])
+def test_quantize_dbias_delayed_groups(shape):
+    # DelayedScaling's dbias pass with row chunks of 16 and 64 rows (groups of 16 and 32): a
+    # lane's next four rows load while it converts the current ones, up to its chunk's end
+    _dbias_cast(shape, "delayed", seed=12,
+                state=(torch.full((1,), 0.5, device=DEVICE), torch.zeros(1, device=DEVICE)))
 
 
 @pytest.mark.parametrize("name", list(GIVEN))
