@@ -325,3 +325,47 @@ def test_bad_packed_input_raises(name):
         c_backward(lin, name, floats, dy, x.shape, None, seed=0)
     with pytest.raises(ValueError, match="exclude each other"):
         c_forward(lin, name, x, 3 | 4 | 8, (None, None))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["delayed", "current", "block"])
+def test_backward_releases_dgrad_codes_before_wgrad(name):
+    """A grad_output of more than 16M elements is quantized into two scratch parts, and the
+    rowwise one (dgrad's) is released once dgrad is queued, before dW is allocated: the
+    backward's peak is max(both directions + dx, columnwise + dx + dW), not their sum."""
+    m, k, n = 4096, 1024, 8192  # dy [m, n]: 32M elements
+    recipe = RECIPES[name]
+    lin = te.Linear(k, n, bias=False, device="cuda", params_dtype=torch.bfloat16)
+    te.prepare_state(lin, recipe)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(2):  # the second step: the state and caches as in training
+        x.grad = lin.weight.grad = None
+        with te.autocast(recipe=recipe):
+            y = lin(x)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        y.backward(dy)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - start
+        del y
+    codes, dx, dw = m * n, m * k * 2, n * k * 2  # one direction's codes; bf16 dx, dW
+    slack = 4 << 20  # scales, amax, the allocator's rounding
+    assert peak >= 2 * codes + dx, peak  # both directions were quantized
+    assert peak <= max(2 * codes + dx, codes + dx + dw) + slack, (peak, 2 * codes + dx + dw)
+    assert lin.weight.grad.shape == (n, k) and x.grad.shape == (m, k)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["current", "block"])
+def test_backward_with_dy_in_two_parts_matches_reference(name, device):
+    """A grad_output of more than 16M elements (quantized into two scratch parts, the rowwise
+    one released after dgrad) gives the quantized reference's dx and dW (test_linear.py)."""
+    from test_linear import check_step, make_linear as make_lin
+    m, k, n = 16400, 16, 1040  # dy: 17.1M elements
+    lin = make_lin(k, n, dtype=torch.bfloat16, device=device, bias=False, seed=21)
+    x = randn(m, k, seed=22, dtype=torch.bfloat16, device=device)
+    dy = randn(m, n, seed=23, dtype=torch.bfloat16, device=device)
+    check_step(name, lin, x, dy, device=device, dtype=torch.bfloat16)

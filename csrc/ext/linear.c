@@ -519,8 +519,13 @@ PyObject *tqx_linear_backward(PyObject *module, PyObject *const *args, Py_ssize_
     }
     const uint32_t usage = ((needs & TQX_NEED_DGRAD) ? TQ_USAGE_ROWWISE : 0)
                            | ((needs & TQX_NEED_WGRAD) ? TQ_USAGE_COLUMNWISE : 0);
-    /* dy is consumed by this call's GEMMs: its one part is scratch; the bias gradient comes from
-     * the pass that quantizes dy, or one of its own when no GEMM runs */
+    /* dy is consumed by this call's GEMMs: scratch, one part, or two where both directions of
+     * more than 16M elements are asked: dgrad's rowwise part is released before wgrad's output
+     * is allocated, the backward's peak (the compiled Llama MLP's, docs/results/NOTES.md); the
+     * bias gradient comes from the pass that quantizes dy, or one of its own when no GEMM runs */
+    const uint32_t dy_parts[2] = {TQX_PART_ROWWISE, TQX_PART_COLUMNWISE};
+    const int dy_split = usage == (TQ_USAGE_ROWWISE | TQ_USAGE_COLUMNWISE)
+                         && (int64_t)padded * n > ((int64_t)1 << 24);
     if (!dy_given
         && (pad_rows(st, &d, dy_info.stream, p.align, device, &dyp, &pad) < 0
             || (bias_dtype != Py_None
@@ -528,7 +533,8 @@ PyObject *tqx_linear_backward(PyObject *module, PyObject *const *args, Py_ssize_
                                               device, &db_workspace, &qdy.dbias,
                                               &qdy.workspace)) == NULL)
             || (usage ? quantize(st, dy, &dyp, dy_info.stream, &p.dy, usage, args[4], device,
-                                 d.device, 1, &usage, 1u, &qdy, NULL)
+                                 d.device, dy_split ? 2 : 1, dy_split ? dy_parts : &usage,
+                                 dy_split ? 3u : 1u, &qdy, NULL)
                 : db  ? tqx_linear_dbias_alone(st, &dyp, dy_info.stream, &qdy.dbias,
                                                &qdy.workspace)
                       : 0) < 0))
@@ -545,6 +551,7 @@ PyObject *tqx_linear_backward(PyObject *module, PyObject *const *args, Py_ssize_
             Py_SETREF(dx, PyObject_CallOneArg(after_dgrad, dx));
             if (dx == NULL) goto done;
         }
+        if (dy_split) tqx_scratch_release(st, &qdy.scratch[0]); /* queued: stream-ordered reuse */
     }
     if ((needs & TQX_NEED_WGRAD) && padded == 0) { /* no tokens: nothing to contract, dW = 0 */
         void *data;
