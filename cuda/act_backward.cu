@@ -9,7 +9,8 @@
  * in chunks of R(M, K) rows (tq_norm_partial_rows, the norm backward's), each chunk's partial
  * adding its rows in order onto +0, written to the workspace ([chunk][K] FP32); then
  * column_sums.cuh's kernel adds each column's partials in groups of 32 chunks and the group sums
- * in order, rounding once to dbias's dtype. So every output equals csrc/ref/act_backward_ref.c
+ * in order, rounding once to dbias's dtype (the identity's columnwise pass, a cooperative launch,
+ * does that itself after a grid barrier: no second launch). So every output equals csrc/ref/act_backward_ref.c
  * bit for bit. TQ_ACT_IDENTITY (dh = dy) reads no h: its instance is tq_quantize's dbias pass.
  * Layout: elementwise and memory-bound; a thread takes one chunk of 8 columns of dy (and of each
  * half of h and dh) for the rows of one row chunk (R rows with dbias, keeping the 8 or 16 column
@@ -23,6 +24,7 @@
  * (act_table.cuh: the same bits, fewer instructions).
  * Tests: tests/test_act_kernels.py (GPU cases: bit-exact against the C reference).
  */
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include "act_dispatch.cuh"
@@ -55,6 +57,8 @@ struct BwdParams {
     int64_t ld_q_t;
     int q_t_vec;            /* q_t 16-byte aligned, ld_q_t % 16 == 0 */
     float *partials;        /* dbias: [p_count][k] */
+    void *dbias;            /* identity_columnwise_kernel<kFinish>: the column sums' output */
+    tq_dtype dbias_dtype;
     int64_t r_chunk, p_count;
     int dy_vec, h_vec, dh_vec; /* 16-byte rows (and second halves) of dy, h, dh */
 };
@@ -319,9 +323,13 @@ __device__ __forceinline__ void store_tile(const BwdParams &p, const uint32_t *t
 template <int kG>
 constexpr bool kColPrefetch = kG >= 16;
 
-template <typename T, bool kDbias, int kG>
+/* kFinish (with dbias; a cooperative launch): after a grid barrier the CTAs add up the partials
+ * into dbias themselves (column_sums.cuh's finish_columns: column_sum_kernel's bits), so no
+ * column-sum launch follows. */
+template <typename T, bool kDbias, int kG, bool kFinish = false>
 __global__ void __launch_bounds__(kColThreads, kColPrefetch<kG> ? 4 : 5)
     identity_columnwise_kernel(const BwdParams p) {
+    static_assert(kDbias || !kFinish, "the sums are dbias's");
     using CT = ColTile<kG>;
     __shared__ uint32_t tiles[kColThreads / 32][CT::kWords];
     const float scale = tq_fp8out::cast_scale(p.out);
@@ -401,6 +409,29 @@ __global__ void __launch_bounds__(kColThreads, kColPrefetch<kG> ? 4 : 5)
         }
     }
     tq_fp8out::block_amax<kColThreads>(p.out.amax, amax);
+    if constexpr (kFinish) { /* every CTA's partials are in after the barrier; the tiles are free */
+        cooperative_groups::this_grid().sync();
+        tq_colsum::finish_columns<kColThreads, kColThreads / TQ_NORM_GROUP>(
+            p.partials, p.p_count, p.k, p.dbias, p.dbias_dtype, reinterpret_cast<float *>(tiles),
+            blockIdx.x, gridDim.x);
+    }
+}
+
+/* The dbias pass with the columnwise codes as one cooperative launch that finishes dbias (grid:
+ * at most what fits at once; the kernel strides over its tiles); false, nothing queued, where
+ * the device cannot run it. */
+template <typename T, int kG>
+bool launch_finishing(const BwdParams &p, unsigned grid, int device, int sms, cudaStream_t s) {
+    static std::atomic<int> cache[64]; /* this instance's */
+    auto kernel = identity_columnwise_kernel<T, true, kG, true>;
+    const int per_sm = tq_cuda::coop_blocks_per_sm(kernel, kColThreads, device, cache);
+    if (per_sm <= 0) return false;
+    const unsigned most = (unsigned)per_sm * (unsigned)sms;
+    BwdParams args_p = p;
+    void *args[] = {&args_p};
+    cudaLaunchCooperativeKernel((const void *)kernel, dim3(grid < most ? grid : most),
+                                dim3(kColThreads), args, 0, s);
+    return true;
 }
 
 }  // namespace
@@ -428,6 +459,8 @@ extern "C" tq_status tq_act_backward_cuda(const tq_tensor *dy, const tq_tensor *
     p.ld_dh = a->dh.ld;
     p.out = tq_fp8out::make_out(a->config, a->dh_q, a->scale_inv, a->scale, a->amax_in, a->amax);
     p.partials = static_cast<float *>(a->workspace.data);
+    p.dbias = a->dbias.data;
+    p.dbias_dtype = a->dbias.dtype;
     /* with dbias the row chunks are the fixed order's; without, any grouping gives the same
      * bits. The identity writes the columnwise codes in its pass (identity_columnwise_kernel:
      * chunks of 4, 8, 16 or a multiple of 32 rows, which tq_norm_partial_rows always gives);
@@ -449,6 +482,7 @@ extern "C" tq_status tq_act_backward_cuda(const tq_tensor *dy, const tq_tensor *
                   && (!gated || p.n % 8 == 0);
     const int sms = tq_act_dispatch::sm_count(h->device);
     const bool table_pays = tq_act_table::worth_it(p.rows * p.n, sms);
+    bool finished = false; /* dbias written by the pass itself */
     tq_act_dispatch::with_dtype_act(h->dtype, a->act, [&](auto t, auto act) {
         using A = decltype(act);
         using T = decltype(t);
@@ -456,16 +490,23 @@ extern "C" tq_status tq_act_backward_cuda(const tq_tensor *dy, const tq_tensor *
             if (col) {
                 const int64_t warps = (p.p_count + 3) / 4 * ((p.nchunks + 7) / 8);
                 const unsigned grid = tq_act_dispatch::grid_for(warps * 32, sms, kColThreads, 12);
-                if (group == 32 && dbias)
-                    identity_columnwise_kernel<T, true, 32><<<grid, kColThreads, 0, s>>>(p);
-                else if (group == 32)
-                    identity_columnwise_kernel<T, false, 32><<<grid, kColThreads, 0, s>>>(p);
-                else if (group == 16)
-                    identity_columnwise_kernel<T, true, 16><<<grid, kColThreads, 0, s>>>(p);
-                else if (group == 8)
-                    identity_columnwise_kernel<T, true, 8><<<grid, kColThreads, 0, s>>>(p);
-                else
-                    identity_columnwise_kernel<T, true, 4><<<grid, kColThreads, 0, s>>>(p);
+                if (dbias)
+                    finished = group == 32 ? launch_finishing<T, 32>(p, grid, h->device, sms, s)
+                               : group == 16 ? launch_finishing<T, 16>(p, grid, h->device, sms, s)
+                               : group == 8  ? launch_finishing<T, 8>(p, grid, h->device, sms, s)
+                                             : launch_finishing<T, 4>(p, grid, h->device, sms, s);
+                if (!finished) {
+                    if (group == 32 && dbias)
+                        identity_columnwise_kernel<T, true, 32><<<grid, kColThreads, 0, s>>>(p);
+                    else if (group == 32)
+                        identity_columnwise_kernel<T, false, 32><<<grid, kColThreads, 0, s>>>(p);
+                    else if (group == 16)
+                        identity_columnwise_kernel<T, true, 16><<<grid, kColThreads, 0, s>>>(p);
+                    else if (group == 8)
+                        identity_columnwise_kernel<T, true, 8><<<grid, kColThreads, 0, s>>>(p);
+                    else
+                        identity_columnwise_kernel<T, true, 4><<<grid, kColThreads, 0, s>>>(p);
+                }
                 return;
             }
         }
@@ -488,7 +529,7 @@ extern "C" tq_status tq_act_backward_cuda(const tq_tensor *dy, const tq_tensor *
     });
     cudaError_t err = cudaGetLastError(); /* cleared: must not poison later calls */
     if (err != cudaSuccess) return cuda_failed("act backward kernel launch", err);
-    if (dbias) {
+    if (dbias && !finished) {
         tq_colsum::launch(p.partials, p.p_count, p.k, a->dbias.data, nullptr, a->dbias.dtype, s);
         err = cudaGetLastError();
         if (err != cudaSuccess) return cuda_failed("act backward column-sum kernel launch", err);

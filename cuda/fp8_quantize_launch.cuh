@@ -1,6 +1,6 @@
 /* fp8_quantize_launch.cuh: what the per-tensor FP8 quantize kernels' translation units share on
  * the host side and around the tile (fp8_cast_tile.cuh): the size classes of current scaling's
- * launches, a CTA's max, the cooperative launch's occupancy query and the cast's parameters
+ * launches, a CTA's max and the cast's parameters
  * from the C API's arguments. Internal to cuda/: quantize_fp8.cu (one tensor) and
  * quantize_fp8_pair.cu (two in one launch).
  * Tests: tests/test_quantize_fp8.py, tests/test_quantize_pair.py.
@@ -9,8 +9,6 @@
 #define TEQUANT_CUDA_FP8_QUANTIZE_LAUNCH_CUH_
 
 #include <cuda_runtime.h>
-
-#include <atomic>
 
 #include "internal_kernels.h" /* before the tile code, which uses its types */
 #include "fp8_cast_tile.cuh"
@@ -36,27 +34,6 @@ __device__ __forceinline__ float block_max(float a, float *warp_amax) {
     if (threadIdx.x == 0)
         for (int w = 1; w < kThreads / 32; w++) a = fmaxf(a, warp_amax[w]);
     return a;
-}
-
-/* CTAs of `kernel` that fit on one SM of `device`, 0 where cooperative launches are not
- * supported; asked once per kernel and device, the answer kept in the kernel's own cache (0
- * unknown, else blocks + 1). Every fused_current_kernel instance has the same function type, so
- * a cache keyed by that type would hand one instance's occupancy to the others: a heavier one
- * then failed with cudaErrorCooperativeLaunchTooLarge, depending on which ran first. */
-template <typename Kernel>
-inline int fused_blocks_per_sm(Kernel kernel, int device, std::atomic<int> (&cache)[64]) {
-    if (device < 0 || device >= 64) return 0;
-    int v = cache[device].load(std::memory_order_relaxed);
-    if (v > 0) return v - 1;
-    int coop = 0, blocks = 0;
-    if (cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device) != cudaSuccess
-        || cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, 0) != cudaSuccess) {
-        cudaGetLastError();
-        return 0;
-    }
-    v = coop ? blocks : 0;
-    cache[device].store(v + 1, std::memory_order_relaxed);
-    return v;
 }
 
 inline bool aligned16(const void *ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }

@@ -225,7 +225,8 @@ __global__ void __launch_bounds__(kThreads, kFusedMinCtas<T, kDbias>) fused_curr
 template <typename T, bool kRow, bool kCol, bool kE5M2, bool kDbias>
 int fused_per_sm(int device) {
     static std::atomic<int> cache[64]; /* this instance's */
-    return fused_blocks_per_sm(fused_current_kernel<T, kRow, kCol, kE5M2, kDbias>, device, cache);
+    return tq_cuda::coop_blocks_per_sm(fused_current_kernel<T, kRow, kCol, kE5M2, kDbias>, kThreads, device,
+                                      cache);
 }
 
 /* Launches the fused kernel; false (nothing queued) where the device cannot run it. */

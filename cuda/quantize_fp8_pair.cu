@@ -136,7 +136,7 @@ bool launch_pair(const CastParams &p0, const CastParams &p1, float *amax0, float
                  unsigned tiles, cudaStream_t s) {
     static std::atomic<int> cache[64];
     auto kernel = fused_pair_kernel<T, kE5M2>;
-    const int per_sm = fused_blocks_per_sm(kernel, device, cache);
+    const int per_sm = tq_cuda::coop_blocks_per_sm(kernel, kThreads, device, cache);
     int sms = 0;
     if (per_sm <= 0 || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
         return false;
