@@ -2,7 +2,9 @@
 cast (cuda/quantize_fp8.cu, tile_partials) of a bfloat16 grad_output writes the column partials
 of fused.h's order itself, so tq_quantize with dbias runs no separate pass there
 (csrc/core/quantize_dbias.c); other dtypes and the block recipe keep the pass (the block tile
-kernel's summing was measured slower), checked here too.
+kernel's summing was measured slower), checked here too. DelayedScaling's pass casts (both
+directions: cuda/act_backward.cu's identity_columnwise_kernel, a cooperative launch that
+finishes the column sums itself after its grid barrier).
 
 Each shape picks a chunk length R(M, K) (4 .. 128 rows, and 256, where the kernels decline and
 the pass runs), a tile layout (one tile per CTA or several; ragged edges) and a dtype. Against
@@ -16,7 +18,7 @@ import torch
 
 import tequant as te
 from tequant import _C
-from tequant.recipe import Float8BlockScaling, Float8CurrentScaling, Format
+from tequant.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format
 from test_linear_dbias import _assert_members_equal, _quantize_pair, randn  # noqa: E402
 from test_norm_kernels import bits  # noqa: E402
 
@@ -27,6 +29,7 @@ CONFIGS = {
     "current": (Float8CurrentScaling(), "grad_output"),                        # E5M2
     "current-e4m3": (Float8CurrentScaling(fp8_format=Format.E4M3), "grad_output"),
     "block": (Float8BlockScaling(), "grad_output"),
+    "delayed": (DelayedScaling(), "grad_output"),
 }
 BOTH = 3
 # (M, K, dtype, R(M, K) as fused.h defines it): R = 4 .. 128 fused, 256 declined
@@ -81,7 +84,7 @@ def test_cuda_dbias_matches_cpu_reference(name, shape):
     assert torch.equal(bits(got[0][1]), bits(got[1][1].cpu())), (name, m, k)
 
 
-@pytest.mark.parametrize("name", ["current", "current-e4m3"])
+@pytest.mark.parametrize("name", ["current", "current-e4m3", "delayed"])
 @pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[4]], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_cuda_dbias_nan_and_signed_zeros(name, shape):
     """A NaN in grad_output: the amax ignores it (the CTAs' maxima as the amax pass), its column's
@@ -108,18 +111,26 @@ def test_cuda_dbias_nan_and_signed_zeros(name, shape):
 def test_cuda_which_kernels_sum(name, shape):
     """Where the quantize kernel sums (current scaling, bfloat16, both directions, R <= 128), no
     activation-backward (identity) pass runs; elsewhere (R > 128, float16, one direction, the
-    block recipe) the pass does."""
+    block recipe, DelayedScaling) the pass does. DelayedScaling's pass with both directions is
+    the whole call and finishes the column sums itself; one direction leaves them to a launch."""
     m, k, dtype, r = shape
     cfg = te.quantizer_config(*CONFIGS[name])
     x = randn(m, k, seed=5, dtype=dtype, device="cuda")
     dbias = torch.empty(k, dtype=dtype, device="cuda")
-    declined = r > 128 or name == "block" or dtype != BF16
+    delayed = name == "delayed"
+    declined = r > 128 or name == "block" or dtype != BF16 or delayed
+    state = (torch.tensor([0.5], device="cuda"), torch.zeros(1, device="cuda")) if delayed \
+        else (None, None)
     for usage in (BOTH, 1):
-        names = kernels_of(lambda: _C._quantize(x, cfg, usage, None, None, None, None, dbias))
+        names = kernels_of(lambda: _C._quantize(x, cfg, usage, *state, None, None, dbias))
         passes = [n for n in names if "act_backward_kernel" in n or "identity_" in n]
         summed = usage == BOTH and not declined
         assert bool(passes) != summed, (name, m, k, usage, names)
-        # the cooperative cast finishes the column sums itself; the pass leaves them to a launch
-        assert any("column_sum_kernel" in n for n in names) != summed, names
+        # the cooperative cast and DelayedScaling's columnwise pass finish the column sums
+        # themselves; otherwise the pass leaves them to a launch
+        finished = summed or (delayed and usage == BOTH)
+        assert any("column_sum_kernel" in n for n in names) != finished, names
         if summed:
             assert len(names) == 1 and "fused_current_kernel" in names[0], names
+        if delayed and usage == BOTH:
+            assert len(names) == 1 and "identity_columnwise_kernel" in names[0], names

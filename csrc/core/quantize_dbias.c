@@ -8,7 +8,9 @@
  * tq_quantize's kernels. CPU and CUDA tensors run the same steps, each bit-exact with its
  * reference, so both give the same bits, and q those of tq_quantize without dbias:
  *   DELAYED with ROWWISE  the pass casts (rowwise codes, and the columnwise ones when asked;
- *                         scale_inv; max |x| into the history slot).
+ *                         scale_inv; max |x| into the history slot); on CUDA with both
+ *                         directions it is the whole call: a cooperative launch that finishes
+ *                         the column sums itself, where the device runs cooperative launches.
  *   CURRENT, own amax     the pass finds max |x| (into the workspace's last float, zeroed first);
  *                         the cast is tq_quantize's with that amax given (no amax pass); except
  *                         on CUDA where the cast finds the amax in its own launch anyway
