@@ -10,8 +10,9 @@
  * adding its rows in order onto +0, written to the workspace ([chunk][K] FP32); then
  * column_sums.cuh's kernel adds each column's partials in groups of 32 chunks and the group sums
  * in order, rounding once to dbias's dtype (the identity's columnwise pass, a cooperative launch,
- * does that itself after a grid barrier: no second launch). So every output equals csrc/ref/act_backward_ref.c
- * bit for bit. TQ_ACT_IDENTITY (dh = dy) reads no h: its instance is tq_quantize's dbias pass.
+ * does that itself after a grid barrier: no second launch). So every output equals
+ * csrc/ref/act_backward_ref.c bit for bit. TQ_ACT_IDENTITY (dh = dy) reads no h: its instance
+ * is tq_quantize's dbias pass.
  * Layout: elementwise and memory-bound; a thread takes one chunk of 8 columns of dy (and of each
  * half of h and dh) for the rows of one row chunk (R rows with dbias, keeping the 8 or 16 column
  * partials in registers; 4 rows without), four rows' loads (the identity; two for the

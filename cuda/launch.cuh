@@ -46,13 +46,15 @@ struct DeviceGuard {
  * function type, so a cache keyed by that type would hand one instance's occupancy to the
  * others: a heavier one then failed with cudaErrorCooperativeLaunchTooLarge. */
 template <typename Kernel>
-inline int coop_blocks_per_sm(Kernel kernel, int threads, int device, std::atomic<int> (&cache)[64]) {
+inline int coop_blocks_per_sm(Kernel kernel, int threads, int device,
+                              std::atomic<int> (&cache)[64]) {
     if (device < 0 || device >= 64) return 0;
     int v = cache[device].load(std::memory_order_relaxed);
     if (v > 0) return v - 1;
     int coop = 0, blocks = 0;
     if (cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device) != cudaSuccess
-        || cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, 0) != cudaSuccess) {
+        || cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, 0)
+               != cudaSuccess) {
         cudaGetLastError();
         return 0;
     }

@@ -519,10 +519,9 @@ PyObject *tqx_linear_backward(PyObject *module, PyObject *const *args, Py_ssize_
     }
     const uint32_t usage = ((needs & TQX_NEED_DGRAD) ? TQ_USAGE_ROWWISE : 0)
                            | ((needs & TQX_NEED_WGRAD) ? TQ_USAGE_COLUMNWISE : 0);
-    /* dy is consumed by this call's GEMMs: scratch, one part, or two where both directions of
-     * more than 16M elements are asked: dgrad's rowwise part is released before wgrad's output
-     * is allocated, the backward's peak (the compiled Llama MLP's, docs/results/NOTES.md); the
-     * bias gradient comes from the pass that quantizes dy, or one of its own when no GEMM runs */
+    /* dy is consumed by this call's GEMMs: scratch, one part, or two for both directions of over
+     * 16M elements (dgrad's rowwise part released before dW is allocated: the backward's peak);
+     * dbias comes from the pass that quantizes dy, or one of its own when no GEMM runs */
     const uint32_t dy_parts[2] = {TQX_PART_ROWWISE, TQX_PART_COLUMNWISE};
     const int dy_split = usage == (TQ_USAGE_ROWWISE | TQ_USAGE_COLUMNWISE)
                          && (int64_t)padded * n > ((int64_t)1 << 24);
