@@ -15,11 +15,11 @@
  * is tq_quantize's dbias pass.
  * Layout: elementwise and memory-bound; a thread takes one chunk of 8 columns of dy (and of each
  * half of h and dh) for the rows of one row chunk (R rows with dbias, keeping the 8 or 16 column
- * partials in registers; 4 rows without), four rows' loads (the identity; two for the
- * activations) before their arithmetic,
- * grid-striding over (row chunk, chunk) pairs with
- * consecutive threads on consecutive chunks: each row's loads are coalesced 16-byte loads where
- * the rows (and a gated h's second half) are aligned, element accesses otherwise.
+ * partials in registers; without, 4 rows for the identity and 2 for the activations), four
+ * rows' loads (the identity; two for the activations, one for the gated ones without dbias)
+ * before their arithmetic, grid-striding over (row chunk, chunk) pairs with consecutive threads
+ * on consecutive chunks: each row's loads are coalesced 16-byte loads where the rows (and a
+ * gated h's second half) are aligned, element accesses otherwise.
  * No sync, no allocation: the caller's workspace holds the partials. gelu / silu / qgelu of bf16
  * h over enough elements read act'(x) (and act(x), gated) from per-CTA shared-memory tables
  * (act_table.cuh: the same bits, fewer instructions).
@@ -153,17 +153,32 @@ __device__ __forceinline__ void grad_row(const BwdParams &p, const Row<T, kBase,
 /* Rows the kernel loads before computing any of them: four for the identity (tq_quantize's dbias
  * pass, a pure read: two rows in flight left it at ~2.2 TB/s on an H200, 121 us for 8192 x
  * 16384 bf16, 98 us with four), two for the activations (four made the bf16 gelu's table
- * kernel slower: 273 -> 294 us at 8192 x 16384). */
-template <int kBase>
-constexpr int kBatch = kBase == TQ_ACT_IDENTITY ? 4 : 2;
+ * kernel slower: 273 -> 294 us at 8192 x 16384), one for the lean instances below. */
+template <int kBase, bool kLean>
+constexpr int kBatch = kBase == TQ_ACT_IDENTITY ? 4 : kLean ? 1 : 2;
+
+/* Lean: a gated activation without dbias loads one row at a time and is compiled for 1024
+ * threads per SM (<= 64 registers). With two rows its 90-92 registers let one 512-thread table
+ * CTA (or two of 256) share an SM: a quarter of its threads for a memory-bound pass. H200,
+ * bf16, 8192 rows, GPU us per call: swiglu dh [8192, 28672] 346 -> 315, [8192, 16384] 205 ->
+ * 186; reglu unchanged. The dbias instances keep two rows: their partials left them slower in
+ * the lean form (swiglu [8192, 16384] 199 -> 216 us; docs/results/NOTES.md, twenty-fifth
+ * session). */
+template <bool kGated, bool kDbias>
+constexpr bool kLean = kGated && !kDbias;
+constexpr int kLeanThreadsPerSm = 1024;
 
 /* kTable: gelu / silu / qgelu of bf16 from act_table.cuh's shared-memory tables (the same bits).
  * A thread loads kBatch rows before computing any, then adds them to the partials in row order. */
+template <bool kTable>
+constexpr int kCtaOf = kTable ? tq_act_table::kThreads : kThreads;
+
 template <typename T, int kBase, bool kGated, bool kDbias, bool kTable>
-__global__ void __launch_bounds__(kTable ? tq_act_table::kThreads : kThreads)
+__global__ void __launch_bounds__(kCtaOf<kTable>,
+                                  kLean<kGated, kDbias> ? kLeanThreadsPerSm / kCtaOf<kTable> : 1)
     act_backward_kernel(const BwdParams p) {
-    constexpr int kCta = kTable ? tq_act_table::kThreads : kThreads;
-    constexpr int kB = kBatch<kBase>;
+    constexpr int kCta = kCtaOf<kTable>;
+    constexpr int kB = kBatch<kBase, kLean<kGated, kDbias>>;
     __shared__ float deriv_table[kTable ? tq_act_table::kEntries : 1];
     __shared__ float value_table[kTable && kGated ? tq_act_table::kEntries : 1];
     if constexpr (kTable) tq_act_table::fill<kBase>(kGated ? value_table : nullptr, deriv_table);
