@@ -166,7 +166,7 @@ constexpr int kBatch = kBase == TQ_ACT_IDENTITY ? 4 : kLean ? 1 : 2;
  * session). */
 template <bool kGated, bool kDbias>
 constexpr bool kLean = kGated && !kDbias;
-constexpr int kLeanThreadsPerSm = 1024;
+constexpr int kLeanThreadsPerSm = 1024; /* the others: no minimum (launch bounds' 0) */
 
 /* kTable: gelu / silu / qgelu of bf16 from act_table.cuh's shared-memory tables (the same bits).
  * A thread loads kBatch rows before computing any, then adds them to the partials in row order. */
@@ -175,7 +175,7 @@ constexpr int kCtaOf = kTable ? tq_act_table::kThreads : kThreads;
 
 template <typename T, int kBase, bool kGated, bool kDbias, bool kTable>
 __global__ void __launch_bounds__(kCtaOf<kTable>,
-                                  kLean<kGated, kDbias> ? kLeanThreadsPerSm / kCtaOf<kTable> : 1)
+                                  kLean<kGated, kDbias> ? kLeanThreadsPerSm / kCtaOf<kTable> : 0)
     act_backward_kernel(const BwdParams p) {
     constexpr int kCta = kCtaOf<kTable>;
     constexpr int kB = kBatch<kBase, kLean<kGated, kDbias>>;
