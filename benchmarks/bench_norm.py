@@ -5,7 +5,11 @@ and norm, with CUDA events over rotated input buffers: torch's layer_norm / rms_
 norm followed by te.ops.quantize (current scaling), and tequant's fused forward (tq_norm_forward
 through _C._norm_forward) with current scaling (two runs: the amax run, then the cast run) and with
 delayed scaling (one run). Prints us, GB/s and the ratios to torch; the fused goal (issue 24) is
->= 2 TB/s on x + codes (<= 100 us at 16384x4096 bf16) for K in 1024..16384.
+>= 2 TB/s on x + codes (<= 100 us at 16384x4096 bf16) for K in 1024..16384. With --passes
+backward (default: both), a second table: torch autograd's norm backward (dx, dgamma and, for
+LayerNorm, dbeta) against tequant's (tq_norm_backward through _C._norm_bwd), checked first
+(CUDA against the C reference bit for bit on the first rows, dx and dgamma against torch's
+float32 backward).
 Run: python3 benchmarks/bench_norm.py [--shapes ...] [--out FILE] (see below)
 """
 import os
@@ -144,11 +148,80 @@ def check(x, gamma, beta, norm, fused, device, check_rows):
         assert 0.0 < err < E4M3_BOUND, f"{kind}: relative error {err:.3g} outside (0, {E4M3_BOUND})"
 
 
+BACKWARD_BOUND = 0.01  # relative Frobenius error of dx / dgamma against torch's float32 backward
+
+
+class Backward:
+    """One (norm, shape)'s backward inputs per buffer: x, dy and the forward's mean / rstd (from
+    tequant's own forward, as te.LayerNorm saves them), and the two timed calls."""
+
+    def __init__(self, norm, gamma, beta, xs, dys):
+        self.norm, self.gamma, self.beta = norm, gamma, beta
+        self.items = [(x, dy) + self.stats(x) for x, dy in zip(xs, dys)]
+        self.graphs = {}  # item index -> (x, params, y): torch's forward made once per item
+
+    def stats(self, x):
+        outs = _C._norm_fwd(x, self.gamma, self.beta, self.norm, EPS, False, False, True, None,
+                            None, None, 0)
+        return (outs[0], outs[1]) if self.norm == "LayerNorm" else (None, outs[0])
+
+    def tequant(self, item):
+        x, dy, mean, rstd = item
+        return _C._norm_bwd(dy, x, self.gamma, mean, rstd, self.norm, False,
+                            self.beta is not None, self.gamma.dtype)
+
+    def torch(self, item):
+        key = id(item)
+        if key not in self.graphs:
+            x = item[0].detach().requires_grad_()
+            gamma = self.gamma.detach().requires_grad_()
+            beta = None if self.beta is None else self.beta.detach().requires_grad_()
+            params = [gamma] + ([beta] if beta is not None else [])
+            self.graphs[key] = (x, params, torch_norm(x, gamma, beta, self.norm))
+        x, params, y = self.graphs[key]
+        return torch.autograd.grad(y, [x] + params, item[1], retain_graph=True)
+
+
+def check_backward(bwd, device, check_rows):
+    """Raises AssertionError if tequant's backward is wrong: on CUDA the first check_rows rows
+    equal the C reference's bits (every output), and on any device dx / dgamma are within
+    BACKWARD_BOUND of torch's float32 backward."""
+    x, dy, mean, rstd = bwd.items[0]
+    got = bwd.tequant(bwd.items[0])
+    if device == "cuda":
+        r = check_rows
+        small = Backward(bwd.norm, bwd.gamma, bwd.beta, [x[:r].contiguous()], [dy[:r].contiguous()])
+        cpu = Backward(bwd.norm, bwd.gamma.cpu(), None if bwd.beta is None else bwd.beta.cpu(),
+                       [x[:r].cpu()], [dy[:r].cpu()])
+        for i, (a, b) in enumerate(zip(small.tequant(small.items[0]), cpu.tequant(cpu.items[0]))):
+            diff = int((bits(a.cpu()) != bits(b)).sum())
+            assert diff == 0, f"backward output {i}: {diff} elements differ from the C reference"
+    ref = Backward(bwd.norm, bwd.gamma.float(), None if bwd.beta is None else bwd.beta.float(),
+                   [x.float()], [dy.float()])
+    want = ref.torch(ref.items[0])
+    for name, a, b in (("dx", got[0], want[0]), ("dgamma", got[1], want[1])):
+        err = float((a.double() - b.double()).norm() / b.double().norm())
+        assert err < BACKWARD_BOUND, f"{name}: relative error {err:.3g} >= {BACKWARD_BOUND}"
+
+
+def backward_rows(norm, shape, bwd, timer, args, x_bytes):
+    """The backward table's rows of one (norm, shape): torch autograd, then tequant."""
+    name = "layer_norm" if norm == "LayerNorm" else "rms_norm"
+    grads = "dx, dgamma, dbeta" if bwd.beta is not None else "dx, dgamma"
+    runs = [(f"torch {name} backward (autograd: {grads})", bwd.torch),
+            (f"tequant _C._norm_bwd ({grads})", bwd.tequant)]
+    times = [timer(fn, bwd.items, args.warmup, args.iters) for _, fn in runs]
+    return [f"| {norm} | {shape} | {label} | {us:.1f} | "
+            f"{benchutil.num_text(3 * x_bytes / us / 1e3)} | {benchutil.ratio_text(times[0], us)} |"
+            for (label, _), us in zip(runs, times)]
+
+
 def main():
     ap = benchutil.parser(__doc__)
     ap.add_argument("--shapes", default="16384x4096,8192x8192,2048x32768,16384x4096:fp32",
                     help="comma list of MxK[:bf16|fp16|fp32] (default dtype bf16)")
     ap.add_argument("--norms", default="LayerNorm,RMSNorm")
+    ap.add_argument("--passes", default="forward,backward", help="forward, backward or both")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--buffers", type=int, default=3, help="input buffers rotated (>= 3)")
@@ -163,6 +236,9 @@ def main():
     for n in norms:
         if n not in ("LayerNorm", "RMSNorm"):
             raise SystemExit(f"--norms: {n!r} is neither LayerNorm nor RMSNorm")
+    passes = [q.strip() for q in args.passes.split(",") if q.strip()]
+    if not passes or any(q not in ("forward", "backward") for q in passes):
+        raise SystemExit(f"--passes: {args.passes!r}: expected forward, backward or both")
     lines = [f"### Fused norm forward + FP8 codes vs torch ({benchutil.machine(device)})", "",
              f"median of {args.iters} calls after {args.warmup} warmup, {args.buffers} rotated "
              f"input buffers; goal (issue 24): the fused forward >= {GOAL_GBS / 1000:.1f} TB/s on "
@@ -171,7 +247,7 @@ def main():
              *benchutil.table_head(["norm", "shape", "implementation", "time us", "GB/s moved",
                                     "GB/s x + codes", "vs torch norm", "vs torch + quantize"],
                                    3)]
-    failures = []
+    failures, back = [], []
     g = torch.Generator(device="cpu").manual_seed(0)
     for m, k, dname in shapes:
         dtype = DTYPES[dname]
@@ -182,6 +258,22 @@ def main():
                    for _ in range(max(args.buffers, 1))]
         gamma = (torch.rand(k, generator=g) + 0.5).to(dtype).to(device)
         beta = torch.randn(k, generator=g).to(dtype).to(device)
+        if "backward" in passes:
+            dys = [torch.randn(m, k, generator=g).to(dtype).to(device) for _ in buffers]
+            for norm in norms:
+                try:
+                    bwd = Backward(norm, gamma, beta if norm == "LayerNorm" else None, buffers,
+                                   dys)
+                    check_backward(bwd, device, min(args.check_rows, m))
+                except (AssertionError, RuntimeError, ValueError) as e:
+                    failures.append(f"{norm} {shape} backward: {e}")
+                    back.append(f"| {norm} | {shape} | WRONG: {benchutil.one_line(e)} | | | |")
+                    continue
+                back += backward_rows(norm, shape, bwd, timer, args, x_bytes)
+                del bwd
+            del dys
+        if "forward" not in passes:
+            continue
         out = torch.empty_like(buffers[0])
         copy_us = timer(lambda b: out.copy_(b), buffers, args.warmup, args.iters)
         lines.append(f"| - | {shape} | y.copy_(x) (device copy) | {copy_us:.1f} | "
@@ -220,6 +312,17 @@ def main():
                              f"{benchutil.ratio_text(quant_us, us) if codes else '-'} |")
             del fused
         del buffers
+    if "forward" not in passes:
+        lines = []
+    if "backward" in passes:
+        lines += ([""] if lines else []) + [
+            f"### Norm backward vs torch autograd ({benchutil.machine(device)})", "",
+            f"median of {args.iters} calls after {args.warmup} warmup, {args.buffers} rotated "
+            f"(x, dy) buffers; GB/s moved: x and dy read, dx written (3 M K elements); torch's "
+            f"forward graph made once per buffer, its backward timed; \"vs\": torch's time / "
+            f"this time (> 1: this is faster)", "",
+            *benchutil.table_head(["norm", "shape", "implementation", "time us", "GB/s moved",
+                                   "vs torch backward"], 3), *back]
     return benchutil.finish("\n".join(lines), args.out, failures, "FAILED correctness checks")
 
 
