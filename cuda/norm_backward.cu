@@ -147,9 +147,14 @@ __device__ __forceinline__ void load_rows(const BwdParams &p, int64_t row, int t
  * three, so 8192 rows (512 row chunks) ran as a full wave and a third of one (H200: 129-139 us
  * at 8192 x 4096, 100 us in one wave at 64 registers with 16 bytes of spills). Two with four
  * chunks each (K 4097..8192): at 142-147 registers one fitted (H200, bf16 8192 x 8192: RMSNorm
- * 320 -> 211 us, LayerNorm 340 -> 233 at 126 registers, no spills). */
+ * 320 -> 211 us, LayerNorm 340 -> 233 at 126 registers, no spills). Sixteen and eight for the
+ * 32- and 64-thread instances (K <= 512, 513..1024; row chunks of 4 rows, 2048 CTAs for 8192
+ * rows): at 135-137 registers they fitted 15 and 7, a second and a third wave (bf16 8192 rows,
+ * H200: RMSNorm K = 1024 49.4 -> 33.2 us, K = 768 46.9 -> 30.7, K = 512 28.2 -> 27.1 at 92
+ * and 114 registers, no spills). */
 template <typename T, int kT, int kJ>
-__global__ void __launch_bounds__(kT, kT != 256 ? 1 : kJ == 2 ? 4 : kJ == 4 ? 2 : 1)
+__global__ void __launch_bounds__(kT, kT == 32 ? 16 : kT == 64 ? 8 : kT == 128 ? 1
+                                      : kJ == 2 ? 4 : kJ == 4 ? 2 : 1)
     norm_backward_kernel(const BwdParams p) {
     /* A CTA walks its rows one after another, and a row's loads would wait on the previous
      * row's fold and dx: load latency, not bytes, bounded the kernel (H200: 8192x512 LayerNorm
