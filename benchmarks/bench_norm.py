@@ -158,7 +158,7 @@ class Backward:
     def __init__(self, norm, gamma, beta, xs, dys):
         self.norm, self.gamma, self.beta = norm, gamma, beta
         self.items = [(x, dy) + self.stats(x) for x, dy in zip(xs, dys)]
-        self.graphs = {}  # item index -> (x, params, y): torch's forward made once per item
+        self.graphs = {}  # id(item) -> (x, params, y): torch's forward made once per item
 
     def stats(self, x):
         outs = _C._norm_fwd(x, self.gamma, self.beta, self.norm, EPS, False, False, True, None,
