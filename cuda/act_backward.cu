@@ -450,6 +450,23 @@ bool launch_finishing(const BwdParams &p, unsigned grid, int device, int sms, cu
     return true;
 }
 
+/* The identity's pass with the columnwise codes in row groups of kG: with dbias the finishing
+ * launch where the device runs it (returns true: dbias written), else the pass whose partials
+ * column_sums.cuh adds. Groups under 32 rows come from dbias's fixed row chunks only. */
+template <typename T, int kG>
+bool launch_columnwise(const BwdParams &p, unsigned grid, bool dbias, int device, int sms,
+                       cudaStream_t s) {
+    if constexpr (kG == 32) {
+        if (!dbias) {
+            identity_columnwise_kernel<T, false, 32><<<grid, kColThreads, 0, s>>>(p);
+            return false;
+        }
+    }
+    if (dbias && launch_finishing<T, kG>(p, grid, device, sms, s)) return true;
+    identity_columnwise_kernel<T, true, kG><<<grid, kColThreads, 0, s>>>(p);
+    return false;
+}
+
 }  // namespace
 
 extern "C" tq_status tq_act_backward_cuda(const tq_tensor *dy, const tq_tensor *h,
@@ -506,23 +523,11 @@ extern "C" tq_status tq_act_backward_cuda(const tq_tensor *dy, const tq_tensor *
             if (col) {
                 const int64_t warps = (p.p_count + 3) / 4 * ((p.nchunks + 7) / 8);
                 const unsigned grid = tq_act_dispatch::grid_for(warps * 32, sms, kColThreads, 12);
-                if (dbias)
-                    finished = group == 32 ? launch_finishing<T, 32>(p, grid, h->device, sms, s)
-                               : group == 16 ? launch_finishing<T, 16>(p, grid, h->device, sms, s)
-                               : group == 8  ? launch_finishing<T, 8>(p, grid, h->device, sms, s)
-                                             : launch_finishing<T, 4>(p, grid, h->device, sms, s);
-                if (!finished) {
-                    if (group == 32 && dbias)
-                        identity_columnwise_kernel<T, true, 32><<<grid, kColThreads, 0, s>>>(p);
-                    else if (group == 32)
-                        identity_columnwise_kernel<T, false, 32><<<grid, kColThreads, 0, s>>>(p);
-                    else if (group == 16)
-                        identity_columnwise_kernel<T, true, 16><<<grid, kColThreads, 0, s>>>(p);
-                    else if (group == 8)
-                        identity_columnwise_kernel<T, true, 8><<<grid, kColThreads, 0, s>>>(p);
-                    else
-                        identity_columnwise_kernel<T, true, 4><<<grid, kColThreads, 0, s>>>(p);
-                }
+                const int dev = h->device;
+                finished = group == 32 ? launch_columnwise<T, 32>(p, grid, dbias, dev, sms, s)
+                           : group == 16 ? launch_columnwise<T, 16>(p, grid, dbias, dev, sms, s)
+                           : group == 8  ? launch_columnwise<T, 8>(p, grid, dbias, dev, sms, s)
+                                         : launch_columnwise<T, 4>(p, grid, dbias, dev, sms, s);
                 return;
             }
         }
