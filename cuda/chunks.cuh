@@ -98,6 +98,14 @@ inline bool rows_aligned16(const void *p, int64_t ld, size_t elem) {
     return aligned(p, 16) && ((uint64_t)ld * elem) % 16 == 0;
 }
 
+/* A hint, no effect on any value: bytes [src, src + bytes) of global memory into L2 as one bulk
+ * request (sm_90's cp.async.bulk.prefetch; src 16-byte aligned, bytes rounded down to 16), for
+ * loops whose next step's loads would otherwise wait on DRAM (norm_backward.cu). */
+__device__ __forceinline__ void l2_prefetch(const void *src, int64_t bytes) {
+    const uint32_t n = (uint32_t)(bytes & ~(int64_t)15);
+    if (n > 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(n) : "memory");
+}
+
 }  // namespace tq_chunk
 
 #endif  // TEQUANT_CUDA_CHUNKS_CUH_

@@ -182,6 +182,18 @@ __global__ void __launch_bounds__(kT, kT == 32 ? 16 : kT == 64 ? 8 : kT == 128 ?
                 for (int e = 0; e < n; e++) col.at(plane, c, e) = 0.0f;
         }
     }
+    /* The 32- and 64-thread instances (K <= 1024): row r + 2's x and dy into L2 as row r
+     * starts (one bulk request each, by two threads), so the loads of row r + 1 that follow
+     * this row's first pass find them there (H200, bf16, 8192 rows: K = 512 27.5 -> 26.4 us,
+     * K = 1024 33.7 -> 32.8; bits unchanged). The wider instances lost 2-7% with it (K = 4096
+     * 101.6 -> 104.2 us, K = 16384 328 -> 354: NOTES.md), so they do not ask. */
+    const auto ask = [&](int64_t r) {
+        if (kT > 64 || r >= r_end || !p.x_vec || !p.dy_vec) return;
+        const int64_t bytes = p.cols * (int64_t)sizeof(T);
+        if (t == 0) tq_chunk::l2_prefetch(static_cast<const T *>(p.x) + r * p.ld_x, bytes);
+        if (t == kT - 1) tq_chunk::l2_prefetch(static_cast<const T *>(p.dy) + r * p.ld_dy, bytes);
+    };
+    ask(r_begin + 1);
     int buf = 0;
     Chunk<T> cx[kR], cdy[kR];                                  /* this row's chunks */
     Chunk<T> nx[kPrefetch ? kR : 1], ndy[kPrefetch ? kR : 1];  /* the next row's */
@@ -189,6 +201,7 @@ __global__ void __launch_bounds__(kT, kT == 32 ? 16 : kT == 64 ? 8 : kT == 128 ?
         if (r_begin < r_end) load_rows<T, kR, kT>(p, r_begin, t, nx, ndy);
     }
     for (int64_t row = r_begin; row < r_end; row++) {
+        ask(row + 2);
         const float mean = p.rms ? 0.0f : p.mean[row], rstd = p.rstd[row];
         float acc[2][kSlots];
 #pragma unroll
