@@ -98,6 +98,17 @@ inline bool rows_aligned16(const void *p, int64_t ld, size_t elem) {
     return aligned(p, 16) && ((uint64_t)ld * elem) % 16 == 0;
 }
 
+/* Asynchronous copies of 16 bytes from global to shared memory (cp.async.cg: L2 only), for a
+ * thread that later reads back what it copied itself: commit its copies as a group, then wait
+ * for every group before reading (no barrier: no other thread reads them). Both addresses
+ * 16-byte aligned. */
+__device__ __forceinline__ void copy16_async(void *smem_dst, const void *src) {
+    const unsigned dst = (unsigned)__cvta_generic_to_shared(smem_dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void copies_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void copies_wait() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+
 /* A hint, no effect on any value: bytes [src, src + bytes) of global memory into L2 as one bulk
  * request (sm_90's cp.async.bulk.prefetch; src 16-byte aligned, bytes rounded down to 16), for
  * loops whose next step's loads would otherwise wait on DRAM (norm_backward.cu). */

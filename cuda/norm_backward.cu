@@ -14,7 +14,9 @@
  * touches them). Rows longer than 8192 elements: the CTA (kT = 256) reads the row again for dx
  * and leaves the partials to column_partial_kernel (a thread per chunk of 8 columns and row
  * chunk, reading x and dy once more), since 2 * K FP32 partials in shared memory would leave one
- * CTA per SM. No sync, no allocation: the caller's workspace holds the partials.
+ * CTA per SM. A CTA loads its next row into registers during the current one; at K 1025..2048
+ * (16-bit, aligned rows) the row after that is copied into shared memory as well (kStaged).
+ * No sync, no allocation: the caller's workspace holds the partials.
  * Tests: tests/test_norm_kernels.py (GPU cases: bit-exact against the CPU reference).
  */
 #include <cuda_runtime.h>
@@ -152,7 +154,7 @@ __device__ __forceinline__ void load_rows(const BwdParams &p, int64_t row, int t
  * rows): at 135-137 registers they fitted 15 and 7, a second and a third wave (bf16 8192 rows,
  * H200: RMSNorm K = 1024 49.4 -> 33.2 us, K = 768 46.9 -> 30.7, K = 512 28.2 -> 27.1 at 92
  * and 114 registers, no spills). */
-template <typename T, int kT, int kJ>
+template <typename T, int kT, int kJ, bool kStaged>
 __global__ void __launch_bounds__(kT, kT == 32 ? 16 : kT == 64 ? 8 : kT == 128 ? 1
                                       : kJ == 2 ? 4 : kJ == 4 ? 2 : 1)
     norm_backward_kernel(const BwdParams p) {
@@ -163,6 +165,7 @@ __global__ void __launch_bounds__(kT, kT == 32 ? 16 : kT == 64 ? 8 : kT == 128 ?
     constexpr bool kCache = kJ > 0;
     constexpr bool kPrefetch = kCache && (sizeof(T) == 2 || kJ <= 2);
     constexpr int kSlots = kLanes / kT, kR = kCache ? kJ : 1;
+    static_assert(!kStaged || (kPrefetch && sizeof(T) == 2), "staged: 16-byte chunks, prefetched");
     extern __shared__ float acc_shared[];
     __shared__ float red[2][2 * kT]; /* fold scratch, alternate buffers */
     const int t = threadIdx.x;
@@ -194,11 +197,34 @@ __global__ void __launch_bounds__(kT, kT == 32 ? 16 : kT == 64 ? 8 : kT == 128 ?
         if (t == kT - 1) tq_chunk::l2_prefetch(static_cast<const T *>(p.dy) + r * p.ld_dy, bytes);
     };
     ask(r_begin + 1);
+    /* kStaged (the 128-thread instance, K 1025..2048, on 16-bit rows whose chunks are all whole
+     * and 16-byte aligned): row r + 2's chunks are copied into this thread's slots of shared
+     * memory (past the partials) once row r + 1's have been read out of them, after row r's
+     * first pass; so a row's loads have a whole row's work to arrive in, where the registers'
+     * prefetch alone gave them this row's fold and dx (H200, bf16, 8192 x 2048: RMSNorm 60.5 ->
+     * 56.0 us, LayerNorm 65.8 -> 60.8; bits unchanged). The 256-thread instances lost 1.5-6%
+     * with it (K = 4096 RMSNorm 101.4 -> 107.2 us: NOTES.md), so they keep the registers'
+     * prefetch alone. */
+    uint4 *const stage = reinterpret_cast<uint4 *>(acc_shared + p.planes * kChunk * p.nchunks);
+    const auto stage_row = [&](int64_t r) {
+#pragma unroll
+        for (int j = 0; j < kR; j++) {
+            const int64_t c = t + (int64_t)j * kT;
+            if (c >= p.nchunks) continue;
+            tq_chunk::copy16_async(stage + j * kT + t, static_cast<const T *>(p.x) + r * p.ld_x + kChunk * c);
+            tq_chunk::copy16_async(stage + (kR + j) * kT + t,
+                                   static_cast<const T *>(p.dy) + r * p.ld_dy + kChunk * c);
+        }
+        tq_chunk::copies_commit();
+    };
     int buf = 0;
     Chunk<T> cx[kR], cdy[kR];                                  /* this row's chunks */
     Chunk<T> nx[kPrefetch ? kR : 1], ndy[kPrefetch ? kR : 1];  /* the next row's */
     if constexpr (kPrefetch) {
         if (r_begin < r_end) load_rows<T, kR, kT>(p, r_begin, t, nx, ndy);
+    }
+    if constexpr (kStaged) {
+        if (r_begin + 1 < r_end) stage_row(r_begin + 1);
     }
     for (int64_t row = r_begin; row < r_end; row++) {
         ask(row + 2);
@@ -224,7 +250,18 @@ __global__ void __launch_bounds__(kT, kT == 32 ? 16 : kT == 64 ? 8 : kT == 128 ?
                 pass1_chunk<kSlots, true>(p, col, acc, j % kSlots, c, n, xv, dyv, g[j], mean,
                                           rstd);
             }
-            if constexpr (kPrefetch) {
+            if constexpr (kStaged) {
+                if (row + 1 < r_end) {
+                    tq_chunk::copies_wait();
+#pragma unroll
+                    for (int j = 0; j < kR; j++) {
+                        if (t + (int64_t)j * kT >= p.nchunks) continue;
+                        nx[j].u[0] = stage[j * kT + t];
+                        ndy[j].u[0] = stage[(kR + j) * kT + t];
+                    }
+                    if (row + 2 < r_end) stage_row(row + 2);
+                }
+            } else if constexpr (kPrefetch) {
                 if (row + 1 < r_end) load_rows<T, kR, kT>(p, row + 1, t, nx, ndy);
             }
         } else { /* kT == 256: one lane per thread */
@@ -305,19 +342,21 @@ __global__ void __launch_bounds__(256) column_partial_kernel(const BwdParams p) 
         for (int e = 0; e < n; e++) out[p.p_count * p.cols + e] = pb[e];
 }
 
-template <typename T, int kT, int kJ>
+template <typename T, int kT, int kJ, bool kStaged = false>
 cudaError_t launch_as(const BwdParams &p, cudaStream_t s) {
     constexpr bool kCache = kJ > 0;
-    /* the partials in shared memory: at most 2 * 8192 floats (64 KiB); with the static fold
-     * scratch (4 * kT floats) past 48 KiB the kernel must opt in to more dynamic memory */
-    const size_t smem = kCache ? (size_t)p.planes * kChunk * (size_t)p.nchunks * sizeof(float) : 0;
+    /* the partials in shared memory: at most 2 * 8192 floats (64 KiB), then kStaged's slots
+     * (x and dy: 2 * kJ * kT * 16 bytes); with the static fold scratch (4 * kT floats) past 48
+     * KiB the kernel must opt in to more dynamic memory */
+    const size_t smem = (kCache ? (size_t)p.planes * kChunk * (size_t)p.nchunks * sizeof(float) : 0)
+                        + (kStaged ? 2 * (size_t)kJ * kT * sizeof(uint4) : 0);
     if (smem + 4 * kT * sizeof(float) > 48 * 1024) {
-        const cudaError_t err = cudaFuncSetAttribute(norm_backward_kernel<T, kT, kJ>,
+        const cudaError_t err = cudaFuncSetAttribute(norm_backward_kernel<T, kT, kJ, kStaged>,
                                                      cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                      (int)smem);
         if (err != cudaSuccess) return err;
     }
-    norm_backward_kernel<T, kT, kJ><<<(unsigned)p.p_count, kT, smem, s>>>(p);
+    norm_backward_kernel<T, kT, kJ, kStaged><<<(unsigned)p.p_count, kT, smem, s>>>(p);
     cudaError_t err = cudaGetLastError(); /* cleared: a failure must not poison later calls */
     if (err == cudaSuccess && !kCache) {
         const dim3 grid((unsigned)((p.nchunks + 255) / 256), (unsigned)p.p_count);
@@ -335,8 +374,12 @@ cudaError_t launch_as(const BwdParams &p, cudaStream_t s) {
  * whatever thread holds it. */
 template <typename T>
 cudaError_t launch(const BwdParams &p, cudaStream_t s) {
+    const bool staged = sizeof(T) == 2 && p.x_vec && p.dy_vec && p.cols % kChunk == 0;
     if (p.nchunks <= 2 * 32) return launch_as<T, 32, 2>(p, s);
     if (p.nchunks <= 2 * 64) return launch_as<T, 64, 2>(p, s);
+    if constexpr (sizeof(T) == 2) {
+        if (staged && p.nchunks <= 2 * 128) return launch_as<T, 128, 2, true>(p, s);
+    }
     if (p.nchunks <= 2 * 128) return launch_as<T, 128, 2>(p, s);
     if (p.nchunks <= 2 * 256) return launch_as<T, 256, 2>(p, s);
     if (p.nchunks <= kCached * 256) return launch_as<T, 256, kCached>(p, s);
