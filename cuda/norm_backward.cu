@@ -54,19 +54,22 @@ struct BwdParams {
 };
 
 /* The fused kernel's column partials in shared memory, [plane][e][chunk] (a warp's threads hold
- * consecutive chunks: no bank conflicts). */
+ * consecutive chunks: no bank conflicts), kStride chunks per (plane, e) row: the instance's
+ * most chunks (kJ * kT), a compile-time stride, so a thread's addresses are its chunk's base
+ * plus constants (with the row's chunk count as the stride, the 64-bit index math of every
+ * access made the kernel issue-bound: ncu, H200, 8192 x 4096 bf16, 70% of SM issue, 1.6 TB/s). */
+template <int kStride>
 struct ColAcc {
     float *base;
-    int64_t nchunks;
-    __device__ __forceinline__ float &at(int plane, int64_t c, int e) const {
-        return base[(plane * kChunk + e) * nchunks + c];
+    __device__ __forceinline__ float &at(int plane, int c, int e) const {
+        return base[(plane * kChunk + e) * kStride + c];
     }
 };
 
 /* One chunk's pass 1: the row sums' terms into acc (its lane slot) and, kCols, the column
  * partials. */
-template <int kSlots, bool kCols>
-__device__ __forceinline__ void pass1_chunk(const BwdParams &p, const ColAcc &col,
+template <int kSlots, bool kCols, typename Col>
+__device__ __forceinline__ void pass1_chunk(const BwdParams &p, const Col &col,
                                             float (&acc)[2][kSlots], int slot, int64_t c, int n,
                                             const float (&xv)[kChunk], const float (&dyv)[kChunk],
                                             const float (&g)[kChunk], float mean, float rstd) {
@@ -78,10 +81,10 @@ __device__ __forceinline__ void pass1_chunk(const BwdParams &p, const ColAcc &co
         acc[0][slot] = tq_nadd(acc[0][slot], tq_nmul(dyg, xhat));
         acc[1][slot] = tq_nadd(acc[1][slot], dyg);
         if constexpr (kCols) {
-            float &pg = col.at(0, c, e);
+            float &pg = col.at(0, (int)c, e);
             pg = tq_nadd(pg, tq_nmul(dyv[e], xhat));
             if (p.planes == 2) {
-                float &pb = col.at(1, c, e);
+                float &pb = col.at(1, (int)c, e);
                 pb = tq_nadd(pb, dyv[e]);
             }
         }
@@ -172,7 +175,8 @@ __global__ void __launch_bounds__(kT, kT == 32 ? 16 : kT == 64 ? 8 : kT == 128 ?
     const int64_t chunk_p = blockIdx.x;
     const int64_t r_begin = chunk_p * p.r_chunk;
     const int64_t r_end = r_begin + p.r_chunk < p.rows ? r_begin + p.r_chunk : p.rows;
-    const ColAcc col = {acc_shared, p.nchunks};
+    constexpr int kStride = kCache ? kJ * kT : 1;
+    const ColAcc<kStride> col = {acc_shared};
     float g[kR][kChunk];
     if constexpr (kCache) {
 #pragma unroll
@@ -182,7 +186,7 @@ __global__ void __launch_bounds__(kT, kT == 32 ? 16 : kT == 64 ? 8 : kT == 128 ?
             if (n == 0) continue;
             gamma_chunk(p, c, n, g[j]);
             for (int plane = 0; plane < p.planes; plane++)
-                for (int e = 0; e < n; e++) col.at(plane, c, e) = 0.0f;
+                for (int e = 0; e < n; e++) col.at(plane, (int)c, e) = 0.0f;
         }
     }
     /* The 32- and 64-thread instances (K <= 1024): row r + 2's x and dy into L2 as row r
@@ -205,7 +209,7 @@ __global__ void __launch_bounds__(kT, kT == 32 ? 16 : kT == 64 ? 8 : kT == 128 ?
      * 56.0 us, LayerNorm 65.8 -> 60.8; bits unchanged). The 256-thread instances lost 1.5-6%
      * with it (K = 4096 RMSNorm 101.4 -> 107.2 us: NOTES.md), so they keep the registers'
      * prefetch alone. */
-    uint4 *const stage = reinterpret_cast<uint4 *>(acc_shared + p.planes * kChunk * p.nchunks);
+    uint4 *const stage = reinterpret_cast<uint4 *>(acc_shared + p.planes * kChunk * kStride);
     const auto stage_row = [&](int64_t r) {
 #pragma unroll
         for (int j = 0; j < kR; j++) {
@@ -307,7 +311,7 @@ __global__ void __launch_bounds__(kT, kT == 32 ? 16 : kT == 64 ? 8 : kT == 128 ?
             for (int plane = 0; plane < p.planes; plane++)
                 for (int e = 0; e < n; e++)
                     p.partials[(plane * p.p_count + chunk_p) * p.cols + kChunk * c + e] =
-                        col.at(plane, c, e);
+                        col.at(plane, (int)c, e);
         }
     }
 }
@@ -348,7 +352,7 @@ cudaError_t launch_as(const BwdParams &p, cudaStream_t s) {
     /* the partials in shared memory: at most 2 * 8192 floats (64 KiB), then kStaged's slots
      * (x and dy: 2 * kJ * kT * 16 bytes); with the static fold scratch (4 * kT floats) past 48
      * KiB the kernel must opt in to more dynamic memory */
-    const size_t smem = (kCache ? (size_t)p.planes * kChunk * (size_t)p.nchunks * sizeof(float) : 0)
+    const size_t smem = (kCache ? (size_t)p.planes * kChunk * kJ * kT * sizeof(float) : 0)
                         + (kStaged ? 2 * (size_t)kJ * kT * sizeof(uint4) : 0);
     if (smem + 4 * kT * sizeof(float) > 48 * 1024) {
         const cudaError_t err = cudaFuncSetAttribute(norm_backward_kernel<T, kT, kJ, kStaged>,
