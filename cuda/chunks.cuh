@@ -2,6 +2,7 @@
  * (norm_forward.cu, norm_backward.cu, act_forward.cu, act_backward.cu) load, convert and store,
  * internal to cuda/: 16-byte vector accesses where the row allows them, element accesses for a
  * misaligned row or a row's last, partial chunk. Stores round with fp_cast.cuh's narrowing.
+ * Also the cp.async copies into shared memory that norm_backward.cu and quantize_nvfp4.cu issue.
  * Tests: tests/test_norm_kernels.py, tests/test_act_kernels.py (GPU cases, every layout).
  */
 #ifndef TEQUANT_CUDA_CHUNKS_CUH_
@@ -105,6 +106,14 @@ inline bool rows_aligned16(const void *p, int64_t ld, size_t elem) {
 __device__ __forceinline__ void copy16_async(void *smem_dst, const void *src) {
     const unsigned dst = (unsigned)__cvta_generic_to_shared(smem_dst);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+/* The same copy where the source may lie outside the tensor: valid false writes 16 zero bytes
+ * and reads nothing (src_size 0; src must still be a valid address form). */
+__device__ __forceinline__ void copy16_async_or_zeros(void *smem_dst, const void *src, bool valid) {
+    const unsigned dst = (unsigned)__cvta_generic_to_shared(smem_dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+                 "r"(valid ? 16 : 0)
+                 : "memory");
 }
 __device__ __forceinline__ void copies_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void copies_wait() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }

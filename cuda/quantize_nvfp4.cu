@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <type_traits>
 
+#include "chunks.cuh"
 #include "internal_kernels.h"
 #include "launch.cuh"
 #include "nvfp4_codes.cuh"
@@ -85,16 +86,6 @@ __device__ __forceinline__ V load_chunk(const typename E::storage *x, int64_t ld
     memcpy(&chunk, elems, sizeof(V));
     return chunk;
 }
-
-/* 16-byte asynchronous global -> shared copy; src_size 0 writes zeros and reads nothing. */
-__device__ __forceinline__ void cp_async16(void *smem, const void *gmem, bool valid) {
-    const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
-                 "r"(valid ? 16 : 0)
-                 : "memory");
-}
-
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
 /* RN_bf16 as a value: the hardware convert (F2FP) rounds like tq_f32_to_bf16 for every non-NaN
  * input; a NaN stays a NaN (payload aside), and NaN payloads never reach a code or an amax. */
@@ -312,9 +303,11 @@ __device__ __forceinline__ void cast_tile(const CastParams &p, int64_t tile_inde
             const int r = chunk / kChunksPerRow, c = chunk % kChunksPerRow * kChunkElems;
             const bool inside = r < tile_rows && c < tile_cols;
             const T *src = inside ? x + (m0 + r) * p.ld + k0 + c : x;
-            cp_async16(&tile[r * kSmemStride + c * (int)sizeof(T)], src, inside);
+            tq_chunk::copy16_async_or_zeros(&tile[r * kSmemStride + c * (int)sizeof(T)], src,
+                                            inside);
         }
-        cp_async_wait_all();
+        tq_chunk::copies_commit();
+        tq_chunk::copies_wait();
     } else {
         uint4 v[kChunksPerThread];
 #pragma unroll
