@@ -27,8 +27,11 @@ fused block-format casts), the bits te.Linear's own quantization of the kernel's
 where fc1 (on the norm's output, its bias not learning, eager) asked through its GradOutput, the
 backward writes fc1's grad_output blocks in both directions from dh rounded to h's dtype (the
 bits of fc1's own quantization of dh; _plan.Plan.dy_blocks), else it returns dh.
+Compiled, a plain dh is written over the saved h (tequant::act_bwd_over_h), and a compiled
+te.Linear quantizes a large block-format grad_output in an op of its own before its dgrad and
+wgrad ops (split_dy_backward): the graph then frees h's copy and dh as soon as they are read.
 Tests: tests/test_fused_act_modules.py, tests/test_fused_dh.py, tests/test_compile_delayed.py,
-tests/test_act_block.py, tests/test_act_mxfp8.py.
+tests/test_act_block.py, tests/test_act_mxfp8.py, tests/test_backward_memory.py.
 """
 from typing import Optional
 
@@ -209,6 +212,21 @@ def _act_bwd_fake(dy, h, activation, recipe_id, padded, scale, dbias_dtype, colu
     return outs + ([h.new_empty((k,), dtype=dbias_dtype)] if dbias_dtype is not None else [])
 
 
+@op("tequant::act_bwd_over_h", mutates_args=("h",))
+def _act_bwd_over_h(dy: torch.Tensor, h: torch.Tensor, activation: str) -> None:
+    """dh written over h (the kernels read each element of h before they write it: the same
+    bits as act_bwd's fresh dh). The compiled backward's plain dh: its saved h is dead after
+    the activation's backward, so the graph holds one [M, K] buffer there instead of two (the
+    compiled Llama block's peak, docs/results/NOTES.md, twenty-seventh session). Compiled code
+    only: there the graph sees every use of h (functionalization copies it if any remains)."""
+    _C._act_backward(dy, h, activation, dh=h)
+
+
+@fake("tequant::act_bwd_over_h")
+def _act_bwd_over_h_fake(dy, h, activation):
+    return None
+
+
 # ---- the Function -----------------------------------------------------------------------------
 
 class ActFunction(torch.autograd.Function):
@@ -266,6 +284,9 @@ class ActFunction(torch.autograd.Function):
         (recipe_id, padded, columnwise), scale, slot, dbias_dtype = dh or (
             (None, 0, False), None, None, None)
         args = (dy2d, h2d, ctx.activation, recipe_id, padded, scale, dbias_dtype)
+        if dh is None and torch.compiler.is_compiling():  # dh over the dead h: one buffer less
+            torch.ops.tequant.act_bwd_over_h(dy2d, h2d, ctx.activation)
+            return (h2d.view(ctx.shape),) + _NONE_ARGS
         if torch.compiler.is_compiling():
             outs = torch.ops.tequant.act_bwd(*args, columnwise)
         else:
@@ -431,20 +452,25 @@ def given_dy_backward(c_args, saved, dy_q, needs, inp_shape, pending, blocks=Fal
     """te.Linear's backward (csrc/ext/linear.c linear_backward) on the grad_output the
     activation quantized, dy_q = (codes [padded, N], scale_inv, amax, ...), or with blocks
     (Float8BlockScaling / MXFP8BlockScaling) its members (data, scale_inv[, data_t,
-    scale_inv_t]): (dx or None, dW or None); the caller takes dbias. saved:
+    scale_inv_t]), or for wgrad alone just (data_t, scale_inv_t): (dx or None, dW or None);
+    the caller takes dbias. saved:
     linear_forward's. linear.c takes a quantized grad_output of the forward's rows only where
     they are already the padded rows (a gathered one's), so the call is made for the padded
     rows (zero codes, which add nothing to dW) and dx keeps the first M of the [padded, K]
     dgrad: the bits of te.Linear's own padding."""
     codes = dy_q[0]
-    if blocks:
-        members = (codes, dy_q[1]) + (tuple(dy_q[2:4]) if len(dy_q) >= 4 else (None, None)) \
-            + (None, None)
+    if blocks and len(dy_q) == 2 and not needs & _plan.NEED_DGRAD:  # the columnwise pair
+        members = (None, None, codes, dy_q[1], None, None)
+        n, padded = codes.shape
     else:
-        members = (codes, dy_q[1], None, None, dy_q[2], None)
-        if needs & _plan.NEED_WGRAD:
-            members = with_columnwise(members)
-    padded, n = codes.shape
+        if blocks:
+            members = (codes, dy_q[1]) + (tuple(dy_q[2:4]) if len(dy_q) >= 4
+                                          else (None, None)) + (None, None)
+        else:
+            members = (codes, dy_q[1], None, None, dy_q[2], None)
+            if needs & _plan.NEED_WGRAD:
+                members = with_columnwise(members)
+        padded, n = codes.shape
     rows, k = saved[2], saved[5]
     dx, dw, _ = _C.linear_backward(c_args, saved[:2] + (padded,) + saved[3:],
                                    (members, (padded, n), saved[6]), needs, None, (padded, k),
@@ -460,8 +486,8 @@ def _linear_bwd_dy_given(dy_q: list[torch.Tensor], x_members: list[Optional[torc
                          hist_bwd: Optional[torch.Tensor] = None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dW), an empty uint8 [0] for one not asked for, of tequant::linear_bwd_given's
-    te.Linear (x as the fused norm's members, W's packed buffer) for the grad_output the
-    activation quantized; given DelayedScaling's hist_bwd (and scale_bwd): dy's amax (dy_q[2])
+    te.Linear (x as the fused norm's members or [linear_fwd's packed buffer], W's packed buffer)
+    for the grad_output the activation (or split_dy_backward's quantize op) quantized; given DelayedScaling's hist_bwd (and scale_bwd): dy's amax (dy_q[2])
     max-accumulated into its row 0, then the module's update of both in place (linear_bwd's)."""
     plan = _plan.of_id(recipe_id)
     rows, k = _rows_cols(inp_shape)
@@ -469,20 +495,67 @@ def _linear_bwd_dy_given(dy_q: list[torch.Tensor], x_members: list[Optional[torc
     if plan.delayed and hist_bwd is not None:
         state = _delayed_states(recipe_id, needs, hist_bwd, scale_bwd, dy_q[0])[0]
         _max_into(state[1], dy_q[2])
-    saved = (tuple(x_members), (w_kept, dy_q[2] if plan.delayed else None), rows,
-             _plan.padded(rows, plan.align), dy_q[0].shape[1], k, TQ_DTYPE[x_dtype],
-             TQ_DTYPE[w_dtype])
+    # x's six members, or [its packed buffer] (linear_fwd's, split_dy_backward)
+    x_kept = (x_members[0], None) if len(x_members) == 1 else tuple(x_members)
+    saved = (x_kept, (w_kept, dy_q[2] if plan.delayed else None), rows,
+             _plan.padded(rows, plan.align), _dy_cols(dy_q, needs, recipe_id), k,
+             TQ_DTYPE[x_dtype], TQ_DTYPE[w_dtype])
     with graph_safe_workspace():
         grads = given_dy_backward(plan.c_args, saved, dy_q, needs & ~_plan.DEFER_UPDATE,
-                                  tuple(inp_shape), None)
+                                  tuple(inp_shape), None,
+                                  plan.dy.scaling in _plan.BLOCK_FORMATS)
     delayed_step(recipe_id, needs, hist_bwd, scale_bwd, state)
     return tuple(_or_absent(g, dy_q[0]) for g in grads)
+
+
+def _dy_cols(dy_q, needs, recipe_id):
+    """N of the grad_output linear_bwd_dy_given multiplies: its rowwise codes' columns, or the
+    rows of the columnwise pair's data_t [N, M] (split_dy_backward's wgrad)."""
+    columnwise_pair = (len(dy_q) == 2 and not needs & _plan.NEED_DGRAD
+                       and _plan.of_id(recipe_id).dy.scaling in _plan.BLOCK_FORMATS)
+    return dy_q[0].shape[0] if columnwise_pair else dy_q[0].shape[1]
 
 
 @fake("tequant::linear_bwd_dy_given")
 def _linear_bwd_dy_given_fake(dy_q, x_members, w_kept, recipe_id, needs, inp_shape, x_dtype,
                               w_dtype, scale_bwd=None, hist_bwd=None):
     dy, absent = dy_q[0], _absent(dy_q[0])
+    n = _dy_cols(dy_q, needs, recipe_id)
     return (dy.new_empty(tuple(inp_shape), dtype=x_dtype) if needs & _plan.NEED_DGRAD else absent,
-            dy.new_empty((dy.shape[-1], inp_shape[-1]), dtype=w_dtype)
+            dy.new_empty((n, inp_shape[-1]), dtype=w_dtype)
             if needs & _plan.NEED_WGRAD else absent)
+
+
+# ---- a large grad_output quantized in an op of its own (compiled te.Linear) ---------------------
+
+SPLIT_DY_ELEMENTS = 1 << 24  # linear.c's rule for releasing dgrad's codes early (16M elements)
+
+
+def splits_dy(recipe_id, dy, needs, bias_dtype, is_delayed):
+    """Whether a compiled te.Linear backward quantizes its grad_output in an op of its own
+    (split_dy_backward): block formats, dgrad and wgrad, no bias, more than SPLIT_DY_ELEMENTS
+    elements, rows already the format's multiple. Then the graph frees dy (the gated
+    activation's dh, written over h) once its codes exist, before dx and dW are allocated: the
+    compiled Llama block's peak (docs/results/NOTES.md, twenty-seventh session)."""
+    plan = _plan.of_id(recipe_id)
+    rows, n = _rows_cols(dy.shape)
+    both = _plan.NEED_DGRAD | _plan.NEED_WGRAD
+    return (plan.dy.scaling in _plan.BLOCK_FORMATS and not is_delayed and bias_dtype is None
+            and needs & both == both and rows * n > SPLIT_DY_ELEMENTS
+            and rows == _plan.padded(rows, plan.align))
+
+
+def split_dy_backward(dy, x_kept, w_kept, recipe_id, needs, inp_shape, x_dtype, w_dtype):
+    """(dx, dW) of tequant::linear_bwd's te.Linear as three ops: tequant::quantize of dy with
+    the grad_output quantizer (both directions: the codes linear_bwd would make), then
+    linear_bwd_dy_given for dgrad on the rowwise pair and for wgrad on the columnwise pair, so
+    the graph frees dy after the first and the rowwise codes after the second (as linear_bwd
+    releases them before dW). The same bits."""
+    dy2d = dy.reshape(-1, dy.shape[-1]).contiguous()
+    dy_q = torch.ops.tequant.quantize(dy2d, recipe_id, "grad_output",
+                                      _plan.ROWWISE | _plan.COLUMNWISE, None, None, None, 0)
+    grads = [torch.ops.tequant.linear_bwd_dy_given(pair, [x_kept], w_kept, recipe_id, part,
+                                                   inp_shape, x_dtype, w_dtype)[i]
+             for i, (pair, part) in enumerate(((dy_q[:2], _plan.NEED_DGRAD),
+                                               (dy_q[2:4], _plan.NEED_WGRAD)))]
+    return tuple(grads)

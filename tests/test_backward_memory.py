@@ -1,0 +1,183 @@
+"""The compiled backward's memory: dh written over h (tequant::act_bwd_over_h,
+python/tequant/_act_fn.py) and a large grad_output quantized in an op of its own
+(_act_fn.split_dy_backward), so the compiled Llama-style block holds neither a second h nor the
+bf16 dh next to fc1's dx and dW.
+
+The kernels (cuda/act_backward.cu) and the C reference (csrc/ref/act_backward_ref.c) read each
+element of h before the same thread (the same loop step) writes it: in place they give the bits
+of a separate dh, for every activation, dtype and row layout (16-byte chunks, element paths,
+the bf16 table path). The split backward gives the one-op backward's bits (CPU and CUDA,
+Float8BlockScaling and MXFP8BlockScaling, te.Linear and te.LayerNormMLP, the threshold lowered so
+small shapes split). GPU: the compiled MLP's backward allocates no buffer of h's size (dh is h's)
+and peaks under eager's. GPU cases: `-m gpu`.
+"""
+import copy
+
+import pytest
+import torch
+
+import tequant as te
+from tequant import _C, _act_fn
+from tequant.recipe import Float8BlockScaling, MXFP8BlockScaling
+from test_compile import op_names
+from test_act_kernels import ACTS, BASE, DTYPES, gpu_inputs, make, grad_of
+from test_norm_kernels import misaligned
+
+GPU = torch.cuda.is_available()
+gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=[gpu, pytest.mark.gpu])]
+
+
+def _over_h(dy, h, act, layout):
+    """dh computed over (a copy of) h in `layout`; returned contiguous."""
+    h_in = layout(h.clone())
+    _C._act_backward(dy, h_in, act, dh=h_in)
+    return h_in.contiguous()
+
+
+def _separate(dy, h, act):
+    dh = torch.full_like(h, float("nan"))
+    _C._act_backward(dy, h, act, dh=dh)
+    return dh
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", ACTS)
+def test_in_place_bits_equal_a_separate_dh(act, dtype, device):
+    # (M, K): one row, odd N (gated) / odd K, 16-byte rows, a misaligned base (element paths)
+    for i, (m, k) in enumerate([(1, 2), (3, 14), (17, 1030), (6, 2048), (40, 1000)]):
+        k = k if act in BASE else k - i % 2
+        h, g = gpu_inputs(m, k, act, dtype, seed=i)
+        h, g = h.to(device), g.to(device)
+        want = _separate(g, h, act)
+        for layout in (lambda t: t, misaligned):
+            got = _over_h(g, h, act, layout)
+            assert torch.equal(got.view(torch.int8) if dtype != torch.float32 else
+                               got.view(torch.int32),
+                               want.view(torch.int8) if dtype != torch.float32 else
+                               want.view(torch.int32)), (act, dtype, m, k)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("act", ["gelu", "silu", "geglu", "swiglu"])
+def test_cuda_table_path_in_place(act):
+    # bf16 over enough elements for the shared-memory tables (test_act_kernels' table case)
+    h, dy, dy_g = make(2048, 8192, torch.bfloat16, seed=4, scale=3.0, device="cuda")
+    g = grad_of(act, dy, dy_g)
+    assert torch.equal(_over_h(g, h, act, lambda t: t).view(torch.int16),
+                       _separate(g, h, act).view(torch.int16))
+
+
+# ---- the compiled module -----------------------------------------------------------------------
+
+def _mlp(hidden, ffn, device):
+    torch.manual_seed(0)
+    return te.LayerNormMLP(hidden, ffn, activation="swiglu", normalization="RMSNorm", bias=False,
+                           params_dtype=torch.bfloat16, device=device)
+
+
+def _backward_allocations(model, x, step):
+    """(sizes of the allocations the backward makes, its peak over the memory at its start)."""
+    y = step(model, x)
+    loss = y.float().square().mean()
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.memory._record_memory_history(max_entries=100000)
+    try:
+        loss.backward()
+        torch.cuda.synchronize()
+        trace = torch.cuda.memory._snapshot()["device_traces"]
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    sizes = [e["size"] for dev in trace for e in dev if e["action"] == "alloc"]
+    return sizes, torch.cuda.max_memory_allocated() - start
+
+
+@gpu
+@pytest.mark.gpu
+def test_compiled_backward_holds_no_second_h():
+    """Float8BlockScaling's swiglu returns a plain dh: compiled, the backward makes no buffer of
+    h's size (eager makes one: its dh), and its peak over its start is under eager's (it was
+    over it with a separate dh: the peak moves to fc1's backward)."""
+    torch._dynamo.reset()
+    hidden, ffn, tokens = 256, 8192, 4096
+    model = _mlp(hidden, ffn, "cuda")
+    twin = copy.deepcopy(model)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    h_bytes = tokens * 2 * ffn * 2
+
+    recipe = Float8BlockScaling()
+
+    def step(m, x):
+        with te.autocast(recipe=recipe):
+            return m(x)
+    compiled = torch.compile(step, fullgraph=True)
+    for _ in range(2):  # compile, then the allocator's steady state
+        compiled(twin, x).float().square().mean().backward()
+    step(model, x).float().square().mean().backward()
+    eager_sizes, eager_peak = _backward_allocations(model, x, step)
+    sizes, peak = _backward_allocations(twin, x, compiled)
+    assert h_bytes in eager_sizes  # the test sees dh where it is a buffer of its own
+    assert h_bytes not in sizes, sorted(sizes)[-6:]
+    assert peak < eager_peak, (peak, eager_peak)  # (before act_bwd_over_h: 168.8 vs 166.7 MB)
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def split_everything(monkeypatch):
+    monkeypatch.setattr(_act_fn, "SPLIT_DY_ELEMENTS", 0)
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _grads(model, x, step):
+    model.zero_grad(set_to_none=True)
+    xi = x.clone().requires_grad_()
+    y = step(model, xi)
+    y.float().square().mean().backward()
+    return [y.detach(), xi.grad] + [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recipe", [Float8BlockScaling(), MXFP8BlockScaling()],
+                         ids=["block", "mxfp8"])
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_split_backward_is_the_one_op_backward(kind, recipe, device, split_everything):
+    torch.manual_seed(1)
+    if kind == "mlp":
+        model = _mlp(64, 192, device)
+    else:
+        model = te.Linear(64, 96, bias=False, params_dtype=torch.bfloat16, device=device)
+    twin = copy.deepcopy(model)
+    x = torch.randn(2, 32, 64, device=device).to(torch.bfloat16)  # 64 rows: both formats' multiple
+
+    def step(m, x):
+        with te.autocast(recipe=recipe):
+            return m(x)
+    want = _grads(model, x, step)
+    recorder = torch._dynamo.testing.AotEagerAndRecordGraphs()
+    got = _grads(twin, x, torch.compile(step, backend=recorder, fullgraph=True))
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), i
+    ops = op_names(recorder.bw_graphs)
+    assert "tequant.quantize.default" in ops, ops  # then dgrad and wgrad, one op each
+    assert ops.count("tequant.linear_bwd_dy_given.default") == 2, ops
+    assert "tequant.linear_bwd.default" not in ops, ops
+
+
+def test_small_or_biased_backward_stays_one_op(split_everything, monkeypatch):
+    # the default threshold: a small grad_output keeps tequant::linear_bwd; so does a bias
+    model = te.Linear(64, 96, bias=True, params_dtype=torch.bfloat16)
+    recipe = Float8BlockScaling()
+
+    def step(m, x):
+        with te.autocast(recipe=recipe):
+            return m(x)
+    recorder = torch._dynamo.testing.AotEagerAndRecordGraphs()
+    _grads(model, torch.randn(64, 64).to(torch.bfloat16),
+           torch.compile(step, backend=recorder, fullgraph=True))
+    assert "tequant.linear_bwd.default" in op_names(recorder.bw_graphs)
