@@ -486,30 +486,36 @@ def _linear_bwd_dy_given(dy_q: list[torch.Tensor], x_members: list[Optional[torc
                          hist_bwd: Optional[torch.Tensor] = None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dW), an empty uint8 [0] for one not asked for, of tequant::linear_bwd_given's
-    te.Linear (x as the fused norm's members or [linear_fwd's packed buffer], W's packed buffer)
-    for the grad_output the activation (or split_dy_backward's quantize op) quantized; given DelayedScaling's hist_bwd (and scale_bwd): dy's amax (dy_q[2])
+    te.Linear (x as the fused norm's members, W's packed buffer) for the grad_output the
+    activation quantized; given DelayedScaling's hist_bwd (and scale_bwd): dy's amax (dy_q[2])
     max-accumulated into its row 0, then the module's update of both in place (linear_bwd's)."""
     plan = _plan.of_id(recipe_id)
-    rows, k = _rows_cols(inp_shape)
     state = None
     if plan.delayed and hist_bwd is not None:
         state = _delayed_states(recipe_id, needs, hist_bwd, scale_bwd, dy_q[0])[0]
         _max_into(state[1], dy_q[2])
-    # x's six members, or [its packed buffer] (linear_fwd's, split_dy_backward)
-    x_kept = (x_members[0], None) if len(x_members) == 1 else tuple(x_members)
-    saved = (x_kept, (w_kept, dy_q[2] if plan.delayed else None), rows,
-             _plan.padded(rows, plan.align), _dy_cols(dy_q, needs, recipe_id), k,
-             TQ_DTYPE[x_dtype], TQ_DTYPE[w_dtype])
-    with graph_safe_workspace():
-        grads = given_dy_backward(plan.c_args, saved, dy_q, needs & ~_plan.DEFER_UPDATE,
-                                  tuple(inp_shape), None,
-                                  plan.dy.scaling in _plan.BLOCK_FORMATS)
+    grads = _dy_given_grads(plan, dy_q, tuple(x_members), w_kept, recipe_id, needs, inp_shape,
+                            x_dtype, w_dtype)
     delayed_step(recipe_id, needs, hist_bwd, scale_bwd, state)
     return tuple(_or_absent(g, dy_q[0]) for g in grads)
 
 
+def _dy_given_grads(plan, dy_q, x_kept, w_kept, recipe_id, needs, inp_shape, x_dtype, w_dtype):
+    """given_dy_backward's (dx, dW) for the ops' arguments: x_kept its six members or its packed
+    buffer (a tensor: linear_fwd's, split_dy_backward)."""
+    rows, k = _rows_cols(inp_shape)
+    if isinstance(x_kept, torch.Tensor):
+        x_kept = (x_kept, None)
+    saved = (x_kept, (w_kept, dy_q[2] if plan.delayed else None), rows,
+             _plan.padded(rows, plan.align), _dy_cols(dy_q, needs, recipe_id), k,
+             TQ_DTYPE[x_dtype], TQ_DTYPE[w_dtype])
+    with graph_safe_workspace():
+        return given_dy_backward(plan.c_args, saved, dy_q, needs & ~_plan.DEFER_UPDATE,
+                                 tuple(inp_shape), None, plan.dy.scaling in _plan.BLOCK_FORMATS)
+
+
 def _dy_cols(dy_q, needs, recipe_id):
-    """N of the grad_output linear_bwd_dy_given multiplies: its rowwise codes' columns, or the
+    """N of the grad_output the given-dy backward multiplies: its rowwise codes' columns, or the
     rows of the columnwise pair's data_t [N, M] (split_dy_backward's wgrad)."""
     columnwise_pair = (len(dy_q) == 2 and not needs & _plan.NEED_DGRAD
                        and _plan.of_id(recipe_id).dy.scaling in _plan.BLOCK_FORMATS)
@@ -520,9 +526,8 @@ def _dy_cols(dy_q, needs, recipe_id):
 def _linear_bwd_dy_given_fake(dy_q, x_members, w_kept, recipe_id, needs, inp_shape, x_dtype,
                               w_dtype, scale_bwd=None, hist_bwd=None):
     dy, absent = dy_q[0], _absent(dy_q[0])
-    n = _dy_cols(dy_q, needs, recipe_id)
     return (dy.new_empty(tuple(inp_shape), dtype=x_dtype) if needs & _plan.NEED_DGRAD else absent,
-            dy.new_empty((n, inp_shape[-1]), dtype=w_dtype)
+            dy.new_empty((dy.shape[-1], inp_shape[-1]), dtype=w_dtype)
             if needs & _plan.NEED_WGRAD else absent)
 
 
@@ -548,14 +553,31 @@ def splits_dy(recipe_id, dy, needs, bias_dtype, is_delayed):
 def split_dy_backward(dy, x_kept, w_kept, recipe_id, needs, inp_shape, x_dtype, w_dtype):
     """(dx, dW) of tequant::linear_bwd's te.Linear as three ops: tequant::quantize of dy with
     the grad_output quantizer (both directions: the codes linear_bwd would make), then
-    linear_bwd_dy_given for dgrad on the rowwise pair and for wgrad on the columnwise pair, so
-    the graph frees dy after the first and the rowwise codes after the second (as linear_bwd
+    linear_bwd_part for dgrad on the rowwise pair and for wgrad on the columnwise pair, so the
+    graph frees dy after the first and the rowwise codes after the second (as linear_bwd
     releases them before dW). The same bits."""
     dy2d = dy.reshape(-1, dy.shape[-1]).contiguous()
     dy_q = torch.ops.tequant.quantize(dy2d, recipe_id, "grad_output",
                                       _plan.ROWWISE | _plan.COLUMNWISE, None, None, None, 0)
-    grads = [torch.ops.tequant.linear_bwd_dy_given(pair, [x_kept], w_kept, recipe_id, part,
-                                                   inp_shape, x_dtype, w_dtype)[i]
-             for i, (pair, part) in enumerate(((dy_q[:2], _plan.NEED_DGRAD),
-                                               (dy_q[2:4], _plan.NEED_WGRAD)))]
-    return tuple(grads)
+    return tuple(torch.ops.tequant.linear_bwd_part(pair, x_kept, w_kept, recipe_id, part,
+                                                   inp_shape, x_dtype, w_dtype)
+                 for pair, part in ((dy_q[:2], _plan.NEED_DGRAD), (dy_q[2:4], _plan.NEED_WGRAD)))
+
+
+@op("tequant::linear_bwd_part", mutates_args=())
+def _linear_bwd_part(dy_pair: list[torch.Tensor], x_kept: torch.Tensor, w_kept: torch.Tensor,
+                     recipe_id: str, part: int, inp_shape: list[int], x_dtype: torch.dtype,
+                     w_dtype: torch.dtype) -> torch.Tensor:
+    """dx (part NEED_DGRAD: dy_pair the rowwise data and scale_inv) or dW (NEED_WGRAD: the
+    columnwise pair) of a block-format te.Linear from linear_fwd's packed buffers."""
+    grads = _dy_given_grads(_plan.of_id(recipe_id), dy_pair, x_kept, w_kept, recipe_id, part,
+                            inp_shape, x_dtype, w_dtype)
+    return grads[0] if part == _plan.NEED_DGRAD else grads[1]
+
+
+@fake("tequant::linear_bwd_part")
+def _linear_bwd_part_fake(dy_pair, x_kept, w_kept, recipe_id, part, inp_shape, x_dtype, w_dtype):
+    if part == _plan.NEED_DGRAD:
+        return dy_pair[0].new_empty(tuple(inp_shape), dtype=x_dtype)
+    n = _dy_cols(dy_pair, part, recipe_id)
+    return dy_pair[0].new_empty((n, inp_shape[-1]), dtype=w_dtype)
