@@ -550,7 +550,7 @@ def splits_dy(recipe_id, dy, needs, bias_dtype, is_delayed):
             and rows == _plan.padded(rows, plan.align))
 
 
-def split_dy_backward(dy, x_kept, w_kept, recipe_id, needs, inp_shape, x_dtype, w_dtype):
+def split_dy_backward(dy, x_kept, w_kept, recipe_id, inp_shape, x_dtype, w_dtype):
     """(dx, dW) of tequant::linear_bwd's te.Linear as three ops: tequant::quantize of dy with
     the grad_output quantizer (both directions: the codes linear_bwd would make), then
     linear_bwd_part for dgrad on the rowwise pair and for wgrad on the columnwise pair, so the

@@ -235,7 +235,7 @@ class _CompiledLinear(torch.autograd.Function):
             return (dx if needs & NEED_DGRAD else None, dw if needs & NEED_WGRAD else None,
                     db if bias_dtype is not None else None) + _NONE_ARGS
         if _act_fn.splits_dy(ctx.recipe_id, dy, needs, bias_dtype, ctx.is_delayed):
-            return _act_fn.split_dy_backward(dy, x_kept, saved[n_x], ctx.recipe_id, needs,
+            return _act_fn.split_dy_backward(dy, x_kept, saved[n_x], ctx.recipe_id,
                                              list(ctx.shape), ctx.x_dtype,
                                              ctx.w_dtype) + (None,) + _NONE_ARGS
         outs = torch.ops.tequant.linear_bwd(dy, x_kept, saved[n_x], ctx.recipe_id, needs,
