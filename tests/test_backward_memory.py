@@ -22,7 +22,7 @@ from tequant import _C, _act_fn
 from tequant.recipe import Float8BlockScaling, MXFP8BlockScaling
 from test_compile import op_names
 from test_act_kernels import ACTS, BASE, DTYPES, gpu_inputs, make, grad_of
-from test_norm_kernels import misaligned
+from test_norm_kernels import bits, misaligned
 
 GPU = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA device")
@@ -54,10 +54,7 @@ def test_in_place_bits_equal_a_separate_dh(act, dtype, device):
         want = _separate(g, h, act)
         for layout in (lambda t: t, misaligned):
             got = _over_h(g, h, act, layout)
-            assert torch.equal(got.view(torch.int8) if dtype != torch.float32 else
-                               got.view(torch.int32),
-                               want.view(torch.int8) if dtype != torch.float32 else
-                               want.view(torch.int32)), (act, dtype, m, k)
+            assert torch.equal(bits(got), bits(want)), (act, dtype, m, k)
 
 
 @gpu
@@ -67,8 +64,7 @@ def test_cuda_table_path_in_place(act):
     # bf16 over enough elements for the shared-memory tables (test_act_kernels' table case)
     h, dy, dy_g = make(2048, 8192, torch.bfloat16, seed=4, scale=3.0, device="cuda")
     g = grad_of(act, dy, dy_g)
-    assert torch.equal(_over_h(g, h, act, lambda t: t).view(torch.int16),
-                       _separate(g, h, act).view(torch.int16))
+    assert torch.equal(bits(_over_h(g, h, act, lambda t: t)), bits(_separate(g, h, act)))
 
 
 # ---- the compiled module -----------------------------------------------------------------------
@@ -135,11 +131,8 @@ def fresh_dynamo_reset():
 
 
 @pytest.fixture
-def split_everything(monkeypatch):
+def split_everything(monkeypatch, fresh_dynamo_reset):
     monkeypatch.setattr(_act_fn, "SPLIT_DY_ELEMENTS", 0)
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def _grads(model, x, step):
