@@ -9,13 +9,18 @@ equal to the aligned path) and every quantized member is read whole (_touch), so
 any byte a quantizer leaves unwritten. Inputs live in buffers whose padding is never written
 (torch.empty): a kernel reading past its view reads uninitialized memory.
 Runner: tools/sanitize.sh (make sanitize; docs/sanitize.md). GPU only; skipped without CUDA.
+The norm_* and act_* tests named below are in tests/test_sanitize_fused.py (the fused modules'
+kernels), which imports this file's helpers.
 
 Kernel (cuda/*.cu, *.cuh)                launched by (test_... [case])
 act_forward.cu act_forward_kernel<f32|bf16|f16, gelu|relu|silu|qgelu|srelu|identity, gated
                                           or not> act_kernels (every activation and dtype;
-                                          16-byte and element paths; M = 0 too)
+                                          16-byte and element paths; M = 0 too); <table>
+                                          act_table_kernels (bf16 gelu, silu, qgelu, geglu,
+                                          swiglu over enough elements: act_table.cuh)
 act_backward.cu act_backward_kernel<f32|bf16|f16, activation, gated or not, dbias or not>
-                                          act_kernels; <identity, dbias> (no h read) also
+                                          act_kernels (dh over h too), act_table_kernels
+                                          (<table>); <identity, dbias> (no h read) also
                                           quantize_dbias (tq_quantize's dbias pass: DelayedScaling
                                           cast + amax, current scaling's amax after a memset, the
                                           sums alone), linear_step and cuda_graph_step (bias)
@@ -24,6 +29,11 @@ act_backward.cu act_backward_kernel<f32|bf16|f16, activation, gated or not, dbia
                                           codes too; row chunks of 4 rows at these shapes),
                                           quantize_dbias_delayed_groups (16 and 64 rows: the
                                           next rows' loads run ahead, across groups)
+act_quantize_block.cu, act_quantize_mxfp8.cu: the block / MXFP8 tile kernels with
+               ActLoad (forward) and ActGradLoad (backward) loaders, table or not
+                                          act_tile_kernels[block|mxfp8] (every activation but the
+                                          identity and dtype, rowwise alone and both directions,
+                                          rows past M, element loads; bf16 table launches)
 amax.cu        amax_kernel<f32|bf16|f16,  amax_paths (all nine); FlatVec also quantize_dequantize
                FlatVec|RowVec|Scalar>     [current-*] (an FP8 current x of more than 64K elements)
 amax_update.cu amax_update_kernel<max>    amax_update (600 slots: two launches; a history of
@@ -95,8 +105,11 @@ quantize_nvfp4_dequant.cu dequantize_kernel<values=false>  quantize_dequantize[n
                                           through ctypes; the extension asks for it on CPU only)
                values_pair_kernel         gemm[nvfp4] (+ misaligned operand), linear_step[nvfp4-*],
                                           cuda_graph_step[nvfp4]
-Every __global__ function is reached. Template instances not reached: MXFP8 32x32 with E5M2 (the
-2D blocks are for weights, which every recipe quantizes to E4M3).
+Every __global__ function is reached, with every loader and the table launches. Template
+instances not reached: MXFP8 32x32 with E5M2 (the 2D blocks are for weights, which every recipe
+quantizes to E4M3), and some (dtype, direction, E4M3 / E5M2) combinations of the per-tensor
+casts, the block / MXFP8 quantize kernels and the dbias passes whose code the reached ones
+share (a count against the extension's symbols: twenty-eighth session, NOTES.md).
 """
 import ctypes
 import itertools
@@ -311,119 +324,6 @@ def test_amax_update():
     _C._amax_update([(long_hist[:, j:j + 1], long_scale[j:j + 1], 448.0) for j in range(2)], 1100,
                     "max", None)
     _finite(long_hist, long_scale)
-
-
-# ---- normalization ---------------------------------------------------------------------------
-
-def test_norm_kernels():
-    """Every variant of the fused norm kernels (tests/test_norm_kernels.py checks their bits)."""
-    cfg = te.quantizer_config(DelayedScaling(), "input")
-    fwd_k, bwd_k = [1000, 3000, 6000, 12000, 17001], [1000, 2000, 4000, 8000, 9000, 30001]
-    cases = [(k, d) for k in sorted(set(fwd_k + bwd_k)) for d in (F32, BF16, F16)]
-    for i, (k, dtype) in enumerate(cases):
-        m = 0 if i == 0 else (40 if k == 1000 else 3)  # 40 rows: three column chunks
-        norm = "RMSNorm" if i % 4 == 3 else "LayerNorm"
-        ln = norm == "LayerNorm"
-        x = _layout(_randn(m, k, dtype=dtype, seed=40 + i), "misaligned" if i % 2 else "contiguous")
-        dy = _layout(_randn(m, k, dtype=dtype, seed=41 + i), "strided" if i % 3 else "contiguous")
-        gamma, beta = _randn(k, seed=42 + i) + 1, _randn(k, dtype=BF16, seed=43 + i)
-        mean, rstd = torch.empty(m, device=DEVICE), torch.empty(m, device=DEVICE)
-        y, amax = torch.empty(m, k, dtype=dtype, device=DEVICE), torch.zeros(1, device=DEVICE)
-        y_q = torch.empty(m, k, dtype=torch.uint8, device=DEVICE)
-        scale_inv = torch.empty(1, device=DEVICE)
-        _C._norm_forward(x, gamma, norm, zero_centered_gamma=i % 2 == 0,
-                         beta=beta.float() if ln else None, y_hp=y, mean=mean if ln else None,
-                         rstd=rstd, amax=amax, config=cfg, y_q=y_q, scale_inv=scale_inv,
-                         scale=torch.ones(1, device=DEVICE))
-        dx, dgamma = torch.empty_like(x), torch.empty(k, device=DEVICE)
-        dbeta = torch.empty(k, device=DEVICE) if ln else None
-        _C._norm_backward(dy, x, gamma, norm, rstd=rstd, dx=dx, dgamma=dgamma,
-                          mean=mean if ln else None, dbeta=dbeta)
-        _finite(y, rstd, amax, scale_inv, dx, dgamma, *([mean, dbeta] if ln else []))
-        torch.sum(y_q, dtype=torch.int64)  # read it all (initcheck)
-
-
-def test_norm_forward_fast():
-    """norm_forward.cu's fast_kernel (K % 8 == 0, K <= 16384, aligned rows): every variant (K at
-    and below each kT / kC bound, FP32 and 16-bit x, both norms) in each output mode (everything;
-    delayed codes + amax; current scaling's amax run and cast run), and three shapes with more
-    rows than the grid has row groups on 132 SMs, so each group's fold buffers and named barrier
-    are reused from row to row (racecheck / synccheck)."""
-    delayed = te.quantizer_config(DelayedScaling(), "input")
-    current = te.quantizer_config(Float8CurrentScaling(), "input")
-    ks = [8, 1000, 1024, 1536, 2048, 3072, 4096, 6000, 8192, 12288, 16384]
-    cases = [(3, k, d, n) for k in ks for d in (F32, BF16, F16) for n in ("LayerNorm", "RMSNorm")]
-    cases += [(600, 16384, F32, "LayerNorm"), (2200, 8192, BF16, "RMSNorm"),
-              (1100, 16384, F16, "LayerNorm")]
-    for i, (m, k, dtype, norm) in enumerate(cases):
-        ln = norm == "LayerNorm"
-        x = _layout(_randn(m, k, dtype=dtype, seed=60 + i),
-                    "strided" if i % 3 == 1 else "contiguous")
-        gamma = _randn(k, dtype=(F32, BF16, F16)[i % 3], seed=61 + i) + 1
-        beta = _randn(k, dtype=gamma.dtype, seed=62 + i) if ln and i % 2 == 0 else None
-        stats = dict(rstd=torch.empty(m, device=DEVICE))
-        if ln:
-            stats["mean"] = torch.empty(m, device=DEVICE)
-        y, amax = torch.empty(m, k, dtype=dtype, device=DEVICE), torch.zeros(1, device=DEVICE)
-        y_q = torch.empty(m, k, dtype=torch.uint8, device=DEVICE)
-        scale_inv = torch.empty(1, device=DEVICE)
-        common = dict(zero_centered_gamma=i % 4 == 1, beta=beta)
-        _C._norm_forward(x, gamma, norm, y_hp=y, amax=amax, **stats, **common)  # everything
-        _finite(y, amax, *stats.values())
-        _C._norm_forward(x, gamma, norm, config=delayed, y_q=y_q, scale_inv=scale_inv,
-                         scale=torch.ones(1, device=DEVICE), amax=amax, **common)
-        torch.sum(y_q, dtype=torch.int64)  # read it all (initcheck)
-        first = torch.zeros(1, device=DEVICE)
-        _C._norm_forward(x, gamma, norm, amax=first, **common)  # current: the amax run
-        _C._norm_forward(x, gamma, norm, config=current, y_q=y_q, scale_inv=scale_inv,
-                         amax_in=first, **stats, **common)  # and the cast run
-        _finite(first, scale_inv, *stats.values())
-        torch.sum(y_q, dtype=torch.int64)
-
-
-# ---- activations -----------------------------------------------------------------------------
-
-ACTS = ("gelu", "relu", "silu", "qgelu", "srelu", "geglu", "reglu", "swiglu", "identity")
-
-
-def test_act_kernels():
-    """Every instance of the fused activation kernels (tests/test_act_kernels.py checks their
-    bits): each activation and dtype, forward with every output (delayed codes + amax, y_hp) and
-    current scaling's two runs, backward with and without dbias (its column-sum launch; M = 40:
-    three row chunks), 16-byte rows and element paths (misaligned / strided rows, odd N of a
-    gated h, odd K), M = 0 (scale_inv and the amax slot only)."""
-    delayed = te.quantizer_config(DelayedScaling(), "input")
-    current = te.quantizer_config(Float8CurrentScaling(), "grad_output")
-    cases = [(act, dtype) for act in ACTS for dtype in (F32, BF16, F16)]
-    for i, (act, dtype) in enumerate(cases):
-        gated = act in ("geglu", "reglu", "swiglu")
-        m = 0 if i == 0 else 40
-        k = (2 * 520 if i % 2 else 2 * 131) if gated else (1040 if i % 2 else 1041)
-        n = k // 2 if gated else k
-        layout = ("contiguous", "strided", "misaligned")[i % 3]
-        h = _layout(_randn(m, k, dtype=dtype, seed=70 + i), layout)
-        dy = _layout(_randn(m, n, dtype=dtype, seed=71 + i), layout)
-        y, amax = torch.empty(m, n, dtype=dtype, device=DEVICE), torch.zeros(1, device=DEVICE)
-        y_q = torch.empty(m, n, dtype=torch.uint8, device=DEVICE)
-        scale_inv = torch.empty(1, device=DEVICE)
-        _C._act_forward(h, act, y_hp=y, amax=amax, config=delayed, y_q=y_q, scale_inv=scale_inv,
-                        scale=torch.ones(1, device=DEVICE))
-        _finite(y, amax, scale_inv)
-        torch.sum(y_q, dtype=torch.int64)  # read it all (initcheck)
-        first = torch.zeros(1, device=DEVICE)
-        _C._act_forward(h, act, amax=first)  # current scaling: the amax run, then the cast run
-        _C._act_forward(h, act, config=delayed if i % 4 else current, y_q=y_q,
-                        scale_inv=scale_inv, **({"scale": torch.ones(1, device=DEVICE)} if i % 4
-                                               else {"amax_in": first}))
-        torch.sum(y_q, dtype=torch.int64)
-        dh, dh_q = torch.empty_like(h), torch.empty(m, k, dtype=torch.uint8, device=DEVICE)
-        dbias = torch.empty(k, device=DEVICE)
-        _C._act_backward(dy, h, act, dh=dh, amax=amax, config=delayed, dh_q=dh_q,
-                         scale_inv=scale_inv, scale=torch.ones(1, device=DEVICE), dbias=dbias)
-        _finite(dh, dbias, amax)
-        torch.sum(dh_q, dtype=torch.int64)
-        _C._act_backward(dy, h, act, dh=dh)  # no dbias: one row per item, no column sums
-        _finite(dh)
 
 
 # ---- quantize / dequantize --------------------------------------------------------------------

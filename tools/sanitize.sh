@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# tools/sanitize.sh: runs tests/test_sanitize_kernels.py (every kernel of cuda/*.cu, every recipe,
-# CUDA graphs) under compute-sanitizer's memcheck, racecheck, initcheck and synccheck, logs each
-# tool to $SANITIZE_OUT/<tool>.log and prints one line per tool, "<tool>: N errors", N summed over
-# the sanitizer's summary lines. Exit 1 if a tool reports an error (a racecheck warning counts),
+# tools/sanitize.sh: runs tests/test_sanitize_kernels.py and tests/test_sanitize_fused.py (every
+# kernel of cuda/*.cu, every recipe, CUDA graphs) under compute-sanitizer's memcheck, racecheck,
+# initcheck and synccheck, logs each tool to $SANITIZE_OUT/<tool>.log and prints one line per
+# tool, "<tool>: N errors", N summed over the sanitizer's summary lines. Exit 1 if a tool reports an error (a racecheck warning counts),
 # a pytest run fails, or no test passed (no GPU visible: everything skipped). `make sanitize`
 # runs it after the build; docs/sanitize.md says how to read the logs. It only runs and counts:
-# what is launched and why is in the test file. No pytest covers it; its counting was checked
+# what is launched and why is in the test files. No pytest covers it; its counting was checked
 # with a stub compute-sanitizer (docs/sanitize.md, "Checking the runner").
 #
 #   SANITIZE_TOOLS="memcheck racecheck initcheck synccheck"   which tools, in this order
@@ -29,8 +29,8 @@ TOOLS=${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}
 OUT=${SANITIZE_OUT:-sanitize_out}
 PARALLEL=${SANITIZE_PARALLEL:-0}
 PYTHON=${PYTHON:-python3}
-TEST=tests/test_sanitize_kernels.py
-GRAPHS="$TEST::test_cuda_graph_step"
+TESTS=(tests/test_sanitize_kernels.py tests/test_sanitize_fused.py)
+GRAPHS="tests/test_sanitize_kernels.py::test_cuda_graph_step"
 
 SAN=${COMPUTE_SANITIZER:-}
 if [ -z "$SAN" ]; then
@@ -124,10 +124,10 @@ run_tool() {
     local tool=$1 start=$SECONDS rcs=() passes=0
     : > "$OUT/$tool.log"
     if [ "$tool" = memcheck ] || [ "$tool" = initcheck ]; then
-        run_pass "$tool" kernels 0 "$TEST" --deselect "$GRAPHS"; rcs+=($?)
+        run_pass "$tool" kernels 0 "${TESTS[@]}" --deselect "$GRAPHS"; rcs+=($?)
         run_pass "$tool" cuda-graphs 1 "$GRAPHS"; rcs+=($?)
     else  # racecheck / synccheck: shared memory and barriers, which caching does not affect
-        run_pass "$tool" all 1 "$TEST"; rcs+=($?)
+        run_pass "$tool" all 1 "${TESTS[@]}"; rcs+=($?)
     fi
     passes=${#rcs[@]}
     awk -v tool="$tool" -v passes="$passes" -v rcs="${rcs[*]}" -v secs=$((SECONDS - start)) '

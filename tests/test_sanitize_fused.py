@@ -1,0 +1,222 @@
+"""The fused modules' kernels under compute-sanitizer: the norm kernels (norm_forward.cu,
+norm_forward_fast.cuh, norm_backward.cu) and the activation kernels (act_forward.cu,
+act_backward.cu, and the block / MXFP8 tile passes of act_quantize_block.cu and
+act_quantize_mxfp8.cu), with tests/test_sanitize_kernels.py's helpers and rules: reach every
+kernel and path at small shapes (plus the activation table's launches, which need a few million
+elements), read every output whole. tests/test_sanitize_kernels.py's docstring lists which test
+reaches which kernel. Runner: tools/sanitize.sh (make sanitize; docs/sanitize.md), which runs
+both files. GPU only; skipped without CUDA.
+"""
+import itertools
+import os
+import sys
+
+import pytest
+import torch
+
+import tequant as te
+from tequant import _C
+from tequant.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_sanitize_kernels import BF16, DEVICE, F16, F32, _finite, _layout, _randn  # noqa: E402
+
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device "
+                                 "(run it under compute-sanitizer with tools/sanitize.sh)"),
+              pytest.mark.gpu]
+
+# ---- normalization ---------------------------------------------------------------------------
+
+def test_norm_kernels():
+    """Every variant of the fused norm kernels (tests/test_norm_kernels.py checks their bits)."""
+    cfg = te.quantizer_config(DelayedScaling(), "input")
+    fwd_k, bwd_k = [1000, 3000, 6000, 12000, 17001], [1000, 2000, 4000, 8000, 9000, 30001]
+    cases = [(k, d) for k in sorted(set(fwd_k + bwd_k)) for d in (F32, BF16, F16)]
+    for i, (k, dtype) in enumerate(cases):
+        m = 0 if i == 0 else (40 if k == 1000 else 3)  # 40 rows: three column chunks
+        norm = "RMSNorm" if i % 4 == 3 else "LayerNorm"
+        ln = norm == "LayerNorm"
+        x = _layout(_randn(m, k, dtype=dtype, seed=40 + i), "misaligned" if i % 2 else "contiguous")
+        dy = _layout(_randn(m, k, dtype=dtype, seed=41 + i), "strided" if i % 3 else "contiguous")
+        gamma, beta = _randn(k, seed=42 + i) + 1, _randn(k, dtype=BF16, seed=43 + i)
+        mean, rstd = torch.empty(m, device=DEVICE), torch.empty(m, device=DEVICE)
+        y, amax = torch.empty(m, k, dtype=dtype, device=DEVICE), torch.zeros(1, device=DEVICE)
+        y_q = torch.empty(m, k, dtype=torch.uint8, device=DEVICE)
+        scale_inv = torch.empty(1, device=DEVICE)
+        _C._norm_forward(x, gamma, norm, zero_centered_gamma=i % 2 == 0,
+                         beta=beta.float() if ln else None, y_hp=y, mean=mean if ln else None,
+                         rstd=rstd, amax=amax, config=cfg, y_q=y_q, scale_inv=scale_inv,
+                         scale=torch.ones(1, device=DEVICE))
+        dx, dgamma = torch.empty_like(x), torch.empty(k, device=DEVICE)
+        dbeta = torch.empty(k, device=DEVICE) if ln else None
+        _C._norm_backward(dy, x, gamma, norm, rstd=rstd, dx=dx, dgamma=dgamma,
+                          mean=mean if ln else None, dbeta=dbeta)
+        _finite(y, rstd, amax, scale_inv, dx, dgamma, *([mean, dbeta] if ln else []))
+        torch.sum(y_q, dtype=torch.int64)  # read it all (initcheck)
+
+
+def test_norm_forward_fast():
+    """norm_forward.cu's fast_kernel (K % 8 == 0, K <= 16384, aligned rows): every variant (K at
+    and below each kT / kC bound, FP32 and 16-bit x, both norms) in each output mode (everything;
+    delayed codes + amax; current scaling's amax run and cast run), and three shapes with more
+    rows than the grid has row groups on 132 SMs, so each group's fold buffers and named barrier
+    are reused from row to row (racecheck / synccheck)."""
+    delayed = te.quantizer_config(DelayedScaling(), "input")
+    current = te.quantizer_config(Float8CurrentScaling(), "input")
+    ks = [8, 1000, 1024, 1536, 2048, 3072, 4096, 6000, 8192, 12288, 16384]
+    cases = [(3, k, d, n) for k in ks for d in (F32, BF16, F16) for n in ("LayerNorm", "RMSNorm")]
+    cases += [(600, 16384, F32, "LayerNorm"), (2200, 8192, BF16, "RMSNorm"),
+              (1100, 16384, F16, "LayerNorm")]
+    for i, (m, k, dtype, norm) in enumerate(cases):
+        ln = norm == "LayerNorm"
+        x = _layout(_randn(m, k, dtype=dtype, seed=60 + i),
+                    "strided" if i % 3 == 1 else "contiguous")
+        gamma = _randn(k, dtype=(F32, BF16, F16)[i % 3], seed=61 + i) + 1
+        beta = _randn(k, dtype=gamma.dtype, seed=62 + i) if ln and i % 2 == 0 else None
+        stats = dict(rstd=torch.empty(m, device=DEVICE))
+        if ln:
+            stats["mean"] = torch.empty(m, device=DEVICE)
+        y, amax = torch.empty(m, k, dtype=dtype, device=DEVICE), torch.zeros(1, device=DEVICE)
+        y_q = torch.empty(m, k, dtype=torch.uint8, device=DEVICE)
+        scale_inv = torch.empty(1, device=DEVICE)
+        common = dict(zero_centered_gamma=i % 4 == 1, beta=beta)
+        _C._norm_forward(x, gamma, norm, y_hp=y, amax=amax, **stats, **common)  # everything
+        _finite(y, amax, *stats.values())
+        _C._norm_forward(x, gamma, norm, config=delayed, y_q=y_q, scale_inv=scale_inv,
+                         scale=torch.ones(1, device=DEVICE), amax=amax, **common)
+        torch.sum(y_q, dtype=torch.int64)  # read it all (initcheck)
+        first = torch.zeros(1, device=DEVICE)
+        _C._norm_forward(x, gamma, norm, amax=first, **common)  # current: the amax run
+        _C._norm_forward(x, gamma, norm, config=current, y_q=y_q, scale_inv=scale_inv,
+                         amax_in=first, **stats, **common)  # and the cast run
+        _finite(first, scale_inv, *stats.values())
+        torch.sum(y_q, dtype=torch.int64)
+
+
+# ---- activations -----------------------------------------------------------------------------
+
+ACTS = ("gelu", "relu", "silu", "qgelu", "srelu", "geglu", "reglu", "swiglu", "identity")
+
+
+def test_act_kernels():
+    """Every instance of the fused activation kernels (tests/test_act_kernels.py checks their
+    bits): each activation and dtype, forward with every output (delayed codes + amax, y_hp) and
+    current scaling's two runs, backward with and without dbias (its column-sum launch; M = 40:
+    three row chunks), dh written over h (the compiled backward's act_bwd_over_h), 16-byte rows
+    and element paths (misaligned / strided rows, odd N of a gated h, odd K), M = 0 (scale_inv
+    and the amax slot only)."""
+    delayed = te.quantizer_config(DelayedScaling(), "input")
+    current = te.quantizer_config(Float8CurrentScaling(), "grad_output")
+    cases = [(act, dtype) for act in ACTS for dtype in (F32, BF16, F16)]
+    for i, (act, dtype) in enumerate(cases):
+        gated = act in ("geglu", "reglu", "swiglu")
+        m = 0 if i == 0 else 40
+        k = (2 * 520 if i % 2 else 2 * 131) if gated else (1040 if i % 2 else 1041)
+        n = k // 2 if gated else k
+        layout = ("contiguous", "strided", "misaligned")[i % 3]
+        h = _layout(_randn(m, k, dtype=dtype, seed=70 + i), layout)
+        dy = _layout(_randn(m, n, dtype=dtype, seed=71 + i), layout)
+        y, amax = torch.empty(m, n, dtype=dtype, device=DEVICE), torch.zeros(1, device=DEVICE)
+        y_q = torch.empty(m, n, dtype=torch.uint8, device=DEVICE)
+        scale_inv = torch.empty(1, device=DEVICE)
+        _C._act_forward(h, act, y_hp=y, amax=amax, config=delayed, y_q=y_q, scale_inv=scale_inv,
+                        scale=torch.ones(1, device=DEVICE))
+        _finite(y, amax, scale_inv)
+        torch.sum(y_q, dtype=torch.int64)  # read it all (initcheck)
+        first = torch.zeros(1, device=DEVICE)
+        _C._act_forward(h, act, amax=first)  # current scaling: the amax run, then the cast run
+        _C._act_forward(h, act, config=delayed if i % 4 else current, y_q=y_q,
+                        scale_inv=scale_inv, **({"scale": torch.ones(1, device=DEVICE)} if i % 4
+                                               else {"amax_in": first}))
+        torch.sum(y_q, dtype=torch.int64)
+        dh, dh_q = torch.empty_like(h), torch.empty(m, k, dtype=torch.uint8, device=DEVICE)
+        dbias = torch.empty(k, device=DEVICE)
+        _C._act_backward(dy, h, act, dh=dh, amax=amax, config=delayed, dh_q=dh_q,
+                         scale_inv=scale_inv, scale=torch.ones(1, device=DEVICE), dbias=dbias)
+        _finite(dh, dbias, amax)
+        torch.sum(dh_q, dtype=torch.int64)
+        _C._act_backward(dy, h, act, dh=dh)  # no dbias: one row per item, no column sums
+        _finite(dh)
+        _C._act_backward(dy, h, act, dh=h)  # dh over h: tequant::act_bwd_over_h's call
+        _finite(h)
+
+
+# bf16 sigmoid-family activations (gated too) over 2048 x 4096 outputs: more elements than
+# act_table.cuh's worth_it asks on a GPU of up to 186 SMs, so the launches fill and read the
+# shared-memory tables (a fill, a barrier, then lookups: racecheck's case)
+TABLE_ACTS = ("gelu", "silu", "qgelu", "geglu", "swiglu")
+TABLE_ROWS, TABLE_COLS = 2048, 4096
+
+
+def _act_inputs(act, m, n, dtype, seed, layout="contiguous"):
+    """h (both halves when gated) and dy of an activation with n output columns."""
+    k = 2 * n if act in ("geglu", "reglu", "swiglu") else n
+    return (_layout(_randn(m, k, dtype=dtype, seed=seed), layout),
+            _layout(_randn(m, n, dtype=dtype, seed=seed + 1), layout))
+
+
+def test_act_table_kernels():
+    """act_forward_kernel / act_backward_kernel's table instances (bf16 gelu, silu, qgelu,
+    geglu, swiglu): y_hp with DelayedScaling codes, dh with codes and dbias, plain dh, and dh
+    written over h (tequant::act_bwd_over_h's call)."""
+    delayed = te.quantizer_config(DelayedScaling(), "input")
+    for i, act in enumerate(TABLE_ACTS):
+        h, dy = _act_inputs(act, TABLE_ROWS, TABLE_COLS, BF16, 300 + 2 * i)
+        y = torch.empty(TABLE_ROWS, TABLE_COLS, dtype=BF16, device=DEVICE)
+        y_q = torch.empty(TABLE_ROWS, TABLE_COLS, dtype=torch.uint8, device=DEVICE)
+        amax, scale_inv = torch.zeros(1, device=DEVICE), torch.empty(1, device=DEVICE)
+        _C._act_forward(h, act, y_hp=y, amax=amax, config=delayed, y_q=y_q, scale_inv=scale_inv,
+                        scale=torch.ones(1, device=DEVICE))
+        _finite(y, amax, scale_inv)
+        torch.sum(y_q, dtype=torch.int64)
+        dh, dh_q = torch.empty_like(h), torch.empty(h.shape, dtype=torch.uint8, device=DEVICE)
+        dbias = torch.empty(h.shape[1], device=DEVICE)
+        _C._act_backward(dy, h, act, dh=dh, amax=amax, config=delayed, dh_q=dh_q,
+                         scale_inv=scale_inv, scale=torch.ones(1, device=DEVICE), dbias=dbias)
+        _finite(dh, dbias, amax)
+        torch.sum(dh_q, dtype=torch.int64)
+        _C._act_backward(dy, h, act, dh=dh)
+        _C._act_backward(dy, h, act, dh=h)
+        assert torch.equal(h, dh), f"{act}: dh written over h differs from a separate dh"
+
+
+TILE_RECIPES = {"block": Float8BlockScaling, "mxfp8": MXFP8BlockScaling}
+
+
+def _touch_all(*ts):
+    """Reads every byte of each tensor (initcheck)."""
+    for t in ts:
+        if t is not None and t.numel():
+            torch.sum(t.contiguous().view(torch.uint8), dtype=torch.int64)
+
+
+@pytest.mark.parametrize("fmt", list(TILE_RECIPES))
+def test_act_tile_kernels(fmt):
+    """The activation's tile passes into a block format's blocks (act_quantize_block.cu,
+    act_quantize_mxfp8.cu: the tile kernels with act_load.cuh's ActLoad (forward, fc2's input)
+    and act_grad_load.cuh's ActGradLoad (backward, fc1's grad_output)): every activation but
+    the identity and each dtype, rowwise alone and both directions, partial tiles and rows past
+    M (150 rows into 160 padded ones; 200 columns, MXFP8's multiple of 32 above it: 224), 16-byte
+    and element loads; then the bf16 table launches (each sigmoid-family activation at least
+    once, each direction choice)."""
+    x_cfg = te.quantizer_config(TILE_RECIPES[fmt](), "input")
+    dy_cfg = te.quantizer_config(TILE_RECIPES[fmt](), "grad_output")
+    acts = ("gelu", "relu", "silu", "qgelu", "srelu", "geglu", "reglu", "swiglu")
+    n = 200 if fmt == "block" else 224
+    for i, (act, dtype) in enumerate(itertools.product(acts, (F32, BF16, F16))):
+        h, dy = _act_inputs(act, 150, n, dtype, 200 + 2 * i,
+                            ("contiguous", "strided", "misaligned")[i % 3])
+        for columnwise in (True, False):
+            _touch_all(*_C._act_fwd(h, act, False, x_cfg, None, None, 160, columnwise))
+            _touch_all(*_C._act_bwd(dy, h, act, dy_cfg, None, None, 160, None, columnwise))
+    table = [("gelu", True, True), ("silu", False, True), ("qgelu", True, False),
+             ("geglu", False, False), ("swiglu", True, True), ("swiglu", False, False)]
+    for i, (act, forward, columnwise) in enumerate(table):
+        h, dy = _act_inputs(act, TABLE_ROWS, TABLE_COLS, BF16, 400 + 2 * i)
+        if forward:
+            outs = _C._act_fwd(h, act, False, x_cfg, None, None, TABLE_ROWS, columnwise)
+        else:
+            outs = _C._act_bwd(dy, h, act, dy_cfg, None, None, TABLE_ROWS, None, columnwise)
+        _touch_all(*outs)
+
+
