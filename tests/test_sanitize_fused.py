@@ -16,7 +16,8 @@ import torch
 
 import tequant as te
 from tequant import _C
-from tequant.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
+from tequant.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
+                            MXFP8BlockScaling)
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_sanitize_kernels import BF16, DEVICE, F16, F32, _finite, _layout, _randn  # noqa: E402
@@ -197,8 +198,9 @@ def test_act_tile_kernels(fmt):
     and act_grad_load.cuh's ActGradLoad (backward, fc1's grad_output)): every activation but
     the identity and each dtype, rowwise alone and both directions, partial tiles and rows past
     M (150 rows into 160 padded ones; 200 columns, MXFP8's multiple of 32 above it: 224), 16-byte
-    and element loads; then the bf16 table launches (each sigmoid-family activation at least
-    once, each direction choice)."""
+    and element loads; then six bf16 table launches (each sigmoid-family activation at least
+    once, forward and backward, rowwise alone and both directions: 6 of the 20 table instances
+    per format, which differ only in the activation their table holds)."""
     x_cfg = te.quantizer_config(TILE_RECIPES[fmt](), "input")
     dy_cfg = te.quantizer_config(TILE_RECIPES[fmt](), "grad_output")
     acts = ("gelu", "relu", "silu", "qgelu", "srelu", "geglu", "reglu", "swiglu")

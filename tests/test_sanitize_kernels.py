@@ -105,8 +105,9 @@ quantize_nvfp4_dequant.cu dequantize_kernel<values=false>  quantize_dequantize[n
                                           through ctypes; the extension asks for it on CPU only)
                values_pair_kernel         gemm[nvfp4] (+ misaligned operand), linear_step[nvfp4-*],
                                           cuda_graph_step[nvfp4]
-Every __global__ function is reached, with every loader and the table launches. Template
-instances not reached: MXFP8 32x32 with E5M2 (the 2D blocks are for weights, which every recipe
+Every __global__ function is reached, with every loader and the activation tables. Template
+instances not reached: 14 of the 20 table instances of each block format's activation tile
+pass (the other activations' tables), MXFP8 32x32 with E5M2 (the 2D blocks are for weights, which every recipe
 quantizes to E4M3), and some (dtype, direction, E4M3 / E5M2) combinations of the per-tensor
 casts, the block / MXFP8 quantize kernels and the dbias passes whose code the reached ones
 share (a count against the extension's symbols: twenty-eighth session, NOTES.md).
