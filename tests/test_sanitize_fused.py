@@ -20,7 +20,8 @@ from tequant.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentSca
                             MXFP8BlockScaling)
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_sanitize_kernels import BF16, DEVICE, F16, F32, _finite, _layout, _randn  # noqa: E402
+from test_sanitize_kernels import (BF16, DEVICE, F16, F32, _finite, _layout,  # noqa: E402
+                                   _randn, _touch_bytes)
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device "
                                  "(run it under compute-sanitizer with tools/sanitize.sh)"),
@@ -184,13 +185,6 @@ def test_act_table_kernels():
 TILE_RECIPES = {"block": Float8BlockScaling, "mxfp8": MXFP8BlockScaling}
 
 
-def _touch_all(*ts):
-    """Reads every byte of each tensor (initcheck)."""
-    for t in ts:
-        if t is not None and t.numel():
-            torch.sum(t.contiguous().view(torch.uint8), dtype=torch.int64)
-
-
 @pytest.mark.parametrize("fmt", list(TILE_RECIPES))
 def test_act_tile_kernels(fmt):
     """The activation's tile passes into a block format's blocks (act_quantize_block.cu,
@@ -209,8 +203,8 @@ def test_act_tile_kernels(fmt):
         h, dy = _act_inputs(act, 150, n, dtype, 200 + 2 * i,
                             ("contiguous", "strided", "misaligned")[i % 3])
         for columnwise in (True, False):
-            _touch_all(*_C._act_fwd(h, act, False, x_cfg, None, None, 160, columnwise))
-            _touch_all(*_C._act_bwd(dy, h, act, dy_cfg, None, None, 160, None, columnwise))
+            _touch_bytes(*_C._act_fwd(h, act, False, x_cfg, None, None, 160, columnwise))
+            _touch_bytes(*_C._act_bwd(dy, h, act, dy_cfg, None, None, 160, None, columnwise))
     table = [("gelu", True, True), ("silu", False, True), ("qgelu", True, False),
              ("geglu", False, False), ("swiglu", True, True), ("swiglu", False, False)]
     for i, (act, forward, columnwise) in enumerate(table):
@@ -219,6 +213,6 @@ def test_act_tile_kernels(fmt):
             outs = _C._act_fwd(h, act, False, x_cfg, None, None, TABLE_ROWS, columnwise)
         else:
             outs = _C._act_bwd(dy, h, act, dy_cfg, None, None, TABLE_ROWS, None, columnwise)
-        _touch_all(*outs)
+        _touch_bytes(*outs)
 
 

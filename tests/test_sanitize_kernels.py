@@ -222,12 +222,17 @@ def _misaligned_bytes(t):
     return view.view(t.dtype).view(t.shape)
 
 
-def _touch(q):
-    """Reads every byte of every member of q (initcheck: a byte no kernel wrote is an error)."""
-    for name in MEMBERS:
-        t = getattr(q, name)
+def _touch_bytes(*ts):
+    """Reads every byte of each tensor given (None skipped; initcheck: a byte no kernel wrote is
+    an error)."""
+    for t in ts:
         if t is not None and t.numel():
             torch.sum(t.contiguous().view(torch.uint8), dtype=torch.int64)
+
+
+def _touch(q):
+    """Reads every byte of every member of q."""
+    _touch_bytes(*(getattr(q, name) for name in MEMBERS))
 
 
 def _finite(*ts):

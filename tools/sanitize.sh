@@ -2,11 +2,12 @@
 # tools/sanitize.sh: runs tests/test_sanitize_kernels.py and tests/test_sanitize_fused.py (every
 # kernel of cuda/*.cu, every recipe, CUDA graphs) under compute-sanitizer's memcheck, racecheck,
 # initcheck and synccheck, logs each tool to $SANITIZE_OUT/<tool>.log and prints one line per
-# tool, "<tool>: N errors", N summed over the sanitizer's summary lines. Exit 1 if a tool reports an error (a racecheck warning counts),
-# a pytest run fails, or no test passed (no GPU visible: everything skipped). `make sanitize`
-# runs it after the build; docs/sanitize.md says how to read the logs. It only runs and counts:
-# what is launched and why is in the test files. No pytest covers it; its counting was checked
-# with a stub compute-sanitizer (docs/sanitize.md, "Checking the runner").
+# tool, "<tool>: N errors", N summed over the sanitizer's summary lines. Exit 1 if a tool
+# reports an error (a racecheck warning counts), a pytest run fails, or no test passed (no GPU
+# visible: everything skipped). `make sanitize` runs it after the build; docs/sanitize.md says
+# how to read the logs. It only runs and counts: what is launched and why is in the test files.
+# No pytest covers it; its counting was checked with a stub compute-sanitizer (docs/sanitize.md,
+# "Checking the runner").
 #
 #   SANITIZE_TOOLS="memcheck racecheck initcheck synccheck"   which tools, in this order
 #   SANITIZE_OUT=sanitize_out       where the logs go (emptied per tool)
