@@ -43,6 +43,13 @@ from ._operands import TQ_DTYPE as _TQ_DTYPE
 from ._plan import COLUMNWISE, DEFER_UPDATE, NEED_DGRAD, NEED_WGRAD, PACKED, ROWWISE
 
 _CONFIGS = {}  # (recipe_id, role) -> QuantizerConfig
+# The te.Linear ops' layout rule for Inductor: any. Their implementations make the activation
+# or gradient they take contiguous themselves (linear_ops.c, _backward_given, linear_fwd_wgiven);
+# the weight, bias and kept buffers come as graph inputs or op outputs, whose layouts Inductor
+# does not choose. Under the default rule (eager's exact strides) Inductor realizes a view fed to
+# the op in the view's shape: the qkv gradient (stack -> permute -> reshape to [s, b, 3d])
+# became a copy whose index math Triton did not vectorize, 24 us instead of 12 at d=512 (H200).
+ANY_LAYOUT = (torch.Tag.flexible_layout,)
 _LIB = torch.library.Library("tequant", "FRAGMENT")
 
 
@@ -232,7 +239,7 @@ def _linear_entry(recipe_id):
 _C._set_linear_plan_of(_linear_entry)
 
 
-@op("tequant::linear_fwd", mutates_args=(), kernel=_C.linear_fwd_op)
+@op("tequant::linear_fwd", mutates_args=(), tags=ANY_LAYOUT, kernel=_C.linear_fwd_op)
 def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe_id: str,
                needs: int, scale_fwd: torch.Tensor | None,
                hist_fwd: torch.Tensor | None = None) -> list[torch.Tensor]:
@@ -283,7 +290,7 @@ def _delayed_fake(plan, like, hist, n_amax):
     return [like.new_empty((1, 1), dtype=torch.float32) for _ in range(n_amax)]
 
 
-@op("tequant::linear_bwd", mutates_args=(), kernel=_C.linear_bwd_op)
+@op("tequant::linear_bwd", mutates_args=(), tags=ANY_LAYOUT, kernel=_C.linear_bwd_op)
 def linear_bwd(dy: torch.Tensor, x_kept: torch.Tensor | None, w_kept: torch.Tensor,
                recipe_id: str, needs: int, inp_shape: list[int], x_dtype: torch.dtype,
                w_dtype: torch.dtype, bias_dtype: torch.dtype | None,
@@ -311,7 +318,8 @@ def _linear_bwd_fake(dy, x_kept, w_kept, recipe_id, needs, inp_shape, x_dtype, w
 # buffers). A mutating op must return fixed Tensors (torch's auto_functionalize takes no list),
 # so an absent output is an empty uint8 [0] tensor.
 
-@op("tequant::linear_fwd_delayed", mutates_args=("hist_fwd",), kernel=_C.linear_fwd_delayed_op)
+@op("tequant::linear_fwd_delayed", mutates_args=("hist_fwd",), tags=ANY_LAYOUT,
+    kernel=_C.linear_fwd_delayed_op)
 def linear_fwd_delayed(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                        recipe_id: str, needs: int, scale_fwd: torch.Tensor,
                        hist_fwd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -326,7 +334,7 @@ def _linear_fwd_delayed_fake(inp, weight, bias, recipe_id, needs, scale_fwd, his
     return outs[0], x_buf, outs[-1]
 
 
-@op("tequant::linear_bwd_delayed", mutates_args=("scale_bwd", "hist_bwd"),
+@op("tequant::linear_bwd_delayed", mutates_args=("scale_bwd", "hist_bwd"), tags=ANY_LAYOUT,
     kernel=_C.linear_bwd_delayed_op)
 def linear_bwd_delayed(dy: torch.Tensor, x_kept: torch.Tensor | None, w_kept: torch.Tensor,
                        recipe_id: str, needs: int, inp_shape: list[int], x_dtype: torch.dtype,
@@ -402,7 +410,7 @@ def _linear_fwd_given_fake(x_members, x_shape, x_dtype, weight, bias, recipe_id,
 _GRADS = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-@op("tequant::linear_bwd_given", mutates_args=("scale_bwd", "hist_bwd"))
+@op("tequant::linear_bwd_given", mutates_args=("scale_bwd", "hist_bwd"), tags=ANY_LAYOUT)
 def linear_bwd_given(dy: torch.Tensor, x_members: list[Optional[torch.Tensor]],
                      w_kept: torch.Tensor, recipe_id: str, needs: int, inp_shape: list[int],
                      x_dtype: torch.dtype, w_dtype: torch.dtype, bias_dtype: torch.dtype | None,
@@ -487,7 +495,7 @@ def _linear_bwd_given_fake(dy, x_members, w_kept, recipe_id, needs, inp_shape, x
 # TraceableGatheredWeight) reaches te.Linear as its members: these two run linear.c's calls on
 # such a W (eager's bits: linear.py hands C the same members) and a high-precision x.
 
-@op("tequant::linear_fwd_wgiven", mutates_args=("hist_fwd",))
+@op("tequant::linear_fwd_wgiven", mutates_args=("hist_fwd",), tags=ANY_LAYOUT)
 def linear_fwd_wgiven(inp: torch.Tensor, w_members: list[Optional[torch.Tensor]],
                       w_dtype: torch.dtype, bias: Optional[torch.Tensor], recipe_id: str,
                       needs: int, scale_fwd: Optional[torch.Tensor],
@@ -520,7 +528,7 @@ def _linear_fwd_wgiven_fake(inp, w_members, w_dtype, bias, recipe_id, needs, sca
     return inp.new_empty(tuple(inp.shape[:-1]) + (n,)), x_buf
 
 
-@op("tequant::linear_bwd_wgiven", mutates_args=("scale_bwd", "hist_bwd"))
+@op("tequant::linear_bwd_wgiven", mutates_args=("scale_bwd", "hist_bwd"), tags=ANY_LAYOUT)
 def linear_bwd_wgiven(dy: torch.Tensor, x_kept: Optional[torch.Tensor],
                       w_members: list[Optional[torch.Tensor]], recipe_id: str, needs: int,
                       inp_shape: list[int], x_dtype: torch.dtype, w_dtype: torch.dtype,
