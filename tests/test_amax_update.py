@@ -364,6 +364,16 @@ def test_cuda_many_slots_long_history(n, L, algo):
     check_cuda_against_cpu(n, L, "columns", algo, steps=3, seed=n)
 
 
+# The kernel's batches of 8 slots or fewer (a Linear's backward update: one) and of more, and a
+# history one past, at and one short of its register pass (1024 entries), and two passes.
+@gpu
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("n", [1, 8, 9])
+@pytest.mark.parametrize("L", [1023, 1024, 1025, 2049])
+def test_cuda_batch_and_pass_edges(n, L, algo):
+    check_cuda_against_cpu(n, L, "separate", algo, steps=3, seed=n + L)
+
+
 @gpu
 def test_cuda_non_default_stream():
     check_cuda_against_cpu(700, 300, "columns", "max", steps=3, stream=torch.cuda.Stream())
