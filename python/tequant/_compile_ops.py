@@ -31,7 +31,8 @@ buffers (backward_override="dequantized" under DelayedScaling). Stochastic
 rounding without rng: quantize draws (seed, offset) from the default generator of x's device
 when it runs, as each eager call does (inside a CUDA graph capture, as a device tensor that each
 replay draws anew: _rng.py).
-Tests: tests/test_compile_ops.py, tests/test_compile.py, tests/test_compile_delayed.py.
+Tests: tests/test_compile_ops.py, tests/test_compile.py, tests/test_compile_delayed.py,
+tests/test_compile_layout.py.
 """
 import contextlib
 from typing import Optional
@@ -43,12 +44,10 @@ from ._operands import TQ_DTYPE as _TQ_DTYPE
 from ._plan import COLUMNWISE, DEFER_UPDATE, NEED_DGRAD, NEED_WGRAD, PACKED, ROWWISE
 
 _CONFIGS = {}  # (recipe_id, role) -> QuantizerConfig
-# The te.Linear ops' layout rule for Inductor: any. Their implementations make the activation
-# or gradient they take contiguous themselves (linear_ops.c, _backward_given, linear_fwd_wgiven);
-# the weight, bias and kept buffers come as graph inputs or op outputs, whose layouts Inductor
-# does not choose. Under the default rule (eager's exact strides) Inductor realizes a view fed to
-# the op in the view's shape: the qkv gradient (stack -> permute -> reshape to [s, b, 3d])
-# became a copy whose index math Triton did not vectorize, 24 us instead of 12 at d=512 (H200).
+# te.Linear's ops take any layout from Inductor: they make the activation or gradient contiguous
+# themselves. Under the default rule (eager's strides) Inductor copied a view fed to them into
+# the view's shape, e.g. the qkv gradient (stack, permute, reshape), with index math Triton did
+# not vectorize: 24 us instead of 12 at d=512 (H200; tests/test_compile_layout.py).
 ANY_LAYOUT = (torch.Tag.flexible_layout,)
 _LIB = torch.library.Library("tequant", "FRAGMENT")
 
