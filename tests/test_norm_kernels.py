@@ -405,9 +405,10 @@ def test_cuda_backward_matches_cpu_reference(dtype, norm, layout):
     # plus: several column chunks and groups (M = 3000: R = 16, 188 partials), R > 16
     # (M = 40000, K = 40: 1250 chunks of 32 would pass 1024), long rows over several chunks,
     # and K 1025..2048 over many 16-row chunks (16-bit aligned rows: the next-but-one row
-    # through shared memory, its last chunk partial)
+    # through shared memory, its last chunk partial); K <= 512 (the 32-thread instance) with
+    # a short last chunk at R = 16, 8 and 4 (8197, 4101 and 1021 rows)
     shapes = GPU_SHAPES + [(3000, 40), (40000, 40), (5, 30001), (40, 9001), (3, 8192),
-                           (300, 1536)]
+                           (300, 1536), (4101, 256), (8197, 512), (1021, 512)]
     for i, (m, k) in enumerate(shapes):
         zc = i % 2 == 0
         x, gamma, beta, dy = gpu_case(m, k, dtype, norm, zc, layout, [None, torch.float16,
