@@ -8,14 +8,15 @@
  * the workspace; then column_sums.cuh's column_sum_kernel sums each column's partials in
  * groups of 32 chunks and the group sums in order. So every output equals
  * csrc/ref/norm_backward_ref.c bit for bit.
- * Layout: one CTA per row chunk, kT threads (the least of 32, 64, 128, 256 with K <= 16 * kT,
- * else 256) on one row at a time; thread t owns the chunks c = t mod kT and keeps them (at most 4, of x, dy
- * and gamma) in registers, and their columns' partials in shared memory (no sync: nobody else
- * touches them). Rows longer than 8192 elements: the CTA (kT = 256) reads the row again for dx
- * and leaves the partials to column_partial_kernel (a thread per chunk of 8 columns and row
- * chunk, reading x and dy once more), since 2 * K FP32 partials in shared memory would leave one
- * CTA per SM. A CTA loads its next row into registers during the current one; at K 1025..2048
- * (16-bit, aligned rows) the row after that is copied into shared memory as well (kStaged).
+ * Layout: one CTA per row chunk, kT threads on one row at a time (K <= 256: 32 and K <= 512: 64,
+ * one chunk each; else the least of 64, 128, 256 with K <= 16 * kT, else 256); thread t owns
+ * the chunks c = t mod kT and keeps them (at most 4, of x, dy and gamma) in registers, and
+ * their columns' partials in shared memory (no sync: nobody else touches them). Rows longer
+ * than 8192 elements: the CTA (kT = 256) reads the row again for dx and leaves the partials to
+ * column_partial_kernel (a thread per chunk of 8 columns and row chunk, reading x and dy once
+ * more), since 2 * K FP32 partials in shared memory would leave one CTA per SM. A CTA loads
+ * its next row into registers during the current one; at K 1025..2048 (16-bit, aligned rows)
+ * the row after that is copied into shared memory as well (kStaged).
  * No sync, no allocation: the caller's workspace holds the partials.
  * Tests: tests/test_norm_kernels.py (GPU cases: bit-exact against the CPU reference).
  */

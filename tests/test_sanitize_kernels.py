@@ -48,9 +48,9 @@ column_sums.cuh column_sum_kernel<f32>    norm_kernels, act_kernels (dbias), qua
                                           (a bias of the case's dtype)
 gemm_alpha.cu  alpha_kernel               c_api_gemm_alpha_and_values (tq_gemm_alpha through
                                           ctypes: the extension calls it for CPU operands only)
-norm_backward.cu norm_backward_kernel<f32|bf16|f16, kT 32|64|128|256 in registers, 256 re-reading>
-                                          norm_kernels (K = 500 / 1000 / 2000 / 4000 / 8000, 9000
-                                          and 30001; aligned and misaligned rows)
+norm_backward.cu norm_backward_kernel<f32|bf16|f16, kT 32|64 (one chunk each) | 64|128|256 (two or
+               four) in registers, 256 re-reading>  norm_kernels (K = 200 / 500 / 1000 / 2000 /
+                                          4000 / 8000, 9000 and 30001; aligned and misaligned rows)
                column_partial_kernel<f32|bf16|f16>  norm_kernels (K = 9000, 30001)
 norm_forward.cu norm_forward_kernel<f32|bf16|f16, kT 32|64|128|256 in registers, 256 re-reading>
                                           norm_kernels (K = 500 / 1000 / 3000 / 6000 / 12000,
