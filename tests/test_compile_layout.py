@@ -12,6 +12,8 @@ index math Triton did not vectorize on the GPU (24 us instead of 12 at d=512 on 
 docs/results/NOTES.md, twenty-ninth session).
 """
 import copy
+import os
+import sys
 
 import pytest
 import torch
@@ -19,19 +21,16 @@ import torch
 import tequant as te
 from tequant.recipe import DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling
 
+# test_compile's training steps and bit-for-bit check; its autouse fixture resets Dynamo here too
+sys.path.insert(0, os.path.dirname(__file__))
+from test_compile import _assert_bit_identical, _fresh_dynamo, _train_steps  # noqa: E402, F401
+
 RECIPES = {
     "current": Float8CurrentScaling(),
     "delayed": DelayedScaling(amax_history_len=4),
     "mxfp8": MXFP8BlockScaling(),
 }
 BACKWARD_OPS = {"linear": {"delayed": "linear_bwd_delayed"}, "layernorm_linear": {}}
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 class Views(torch.nn.Module):
@@ -51,16 +50,6 @@ class Views(torch.nn.Module):
         return torch.cat([2 * q, k, v], dim=-1)
 
 
-def _train(step, model, x, steps=2):
-    out = []
-    for _ in range(steps):
-        xi = x.clone().requires_grad_()
-        y = step(model, xi)
-        y.float().square().mean().backward()
-        out += [y.detach(), xi.grad]
-    return out + [p.grad.clone() for p in model.parameters()] + [b.clone() for b in model.buffers()]
-
-
 def _setup(kind, name):
     torch.manual_seed(0)
     model = Views(kind)
@@ -77,12 +66,9 @@ def _setup(kind, name):
 def test_strided_inputs_train_bit_identically(kind, name):
     model, x, step = _setup(kind, name)
     twin = copy.deepcopy(model)
-    eager = _train(step, model, x)
-    compiled = _train(torch.compile(step, backend="inductor", fullgraph=True), twin, x)
-    assert len(eager) == len(compiled)
-    for i, (a, b) in enumerate(zip(eager, compiled)):
-        assert a.dtype == b.dtype and a.shape == b.shape, i
-        assert torch.equal(a, b), f"tensor {i} differs: max |diff| {(a.float() - b.float()).abs().max()}"
+    eager = _train_steps(step, model, x, None)
+    compiled = _train_steps(torch.compile(step, backend="inductor", fullgraph=True), twin, x, None)
+    _assert_bit_identical(eager, compiled)
 
 
 @pytest.mark.parametrize("kind", ["linear", "layernorm_linear"])
