@@ -10,7 +10,8 @@
  * adding its rows in order onto +0, written to the workspace ([chunk][K] FP32); then
  * column_sums.cuh's kernel adds each column's partials in groups of 32 chunks and the group sums
  * in order, rounding once to dbias's dtype (the identity's columnwise pass, a cooperative launch,
- * does that itself after a grid barrier: no second launch). So every output equals
+ * does that itself after a grid barrier: no second launch; and with a DelayedScaling update,
+ * rolls the slot its amax went into: no amax_update launch). So every output equals
  * csrc/ref/act_backward_ref.c bit for bit. TQ_ACT_IDENTITY (dh = dy) reads no h: its instance
  * is tq_quantize's dbias pass.
  * Layout: elementwise and memory-bound; a thread takes one chunk of 8 columns of dy (and of each
@@ -30,11 +31,13 @@
 
 #include "act_dispatch.cuh"
 #include "act_table.cuh"
+#include "amax_roll.cuh"
 #include "chunks.cuh"
 #include "column_sums.cuh"
 #include "fp8_out.cuh"
 #include "tile_transpose.cuh"
 #include "internal_act.h"
+#include "internal_amax_update.h"
 #include "internal_kernels.h"
 #include "launch.cuh"
 
@@ -62,6 +65,9 @@ struct BwdParams {
     tq_dtype dbias_dtype;
     int64_t r_chunk, p_count;
     int dy_vec, h_vec, dh_vec; /* 16-byte rows (and second halves) of dy, h, dh */
+    tq_amax_slot upd;       /* kFinish: the slot's update after the barrier (history NULL: none) */
+    int64_t upd_len;
+    int upd_max;            /* TQ_AMAX_ALGO_MAX */
 };
 
 /* One row's chunk c (n valid elements) of dh into the outputs, and amax; kWords: the codes
@@ -430,6 +436,12 @@ __global__ void __launch_bounds__(kColThreads, kColPrefetch<kG> ? 4 : 5)
         tq_colsum::finish_columns<kColThreads, kColThreads / TQ_NORM_GROUP>(
             p.partials, p.p_count, p.k, p.dbias, p.dbias_dtype, reinterpret_cast<float *>(tiles),
             blockIdx.x, gridDim.x);
+        /* the amax slot is final too: the last CTA (the fewest columns to finish) rolls it.
+         * Every CTA read the scale before the barrier, so the new one is for the next step. */
+        if (p.upd.history != nullptr && blockIdx.x == gridDim.x - 1) {
+            if (p.upd_max) tq_amax_roll::roll_slot<kColThreads, true>(p.upd, 0.0f, p.upd_len);
+            else tq_amax_roll::roll_slot<kColThreads, false>(p.upd, 0.0f, p.upd_len);
+        }
     }
 }
 
@@ -494,6 +506,11 @@ extern "C" tq_status tq_act_backward_cuda(const tq_tensor *dy, const tq_tensor *
     p.partials = static_cast<float *>(a->workspace.data);
     p.dbias = a->dbias.data;
     p.dbias_dtype = a->dbias.dtype;
+    if (a->update != nullptr) { /* read only by the finishing launch (else a launch follows) */
+        p.upd = *a->update;
+        p.upd_len = a->update_args->history_len;
+        p.upd_max = a->update_args->amax_algo == TQ_AMAX_ALGO_MAX;
+    }
     /* with dbias the row chunks are the fixed order's; without, any grouping gives the same
      * bits. The identity writes the columnwise codes in its pass (identity_columnwise_kernel:
      * chunks of 4, 8, 16 or a multiple of 32 rows, which tq_norm_partial_rows always gives);
@@ -557,7 +574,10 @@ extern "C" tq_status tq_act_backward_cuda(const tq_tensor *dy, const tq_tensor *
     }
     if (a->dh_q_t.data != nullptr && !col) {
         tq_tensor codes = a->dh_q, codes_t = a->dh_q_t;
-        return tq_transpose_cuda(&codes, &codes_t, stream);
+        const tq_status st = tq_transpose_cuda(&codes, &codes_t, stream);
+        if (st != TQ_SUCCESS) return st;
     }
+    if (a->update != nullptr && !finished) /* the slot's update as a launch of its own */
+        return tq_amax_update_cuda(a->update, 1, a->update_args, stream);
     return TQ_SUCCESS;
 }

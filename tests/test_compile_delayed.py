@@ -263,6 +263,49 @@ def test_in_place_ops_write_the_copies_into_the_buffers(name, needs):
     assert shapes((dx, dw, db)) == shapes(fake)
 
 
+LONG = {"long": DelayedScaling(amax_history_len=1025), **RECIPES}
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["max", "most_recent", "long"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("needs", [8 | 3, 8 | 1])
+def test_cuda_backward_update_runs_in_dy_cast(name, bias, needs):
+    """linear_bwd_delayed on CUDA leaves the buffers and gives the bias gradient of the same op
+    on the CPU (the C references), bit for bit, with dy's cast running the module's update:
+    where the cast is the cooperative dbias pass (a bias, and wgrad: both directions) inside
+    that launch, no amax_update_kernel; otherwise the one launch after it. A 1025-row history
+    takes the roll's second pass."""
+    recipe = LONG[name]
+    rid = str(_C.recipe_key(recipe))
+    g = torch.Generator().manual_seed(1)
+    x, w, dy = (torch.randn(*s, generator=g) for s in ((4, 64, 96), (160, 96), (4, 64, 160)))
+    hist_fwd = torch.rand(recipe.amax_history_len, 2, generator=g)
+    hist_bwd = torch.rand(recipe.amax_history_len, 1, generator=g)
+    hist_bwd[-1] = 40.0  # the window's max until it rolls out: MAX and MOST_RECENT differ
+    hist_fwd[0] = hist_bwd[0] = 0.0
+    scale_fwd, scale_bwd = torch.rand(2, generator=g) + 0.5, torch.rand(1, generator=g) + 0.5
+    ops = torch.ops.tequant
+    args = (rid, needs & 3, [4, 64, 96], torch.float32, torch.float32,
+            torch.float32 if bias else None)
+    results = {}
+    for dev in ("cpu", "cuda"):
+        t = [v.to(dev, copy=True) for v in (x, w, dy, hist_fwd, scale_fwd, hist_bwd, scale_bwd)]
+        _, x_kept, w_kept = ops.linear_fwd_delayed(t[0], t[1], None, rid, needs, t[4], t[3])
+        x_kept = x_kept if needs & 2 else None
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            outs = ops.linear_bwd_delayed(t[2], x_kept, w_kept, *args, t[6], t[5])
+            torch.cuda.synchronize()
+        launches = sum(e.name.count("amax_update_kernel") for e in prof.events())
+        results[dev] = [o.cpu() for o in (outs[2], t[5], t[6])], launches  # not the GEMMs'
+    (cpu, _), (cuda, launches) = results["cpu"], results["cuda"]
+    assert all(torch.equal(a, b) for a, b in zip(cpu, cuda))
+    assert cpu[-2][-1] == dy.abs().max() and cpu[-2][0] == 0  # rolled: this step's amax last
+    assert not torch.equal(cpu[-1], scale_bwd)
+    assert launches == (0 if bias and needs & 2 else 1)
+
+
 def test_in_place_ops_follow_replaced_buffers():
     """The ops keep a module's slot views between calls (linear_ops.c kept_states); a buffer
     swapped for new storage (`.data =`), another scale object and a new history object of the

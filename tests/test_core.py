@@ -147,3 +147,38 @@ def test_status_program_under_asan_ubsan(tmp_path):
         f"test_status under ASan/UBSan exited {proc.returncode}\n--- stdout ---\n{proc.stdout}\n"
         f"--- stderr ---\n{proc.stderr}")
     _check_status_output(proc)
+
+
+UPDATE_TEST = REPO / "tests" / "c" / "test_quantize_update.c"
+ALL_CORE = sorted(CORE.glob("*.c")) + sorted((REPO / "csrc" / "ref").glob("*.c"))
+
+
+def _run_update_program(tmp_path, sources, name):
+    exe = tmp_path / name
+    _run([GCC, *STATUS_FLAGS, "-ffp-contract=off", UPDATE_TEST, *sources, "-lm", "-o", exe])
+    return subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+
+
+@needs_gcc
+def test_quantize_update_program_passes(tmp_path):
+    """tq_quantize_args.update on the C references (the whole core, CPU-only): tests/c/
+    test_quantize_update.c."""
+    proc = _run_update_program(tmp_path, ALL_CORE, "test_quantize_update")
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    n_passed, n_failed = map(int, re.fullmatch(r"(\d+) passed, (\d+) failed",
+                                               proc.stdout.strip().splitlines()[-1]).groups())
+    assert n_failed == 0 and n_passed >= 150, proc.stdout
+
+
+@needs_gcc
+def test_quantize_update_program_fails_without_the_update(tmp_path):
+    # Negative control: a core whose casts skip the update must fail the program.
+    src = (CORE / "quantize.c").read_text()
+    dropped = "if (st != TQ_SUCCESS || a->update == NULL) return st;"
+    assert dropped in src, "quantize.c's tq_quantize_then_update changed; update this test"
+    broken = tmp_path / "quantize.c"
+    broken.write_text(src.replace(dropped, "return st;"))
+    sources = [broken if p.name == "quantize.c" else p for p in ALL_CORE]
+    proc = _run_update_program(tmp_path, sources, "test_quantize_update_broken")
+    assert proc.returncode != 0, proc.stdout
+    assert re.fullmatch(r"\d+ passed, [1-9]\d* failed", proc.stdout.strip().splitlines()[-1])

@@ -218,3 +218,25 @@ def test_act_tile_kernels(fmt):
         _touch_bytes(*outs)
 
 
+
+
+# ---- DelayedScaling's update in the grad_output cast ------------------------------------------
+
+def test_backward_update_in_dy_cast():
+    """identity_columnwise_kernel<kFinish> rolling the module's history after its grid barrier
+    (amax_roll.cuh; tequant::linear_bwd_delayed with a bias and wgrad), a 4-entry history and a
+    1100-entry one (two roll passes), both amax algorithms; and the cast without the columnwise
+    codes, whose amax_update_kernel launch follows (tests/test_compile_delayed.py checks bits)."""
+    ops = torch.ops.tequant
+    for i, (length, algo, needs) in enumerate([(4, "max", 8 | 3), (1100, "most_recent", 8 | 3),
+                                               (1100, "max", 8 | 3), (4, "max", 8 | 1)]):
+        rid = str(_C.recipe_key(DelayedScaling(amax_history_len=length, amax_compute_algo=algo)))
+        x, w, dy = (_randn(*s, dtype=BF16, seed=70 + 3 * i + j)
+                    for j, s in enumerate(((2, 160, 96), (256, 96), (2, 160, 256))))
+        hist_fwd = _randn(length, 2, seed=80 + i).abs()
+        hist_bwd = _randn(length, 1, seed=90 + i).abs()
+        scale_fwd, scale_bwd = torch.ones(2, device=DEVICE), torch.ones(1, device=DEVICE)
+        _, x_kept, w_kept = ops.linear_fwd_delayed(x, w, None, rid, needs, scale_fwd, hist_fwd)
+        outs = ops.linear_bwd_delayed(dy, x_kept if needs & 2 else None, w_kept, rid, needs & 3,
+                                      [2, 160, 96], BF16, BF16, BF16, scale_bwd, hist_bwd)
+        _finite(*(o for o in outs if o.numel()), hist_fwd, hist_bwd, scale_fwd, scale_bwd)

@@ -28,7 +28,10 @@ act_backward.cu act_backward_kernel<f32|bf16|f16, activation, gated or not, dbia
                                           directions: DelayedScaling's pass writes the columnwise
                                           codes too; row chunks of 4 rows at these shapes),
                                           quantize_dbias_delayed_groups (16 and 64 rows: the
-                                          next rows' loads run ahead, across groups)
+                                          next rows' loads run ahead, across groups);
+                                          <kFinish> with the history's roll after the barrier
+                                          (amax_roll.cuh): test_sanitize_fused's
+                                          backward_update_in_dy_cast
 act_quantize_block.cu, act_quantize_mxfp8.cu: the block / MXFP8 tile kernels with
                ActLoad (forward) and ActGradLoad (backward) loaders, table or not
                                           act_tile_kernels[block|mxfp8] (every activation but the

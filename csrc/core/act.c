@@ -7,6 +7,7 @@
 #include <stdio.h>
 
 #include "internal_act.h"
+#include "internal_amax_update.h"
 #include "internal_fused.h"
 #include "internal_kernels.h"
 
@@ -130,7 +131,10 @@ tq_status tq_act_backward(const tq_tensor *dy, const tq_tensor *h,
         && (st = tq_fused_check_matrix(fn, &a->dh, "dh", m, k, h->dtype, h->device, "h"))
                != TQ_SUCCESS)
         return st;
-    if ((st = check_amax(fn, &a->amax, h->device)) != TQ_SUCCESS) return st;
+    if ((st = check_amax(fn, &a->amax, h->device)) != TQ_SUCCESS
+        || (st = tq_amax_update_after_check(fn, a->update, a->update_args, a->config, &a->amax,
+                                            h->device)) != TQ_SUCCESS)
+        return st;
     if (tq_fused_block_format(a->config)) {
         if ((st = check_block_backward(fn, h, a, m, k)) != TQ_SUCCESS) return st;
         if (a->config->scaling == TQ_SCALING_MXFP8)

@@ -6,8 +6,8 @@
 #include "internal_amax_update.h"
 #include "internal_kernels.h"
 
-tq_status tq_amax_update(const tq_amax_slot *slots, int64_t n_slots,
-                         const tq_amax_update_args *args, struct CUstream_st *stream) {
+static tq_status amax_update_check(const tq_amax_slot *slots, int64_t n_slots,
+                                   const tq_amax_update_args *args) {
     if (args == NULL || args->struct_size < sizeof(tq_amax_update_args))
         return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "amax update: args are NULL or their "
                        "struct_size is too small (use TQ_AMAX_UPDATE_ARGS_INIT)");
@@ -44,6 +44,29 @@ tq_status tq_amax_update(const tq_amax_slot *slots, int64_t n_slots,
             return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "amax update: slot %lld has scaled_max=%g; "
                            "expected fmax * 2^-margin >= 0", (long long)i, (double)s->scaled_max);
     }
-    if (n_slots == 0) return TQ_SUCCESS;
+    return TQ_SUCCESS;
+}
+
+tq_status tq_amax_update(const tq_amax_slot *slots, int64_t n_slots,
+                         const tq_amax_update_args *args, struct CUstream_st *stream) {
+    const tq_status st = amax_update_check(slots, n_slots, args);
+    if (st != TQ_SUCCESS || n_slots == 0) return st;
     return TQ_DISPATCH(amax_update, args->device == TQ_DEVICE_CPU, slots, n_slots, args, stream);
+}
+
+tq_status tq_amax_update_after_check(const char *fn, const tq_amax_slot *update,
+                                     const tq_amax_update_args *update_args,
+                                     const tq_quant_config *config, const tq_tensor *amax,
+                                     int device) {
+    if (update == NULL) return TQ_SUCCESS;
+    if (config == NULL || config->scaling != TQ_SCALING_DELAYED)
+        return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "%s: update is DelayedScaling's (a DELAYED "
+                       "config); this one has none or another scaling", fn);
+    if (update_args == NULL || update_args->reduced_amax != NULL || update_args->device != device)
+        return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "%s: update needs update_args with no "
+                       "reduced_amax, on x's device (%d)", fn, device);
+    if (amax->data == NULL || update->history != (float *)amax->data)
+        return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "%s: update->history must be the slot the cast "
+                       "accumulates its amax into (the amax output's data)", fn);
+    return amax_update_check(update, 1, update_args);
 }

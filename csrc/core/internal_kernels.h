@@ -99,6 +99,10 @@ tq_status tq_quantize_dispatch(const tq_tensor *x, const tq_quant_config *config
 tq_status tq_quantize_dbias_run(const tq_tensor *x, const tq_quant_config *config,
                                 const tq_quantize_args *args, tq_qtensor *q,
                                 struct CUstream_st *stream);
+/* tq_quantize_dispatch, then args->update where given (tq_amax_update of that slot). */
+tq_status tq_quantize_then_update(const tq_tensor *x, const tq_quant_config *config,
+                                  const tq_quantize_args *args, tq_qtensor *q,
+                                  struct CUstream_st *stream);
 
 TQ_DECLARE_QUANTIZER(fp8)
 TQ_DECLARE_QUANTIZER(fp8_block)

@@ -8,6 +8,7 @@
  * Tests: tests/test_quantize_*.py (through te.ops), tests/test_ops.py (errors),
  * tests/test_linear_dbias.py (dbias), tests/test_quantize_pair.py (the pair).
  */
+#include "internal_amax_update.h"
 #include "internal_kernels.h"
 
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -210,7 +211,10 @@ static tq_status quantize_check(const tq_tensor *x, const tq_quant_config *c,
                            (long long)a->rng_state.rows, (long long)a->rng_state.cols,
                            (long long)a->rng_state.ld, a->rng_state.device);
     }
-    return check_given_amax(x, c, a);
+    const tq_tensor none = TQ_TENSOR_NONE;
+    st = tq_amax_update_after_check("quantize", a->update, a->update_args, c,
+                                    q != NULL ? &q->amax : &none, x->device);
+    return st != TQ_SUCCESS ? st : check_given_amax(x, c, a);
 }
 
 /* tq_quantize after its checks: the dbias path or the plain dispatch. */
@@ -218,7 +222,15 @@ static tq_status quantize_checked(const tq_tensor *x, const tq_quant_config *c,
                                   const tq_quantize_args *a, tq_qtensor *q,
                                   struct CUstream_st *stream) {
     if (a->dbias.data != NULL) return tq_quantize_dbias_run(x, c, a, q, stream);
-    return tq_quantize_dispatch(x, c, a, q, stream);
+    return tq_quantize_then_update(x, c, a, q, stream);
+}
+
+tq_status tq_quantize_then_update(const tq_tensor *x, const tq_quant_config *c,
+                                  const tq_quantize_args *a, tq_qtensor *q,
+                                  struct CUstream_st *stream) {
+    const tq_status st = tq_quantize_dispatch(x, c, a, q, stream);
+    if (st != TQ_SUCCESS || a->update == NULL) return st;
+    return tq_amax_update(a->update, 1, a->update_args, stream);
 }
 
 tq_status tq_quantize(const tq_tensor *x, const tq_quant_config *c, const tq_quantize_args *a,
@@ -243,7 +255,13 @@ tq_status tq_quantize_pair(const tq_tensor *x0, const tq_quant_config *c0,
                  : tq_quantize_fp8_pair_cuda(x0, c0, a0, q0, x1, c1, a1, q1, stream, &launched);
         if (st != TQ_SUCCESS) return st;
     }
-    if (launched) return TQ_SUCCESS;
+    if (launched) { /* the pair's launch ran no update */
+        if (a0->update != NULL && (st = tq_amax_update(a0->update, 1, a0->update_args, stream))
+                                      != TQ_SUCCESS)
+            return st;
+        return a1->update == NULL ? TQ_SUCCESS
+                                  : tq_amax_update(a1->update, 1, a1->update_args, stream);
+    }
 #endif
     st = quantize_checked(x0, c0, a0, q0, stream);
     return st != TQ_SUCCESS ? st : quantize_checked(x1, c1, a1, q1, stream);

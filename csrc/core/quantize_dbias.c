@@ -10,7 +10,8 @@
  *   DELAYED with ROWWISE  the pass casts (rowwise codes, and the columnwise ones when asked;
  *                         scale_inv; max |x| into the history slot); on CUDA with both
  *                         directions it is the whole call: a cooperative launch that finishes
- *                         the column sums itself, where the device runs cooperative launches.
+ *                         the column sums itself, where the device runs cooperative launches,
+ *                         and runs args->update (the slot's roll) after its grid barrier.
  *   CURRENT, own amax     the pass finds max |x| (into the workspace's last float, zeroed first);
  *                         the cast is tq_quantize's with that amax given (no amax pass); except
  *                         on CUDA where the cast finds the amax in its own launch anyway
@@ -22,6 +23,7 @@
  *                         sums; tq_quantize's kernels follow as without dbias. (Summing in
  *                         Float8BlockScaling's tile kernel instead was measured slower than the
  *                         pass: docs/results/NOTES.md, twentieth session.)
+ * args->update otherwise follows as tq_amax_update's launch (tq_quantize_then_update).
  * Tests: tests/test_linear_dbias.py.
  */
 #include <stdio.h>
@@ -102,7 +104,7 @@ tq_status tq_quantize_dbias_run(const tq_tensor *x, const tq_quant_config *c,
     const int64_t m = x->rows, k = x->cols;
     tq_status st = tq_fused_check_vector(fn, &a->dbias, "dbias", k, TQ_FLOAT_MASK, x->device);
     if (st != TQ_SUCCESS) return st;
-    if (k == 0) return tq_quantize_dispatch(x, c, a, q, stream); /* no column to sum */
+    if (k == 0) return tq_quantize_then_update(x, c, a, q, stream); /* no column to sum */
     size_t partial_bytes = 0, need = 0;
     if ((st = tq_act_backward_workspace_size(m, k, &partial_bytes)) != TQ_SUCCESS
         || (st = tq_quantize_workspace_size(c, m, k, &need)) != TQ_SUCCESS)
@@ -131,6 +133,8 @@ tq_status tq_quantize_dbias_run(const tq_tensor *x, const tq_quant_config *c,
         pass.scale = a->scale;
         pass.amax = q->amax; /* the history slot, max-accumulated as tq_quantize does */
         if (a->usage & TQ_USAGE_COLUMNWISE) pass.dh_q_t = q->data_t; /* in the same pass */
+        pass.update = a->update; /* after the pass: its amax is the slot's */
+        pass.update_args = a->update_args;
     } else if (c->scaling == TQ_SCALING_CURRENT && a->amax.data == NULL && !cast_finds_amax(x)) {
         float *slot = (float *)((char *)a->workspace.data + partial_bytes);
         const tq_tensor amax = {slot, 1, 1, 1, TQ_DTYPE_FLOAT32, x->device};
@@ -140,5 +144,5 @@ tq_status tq_quantize_dbias_run(const tq_tensor *x, const tq_quant_config *c,
     const int on_cpu = x->device == TQ_DEVICE_CPU;
     st = TQ_DISPATCH(act_backward, on_cpu, x, x, &pass, stream);
     if (st != TQ_SUCCESS) return st;
-    return cast ? TQ_SUCCESS : tq_quantize_dispatch(x, c, &rest, q, stream);
+    return cast ? TQ_SUCCESS : tq_quantize_then_update(x, c, &rest, q, stream);
 }

@@ -9,7 +9,8 @@
  * tqx_amax_update_buffers (module.h): the same fused update of whole [L, c] histories and [c]
  * scales, for the compiled te.Linear's backward op (linear_ops.c), which runs it on a module's
  * buffers, and as _amax_update_buffers for tequant::amax_update (_compile_ops.py), which runs it
- * on a batch of modules' buffers in one call. Tests: tests/test_amax_update.py,
+ * on a batch of modules' buffers in one call; tqx_amax_update_one, one column's slot for the
+ * grad_output cast of that backward op to run after itself (tq_quantize_args.update). Tests: tests/test_amax_update.py,
  * tests/test_compile.py, tests/test_compile_delayed.py.
  */
 #include <stdio.h>
@@ -205,13 +206,11 @@ static int buffer_slots(tqx_state *st, PyObject *history, PyObject *scale, const
     return (int)h.cols;
 }
 
-int tqx_amax_update_buffers(tqx_state *st, Py_ssize_t n_buffers, PyObject *const *histories,
-                            PyObject *const *scales, PyObject *update, PyObject *reduced,
-                            const char *history_name, const char *scale_name) {
-    tq_amax_update_args uargs = TQ_AMAX_UPDATE_ARGS_INIT;
-    PyObject *algo, *scaled;
+/* update = (history_len, algo, tuple of scaled maxes) -> uargs and *scaled (borrowed). */
+static int parse_update(PyObject *update, tq_amax_update_args *uargs, PyObject **scaled) {
+    PyObject *algo;
     if (!PyTuple_Check(update)
-        || !PyArg_ParseTuple(update, "LOO!", &uargs.history_len, &algo, &PyTuple_Type, &scaled)) {
+        || !PyArg_ParseTuple(update, "LOO!", &uargs->history_len, &algo, &PyTuple_Type, scaled)) {
         if (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_TypeError)) {
             PyErr_Clear();
             PyErr_SetString(PyExc_TypeError, "a delayed update is (history_len, algo, tuple of "
@@ -219,7 +218,33 @@ int tqx_amax_update_buffers(tqx_state *st, Py_ssize_t n_buffers, PyObject *const
         }
         return -1;
     }
-    if (tqx_amax_algo_from_py(algo, &uargs.amax_algo) < 0) return -1;
+    return tqx_amax_algo_from_py(algo, &uargs->amax_algo);
+}
+
+int tqx_amax_update_one(tqx_state *st, PyObject *history, PyObject *scale, PyObject *update,
+                        tqx_update *out) {
+    const tq_amax_update_args init = TQ_AMAX_UPDATE_ARGS_INIT;
+    PyObject *scaled;
+    void *stream;
+    out->args = init;
+    out->done = 0;
+    if (parse_update(update, &out->args, &scaled) < 0) return -1;
+    if (PyTuple_GET_SIZE(scaled) != 1) {
+        PyErr_Format(PyExc_ValueError, "a one-column update has one scaled max, got %zd",
+                     PyTuple_GET_SIZE(scaled));
+        return -1;
+    }
+    const int c = buffer_slots(st, history, scale, "hist_bwd", "scale_bwd", out->args.history_len,
+                               1, &out->args.device, &stream, 0, scaled, &out->slot);
+    return c < 0 ? -1 : 0;
+}
+
+int tqx_amax_update_buffers(tqx_state *st, Py_ssize_t n_buffers, PyObject *const *histories,
+                            PyObject *const *scales, PyObject *update, PyObject *reduced,
+                            const char *history_name, const char *scale_name) {
+    tq_amax_update_args uargs = TQ_AMAX_UPDATE_ARGS_INIT;
+    PyObject *scaled;
+    if (parse_update(update, &uargs, &scaled) < 0) return -1;
     const Py_ssize_t n = PyTuple_GET_SIZE(scaled);
     if (n_buffers < 1 || n < 1) {
         PyErr_SetString(PyExc_ValueError, "a delayed update needs at least one history and "

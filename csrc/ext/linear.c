@@ -110,17 +110,19 @@ static void quantized_clear(tqx_state *st, quantized *z) {
  * parts whose bit i is set in `transient` (n_parts 0: members). state: None or the delayed
  * (scale, amax slot) pair; a delayed quantization without one needs a zeroed amax and a scale of
  * 1 made for it, which the members path does. device (index device_index): where x_obj normally
- * is; a tensor elsewhere is asked for its own. */
+ * is; a tensor elsewhere is asked for its own. update: NULL, or the state's slot update for the
+ * cast to run after itself (tq_quantize_args.update; update->done set when it ran). */
 static int quantize(tqx_state *st, PyObject *x_obj, const tq_tensor *x_in, void *stream,
                     const tq_quant_config *config, uint32_t usage, PyObject *state,
                     PyObject *device, int device_index, int n_parts, const uint32_t *parts,
-                    uint32_t transient, quantized *z, tqx_pending *later) {
+                    uint32_t transient, quantized *z, tqx_pending *later, tqx_update *update) {
     const tq_tensor x = *x_in;
     z->source = x_obj;
     tq_quantize_args qa = TQ_QUANTIZE_ARGS_INIT;
     qa.usage = usage;
     qa.dbias = z->dbias;
     qa.workspace = z->workspace;
+    if (update != NULL) qa.update = &update->slot, qa.update_args = &update->args;
     PyObject *scale = Py_None, *amax = Py_None;
     if (state != Py_None && !PyArg_ParseTuple(state, "OO", &scale, &amax)) return -1;
     if (config->scaling == TQ_SCALING_DELAYED && (scale == Py_None || amax == Py_None)) n_parts = 0;
@@ -144,6 +146,7 @@ static int quantize(tqx_state *st, PyObject *x_obj, const tq_tensor *x_in, void 
         z->amax = amax;
     }
     Py_XDECREF(rng_owner);
+    if (update != NULL) update->done = rc == 0;
     return rc;
 }
 
@@ -248,7 +251,7 @@ static PyObject *weight_kept(tqx_state *st, const plan *p, PyObject *weight, con
     static const uint32_t both = TQX_PART_ROWWISE | TQX_PART_COLUMNWISE;
     quantized z = QUANTIZED_INIT;
     if (quantize(st, weight, w, w_stream, &p->w, TQ_USAGE_ROWWISE | TQ_USAGE_COLUMNWISE, state,
-                 device, device_index, packed ? 1 : 0, &both, 0, &z, later) < 0) {
+                 device, device_index, packed ? 1 : 0, &both, 0, &z, later, NULL) < 0) {
         quantized_clear(st, &z);
         return NULL;
     }
@@ -416,7 +419,7 @@ PyObject *tqx_linear_forward(PyObject *module, PyObject *const *args, Py_ssize_t
         const int x_n_parts = !packed ? 0 : (needs & TQX_NEED_WGRAD) ? 2 : 1;
         if (quantize(st, inp, &xp, x_info.stream, &p.x, x_usage, args[7], device, x.device,
                      x_n_parts, x_n_parts == 2 ? x_parts : x_parts + 1,
-                     x_n_parts == 2 ? 2u : 1u, &qx, pair ? &later[0] : NULL) < 0)
+                     x_n_parts == 2 ? 2u : 1u, &qx, pair ? &later[0] : NULL, NULL) < 0)
             goto done;
     }
     const int64_t padded = xp.rows;
@@ -458,6 +461,11 @@ done:
 }
 
 PyObject *tqx_linear_backward(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    return tqx_linear_backward_updating(module, args, nargs, NULL);
+}
+
+PyObject *tqx_linear_backward_updating(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
+                                       tqx_update *update) {
     if (nargs != 8 && nargs != 9) {
         PyErr_Format(PyExc_TypeError, "linear_backward takes 8 or 9 arguments (%zd given)",
                      nargs);
@@ -533,7 +541,7 @@ PyObject *tqx_linear_backward(PyObject *module, PyObject *const *args, Py_ssize_
                                               &qdy.workspace)) == NULL)
             || (usage ? quantize(st, dy, &dyp, dy_info.stream, &p.dy, usage, args[4], device,
                                  d.device, dy_split ? 2 : 1, dy_split ? dy_parts : &usage,
-                                 dy_split ? 3u : 1u, &qdy, NULL)
+                                 dy_split ? 3u : 1u, &qdy, NULL, update)
                 : db  ? tqx_linear_dbias_alone(st, &dyp, dy_info.stream, &qdy.dbias,
                                                &qdy.workspace)
                       : 0) < 0))

@@ -25,7 +25,8 @@
  * (backward_override="dequantized") forward returns the present members instead. DelayedScaling:
  * the *_delayed ops take the module's buffers and update them in place as eager's C calls do:
  * the quantizations max-accumulate into the history's row 0 (x column 0, W 1, dy 0), and
- * backward rolls it and updates the scale (amax_update.c, eager's rule). linear_fwd_op given a
+ * backward rolls it and updates the scale (eager's rule; dy's cast runs it: tq_quantize_args.
+ * update). linear_fwd_op given a
  * history (the members form) copies it and returns the copy last, for the traced code to write
  * back. Without a history (backward: an amax all-reduce comes first, or TE's unfused rule),
  * fresh zeroed amax slots come back and the traced code accumulates and updates. The GEMMs make
@@ -247,6 +248,7 @@ static PyObject *backward(PyObject *module, PyObject *const *args, Py_ssize_t na
     PyObject *saved = NULL, *state = Py_NewRef(Py_None), *device = NULL, *bwd = NULL;
     PyObject *list = NULL, *linear_needs = NULL;
     tqx_delayed_buffers c = TQX_DELAYED_BUFFERS_INIT;
+    tqx_update update;
     int delayed = 0;
     if (PyErr_Occurred() || ndim < 1) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "linear_bwd: empty inp_shape");
@@ -308,16 +310,22 @@ static PyObject *backward(PyObject *module, PyObject *const *args, Py_ssize_t na
         || (saved = Py_BuildValue("(OOLLLLii)", x_kept, w_kept, rows, padded, n, k,
                                   (int)x_dtype, (int)w_dtype)) == NULL)
         goto done;
+    /* dy's amax goes into the history's row 0: the module's update follows, as eager's at the
+     * end of backward (deferred: the end of the backward pass runs it, after an amax
+     * all-reduce). dy's cast runs it after itself (in its own launch where that is the
+     * cooperative dbias pass); a separate call only where no cast of dy ran. */
+    const int updates = c.hist && !deferred;
+    if (updates && tqx_amax_update_one(st, c.hist, c.scale, PyTuple_GET_ITEM(entry, 1), &update)
+                       < 0)
+        goto done;
     PyObject *call[8] = {plan, saved, dy, linear_needs, state, shape, args[8], Py_None};
     const int previous = tqx_gemm_workspace_per_call(1);
-    bwd = tqx_linear_backward(module, call, 8);
+    bwd = tqx_linear_backward_updating(module, call, 8, updates ? &update : NULL);
     tqx_gemm_workspace_per_call(previous);
-    /* dy's amax is in the history's row 0: the module's update, as eager's at the end of
-     * backward (deferred: the end of the backward pass runs it, after an amax all-reduce) */
     if (bwd == NULL
-        || (c.hist && !deferred && tqx_amax_update_buffers(st, 1, &c.hist, &c.scale,
-                                              PyTuple_GET_ITEM(entry, 1), NULL, "hist_bwd",
-                                              "scale_bwd") < 0)
+        || (updates && !update.done
+            && tqx_amax_update_buffers(st, 1, &c.hist, &c.scale, PyTuple_GET_ITEM(entry, 1),
+                                       NULL, "hist_bwd", "scale_bwd") < 0)
         || (list = PyList_New(0)) == NULL)
         goto done;
     for (Py_ssize_t i = 0; i < 3 && list; i++) {

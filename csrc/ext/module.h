@@ -449,6 +449,21 @@ int tqx_amax_update_buffers(tqx_state *st, Py_ssize_t n_buffers, PyObject *const
                             PyObject *const *scales, PyObject *update, PyObject *reduced,
                             const char *history_name, const char *scale_name);
 
+/* One column's update as tq_quantize_args.update takes it: hist_bwd (float32 [history_len, 1])
+ * and scale_bwd (float32 [1]) with update (history_len, algo, (scaled max,)) -> *out (args.device
+ * the history's; done 0, set by the quantization that ran it). -1 with an exception. */
+typedef struct tqx_update {
+    tq_amax_slot slot;
+    tq_amax_update_args args;
+    int done;
+} tqx_update;
+int tqx_amax_update_one(tqx_state *st, PyObject *history, PyObject *scale, PyObject *update,
+                        tqx_update *out);
+/* linear.c: tqx_linear_backward whose grad_output quantization also runs *update (done set
+ * when it did: not where no dy quantization runs) */
+PyObject *tqx_linear_backward_updating(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
+                                       tqx_update *update);
+
 /* autocast.c + state.c */
 int tqx_autocast_init(PyObject *module, tqx_state *st);
 extern PyMethodDef tqx_autocast_methods[];

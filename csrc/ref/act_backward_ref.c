@@ -13,6 +13,7 @@
  * against this), tests/test_act_grad_block.py (the block formats).
  */
 #include "internal_act.h"
+#include "internal_amax_update.h"
 #include "internal_fused.h"
 #include "internal_kernels.h"
 #include "ref_io.h"
@@ -77,7 +78,8 @@ tq_status tq_act_backward_ref(const tq_tensor *dy, const tq_tensor *h,
     for (int64_t j = 0; want_dbias && j < k; j++)
         tq_ref_store(&dbias, 0, j, tq_norm_column_sum_ref(partials, p_count, k, j));
     if (a->amax.data != NULL) tq_fused_max_accumulate((float *)a->amax.data, amax);
-    return TQ_SUCCESS;
+    /* the update of the slot amax accumulated into, after the pass as on CUDA */
+    return a->update == NULL ? TQ_SUCCESS : tq_amax_update_ref(a->update, 1, a->update_args, NULL);
 }
 
 /* A block-format config: dh's values (the FP32 dh rounded to h's dtype after the canonical NaN:

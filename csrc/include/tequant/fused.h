@@ -248,12 +248,16 @@ typedef struct tq_act_backward_args {
      * first: dh's bits), so q equals tq_quantize of dh zero-padded to R rows, bit for bit; one
      * pass over dy and h. Not with TQ_ACT_IDENTITY (that is tq_quantize of dy). */
     tq_qtensor *q;
+    /* With a DELAYED config, optional (NULL: none): tq_quantize_args' update of the slot amax
+     * accumulates into (update->history is amax's data), after the pass. */
+    const tq_amax_slot *update;
+    const tq_amax_update_args *update_args;
 } tq_act_backward_args;
 
 #define TQ_ACT_BACKWARD_ARGS_INIT \
     {sizeof(tq_act_backward_args), TQ_ACT_GELU, TQ_TENSOR_NONE, TQ_TENSOR_NONE, NULL, \
      TQ_TENSOR_NONE, TQ_TENSOR_NONE, TQ_TENSOR_NONE, TQ_TENSOR_NONE, TQ_TENSOR_NONE, \
-     TQ_TENSOR_NONE, TQ_TENSOR_NONE, NULL}
+     TQ_TENSOR_NONE, TQ_TENSOR_NONE, NULL, NULL, NULL}
 
 /* The workspace bytes of dbias for an h of [rows, cols] (FP32 partials; 0 when rows is 0). */
 TQ_API tq_status tq_act_backward_workspace_size(int64_t rows, int64_t cols, size_t *bytes);

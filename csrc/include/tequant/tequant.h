@@ -267,10 +267,18 @@ typedef struct tq_quantize_args {
     tq_tensor dbias;
     tq_tensor workspace; /* with dbias: UINT8, at least tq_quantize_workspace_size() bytes,
                             4-byte aligned, on x's device; scratch on return */
+    /* DELAYED, optional (NULL: none): once x's amax is in, tq_amax_update(update, 1,
+     * update_args) on the slot it accumulates into (update->history must be q->amax's data;
+     * update_args->reduced_amax NULL, its device x's), queued after the cast as a call of its
+     * own would be: the same bits. Where the cast is the cooperative dbias pass (CUDA, both
+     * directions) that pass runs it after its grid barrier, one launch fewer per Linear
+     * backward; otherwise tq_amax_update's launch follows. */
+    const struct tq_amax_slot *update;
+    const struct tq_amax_update_args *update_args;
 } tq_quantize_args;
 
 #define TQ_QUANTIZE_ARGS_INIT \
-    {sizeof(tq_quantize_args), TQ_USAGE_ROWWISE, {0}, 0, 0, {0}, {0}, {0}, {0}, {0}}
+    {sizeof(tq_quantize_args), TQ_USAGE_ROWWISE, {0}, 0, 0, {0}, {0}, {0}, {0}, {0}, NULL, NULL}
 
 /* Fills q's shapes and dtypes (data pointers NULL, device TQ_DEVICE_CPU) for quantizing an
  * [rows, cols] matrix with `config` in the directions `usage`; the caller allocates each member
