@@ -2,9 +2,10 @@
 forward ops (tequant::linear_fwd in csrc/ext/linear_ops.c, linear_fwd_given in _compile_ops.py)
 take the module's amax history and return a copy with x's and W's amaxes max-accumulated into
 row 0; the backward ops (linear_bwd, linear_bwd_given, linear_bwd_dy_given in _act_fn.py), under
-the fused update rule and without an amax all-reduce, return the module's new history and scale
-(dy's amax accumulated, then rolled: amax_update.c's tqx_amax_update_buffers), so the traced
-code (_compile_linear.py) only copies them into the buffers.
+the fused update rule and without an amax all-reduce, update the module's history and scale
+(dy's amax accumulated, then rolled by dy's cast: tq_quantize_args.update, inside the
+cooperative dbias pass where that is the cast; test_cuda_backward_update_runs_in_dy_cast), so
+the traced code (_compile_linear.py) holds no update.
 
 - The graphs AOT records: the backward of a te.Linear and of a te.LayerNormMLP (the fused codes'
   ops) holds no tequant::amax_update, maximum or cat; a callable amax_compute_algo (TE's unfused

@@ -15,9 +15,10 @@
  *       waiting for the end of the backward pass (an amax all-reduce first)
  *   _set_linear_plan_of(fn): fn(recipe_id) -> (linear.c's plan tuple, DelayedScaling's backward
  *       update (history_len, algo, (scaled max of dy,)) or None: TE's unfused rule), once per id
- *   _linear_delayed_states / _linear_delayed_update: the DelayedScaling steps (linear_delayed.c)
- *       for the Python-bodied ops on the fused norm's and activation's codes (_compile_ops.py,
- *       _act_fn.py)
+ *   _linear_delayed_states / _linear_delayed_update / _linear_backward_updating: the
+ *       DelayedScaling steps (linear_delayed.c) for the Python-bodied ops on the fused norm's and
+ *       activation's codes (_compile_ops.py, _act_fn.py); the last, linear.c's backward with
+ *       the update run by dy's cast, as linear_bwd_delayed_op runs it
  *   _packed_bytes(config, rows, cols, usage, parts) -> bytes of a packed buffer (fake kernels)
  *
  * Op outputs must be fresh tensors that alias nothing, so the ops keep linear.c's packed form
@@ -225,6 +226,24 @@ static PyObject *linear_fwd_delayed_op(PyObject *module, PyObject *const *args,
     return forward(module, args, nargs, 1);
 }
 
+/* linear.c's backward on call[0..7] (its arguments) with a GEMM workspace per call; given
+ * `update` (the recipe entry's), the module's update of hist and scale after dy's amax: dy's
+ * cast runs it after itself (in its own launch where that is the cooperative dbias pass), a
+ * call of its own only where no cast of dy ran (new reference, or NULL with an exception). */
+static PyObject *backward_updating(tqx_state *st, PyObject *module, PyObject *const *call,
+                                   PyObject *hist, PyObject *scale, PyObject *update) {
+    tqx_update u;
+    if (update != NULL && tqx_amax_update_one(st, hist, scale, update, &u) < 0) return NULL;
+    const int previous = tqx_gemm_workspace_per_call(1);
+    PyObject *bwd = tqx_linear_backward_updating(module, call, 8, update ? &u : NULL);
+    tqx_gemm_workspace_per_call(previous);
+    if (bwd != NULL && update != NULL && !u.done
+        && tqx_amax_update_buffers(st, 1, &hist, &scale, update, NULL, "hist_bwd",
+                                   "scale_bwd") < 0)
+        Py_CLEAR(bwd);
+    return bwd;
+}
+
 static PyObject *backward(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
                           int in_place) {
     const char *fn = in_place ? "linear_bwd_delayed_op" : "linear_bwd_op";
@@ -248,7 +267,6 @@ static PyObject *backward(PyObject *module, PyObject *const *args, Py_ssize_t na
     PyObject *saved = NULL, *state = Py_NewRef(Py_None), *device = NULL, *bwd = NULL;
     PyObject *list = NULL, *linear_needs = NULL;
     tqx_delayed_buffers c = TQX_DELAYED_BUFFERS_INIT;
-    tqx_update update;
     int delayed = 0;
     if (PyErr_Occurred() || ndim < 1) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "linear_bwd: empty inp_shape");
@@ -312,22 +330,11 @@ static PyObject *backward(PyObject *module, PyObject *const *args, Py_ssize_t na
         goto done;
     /* dy's amax goes into the history's row 0: the module's update follows, as eager's at the
      * end of backward (deferred: the end of the backward pass runs it, after an amax
-     * all-reduce). dy's cast runs it after itself (in its own launch where that is the
-     * cooperative dbias pass); a separate call only where no cast of dy ran. */
-    const int updates = c.hist && !deferred;
-    if (updates && tqx_amax_update_one(st, c.hist, c.scale, PyTuple_GET_ITEM(entry, 1), &update)
-                       < 0)
-        goto done;
+     * all-reduce) */
     PyObject *call[8] = {plan, saved, dy, linear_needs, state, shape, args[8], Py_None};
-    const int previous = tqx_gemm_workspace_per_call(1);
-    bwd = tqx_linear_backward_updating(module, call, 8, updates ? &update : NULL);
-    tqx_gemm_workspace_per_call(previous);
-    if (bwd == NULL
-        || (updates && !update.done
-            && tqx_amax_update_buffers(st, 1, &c.hist, &c.scale, PyTuple_GET_ITEM(entry, 1),
-                                       NULL, "hist_bwd", "scale_bwd") < 0)
-        || (list = PyList_New(0)) == NULL)
-        goto done;
+    bwd = backward_updating(st, module, call, c.hist, c.scale,
+                            c.hist && !deferred ? PyTuple_GET_ITEM(entry, 1) : NULL);
+    if (bwd == NULL || (list = PyList_New(0)) == NULL) goto done;
     for (Py_ssize_t i = 0; i < 3 && list; i++) {
         PyObject *g = PyTuple_GET_ITEM(bwd, i);
         if (in_place) { /* (dx, dW, db), an empty tensor for each absent one */
@@ -414,6 +421,26 @@ static PyObject *py_delayed_update(PyObject *module, PyObject *const *args, Py_s
     Py_RETURN_NONE;
 }
 
+/* _linear_backward_updating(recipe_id, hist, scale, *linear_backward's 8 arguments): the
+ * Python-bodied backward ops' linear_backward with the module's update as
+ * linear_bwd_delayed_op runs it (dy's cast). */
+static PyObject *py_backward_updating(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 11) {
+        PyErr_SetString(PyExc_TypeError, "_linear_backward_updating(recipe_id, hist, scale, "
+                        "plan, saved, dy, needs, dy_state, input_shape, bias_dtype, pending)");
+        return NULL;
+    }
+    tqx_state *st = tqx_module_state(module);
+    PyObject *entry = entry_of(st, args[0]), *bwd = NULL;
+    if (entry != NULL && PyTuple_GET_ITEM(entry, 1) == Py_None)
+        PyErr_SetString(PyExc_ValueError, "_linear_backward_updating: the recipe's update rule "
+                        "is not the fused one");
+    else if (entry != NULL)
+        bwd = backward_updating(st, module, args + 3, args[1], args[2], PyTuple_GET_ITEM(entry, 1));
+    Py_XDECREF(entry);
+    return bwd;
+}
+
 static PyObject *set_linear_plan_of(PyObject *module, PyObject *fn) {
     tqx_state *st = tqx_module_state(module);
     if (!PyCallable_Check(fn)) {
@@ -467,6 +494,11 @@ PyMethodDef tqx_linear_ops_methods[] = {
     {"_linear_delayed_update", (PyCFunction)(void (*)(void))py_delayed_update, METH_FASTCALL,
      "_linear_delayed_update(recipe_id, hist, scale)\n\nlinear_bwd_delayed_op's update of a "
      "module's backward buffers, in place."},
+    {"_linear_backward_updating", (PyCFunction)(void (*)(void))py_backward_updating,
+     METH_FASTCALL,
+     "_linear_backward_updating(recipe_id, hist, scale, plan, saved, dy, needs, dy_state, "
+     "input_shape, bias_dtype, pending) -> (dx, dw, db)\n\nlinear_backward with the module's "
+     "DelayedScaling update of hist and scale run by dy's cast (linear_bwd_delayed_op's)."},
     {"_kept_delayed_states", tqx_kept_states_count, METH_NOARGS,
      "_kept_delayed_states() -> the number of module histories whose states the in-place ops "
      "keep (linear_delayed.c)."},

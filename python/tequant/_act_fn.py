@@ -41,7 +41,7 @@ from torch.autograd.function import once_differentiable
 
 from . import _C, _compile, _plan
 from ._compile_ops import (_absent, _delayed_states, _max_into, _or_absent, _rows_cols,
-                           config_of, delayed_step, fake, graph_safe_workspace, op)
+                           config_of, fake, graph_safe_workspace, op)
 from ._norm_fn import (PER_TENSOR, codes_returned, refusal as _norm_refusal,
                        with_columnwise)
 from ._operands import TQ_DTYPE
@@ -496,7 +496,8 @@ def _linear_bwd_dy_given(dy_q: list[torch.Tensor], x_members: list[Optional[torc
         _max_into(state[1], dy_q[2])
     grads = _dy_given_grads(plan, dy_q, tuple(x_members), w_kept, recipe_id, needs, inp_shape,
                             x_dtype, w_dtype)
-    delayed_step(recipe_id, needs, hist_bwd, scale_bwd, state)
+    if state is not None and not needs & _plan.DEFER_UPDATE:  # the module's update, as linear_bwd's
+        _C._linear_delayed_update(recipe_id, hist_bwd, scale_bwd)
     return tuple(_or_absent(g, dy_q[0]) for g in grads)
 
 

@@ -444,23 +444,14 @@ def _backward_given(dy, x_kept, w_members, w_kept, recipe_id, needs, inp_shape, 
     saved = (x_kept, w, rows,
              _plan.padded(rows, plan.align), dy.shape[-1], k, _TQ_DTYPE[x_dtype],
              _TQ_DTYPE[w_dtype])
-    with graph_safe_workspace():
-        grads = _C.linear_backward(plan.c_args, saved, dy.contiguous(), needs & ~DEFER_UPDATE,
-                                   state, tuple(inp_shape), bias_dtype, None)
-    amax = delayed_step(recipe_id, needs, hist_bwd, scale_bwd, state)
+    call = (plan.c_args, saved, dy.contiguous(), needs & ~DEFER_UPDATE, state,
+            tuple(inp_shape), bias_dtype, None)
+    updating = state is not None and hist_bwd is not None  # the module's buffers
+    with graph_safe_workspace():  # the update in dy's cast, as linear_bwd_delayed's
+        grads = _C._linear_backward_updating(recipe_id, hist_bwd, scale_bwd, *call) \
+            if updating and not needs & DEFER_UPDATE else _C.linear_backward(*call)
+    amax = None if updating else state[1] if state else None
     return tuple(_or_absent(t, dy) for t in (*grads[:3], amax))
-
-
-def delayed_step(recipe_id, needs, hist_bwd, scale_bwd, state):
-    """A backward op's DelayedScaling step after its GEMMs: given the module's hist_bwd (dy's
-    amax already in its row 0), its update of hist_bwd and scale_bwd in place unless needs
-    defers it (no amax out either way); else the amax slot of `state` (None: not
-    DelayedScaling)."""
-    if hist_bwd is not None and state is not None:
-        if not needs & DEFER_UPDATE:
-            _C._linear_delayed_update(recipe_id, hist_bwd, scale_bwd)
-        return None
-    return state[1] if state else None
 
 
 def _absent(like):
