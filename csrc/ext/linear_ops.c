@@ -400,6 +400,17 @@ static PyObject *py_delayed_states(PyObject *module, PyObject *const *args, Py_s
     return result;
 }
 
+/* The entry of recipe_id whose backward update is the fused rule (new reference), else NULL
+ * with ValueError naming fn. */
+static PyObject *fused_entry(tqx_state *st, PyObject *recipe_id, const char *fn) {
+    PyObject *entry = entry_of(st, recipe_id);
+    if (entry != NULL && PyTuple_GET_ITEM(entry, 1) == Py_None) {
+        PyErr_Format(PyExc_ValueError, "%s: the recipe's update rule is not the fused one", fn);
+        Py_CLEAR(entry);
+    }
+    return entry;
+}
+
 /* _linear_delayed_update(recipe_id, hist, scale): linear_bwd_delayed_op's update of a module's
  * backward buffers, in place. */
 static PyObject *py_delayed_update(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
@@ -408,15 +419,12 @@ static PyObject *py_delayed_update(PyObject *module, PyObject *const *args, Py_s
         return NULL;
     }
     tqx_state *st = tqx_module_state(module);
-    PyObject *entry = entry_of(st, args[0]);
-    if (entry == NULL) return NULL;
-    PyObject *update = PyTuple_GET_ITEM(entry, 1);
-    int rc = update == Py_None ? -1 : tqx_amax_update_buffers(st, 1, &args[1], &args[2], update,
-                                                              NULL, "hist_bwd", "scale_bwd");
-    if (update == Py_None)
-        PyErr_SetString(PyExc_ValueError, "_linear_delayed_update: the recipe's update rule is "
-                        "not the fused one");
-    Py_DECREF(entry);
+    PyObject *entry = fused_entry(st, args[0], "_linear_delayed_update");
+    const int rc = entry ? tqx_amax_update_buffers(st, 1, &args[1], &args[2],
+                                                   PyTuple_GET_ITEM(entry, 1), NULL, "hist_bwd",
+                                                   "scale_bwd")
+                         : -1;
+    Py_XDECREF(entry);
     if (rc < 0) return NULL;
     Py_RETURN_NONE;
 }
@@ -431,12 +439,10 @@ static PyObject *py_backward_updating(PyObject *module, PyObject *const *args, P
         return NULL;
     }
     tqx_state *st = tqx_module_state(module);
-    PyObject *entry = entry_of(st, args[0]), *bwd = NULL;
-    if (entry != NULL && PyTuple_GET_ITEM(entry, 1) == Py_None)
-        PyErr_SetString(PyExc_ValueError, "_linear_backward_updating: the recipe's update rule "
-                        "is not the fused one");
-    else if (entry != NULL)
-        bwd = backward_updating(st, module, args + 3, args[1], args[2], PyTuple_GET_ITEM(entry, 1));
+    PyObject *entry = fused_entry(st, args[0], "_linear_backward_updating");
+    PyObject *bwd = entry ? backward_updating(st, module, args + 3, args[1], args[2],
+                                              PyTuple_GET_ITEM(entry, 1))
+                          : NULL;
     Py_XDECREF(entry);
     return bwd;
 }
