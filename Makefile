@@ -11,7 +11,7 @@
 #   make test-torch TORCH_VERSION=2.11.0   make test in a venv of its own with that torch
 #               (.venv-torch-2.11.0): the GPU machine runs torch 2.11, CI 2.13; this runs the
 #               whole CPU suite on the other version without a GPU
-#   make sanitize  the build, then tests/test_sanitize_kernels.py and test_sanitize_fused.py under
+#   make sanitize  the build, then tests/test_sanitize_{kernels,fused,gemm}.py under
 #               compute-sanitizer's memcheck, racecheck, initcheck and synccheck
 #               (tools/sanitize.sh; docs/sanitize.md)
 # An existing torch is used as it is (the GPU machine has torch+CUDA and no network).

@@ -10,7 +10,8 @@ any byte a quantizer leaves unwritten. Inputs live in buffers whose padding is n
 (torch.empty): a kernel reading past its view reads uninitialized memory.
 Runner: tools/sanitize.sh (make sanitize; docs/sanitize.md). GPU only; skipped without CUDA.
 The norm_* and act_* tests named below are in tests/test_sanitize_fused.py (the fused modules'
-kernels), which imports this file's helpers.
+kernels), the gemm, control_torch_gemm_output and c_api_* tests in tests/test_sanitize_gemm.py;
+both import this file's helpers.
 
 Kernel (cuda/*.cu, *.cuh)                launched by (test_... [case])
 act_forward.cu act_forward_kernel<f32|bf16|f16, gelu|relu|silu|qgelu|srelu|identity, gated
@@ -115,7 +116,6 @@ quantizes to E4M3), and some (dtype, direction, E4M3 / E5M2) combinations of the
 casts, the block / MXFP8 quantize kernels and the dbias passes whose code the reached ones
 share (a count against the extension's symbols: twenty-eighth session, NOTES.md).
 """
-import ctypes
 import itertools
 import os
 
@@ -124,7 +124,7 @@ import torch
 
 import tequant as te
 from tequant import _C
-from tequant.quantized import COLUMNWISE, ROWWISE, QuantizedTensor
+from tequant.quantized import COLUMNWISE, ROWWISE
 from tequant.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format,
                             MXFP8BlockScaling, NVFP4BlockScaling, QParams)
 
@@ -480,174 +480,6 @@ def test_dequantize_misaligned_out(name):
             out = _layout(torch.zeros(shape, dtype=dtype, device=DEVICE), "misaligned")
             _C._dequantize(q.config, q.rows, q.cols, q._members(), usage, out)
             assert torch.equal(out, want), (direction, dtype)
-
-
-# ---- GEMMs ------------------------------------------------------------------------------------
-
-GEMM_SHAPES = {"delayed": (48, 128, 64), "current": (48, 128, 64), "block": (48, 128, 64),
-               "mxfp8": (64, 128, 96), "nvfp4": (48, 128, 80)}
-
-
-def _with_misaligned_data(q):
-    """q with its rowwise codes moved one byte off a 16-byte boundary."""
-    members = (_misaligned_bytes(q.data),) + tuple(q._members()[1:])
-    return QuantizedTensor(q.config, q.shape, q.dtype, members, q.recipe, q.role)
-
-
-def _written(t):
-    """t, marked written for initcheck: a torch GEMM's output, whose cuBLAS stores the tool does
-    not see on Hopper (tequant marks its own GEMM outputs in C; docs/sanitize.md)."""
-    _C._sanitizer_mark_written(t.view(torch.uint8))  # bytes: any dtype (float64 too)
-    return t
-
-
-def test_control_torch_gemm_output():
-    """Only torch: a bf16 torch.mm on CUDA (cuBLAS), its output read by .float(). Unmarked, initcheck
-    reported every element of y as uninitialized (6144 = 64 x 96) although its values are right:
-    the tool does not see cuBLAS's stores (docs/sanitize.md, "The control"). Marked written
-    through NVTX (tools/sanitize.sh passes --nvtx yes), it must report nothing: the check that
-    the marks reach the tool, which tequant's own GEMM outputs rely on."""
-    a, b = _randn(64, 128, dtype=BF16, seed=11), _randn(128, 96, dtype=BF16, seed=12)
-    y = _written(torch.mm(a, b))
-    ref = _written(a.double() @ b.double())
-    assert float((y.float().double() - ref).norm()) <= 0.01 * float(ref.norm())
-
-
-@pytest.mark.parametrize("name", list(RECIPES))
-def test_gemm(name):
-    recipe = RECIPES[name]
-    m, k, n = GEMM_SHAPES[name]
-    emulated = name in ("mxfp8", "nvfp4")
-    x, w = _randn(m, k, dtype=BF16, seed=7), _randn(n, k, dtype=BF16, seed=8)
-    dy, bias = _randn(m, n, dtype=BF16, seed=9), _randn(n, dtype=BF16, seed=10)
-    qx, qw, qdy = (te.ops.quantize(t, recipe, role, rowwise=True, columnwise=True)
-                   for t, role in ((x, "input"), (w, "weight"), (dy, "grad_output")))
-    y = te.ops.gemm(qx, qw, transpose_b=True, bias=bias, out_dtype=BF16)  # fprop
-    ref = _written(qx.dequantize() @ qw.dequantize().t()) + bias.float()
-    assert float((y.float() - ref).norm()) <= 0.02 * float(ref.norm())
-    dx = te.ops.gemm(qdy, qw, out_dtype=F32 if emulated else F16)  # dgrad
-    dw = torch.zeros(n, k, device=DEVICE)
-    te.ops.gemm(qdy, qx, transpose_a=True, out=dw, accumulate=True)  # wgrad, beta = 1
-    _finite(y, dx, dw)
-    if name == "block":  # M % 8 != 0: A and its scales padded in scratch, output copied back
-        qx44 = te.ops.quantize(x[:44], recipe, "input", rowwise=True)
-        qdy44 = te.ops.quantize(dy[:44], recipe, "grad_output", rowwise=True)
-        y44 = te.ops.gemm(qx44, qw, transpose_b=True, bias=bias, out_dtype=BF16)
-        dx44 = torch.zeros(44, k, device=DEVICE)
-        te.ops.gemm(qdy44, qw, out=dx44, accumulate=True)
-        _finite(y44, dx44)
-    if emulated:  # the dequantizing prologue's element-wise path: the same values and product
-        y_mis = te.ops.gemm(_with_misaligned_data(qx), qw, transpose_b=True, bias=bias,
-                            out_dtype=BF16)
-        torch.testing.assert_close(y_mis, y, rtol=1e-2, atol=1e-2)
-
-
-# ---- the C API through ctypes: kernels the extension reaches only on CPU -----------------------
-
-class _Tensor(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("rows", ctypes.c_int64), ("cols", ctypes.c_int64),
-                ("ld", ctypes.c_int64), ("dtype", ctypes.c_int), ("device", ctypes.c_int)]
-
-
-class _Config(ctypes.Structure):
-    _fields_ = [("struct_size", ctypes.c_size_t), ("scaling", ctypes.c_int),
-                ("elem_dtype", ctypes.c_int), ("scale_dtype", ctypes.c_int),
-                ("block_rows", ctypes.c_int32), ("block_cols", ctypes.c_int32),
-                ("flags", ctypes.c_uint32), ("fmax", ctypes.c_float),
-                ("amax_epsilon", ctypes.c_float), ("margin", ctypes.c_int32),
-                ("amax_history_len", ctypes.c_int32), ("amax_algo", ctypes.c_int)]
-
-
-class _QTensor(ctypes.Structure):
-    _fields_ = [("struct_size", ctypes.c_size_t), ("rows", ctypes.c_int64),
-                ("cols", ctypes.c_int64)] + [(name, _Tensor) for name in MEMBERS]
-
-
-class _Operand(ctypes.Structure):
-    _fields_ = [("config", ctypes.POINTER(_Config)), ("q", ctypes.POINTER(_QTensor)),
-                ("usage", ctypes.c_uint32)]
-
-
-# csrc/include/tequant/tequant.h's enums
-_SCALING = {"delayed": 1, "current": 2, "block": 3, "mxfp8": 4, "nvfp4": 5}
-_ELEM = {"E4M3": 3, "E5M2": 4, "E2M1": 5}
-_SCALE = {"float32": 0, "e4m3": 3, "e8m0": 6}
-_DTYPE = {F32: 0, BF16: 1, F16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4,
-          torch.float8_e8m0fnu: 6, torch.uint8: 7}
-
-
-def _lib():
-    lib = ctypes.CDLL(_C.__file__)  # the loaded extension: its tq_* C API is exported
-    lib.tq_last_error.restype = ctypes.c_char_p
-    return lib
-
-
-def _c_tensor(t, packed_e2m1=False):
-    if t is None:
-        return _Tensor()
-    ld = t.stride(0) if t.dim() == 2 else t.shape[-1]
-    rows, cols = (t.shape[0], t.shape[1]) if t.dim() == 2 else (1, t.numel())
-    dtype, scale = (5, 2) if packed_e2m1 else (_DTYPE[t.dtype], 1)  # two E2M1 codes per byte
-    device = -1 if t.device.type == "cpu" else t.device.index
-    return _Tensor(t.data_ptr(), rows, cols * scale, ld * scale, dtype, device)
-
-
-def _c_operand(q, usage, alive):
-    """The tq_gemm_operand of one direction of q; what keeps it valid (its structs, q's tensors)
-    goes into the list `alive`."""
-    c = q.config
-    block = c.block or (0, 0)
-    flags = ((1 if c.power_2_scale else 0) | (2 if c.rht else 0)
-             | (4 if c.stochastic_rounding else 0) | (8 if c.two_d else 0))
-    config = _Config(ctypes.sizeof(_Config), _SCALING[c.scaling], _ELEM[c.format],
-                     _SCALE[c.scale_dtype], block[0], block[1], flags, c.fmax, c.amax_epsilon,
-                     c.margin or 0, c.amax_history_len or 0, 0)
-    packed = c.format == "E2M1"
-    qt = _QTensor(ctypes.sizeof(_QTensor), q.rows, q.cols,
-                  *[_c_tensor(getattr(q, name), packed and name in ("data", "data_t"))
-                    for name in MEMBERS])
-    alive += [config, qt, q]
-    return _Operand(ctypes.pointer(config), ctypes.pointer(qt), usage)
-
-
-def _check_call(lib, fn, *args):
-    """lib.fn(*args by reference, the current stream of DEVICE) must return TQ_SUCCESS."""
-    stream = None
-    if DEVICE.type == "cuda":
-        stream = ctypes.c_void_p(torch.cuda.current_stream(DEVICE).cuda_stream)
-    status = getattr(lib, fn)(*[ctypes.byref(a) for a in args], stream)
-    assert status == 0, f"{fn}: {lib.tq_last_error().decode()}"
-
-
-def test_c_api_gemm_alpha_and_values():
-    lib = _lib()
-    nvfp4, current = RECIPES["nvfp4"], RECIPES["current"]
-    qx = te.ops.quantize(_randn(48, 128, dtype=BF16, seed=11), nvfp4, "input", rowwise=True,
-                         columnwise=True)
-    qw = te.ops.quantize(_randn(80, 128, dtype=BF16, seed=12), nvfp4, "weight")
-    alive = []
-    a, b = _c_operand(qx, ROWWISE, alive), _c_operand(qw, ROWWISE, alive)
-    alpha = torch.full((1, 1), -1.0, device=DEVICE)
-    alpha_c = _c_tensor(alpha)
-    _check_call(lib, "tq_gemm_alpha", a, b, alpha_c)
-    want = (qx.amax * qw.amax) * torch.tensor(1 / 7225344, device=DEVICE)
-    torch.testing.assert_close(alpha, want.reshape(1, 1), rtol=1e-6, atol=0)
-    # a per-tensor FP8 pair: alpha = 1 (the kernel's no-amax branch)
-    pa = _c_operand(te.ops.quantize(_randn(48, 128, seed=13), current, "input"), ROWWISE, alive)
-    pb = _c_operand(te.ops.quantize(_randn(64, 128, seed=14), current, "weight"), ROWWISE, alive)
-    _check_call(lib, "tq_gemm_alpha", pa, pb, alpha_c)
-    assert float(alpha) == 1.0
-    # NVFP4 GEMM values (e2m1 * s_b, no global factor): bf16 vectorized, fp32 element-wise
-    for direction, usage, amax in (("rowwise", ROWWISE, qx.amax),
-                                   ("columnwise", COLUMNWISE, qx.amax_t)):
-        op = _c_operand(qx, usage, alive)
-        deq = qx.dequantize_direction(direction, F32)
-        for dtype, layout in ((BF16, "contiguous"), (F32, "misaligned")):
-            out = _layout(torch.zeros(deq.shape, dtype=dtype, device=DEVICE), layout)
-            out_c = _c_tensor(out)
-            _check_call(lib, "tq_gemm_operand_values", op, out_c)
-            torch.testing.assert_close(out.float() * amax.reshape(()) / 2688, deq, rtol=1e-5,
-                                       atol=1e-30)
 
 
 # ---- te.Linear under te.autocast, and CUDA graphs ---------------------------------------------

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# tools/sanitize.sh: runs tests/test_sanitize_kernels.py and tests/test_sanitize_fused.py (every
-# kernel of cuda/*.cu, every recipe, CUDA graphs) under compute-sanitizer's memcheck, racecheck,
+# tools/sanitize.sh: runs tests/test_sanitize_kernels.py, test_sanitize_fused.py and
+# test_sanitize_gemm.py (every kernel of cuda/*.cu, every recipe, CUDA graphs) under
+# compute-sanitizer's memcheck, racecheck,
 # initcheck and synccheck, logs each tool to $SANITIZE_OUT/<tool>.log and prints one line per
 # tool, "<tool>: N errors", N summed over the sanitizer's summary lines. Exit 1 if a tool
 # reports an error (a racecheck warning counts), a pytest run fails, or no test passed (no GPU
@@ -30,7 +31,7 @@ TOOLS=${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}
 OUT=${SANITIZE_OUT:-sanitize_out}
 PARALLEL=${SANITIZE_PARALLEL:-0}
 PYTHON=${PYTHON:-python3}
-TESTS=(tests/test_sanitize_kernels.py tests/test_sanitize_fused.py)
+TESTS=(tests/test_sanitize_kernels.py tests/test_sanitize_fused.py tests/test_sanitize_gemm.py)
 GRAPHS="tests/test_sanitize_kernels.py::test_cuda_graph_step"
 
 SAN=${COMPUTE_SANITIZER:-}
