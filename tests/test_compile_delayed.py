@@ -264,6 +264,25 @@ def test_in_place_ops_write_the_copies_into_the_buffers(name, needs):
     assert shapes((dx, dw, db)) == shapes(fake)
 
 
+@pytest.mark.parametrize("name", ["max", "most_recent"])
+def test_backward_update_where_no_cast_of_dy_runs(name):
+    """needs 0 (only the bias gradient): no quantization of dy runs to carry the update, so
+    linear_bwd_delayed runs it alone; the buffers end as linear_bwd's amax updated by hand."""
+    recipe = RECIPES[name]
+    rid = str(_C.recipe_key(recipe))
+    x, w, dy, hist_fwd, scale_fwd, hist_bwd, scale_bwd = _ops_inputs(recipe)
+    ops = torch.ops.tequant
+    w_kept = ops.linear_fwd_delayed(x, w, None, rid, 8 | 3, scale_fwd, hist_fwd)[2]
+    args = (rid, 0, [3, 7, 64], x.dtype, w.dtype, torch.float32)
+    fresh = ops.linear_bwd(dy, None, w_kept, *args, scale_bwd)
+    want_hist, want_scale = _updated_by_hand(rid, hist_bwd, scale_bwd, fresh[-1])
+    before = scale_bwd.clone()
+    dx, dw, db = ops.linear_bwd_delayed(dy, None, w_kept, *args, scale_bwd, hist_bwd)
+    assert torch.equal(hist_bwd, want_hist) and torch.equal(scale_bwd, want_scale)
+    assert not torch.equal(scale_bwd, before)  # the update ran
+    assert torch.equal(db, fresh[0]) and dx.numel() == 0 and dw.numel() == 0
+
+
 LONG = {"long": DelayedScaling(amax_history_len=1025), **RECIPES}
 
 

@@ -10,8 +10,9 @@
  * scales, for the compiled te.Linear's backward op (linear_ops.c), which runs it on a module's
  * buffers, and as _amax_update_buffers for tequant::amax_update (_compile_ops.py), which runs it
  * on a batch of modules' buffers in one call; tqx_amax_update_one, one column's slot for the
- * grad_output cast of that backward op to run after itself (tq_quantize_args.update). Tests: tests/test_amax_update.py,
- * tests/test_compile.py, tests/test_compile_delayed.py.
+ * grad_output cast of that backward op to run after itself (tq_quantize_args.update), and
+ * tqx_amax_update_run, that slot's update run alone where no cast ran it.
+ * Tests: tests/test_amax_update.py, tests/test_compile.py, tests/test_compile_delayed.py.
  */
 #include <stdio.h>
 
@@ -225,7 +226,6 @@ int tqx_amax_update_one(tqx_state *st, PyObject *history, PyObject *scale, PyObj
                         tqx_update *out) {
     const tq_amax_update_args init = TQ_AMAX_UPDATE_ARGS_INIT;
     PyObject *scaled;
-    void *stream;
     out->args = init;
     out->done = 0;
     if (parse_update(update, &out->args, &scaled) < 0) return -1;
@@ -235,8 +235,12 @@ int tqx_amax_update_one(tqx_state *st, PyObject *history, PyObject *scale, PyObj
         return -1;
     }
     const int c = buffer_slots(st, history, scale, "hist_bwd", "scale_bwd", out->args.history_len,
-                               1, &out->args.device, &stream, 0, scaled, &out->slot);
+                               1, &out->args.device, &out->stream, 0, scaled, &out->slot);
     return c < 0 ? -1 : 0;
+}
+
+int tqx_amax_update_run(tqx_state *st, tqx_update *u) {
+    return run(st, &u->slot, 1, &u->args, u->args.device, u->stream);
 }
 
 int tqx_amax_update_buffers(tqx_state *st, Py_ssize_t n_buffers, PyObject *const *histories,

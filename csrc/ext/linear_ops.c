@@ -237,9 +237,7 @@ static PyObject *backward_updating(tqx_state *st, PyObject *module, PyObject *co
     const int previous = tqx_gemm_workspace_per_call(1);
     PyObject *bwd = tqx_linear_backward_updating(module, call, 8, update ? &u : NULL);
     tqx_gemm_workspace_per_call(previous);
-    if (bwd != NULL && update != NULL && !u.done
-        && tqx_amax_update_buffers(st, 1, &hist, &scale, update, NULL, "hist_bwd",
-                                   "scale_bwd") < 0)
+    if (bwd != NULL && update != NULL && !u.done && tqx_amax_update_run(st, &u) < 0)
         Py_CLEAR(bwd);
     return bwd;
 }

@@ -451,14 +451,17 @@ int tqx_amax_update_buffers(tqx_state *st, Py_ssize_t n_buffers, PyObject *const
 
 /* One column's update as tq_quantize_args.update takes it: hist_bwd (float32 [history_len, 1])
  * and scale_bwd (float32 [1]) with update (history_len, algo, (scaled max,)) -> *out (args.device
- * the history's; done 0, set by the quantization that ran it). -1 with an exception. */
+ * and stream the history's; done 0, set by the quantization that ran it). -1 with an exception.
+ * tqx_amax_update_run: the update alone, on that stream (where no cast ran it). */
 typedef struct tqx_update {
     tq_amax_slot slot;
     tq_amax_update_args args;
+    void *stream;
     int done;
 } tqx_update;
 int tqx_amax_update_one(tqx_state *st, PyObject *history, PyObject *scale, PyObject *update,
                         tqx_update *out);
+int tqx_amax_update_run(tqx_state *st, tqx_update *u);
 /* linear.c: tqx_linear_backward whose grad_output quantization also runs *update (done set
  * when it did: not where no dy quantization runs) */
 PyObject *tqx_linear_backward_updating(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
