@@ -64,26 +64,6 @@ static int plan_from_py(tqx_state *st, PyObject *obj, plan *p) {
     return PyErr_Occurred() ? -1 : 0;
 }
 
-/* x [rows, cols] as *xp [padded, cols], `padded` the next multiple of `align` rows: x itself
- * when aligned, else a copy in scratch *s (released by the caller), zero-filled past x by the
- * core (one launch on x's stream). -1 with an exception. */
-static int pad_rows(tqx_state *st, const tq_tensor *x, void *stream, int64_t align,
-                    PyObject *device, tq_tensor *xp, tqx_scratch *s) {
-    const int64_t padded = (x->rows + align - 1) / align * align;
-    *xp = *x;
-    if (padded == x->rows) return 0;
-    const size_t bytes = (size_t)padded * (size_t)x->cols * (size_t)(tq_dtype_bits(x->dtype) / 8);
-    if (tqx_scratch_alloc(st, bytes, x->device, device, stream, s) < 0) return -1;
-    xp->data = s->data;
-    xp->rows = padded;
-    xp->ld = x->cols;
-    const tq_status status = tq_pad_rows(x, xp, (struct CUstream_st *)stream);
-    if (status == TQ_SUCCESS) return 0;
-    tqx_scratch_release(st, s);
-    tqx_raise_status(st, status);
-    return -1;
-}
-
 /* One quantization, as member tensors (members) or packed (bufs or scratch, amax, q). */
 typedef struct quantized {
     PyObject *members;      /* the 6-tuple, or NULL when packed */
@@ -410,7 +390,7 @@ PyObject *tqx_linear_forward(PyObject *module, PyObject *const *args, Py_ssize_t
                      && (p.x.scaling == TQ_SCALING_CURRENT || p.x.scaling == TQ_SCALING_DELAYED
                          || p.x.scaling == TQ_SCALING_BLOCK);
     if (qx.members == NULL) {
-        if (pad_rows(st, &x, x_info.stream, p.align, device, &xp, &pad) < 0) goto done;
+        if (tqx_pad_rows(st, &x, x_info.stream, p.align, device, &xp, &pad) < 0) goto done;
         const uint32_t x_usage =
             TQ_USAGE_ROWWISE | ((needs & TQX_NEED_WGRAD) ? TQ_USAGE_COLUMNWISE : 0);
         /* packed x: with wgrad, the columnwise part (kept) apart from the rowwise one, which
@@ -534,7 +514,7 @@ PyObject *tqx_linear_backward_updating(PyObject *module, PyObject *const *args, 
     const int dy_split = usage == (TQ_USAGE_ROWWISE | TQ_USAGE_COLUMNWISE)
                          && (int64_t)padded * n > ((int64_t)1 << 24);
     if (!dy_given
-        && (pad_rows(st, &d, dy_info.stream, p.align, device, &dyp, &pad) < 0
+        && (tqx_pad_rows(st, &d, dy_info.stream, p.align, device, &dyp, &pad) < 0
             || (bias_dtype != Py_None
                 && (db = tqx_linear_dbias_new(st, bias_dtype, &p.dy, dy, &dyp, dy_info.stream,
                                               device, &db_workspace, &qdy.dbias,

@@ -251,6 +251,11 @@ int tqx_workspace_alloc(tqx_state *st, size_t bytes, PyObject *x_obj, const tq_t
                         void *stream, tqx_scratch *s, tq_tensor *workspace);
 /* Hands s back (a no-op for an empty one) and empties it; keeps a pending exception. */
 void tqx_scratch_release(tqx_state *st, tqx_scratch *s);
+/* x [rows, cols] as *xp [padded, cols], `padded` the next multiple of `align` rows: x itself
+ * when aligned, else a copy in scratch *s (released by the caller; te.Linear's x and dy,
+ * linear.c), zero-filled past x by the core (one launch on x's stream). -1 with an exception. */
+int tqx_pad_rows(tqx_state *st, const tq_tensor *x, void *stream, int64_t align,
+                 PyObject *device, tq_tensor *xp, tqx_scratch *s);
 /* Turns torch.autocast off for `device_type` ("cpu"); *was_on says whether to restore it with
  * tqx_autocast_restore. The CPU GEMM's float32 torch.mm must not be recast to bf16 by AMP. */
 int tqx_autocast_off(tqx_state *st, const char *device_type, int *was_on);

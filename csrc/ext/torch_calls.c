@@ -6,7 +6,8 @@
  * C call went 35.6 -> 27.4 us and its backward 70.4 -> 39.4 us), other dtypes and zeroed
  * tensors through torch.empty / torch.zeros with the pointer read back through DLPack
  * (tensor_view.c); memory used only within one call is a raw block of the same allocator
- * (tqx_scratch_alloc). Inside torch.compile's ops, once the process has cudagraph trees, every
+ * (tqx_scratch_alloc; tqx_pad_rows copies rows into one, zero-padded to a row multiple). Inside
+ * torch.compile's ops, once the process has cudagraph trees, every
  * tensor comes from torch.empty (their deleter rule; tqx_cudagraph_trees_seen, tested in
  * tests/test_compile_ops.py).
  * Tests: tests/test_quantize_*.py and tests/test_gemm.py allocate through here; scratch:
@@ -321,6 +322,23 @@ int tqx_workspace_alloc(tqx_state *st, size_t bytes, PyObject *x_obj, const tq_t
     workspace->dtype = TQ_DTYPE_UINT8;
     workspace->device = x->device;
     return 0;
+}
+
+int tqx_pad_rows(tqx_state *st, const tq_tensor *x, void *stream, int64_t align,
+                 PyObject *device, tq_tensor *xp, tqx_scratch *s) {
+    const int64_t padded = (x->rows + align - 1) / align * align;
+    *xp = *x;
+    if (padded == x->rows) return 0;
+    const size_t bytes = (size_t)padded * (size_t)x->cols * (size_t)(tq_dtype_bits(x->dtype) / 8);
+    if (tqx_scratch_alloc(st, bytes, x->device, device, stream, s) < 0) return -1;
+    xp->data = s->data;
+    xp->rows = padded;
+    xp->ld = x->cols;
+    const tq_status status = tq_pad_rows(x, xp, (struct CUstream_st *)stream);
+    if (status == TQ_SUCCESS) return 0;
+    tqx_scratch_release(st, s);
+    tqx_raise_status(st, status);
+    return -1;
 }
 
 void tqx_scratch_release(tqx_state *st, tqx_scratch *s) {
