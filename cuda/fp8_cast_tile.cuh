@@ -83,6 +83,32 @@ __device__ __forceinline__ void store_codes(uint8_t *dst, const uint32_t (&codes
 template <typename T>
 using TileRegs = Vec16<T>[kIters][16 / (16 / sizeof(T))]; /* a thread's part of a tile */
 
+/* A thread's loaded tile into and out of its CTA's shared stash: vector i of every thread is the
+ * 16 bytes at stash[i * kThreads + thread], so a warp's 32 accesses are 512 contiguous bytes (no
+ * bank conflict). Each thread reads back only what it wrote: no barrier between. Current
+ * scaling's cooperative kernels keep a CTA's first tile there across their grid barrier when
+ * the CTA has more than one (quantize_fp8.cu, quantize_fp8_pair.cu): one tile fewer loaded twice. */
+template <typename T>
+constexpr int kStashBytes = (int)sizeof(TileRegs<T>) * kThreads;
+
+template <typename T>
+__device__ __forceinline__ void stash_tile(const TileRegs<T> &raw, uint4 *stash) {
+    constexpr int kNV = (int)sizeof(T); /* vectors per row segment: 16 / kVec */
+#pragma unroll
+    for (int it = 0; it < kIters; it++)
+#pragma unroll
+        for (int v = 0; v < kNV; v++) stash[(it * kNV + v) * kThreads + threadIdx.x] = raw[it][v].u;
+}
+
+template <typename T>
+__device__ __forceinline__ void unstash_tile(const uint4 *stash, TileRegs<T> &raw) {
+    constexpr int kNV = (int)sizeof(T);
+#pragma unroll
+    for (int it = 0; it < kIters; it++)
+#pragma unroll
+        for (int v = 0; v < kNV; v++) raw[it][v].u = stash[(it * kNV + v) * kThreads + threadIdx.x];
+}
+
 /* The tile's loads, all issued before any use: 4 x 16 elements in flight per thread; elements
  * past x's edge load as 0 (no code is stored for them, and 0 leaves a max unchanged). */
 template <typename T, bool kFull>

@@ -40,20 +40,24 @@ struct DeviceGuard {
     DeviceGuard &operator=(const DeviceGuard &) = delete;
 };
 
-/* CTAs of `kernel` (`threads` per CTA) that fit on one SM of `device`, 0 where cooperative
- * launches are not supported; asked once per kernel and device, the answer kept in the
- * kernel's own cache (0 unknown, else blocks + 1). Instances of one kernel template share a
+/* CTAs of `kernel` (`threads` per CTA, `dynamic_smem` bytes of dynamic shared memory, allowed
+ * for the kernel on `device` here) that fit on one SM of `device`, 0 where cooperative launches
+ * are not supported; asked once per kernel and device, the answer kept in the kernel's own
+ * cache (0 unknown, else blocks + 1). Instances of one kernel template share a
  * function type, so a cache keyed by that type would hand one instance's occupancy to the
  * others: a heavier one then failed with cudaErrorCooperativeLaunchTooLarge. */
 template <typename Kernel>
 inline int coop_blocks_per_sm(Kernel kernel, int threads, int device,
-                              std::atomic<int> (&cache)[64]) {
+                              std::atomic<int> (&cache)[64], int dynamic_smem = 0) {
     if (device < 0 || device >= 64) return 0;
     int v = cache[device].load(std::memory_order_relaxed);
     if (v > 0) return v - 1;
     int coop = 0, blocks = 0;
     if (cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device) != cudaSuccess
-        || cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, 0)
+        || (dynamic_smem > 0
+            && cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic_smem)
+                   != cudaSuccess)
+        || cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, (size_t)dynamic_smem)
                != cudaSuccess) {
         cudaGetLastError();
         return 0;

@@ -16,7 +16,8 @@
  * on tiny shapes) runs amax and cast in one single-CTA launch (small_current_kernel); a medium
  * one (<= 16M elements, e.g. the activations and weights of a d=512-4096 model) in one
  * cooperative launch whose CTAs meet at a grid barrier between the two (fused_current_kernel;
- * up to one tile per CTA, ~8.6M bf16 elements on an H200, x is read once);
+ * a CTA keeps up to two of its tiles on chip across the barrier, so on an H200 a bf16 x is read
+ * once);
  * a larger one runs tq_amax_cuda first (same stream, no host sync): 6 bytes moved per 4 counted
  * for bf16 (walking the tiles in reverse to reuse x's tail in L2, with streaming stores, measured
  * no gain on H200).
@@ -123,11 +124,24 @@ void launch_small(const CastParams &p, uint32_t usage, int e5m2, float *amax, cu
     else launch_small<T, false, true>(p, e5m2, amax, s);
 }
 
+/* Tile number `tile` loaded into raw, its column partials written (dbias); a's max with it. */
+template <typename T, bool kRow, bool kCol, bool kDbias>
+__device__ __forceinline__ float load_for_amax(const CastParams &p, int64_t tile, TileRegs<T> &raw, float a,
+                                               float *carry) {
+    int64_t m0, k0;
+    tile_origin(p, tile, m0, k0);
+    if (full_tile(p, kRow, kCol, m0, k0)) load_tile<T, true>(p, m0, k0, raw);
+    else load_tile<T, false>(p, m0, k0, raw);
+    if constexpr (kDbias) tile_partials<T>(p, m0, k0, raw, carry);
+    return regs_amax<T>(raw, a);
+}
+
 /* CURRENT scaling of a medium x (kSmallElems < n <= kFusedMaxElems) in ONE cooperative
  * launch: each CTA takes max |x| over its tiles (cast_tile's loads), the grid meets at a
  * barrier, the CTA maxima meet in q's amax (zeroed by CTA 0 before the first barrier), a second
- * barrier, then each CTA casts the same tiles: from its registers when it has one, else loaded
- * again (mostly from L2). Bits: the
+ * barrier, then each CTA casts the same tiles: from its registers when it has one; with more, its
+ * last from registers, its first from shared memory (the stash) and any between loaded again
+ * (x of 8192 x 2048 bf16, 1024 tiles on an H200's 528 CTAs: 32 loaded twice). Bits: the
  * amax is the same exact max as tq_amax_cuda's (a max has no order), the cast is cast_tile's.
  * Against the amax kernel + cast kernel it saves a memset and a launch per quantization (host
  * time, te.Linear's forward and backward: ~9 us each on an H200 host) and most of the second
@@ -147,33 +161,34 @@ __global__ void __launch_bounds__(kThreads, kFusedMinCtas<T, kDbias>) fused_curr
     __shared__ float carry[kDbias ? kThreads / 32 * 8 * (16 / sizeof(T)) : 1];
     static_assert(!kDbias || kThreads / 32 * 8 * (16 / sizeof(T)) >= TQ_NORM_GROUP * (kThreads / TQ_NORM_GROUP + 1),
                   "carry holds finish_columns' group sums");
+    extern __shared__ uint4 stash[]; /* kStashBytes<T> where a CTA has more than one tile */
     cooperative_groups::grid_group grid = cooperative_groups::this_grid();
     const int64_t tiles = ((p.rows + kTile - 1) / kTile) * p.tiles_k;
-    /* One tile per CTA (the grid covers x): the tile stays in registers across the barriers and
-     * x is read once. Else each CTA reads its tiles twice, the second time mostly from L2. With
-     * dbias the grid may have CTAs past the tiles: they only finish the column sums. */
-    const bool one_tile = tiles <= (int64_t)gridDim.x, has_tile = blockIdx.x < tiles;
+    /* A CTA's tiles: blockIdx.x + j * gridDim.x, j < n. One (the grid covers x): it stays in
+     * registers across the barriers and x is read once. More: the last stays in registers, the
+     * first in the stash, any between are read twice (the second time the latest first, the
+     * likeliest still in L2). With dbias the grid may have CTAs past the tiles (n = 0): they
+     * only finish the column sums. */
+    const int64_t n = blockIdx.x < tiles ? (tiles - 1 - blockIdx.x) / gridDim.x + 1 : 0;
     if (!kDbias && blockIdx.x == 0 && threadIdx.x == 0) *amax = 0.0f;
+    /* with dbias the tile_partials' registers leave no room for a kept tile beside a loaded one
+     * (ptxas: spills), so there only a CTA with one tile keeps it in registers */
+    const bool keep_last = !kDbias || n == 1;
     TileRegs<T> raw;
     int64_t m0, k0;
-    tile_origin(p, blockIdx.x, m0, k0);
-    const bool full = full_tile(p, kRow, kCol, m0, k0);
     float a = 0.0f;
-    if (one_tile) {
-        if (!has_tile) {
-        } else if (full) load_tile<T, true>(p, m0, k0, raw);
-        else load_tile<T, false>(p, m0, k0, raw);
-        if (has_tile) a = regs_amax<T>(raw, a);
-        if constexpr (kDbias) if (has_tile) tile_partials<T>(p, m0, k0, raw, carry);
+    if (keep_last) {
+#pragma unroll 1
+        for (int64_t j = 0; j < n; j++) {
+            a = load_for_amax<T, kRow, kCol, kDbias>(p, blockIdx.x + j * gridDim.x, raw, a, carry);
+            if (j == 0 && n > 1) stash_tile<T>(raw, stash);
+        }
     } else {
-        for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-            int64_t tm0, tk0;
-            tile_origin(p, tile, tm0, tk0);
+#pragma unroll 1
+        for (int64_t j = 0; j < n; j++) {
             TileRegs<T> r;
-            if (full_tile(p, kRow, kCol, tm0, tk0)) load_tile<T, true>(p, tm0, tk0, r);
-            else load_tile<T, false>(p, tm0, tk0, r);
-            a = regs_amax<T>(r, a);
-            if constexpr (kDbias) tile_partials<T>(p, tm0, tk0, r, carry);
+            a = load_for_amax<T, kRow, kCol, kDbias>(p, blockIdx.x + j * gridDim.x, r, a, carry);
+            if (j == 0) stash_tile<T>(r, stash);
         }
     }
     a = block_max(a, warp_amax);
@@ -196,17 +211,18 @@ __global__ void __launch_bounds__(kThreads, kFusedMinCtas<T, kDbias>) fused_curr
     __syncthreads();
     CastParams q = p;
     q.amax_in = &amax_s;
-    if (one_tile) {
-        if (!has_tile) {
-        } else if (full) cast_loaded<T, kRow, kCol, false, kE5M2, true>(q, m0, k0, raw, tile_t, warp_amax);
+#pragma unroll 1
+    for (int64_t j = 0; j < n; j++) { /* kept: the last, the first, n - 2 .. 1; else the first, n - 1 .. 1 */
+        const int64_t i = keep_last ? (j == 0 ? n - 1 : j == 1 ? 0 : n - j) : (j == 0 ? 0 : n - j);
+        tile_origin(p, blockIdx.x + i * gridDim.x, m0, k0);
+        const bool full = full_tile(p, kRow, kCol, m0, k0);
+        if (j > 0) __syncthreads(); /* tile_t is free */
+        if (j == (keep_last ? 1 : 0)) unstash_tile<T>(stash, raw);
+        else if (j == 0) {
+        } else if (full) load_tile<T, true>(p, m0, k0, raw);
+        else load_tile<T, false>(p, m0, k0, raw);
+        if (full) cast_loaded<T, kRow, kCol, false, kE5M2, true>(q, m0, k0, raw, tile_t, warp_amax);
         else cast_loaded<T, kRow, kCol, false, kE5M2, false>(q, m0, k0, raw, tile_t, warp_amax);
-    } else {
-        for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-            tile_origin(p, tile, m0, k0);
-            if (full_tile(p, kRow, kCol, m0, k0)) cast_tile<T, kRow, kCol, false, kE5M2, true>(q, m0, k0, tile_t, warp_amax);
-            else cast_tile<T, kRow, kCol, false, kE5M2, false>(q, m0, k0, tile_t, warp_amax);
-            __syncthreads(); /* the next tile reuses tile_t */
-        }
     }
     if constexpr (kDbias) { /* dbias from the partials every CTA wrote before the barrier: by
                                * the CTAs past the tiles where the grid has them (beside the
@@ -214,7 +230,7 @@ __global__ void __launch_bounds__(kThreads, kFusedMinCtas<T, kDbias>) fused_curr
         const int64_t p_count = (p.rows + ((int64_t)1 << p.r_shift) - 1) >> p.r_shift;
         const int64_t extra = (int64_t)gridDim.x - tiles;
         __syncthreads(); /* carry is free */
-        if (extra <= 0 || !has_tile)
+        if (extra <= 0 || n == 0)
             tq_colsum::finish_columns<kThreads, kThreads / TQ_NORM_GROUP>(
                 p.partials, p_count, p.cols, p.dbias, p.dbias_dtype, carry,
                 extra > 0 ? blockIdx.x - tiles : blockIdx.x, extra > 0 ? extra : gridDim.x);
@@ -226,7 +242,7 @@ template <typename T, bool kRow, bool kCol, bool kE5M2, bool kDbias>
 int fused_per_sm(int device) {
     static std::atomic<int> cache[64]; /* this instance's */
     return tq_cuda::coop_blocks_per_sm(fused_current_kernel<T, kRow, kCol, kE5M2, kDbias>, kThreads, device,
-                                      cache);
+                                      cache, kStashBytes<T>);
 }
 
 /* Launches the fused kernel; false (nothing queued) where the device cannot run it. */
@@ -247,8 +263,11 @@ bool launch_fused(const CastParams &p, float *amax, int device, unsigned tiles, 
     CastParams args_p = p;
     float *args_amax = amax;
     void *args[] = {&args_p, &args_amax};
-    cudaLaunchCooperativeKernel((const void *)kernel, dim3(tiles < most ? tiles : most),
-                                dim3(kThreads), args, 0, s);
+    const unsigned grid = tiles < most ? tiles : most;
+    /* the stash only where a CTA has more than one tile (x's tiles, not the dbias CTAs) */
+    const int64_t x_tiles = ((p.rows + kTile - 1) / kTile) * p.tiles_k;
+    cudaLaunchCooperativeKernel((const void *)kernel, dim3(grid), dim3(kThreads), args,
+                                x_tiles > (int64_t)grid ? (size_t)kStashBytes<T> : 0, s);
     return true;
 }
 

@@ -3,7 +3,7 @@
  * tensor keeps its own scale, amax and codes; the bits are those of two tq_quantize calls
  * (quantize_fp8.cu, whose rule and reference, csrc/ref/quantize_fp8_ref.c, apply member by
  * member). CURRENT: fused_pair_kernel, the cooperative one-launch kernel over both tensors'
- * tiles. DELAYED: delayed_pair_kernel, the cast kernel over both tensors' tiles (no barrier: a
+ * tiles (a CTA with several keeps its first and last across the barrier, as fused_current_kernel). DELAYED: delayed_pair_kernel, the cast kernel over both tensors' tiles (no barrier: a
  * launch's fixed cost saved, ~2-3 us on an H200 for a d=512 te.Linear's W). Both directions,
  * bfloat16 x, one element format; other pairs run as two calls.
  * Tests: tests/test_quantize_pair.py.
@@ -47,25 +47,23 @@ __device__ __forceinline__ void pair_cast(const CastParams &p, int64_t tile, con
 template <typename T, bool kE5M2>
 __global__ void __launch_bounds__(kThreads, kFusedMinCtas<T, false>) fused_pair_kernel(const CastParams p0, const CastParams p1,
                                                                                        float *amax0, float *amax1) {
+    extern __shared__ uint4 stash[]; /* kStashBytes<T> where a CTA has more than one tile */
     __shared__ alignas(16) uint8_t tile_t[kTile * kTile];
     __shared__ float warp_amax[kThreads / 32];
     __shared__ float amax_s[2];
     cooperative_groups::grid_group grid = cooperative_groups::this_grid();
     const int64_t tiles0 = ((p0.rows + kTile - 1) / kTile) * p0.tiles_k;
     const int64_t tiles = tiles0 + ((p1.rows + kTile - 1) / kTile) * p1.tiles_k;
-    const bool one_tile = tiles == (int64_t)gridDim.x, first = blockIdx.x < tiles0;
+    /* A CTA's tiles (blockIdx.x + j * gridDim.x, j < n) kept as fused_current_kernel keeps them */
+    const int64_t n = (tiles - 1 - blockIdx.x) / gridDim.x + 1;
     if (blockIdx.x == 0 && threadIdx.x == 0) *amax0 = *amax1 = 0.0f;
     TileRegs<T> raw;
     float a0 = 0.0f, a1 = 0.0f;
-    if (one_tile) {
-        if (first) a0 = pair_load<T>(p0, blockIdx.x, raw);
-        else a1 = pair_load<T>(p1, blockIdx.x - tiles0, raw);
-    } else {
-        for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-            TileRegs<T> r;
-            if (tile < tiles0) a0 = fmaxf(a0, pair_load<T>(p0, tile, r));
-            else a1 = fmaxf(a1, pair_load<T>(p1, tile - tiles0, r));
-        }
+    for (int64_t j = 0; j < n; j++) {
+        const int64_t tile = blockIdx.x + j * gridDim.x;
+        if (tile < tiles0) a0 = fmaxf(a0, pair_load<T>(p0, tile, raw));
+        else a1 = fmaxf(a1, pair_load<T>(p1, tile - tiles0, raw));
+        if (j == 0 && n > 1) stash_tile<T>(raw, stash);
     }
     a0 = block_max(a0, warp_amax);
     __syncthreads(); /* thread 0 has read warp_amax */
@@ -86,21 +84,16 @@ __global__ void __launch_bounds__(kThreads, kFusedMinCtas<T, false>) fused_pair_
     CastParams q0 = p0, q1 = p1;
     q0.amax_in = &amax_s[0];
     q1.amax_in = &amax_s[1];
-    if (one_tile) {
-        if (first) pair_cast<T, kE5M2>(q0, blockIdx.x, raw, tile_t, warp_amax);
-        else pair_cast<T, kE5M2>(q1, blockIdx.x - tiles0, raw, tile_t, warp_amax);
-        return;
-    }
-    for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        TileRegs<T> r;
-        if (tile < tiles0) {
-            pair_load<T>(q0, tile, r);
-            pair_cast<T, kE5M2>(q0, tile, r, tile_t, warp_amax);
-        } else {
-            pair_load<T>(q1, tile - tiles0, r);
-            pair_cast<T, kE5M2>(q1, tile - tiles0, r, tile_t, warp_amax);
+    for (int64_t j = 0; j < n; j++) { /* the last tile, the first, then n - 2 .. 1 */
+        const int64_t tile = blockIdx.x + (j == 0 ? n - 1 : j == 1 ? 0 : n - j) * gridDim.x;
+        if (j > 0) {
+            __syncthreads(); /* tile_t is free */
+            if (j == 1) unstash_tile<T>(stash, raw);
+            else if (tile < tiles0) pair_load<T>(q0, tile, raw);
+            else pair_load<T>(q1, tile - tiles0, raw);
         }
-        __syncthreads(); /* the next tile reuses tile_t */
+        if (tile < tiles0) pair_cast<T, kE5M2>(q0, tile, raw, tile_t, warp_amax);
+        else pair_cast<T, kE5M2>(q1, tile - tiles0, raw, tile_t, warp_amax);
     }
 }
 
@@ -136,7 +129,7 @@ bool launch_pair(const CastParams &p0, const CastParams &p1, float *amax0, float
                  unsigned tiles, cudaStream_t s) {
     static std::atomic<int> cache[64];
     auto kernel = fused_pair_kernel<T, kE5M2>;
-    const int per_sm = tq_cuda::coop_blocks_per_sm(kernel, kThreads, device, cache);
+    const int per_sm = tq_cuda::coop_blocks_per_sm(kernel, kThreads, device, cache, kStashBytes<T>);
     int sms = 0;
     if (per_sm <= 0 || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
         return false;
@@ -145,7 +138,7 @@ bool launch_pair(const CastParams &p0, const CastParams &p1, float *amax0, float
     float *args_a0 = amax0, *args_a1 = amax1;
     void *args[] = {&args_p0, &args_p1, &args_a0, &args_a1};
     cudaLaunchCooperativeKernel((const void *)kernel, dim3(tiles < most ? tiles : most), dim3(kThreads),
-                                args, 0, s);
+                                args, tiles > most ? (size_t)kStashBytes<T> : 0, s);
     return true;
 }
 

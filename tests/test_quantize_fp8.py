@@ -436,9 +436,9 @@ def test_cuda_runs_on_the_current_stream():
 # Float8CurrentScaling by size (quantize_fp8.cu): <= 64K elements one single-CTA launch, <= 16M
 # one cooperative launch (amax, grid barrier, cast), above that the amax kernel then the cast.
 # In the cooperative launch a CTA with one tile keeps it in registers across the barrier; with
-# more it loads them again after it. On an H100 / H200 (4 bf16 CTAs per SM, 2 float32) 3001 x 3001
-# gives bf16 CTAs one or two ragged tiles and float32 CTAs two or three, 129 x 124000 bf16 CTAs
-# three or four.
+# more it keeps its last there and its first in shared memory, and loads any between again after
+# it. On an H100 / H200 (4 bf16 CTAs per SM, 2 float32) 3001 x 3001 gives bf16 CTAs one or two
+# ragged tiles and float32 CTAs two or three, 129 x 124000 bf16 CTAs three or four.
 FUSED_SIZES = [((256, 256), torch.bfloat16), ((257, 256), torch.bfloat16),
                ((1, 65537), torch.float32), ((65537, 1), torch.float16),
                ((515, 259), torch.float32), ((999, 1000), torch.bfloat16),
