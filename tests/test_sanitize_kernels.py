@@ -69,7 +69,10 @@ pad.cu         pad_rows_kernel<uint4>     linear_step (51 tokens), cuda_graph_st
 quantize_fp8.cu small_current_kernel      quantize_dequantize[current-*] (<= 64K elements;
                                           row / col / both), linear_step[current-*], graphs
                fused_current_kernel       quantize_dequantize[current-*] (> 64K elements: one
-                                          cooperative launch, one tile per CTA)
+                                          cooperative launch, one tile per CTA),
+                                          quantize_current_several_tiles (a CTA's first tile kept
+                                          in shared memory, its last in registers, those between
+                                          loaded again; each direction alone and both)
                fused_current_kernel<dbias> quantize_dbias_one_launch (bf16 grad_output: the
                                           partials, the CTAs' maxima, the sums finished inside;
                                           one tile per CTA, and up to three loaded again)
@@ -353,6 +356,18 @@ def test_quantize_dequantize(name):
             if i == 0:  # the 16-bit outputs once per direction
                 _finite(q.dequantize_direction(direction, BF16),
                         q.dequantize_direction(direction, F16))
+
+
+@pytest.mark.parametrize("shape,dtype", [((8192, 2048), BF16), ((3001, 3001), F32)],
+                         ids=["bf16-two-tiles-per-cta", "f32-up-to-three-ragged"])
+def test_quantize_current_several_tiles(shape, dtype):
+    # current scaling's cooperative cast where CTAs hold several tiles (H100 / H200: 4 bf16 CTAs
+    # per SM, 2 float32): the stash of shared memory and the tiles loaded again after the barrier
+    x = _randn(*shape, dtype=dtype, seed=13)
+    for rowwise, columnwise in ((True, True), (True, False), (False, True)):
+        q = te.ops.quantize(x, RECIPES["current"], "input", rowwise=rowwise, columnwise=columnwise)
+        _touch(q)
+        _check_values(q, x, "rowwise" if rowwise else "columnwise")
 
 
 @pytest.mark.parametrize("name", ["delayed-grad", "current-grad", "block-grad-e5m2",
