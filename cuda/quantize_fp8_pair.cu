@@ -3,9 +3,10 @@
  * tensor keeps its own scale, amax and codes; the bits are those of two tq_quantize calls
  * (quantize_fp8.cu, whose rule and reference, csrc/ref/quantize_fp8_ref.c, apply member by
  * member). CURRENT: fused_pair_kernel, the cooperative one-launch kernel over both tensors'
- * tiles (a CTA with several keeps its first and last across the barrier, as fused_current_kernel). DELAYED: delayed_pair_kernel, the cast kernel over both tensors' tiles (no barrier: a
- * launch's fixed cost saved, ~2-3 us on an H200 for a d=512 te.Linear's W). Both directions,
- * bfloat16 x, one element format; other pairs run as two calls.
+ * tiles (a CTA with several keeps its first and last across the barrier, as
+ * fused_current_kernel does). DELAYED: delayed_pair_kernel, the cast kernel over both tensors'
+ * tiles (no barrier: a launch's fixed cost saved, ~2-3 us on an H200 for a d=512 te.Linear's
+ * W). Both directions, bfloat16 x, one element format; other pairs run as two calls.
  * Tests: tests/test_quantize_pair.py.
  */
 #include <cooperative_groups.h>
