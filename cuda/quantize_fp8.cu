@@ -253,21 +253,20 @@ bool launch_fused(const CastParams &p, float *amax, int device, unsigned tiles, 
     int sms = 0;
     if (per_sm <= 0 || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
         return false;
-    unsigned most = (unsigned)per_sm * (unsigned)sms;
+    unsigned most = (unsigned)per_sm * (unsigned)sms, ctas = tiles;
     if (kDbias) {
         if (most > TQ_FP8_CURRENT_MAX_CTAS) most = TQ_FP8_CURRENT_MAX_CTAS; /* the maxima's slots */
         /* a CTA per 8 columns beside the tiles' CTAs, for the column sums, where they all fit */
         const unsigned chunks = (unsigned)((p.cols + 7) / 8);
-        if (tiles + chunks <= most) tiles += chunks;
+        if (tiles + chunks <= most) ctas += chunks;
     }
     CastParams args_p = p;
     float *args_amax = amax;
     void *args[] = {&args_p, &args_amax};
-    const unsigned grid = tiles < most ? tiles : most;
-    /* the stash only where a CTA has more than one tile (x's tiles, not the dbias CTAs) */
-    const int64_t x_tiles = ((p.rows + kTile - 1) / kTile) * p.tiles_k;
+    const unsigned grid = ctas < most ? ctas : most;
+    /* the stash only where a CTA has more than one of x's tiles */
     cudaLaunchCooperativeKernel((const void *)kernel, dim3(grid), dim3(kThreads), args,
-                                x_tiles > (int64_t)grid ? (size_t)kStashBytes<T> : 0, s);
+                                tiles > grid ? (size_t)kStashBytes<T> : 0, s);
     return true;
 }
 

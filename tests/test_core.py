@@ -174,10 +174,10 @@ def test_quantize_update_program_passes(tmp_path):
 def test_quantize_update_program_fails_without_the_update(tmp_path):
     # Negative control: a core whose casts skip the update must fail the program.
     src = (CORE / "quantize.c").read_text()
-    dropped = "if (st != TQ_SUCCESS || a->update == NULL) return st;"
+    dropped = "return st != TQ_SUCCESS ? st : update_after(a, stream);"
     assert dropped in src, "quantize.c's tq_quantize_then_update changed; update this test"
     broken = tmp_path / "quantize.c"
-    broken.write_text(src.replace(dropped, "return st;"))
+    broken.write_text(src.replace(dropped, "(void)update_after; /* unused here */ return st;"))
     sources = [broken if p.name == "quantize.c" else p for p in ALL_CORE]
     proc = _run_update_program(tmp_path, sources, "test_quantize_update_broken")
     assert proc.returncode != 0, proc.stdout

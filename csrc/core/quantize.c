@@ -225,12 +225,16 @@ static tq_status quantize_checked(const tq_tensor *x, const tq_quant_config *c,
     return tq_quantize_then_update(x, c, a, q, stream);
 }
 
+/* a->update's launch where given (after a cast that did not run it itself). */
+static tq_status update_after(const tq_quantize_args *a, struct CUstream_st *stream) {
+    return a->update == NULL ? TQ_SUCCESS : tq_amax_update(a->update, 1, a->update_args, stream);
+}
+
 tq_status tq_quantize_then_update(const tq_tensor *x, const tq_quant_config *c,
                                   const tq_quantize_args *a, tq_qtensor *q,
                                   struct CUstream_st *stream) {
     const tq_status st = tq_quantize_dispatch(x, c, a, q, stream);
-    if (st != TQ_SUCCESS || a->update == NULL) return st;
-    return tq_amax_update(a->update, 1, a->update_args, stream);
+    return st != TQ_SUCCESS ? st : update_after(a, stream);
 }
 
 tq_status tq_quantize(const tq_tensor *x, const tq_quant_config *c, const tq_quantize_args *a,
@@ -256,11 +260,8 @@ tq_status tq_quantize_pair(const tq_tensor *x0, const tq_quant_config *c0,
         if (st != TQ_SUCCESS) return st;
     }
     if (launched) { /* the pair's launch ran no update */
-        if (a0->update != NULL && (st = tq_amax_update(a0->update, 1, a0->update_args, stream))
-                                      != TQ_SUCCESS)
-            return st;
-        return a1->update == NULL ? TQ_SUCCESS
-                                  : tq_amax_update(a1->update, 1, a1->update_args, stream);
+        st = update_after(a0, stream);
+        return st != TQ_SUCCESS ? st : update_after(a1, stream);
     }
 #endif
     st = quantize_checked(x0, c0, a0, q0, stream);
