@@ -345,7 +345,7 @@ def _assert_same(got, want):
                                       ("swiglu", None), ("srelu", None)])
 def test_compile_bit_identical(act, name, device, fresh_dynamo):
     """aot_eager, fullgraph, autocast inside, 21 tokens: eager's bits; the graphs call
-    tequant::act_fwd and, for the backward, act_bwd where it quantizes fc1's grad_output
+    tequant::act_fwd (act_fwd_delayed under DelayedScaling) and, for the backward, act_bwd where it quantizes fc1's grad_output
     (GradOutput), else act_bwd_over_h (dh written over the saved h); the fused recipes
     linear_fwd_given twice: fc1 and fc2; block scaling once: fc2, whose blocks the activation
     writes, as in eager."""
@@ -363,7 +363,8 @@ def test_compile_bit_identical(act, name, device, fresh_dynamo):
     ops = set(op_names(recorder.fw_graphs + recorder.bw_graphs))
     grad_output = name in ("delayed", "current")  # fc1 on the norm's codes asks for them
     backward = "tequant.act_bwd.default" if grad_output else "tequant.act_bwd_over_h.default"
-    assert {"tequant.act_fwd.default", backward} <= ops, ops
+    act_fwd = "act_fwd_delayed" if name == "delayed" else "act_fwd"  # amax into fc2's history
+    assert {f"tequant.{act_fwd}.default", backward} <= ops, ops
     if name == "block":
         assert op_names(recorder.fw_graphs).count("tequant.linear_fwd_given.default") == 1
     assert not any(a in op for op in ops for a in ("gelu", "silu", "relu", "sigmoid")), ops

@@ -1,6 +1,6 @@
 """te.LayerNormMLP's activation as torch runs it: one autograd Function over the activation kernels
 (tq_act_forward / tq_act_backward, csrc/include/tequant/tequant.h), their tequant::act_fwd /
-tequant::act_bwd ops for torch.compile, and ActInput, fc1's output h that fc2 (a te.Linear)
+act_fwd_delayed / act_bwd ops for torch.compile, and ActInput, fc1's output h that fc2 (a te.Linear)
 activates itself, as _norm_fn.NormInput is the input fc1 normalizes.
 
 One definition serves eager and compiled code (as _norm_fn.py): ActFunction calls the ops'
@@ -13,8 +13,8 @@ functorch transforms, another device, CUDA without a CUDA build) torch's activat
 Fused (ActInput.fused, per-tensor FP8 recipes, the rule of NormInput.fusable): the forward
 writes fc2's rowwise FP8 codes of the FP32 activation (not of it rounded to h's dtype), rows
 zero-padded to the format's multiple; DelayedScaling casts with fc2's input scale and
-max-accumulates the amax into fc2's input history slot, Float8CurrentScaling runs an amax pass,
-then the cast pass.
+max-accumulates the amax into fc2's input history slot (compiled too: tequant::act_fwd_delayed
+takes fc2's buffers), Float8CurrentScaling runs an amax pass, then the cast pass.
 Fused backward (GradOutput): where fc1 multiplies the norm's fused codes, the backward writes
 fc1's grad_output instead of dh: the rowwise FP8 codes of the FP32 dh with fc1's grad_output
 quantizer (its DelayedScaling scale and history slot), its amax and dbias (the kernel's
@@ -42,8 +42,8 @@ from torch.autograd.function import once_differentiable
 from . import _C, _compile, _plan
 from ._compile_ops import (_absent, _delayed_states, _max_into, _or_absent, _rows_cols,
                            config_of, fake, graph_safe_workspace, op)
-from ._norm_fn import (PER_TENSOR, codes_returned, refusal as _norm_refusal,
-                       with_columnwise)
+from ._norm_fn import (PER_TENSOR, codes_returned, delayed_x_state, given_amax,
+                       refusal as _norm_refusal, with_columnwise)
 from ._operands import TQ_DTYPE
 
 __all__ = ["ActFunction", "ActInput", "GradOutput", "activate", "given_dy_backward",
@@ -143,11 +143,24 @@ def _forward_into(h, activation, want_hp, recipe_id, scale, padded, amax, column
 def _act_fwd(h: torch.Tensor, activation: str, want_hp: bool, recipe_id: Optional[str],
              scale: Optional[torch.Tensor], padded: int,
              columnwise: bool = False) -> list[torch.Tensor]:
-    """_forward_into with a fresh amax (the op mutates nothing: compiled code max-accumulates
-    the returned amax into DelayedScaling's history). Its outputs may become a CUDA graph's
-    (reduce-overhead), so the C call allocates them as torch.empty does (graph_safe_workspace)."""
+    """_forward_into with a fresh amax (current scaling's codes, block formats' or none). Its
+    outputs may become a CUDA graph's (reduce-overhead), so the C call allocates them as
+    torch.empty does (graph_safe_workspace)."""
     with graph_safe_workspace():
         return _forward_into(h, activation, want_hp, recipe_id, scale, padded, None, columnwise)
+
+
+@op("tequant::act_fwd_delayed", mutates_args=("hist_fwd",))
+def _act_fwd_delayed(h: torch.Tensor, activation: str, want_hp: bool, recipe_id: str,
+                     scale_fwd: torch.Tensor, padded: int, hist_fwd: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """_forward_into under DelayedScaling on fc2's own buffers, as tequant::norm_fwd_delayed:
+    the kernel max-accumulates amax(y) into x's slot of hist_fwd. (y_hp or an empty uint8 [0],
+    codes, scale_inv)."""
+    scale, slot = delayed_x_state(recipe_id, hist_fwd, scale_fwd, h)
+    with graph_safe_workspace():
+        outs = _forward_into(h, activation, want_hp, recipe_id, scale, padded, slot)
+    return (outs[0] if want_hp else _absent(h),) + tuple(outs[-3:-1])
 
 
 def _fake_codes(like, recipe_id, role, padded, n):
@@ -170,6 +183,12 @@ def _act_fwd_fake(h, activation, want_hp, recipe_id, scale, padded, columnwise=F
     if recipe_id is not None:
         outs += _fake_codes(h, recipe_id, "input", padded, n)
     return outs
+
+
+@fake("tequant::act_fwd_delayed")
+def _act_fwd_delayed_fake(h, activation, want_hp, recipe_id, scale_fwd, padded, hist_fwd):
+    outs = _act_fwd_fake(h, activation, want_hp, recipe_id, None, padded)
+    return (outs[0] if want_hp else _absent(h),) + tuple(outs[-3:-1])
 
 
 def _backward_into(dy, h, activation, recipe_id, padded, scale, dbias_dtype, slot,
@@ -235,7 +254,8 @@ class ActFunction(torch.autograd.Function):
 
     forward(h, scale, amax, activation, want_hp, recipe_id, padded, columnwise, dh, dh_scale,
     dh_slot, *dh_tokens) returns y alone without recipe_id, else (y, codes, scale_inv, amax or
-    None: None where the amax went into the given `amax`, the eager DelayedScaling slot);
+    None: None where the amax went into the given `amax`, the eager DelayedScaling slot, or
+    in compiled code fc2's whole amax_history_fwd, with its whole scale_fwd as `scale`);
     Float8BlockScaling: (y, data, scale_inv[, data_t, scale_inv_t with columnwise]). Without want_hp
     y carries only the gradient (an expanded scalar: no [M, N] store): the te.Linear that reads
     the codes returns its input gradient for it. dh ... dh_tokens: a GradOutput's (_dh_args;
@@ -249,7 +269,10 @@ class ActFunction(torch.autograd.Function):
         h2d = h.reshape(-1, k).contiguous()
         shape = h.shape[:-1] + (_cols(activation, k),)
         args = (h2d, activation, want_hp, recipe_id, scale, padded)
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and amax is not None:  # fc2's buffers
+            outs = torch.ops.tequant.act_fwd_delayed(*args, amax)
+            outs = outs if want_hp else outs[1:]
+        elif torch.compiler.is_compiling():
             outs = torch.ops.tequant.act_fwd(*args, columnwise)
         else:
             outs = _forward_into(*args, amax, columnwise)
@@ -354,7 +377,7 @@ class ActInput:
             members = outs[1:] if columnwise else outs[1:] + (None, None)
             return outs[0], members + (None, None)
         y, data, scale_inv, fresh = outs
-        return y, (data, scale_inv, None, None, amax if fresh is None else fresh, None)
+        return y, (data, scale_inv, None, None, given_amax(amax, fresh), None)
 
 
 # ---- fc1's grad_output from the activation's backward -------------------------------------------

@@ -312,9 +312,10 @@ def _given_forward(ctx, needs, inp, weight, bias, scale_fwd, hist_fwd, scale_bwd
                    recipe_id, group, is_delayed, x, dh):
     """_CompiledLinear's forward for an x given quantized by the fused norm or activation
     (inp carries only the gradient): x = (data [padded rows, K], scale_inv, data_t,
-    scale_inv_t, amax): per-tensor codes (data_t None) with amax, DelayedScaling's amax of this
-    x, accumulated here with W's into the history; or Float8BlockScaling's blocks (data_t given
-    where wgrad needs it, no amax; MXFP8BlockScaling's alike). Backward keeps x's columnwise members (per-tensor: the codes
+    scale_inv_t, amax): per-tensor codes (data_t None) with current scaling's amax (None for
+    DelayedScaling: the norm's or activation's op put it into hist_fwd's x slot); or
+    Float8BlockScaling's blocks (data_t given where wgrad needs it, no amax;
+    MXFP8BlockScaling's alike). Backward keeps x's columnwise members (per-tensor: the codes
     transposed here, as eager's with_columnwise) and W's packed buffer. dh: the activation
     writes dy's codes (_act_fn.GradOutput): (y, *placeholders)."""
     x_data, x_scale_inv, x_data_t, x_scale_inv_t, x_amax = x
@@ -352,6 +353,8 @@ def _given_backward(ctx, dy, dy_q):
     elif needs & NEED_WGRAD:
         x_members[2], x_members[1], x_members[4] = saved[:3]
         saved = saved[3:]
+        if x_members[4] is None:  # DelayedScaling's x: no GEMM reads its amax, which went
+            x_members[4] = x_members[1]  # into the history; linear.c takes a [1, 1] float32
     scale_bwd = hist_bwd = None
     if ctx.is_delayed:
         scale_bwd, hist_bwd = saved[1:3]
@@ -510,8 +513,8 @@ def _local(module, inp, weight, bias, is_first_microbatch):
     if gathered:
         return _gathered.GatheredLinear.apply(inp, weight, bias, scale_fwd, hist_fwd, scale_bwd,
                                               hist_bwd, recipe_id, group)
-    if norm_in is not None:  # x's codes from the norm (a fresh amax: accumulated with W's)
-        carrier, x = norm_in.fused(recipe_id, align, scale_fwd[0:1] if is_delayed else None, None,
+    if norm_in is not None:  # x's codes from the norm (DelayedScaling: its amax into hist_fwd)
+        carrier, x = norm_in.fused(recipe_id, align, scale_fwd, hist_fwd,
                                    columnwise=torch.is_grad_enabled() and weight.requires_grad)
         dh = None  # LayerNormMLP's fc1: dy's codes from the activation's backward (eager's rule)
         if type(norm_in) is NormInput and norm_in.grad_output is not None \

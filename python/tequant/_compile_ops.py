@@ -365,14 +365,14 @@ def linear_fwd_given(x_members: list[Optional[torch.Tensor]], x_shape: list[int]
                      recipe_id: str, needs: int, scale_fwd: Optional[torch.Tensor],
                      hist_fwd: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, W's packed buffer) of y = x W^T + b for x given as its members (needs: linear.c's
-    bits, packed; x's own members are not returned: the caller holds them). DelayedScaling: x's
-    amax (x_members[4], which came with the codes) and W's max-accumulated into row 0 of
-    hist_fwd in place."""
+    bits, packed; x's own members are not returned: the caller holds them). DelayedScaling:
+    W's amax max-accumulated into row 0 of hist_fwd in place (x's is there already: the norm's
+    or activation's op put it there; x_members[4] is None)."""
     plan = _plan.of_id(recipe_id)
     w_state = None
     if plan.delayed:
         x_state, w_state = _delayed_states(recipe_id, None, hist_fwd, scale_fwd, weight)
-        _max_into(x_state[1], x_members[4])
+        x_members = list(x_members[:4]) + [x_state[1]] + list(x_members[5:])
     x = (tuple(x_members), tuple(x_shape), _TQ_DTYPE[x_dtype])
     with graph_safe_workspace():
         out, saved = _C.linear_forward(plan.c_args, x, weight, bias, needs | PACKED, [], None,

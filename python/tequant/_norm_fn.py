@@ -1,6 +1,6 @@
 """The normalization as torch runs it: one autograd Function over the norm kernels
 (tq_norm_forward / tq_norm_backward, csrc/include/tequant/tequant.h), their tequant::norm_fwd /
-tequant::norm_bwd ops for torch.compile, and NormInput, the not yet normalized input that
+norm_fwd_delayed / norm_bwd ops for torch.compile, and NormInput, the not yet normalized input that
 te.LayerNormLinear and te.LayerNormMLP hand their te.Linear.
 
 One definition serves eager and compiled code: NormFunction calls the ops' implementations
@@ -16,7 +16,8 @@ Fused (NormInput.fused, per-tensor FP8 recipes): the forward also writes te.Line
 codes of the FP32 norm output y (not of y rounded to x's dtype), zero-padded to the format's row
 multiple as te.Linear pads its input; DelayedScaling casts with the module's scale and
 max-accumulates amax(y) into the module's input history slot, as te.Linear's own input
-quantization does; Float8CurrentScaling runs an amax pass, then the cast pass.
+quantization does (compiled too: tequant::norm_fwd_delayed takes the module's buffers);
+Float8CurrentScaling runs an amax pass, then the cast pass.
 Tests: tests/test_fused_norm_modules.py, tests/test_fused_norm_compile.py,
 tests/test_norm_modules.py.
 """
@@ -26,7 +27,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import _C, _operands, _plan
-from ._compile_ops import config_of, fake, graph_safe_workspace, op
+from ._compile_ops import (_absent, _delayed_states, config_of, fake, graph_safe_workspace,
+                           op)
 
 __all__ = ["NormFunction", "NormInput", "normalize", "refusal"]
 
@@ -99,13 +101,14 @@ def _forward_into(x, gamma, beta, normalization, eps, zero_centered, want_hp, wa
 
 def codes_returned(ctx, rest, amax):
     """A fused Function's returns after y: (codes, scale_inv, amax) from the op outputs `rest`,
-    none differentiable; the amax is None where it is the caller's own slot (not an output)."""
-    data, scale_inv, amax_out = rest
-    if amax_out is amax:
-        ctx.mark_non_differentiable(data, scale_inv)
-        return data, scale_inv, None
-    ctx.mark_non_differentiable(data, scale_inv, amax_out)
-    return data, scale_inv, amax_out
+    none differentiable; the amax is None where it went into the caller's history (eager: the
+    slot `amax` came back; compiled: the op returned codes and scale_inv only)."""
+    rest = tuple(rest)
+    if len(rest) == 2 or rest[2] is amax:
+        ctx.mark_non_differentiable(*rest[:2])
+        return rest[:2] + (None,)
+    ctx.mark_non_differentiable(*rest)
+    return rest
 
 
 @op("tequant::norm_fwd", mutates_args=())
@@ -113,9 +116,9 @@ def _norm_fwd(x: torch.Tensor, gamma: torch.Tensor, beta: Optional[torch.Tensor]
               normalization: str, eps: float, zero_centered: bool, want_hp: bool,
               want_stats: bool, recipe_id: Optional[str], scale: Optional[torch.Tensor],
               padded: int) -> list[torch.Tensor]:
-    """_forward_into with a fresh amax (the op mutates nothing: compiled code max-accumulates
-    the returned amax into DelayedScaling's history). Its outputs may become a CUDA graph's
-    (reduce-overhead), so the C call allocates them as torch.empty does (graph_safe_workspace)."""
+    """_forward_into with a fresh amax (current scaling's codes, or none). Its outputs may
+    become a CUDA graph's (reduce-overhead), so the C call allocates them as torch.empty does
+    (graph_safe_workspace)."""
     with graph_safe_workspace():
         return _forward_into(x, gamma, beta, normalization, eps, zero_centered, want_hp,
                              want_stats, recipe_id, scale, padded, None)
@@ -135,6 +138,52 @@ def _norm_fwd_fake(x, gamma, beta, normalization, eps, zero_centered, want_hp, w
         outs += [x.new_empty((r, c), dtype=dtype) for r, c, dtype in layout[:2]]
         outs.append(x.new_empty((1, 1), dtype=torch.float32))
     return outs
+
+
+_FWD_OUTS = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@op("tequant::norm_fwd_delayed", mutates_args=("hist_fwd",))
+def _norm_fwd_delayed(x: torch.Tensor, gamma: torch.Tensor, beta: Optional[torch.Tensor],
+                      normalization: str, eps: float, zero_centered: bool, want_hp: bool,
+                      want_stats: bool, recipe_id: str, scale_fwd: torch.Tensor, padded: int,
+                      hist_fwd: torch.Tensor) -> _FWD_OUTS:
+    """_forward_into under DelayedScaling on the te.Linear's own buffers, as eager's call:
+    x's scale and amax slot are views of its scale_fwd and amax_history_fwd, and the kernel
+    max-accumulates amax(y) into the slot (the op mutates hist_fwd). (y_hp, mean, rstd, codes,
+    scale_inv), an empty uint8 [0] for each absent one (a mutating op returns a fixed tuple)."""
+    scale, slot = delayed_x_state(recipe_id, hist_fwd, scale_fwd, x)
+    with graph_safe_workspace():
+        outs = _forward_into(x, gamma, beta, normalization, eps, zero_centered, want_hp,
+                             want_stats, recipe_id, scale, padded, slot)
+    it = iter(outs[:-1])  # the last is the slot itself
+    return tuple(next(it) if w else _absent(x)
+                 for w in _wanted(want_hp, want_stats, normalization))
+
+
+@fake("tequant::norm_fwd_delayed")
+def _norm_fwd_delayed_fake(x, gamma, beta, normalization, eps, zero_centered, want_hp,
+                           want_stats, recipe_id, scale_fwd, padded, hist_fwd):
+    outs = iter(_norm_fwd_fake(x, gamma, beta, normalization, eps, zero_centered, want_hp,
+                               want_stats, recipe_id, None, padded))
+    return tuple(next(outs) if w else _absent(x)
+                 for w in _wanted(want_hp, want_stats, normalization))
+
+
+def _wanted(want_hp, want_stats, normalization):
+    """Which of (y_hp, mean, rstd, codes, scale_inv) tequant::norm_fwd_delayed makes."""
+    return (want_hp, want_stats and normalization == "LayerNorm", want_stats, True, True)
+
+
+def present_outputs(outs, wanted):
+    """The list a fixed-tuple op's outputs stand for: those `wanted`, in order."""
+    return [t for t, w in zip(outs, wanted) if w]
+
+
+def delayed_x_state(recipe_id, hist, scale, like):
+    """(scale [1], amax slot [1]) of x on a te.Linear's forward buffers (scale_fwd [2],
+    amax_history_fwd [L, 2]), views that the fused ops' kernels read and max-accumulate into."""
+    return _delayed_states(recipe_id, None, hist, scale, like)[0]
 
 
 def norm_backward(dy: torch.Tensor, x: torch.Tensor, gamma: torch.Tensor,
@@ -174,9 +223,11 @@ class NormFunction(torch.autograd.Function):
 
     forward(x, weight, bias, scale, amax, normalization, eps, zero_centered, want_hp, recipe_id,
     padded) returns y (x's shape and dtype) alone without recipe_id, else (y, codes, scale_inv,
-    amax or None: None where the amax went into the given `amax`, the eager DelayedScaling
-    slot). Without want_hp y carries only the gradient (an expanded scalar: no [M, K] store):
-    the te.Linear that reads the codes returns its input gradient for it."""
+    amax or None: None where the amax went into the given `amax`: DelayedScaling's slot in
+    eager code, the module's whole amax_history_fwd (with its whole scale_fwd as `scale`) in
+    compiled code, tequant::norm_fwd_delayed). Without want_hp y carries only the gradient (an
+    expanded scalar: no [M, K] store): the te.Linear that reads the codes returns its input
+    gradient for it."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, scale, amax, normalization, eps, zero_centered, want_hp,
@@ -187,7 +238,10 @@ class NormFunction(torch.autograd.Function):
         want_stats = needs[0] or needs[1] or needs[2]
         args = (x2d, weight, bias, normalization, eps, zero_centered, want_hp, want_stats,
                 recipe_id, scale, padded)
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and amax is not None:  # the module's buffers
+            outs = present_outputs(torch.ops.tequant.norm_fwd_delayed(*args, amax),
+                                   _wanted(want_hp, want_stats, normalization))
+        elif torch.compiler.is_compiling():
             outs = torch.ops.tequant.norm_fwd(*args)
         else:
             outs = _forward_into(*args, amax)
@@ -269,8 +323,9 @@ class NormInput:
         """(y, the six members of the rowwise quantization te.Linear multiplies) for the recipe
         registered as recipe_id (per-tensor FP8). scale: DelayedScaling's [1] scale of the
         input; amax: the slot to max-accumulate amax(y) into, or None (a fresh amax, which the
-        members then hold). act_blocks (fusable), columnwise: ActInput's (Float8BlockScaling),
-        unused here."""
+        members then hold); compiled code passes the te.Linear's whole scale_fwd and
+        amax_history_fwd instead (NormFunction), and the members hold no amax then.
+        act_blocks (fusable), columnwise: ActInput's (Float8BlockScaling), unused here."""
         x = self.x
         rows = x.numel() // x.shape[-1]
         y, data, scale_inv, fresh = NormFunction.apply(
@@ -278,7 +333,15 @@ class NormInput:
             self.zero_centered, self.keep_output, recipe_id, _plan.padded(rows, align))
         if self.keep_output:
             self.output = y
-        return y, (data, scale_inv, None, None, amax if fresh is None else fresh, None)
+        return y, (data, scale_inv, None, None, given_amax(amax, fresh), None)
+
+
+def given_amax(amax, fresh):
+    """A fused x's amax member: the fresh amax the op returned, else the eager slot it went
+    into (compiled code: None, the slot is a view of a buffer the graph mutates)."""
+    if fresh is not None or torch.compiler.is_compiling():
+        return fresh
+    return amax
 
 
 def resolved(inp):
