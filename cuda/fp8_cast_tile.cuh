@@ -148,6 +148,31 @@ __device__ __forceinline__ float regs_amax(const TileRegs<T> &raw, float a) {
     return a;
 }
 
+/* bf16: the same maximum on packed pairs, widened once at the end: |v| by clearing the sign
+ * bits, then max.bf16x2, which returns the other operand where one is NaN (tq_amax_step's
+ * rule; the running maxima start at +0 and so are never NaN). Every bf16 widens exactly, so
+ * the result is the element-wise one's; half its instructions (current scaling's first phase
+ * widened every element once for the amax and again for the cast: docs/results/NOTES.md,
+ * thirty-second session). Four running maxima, one per word of a vector, keep the dependent
+ * chain short. */
+template <>
+__device__ __forceinline__ float regs_amax<Bf16>(const TileRegs<Bf16> &raw, float a) {
+    uint32_t m[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+    for (int it = 0; it < kIters; it++)
+#pragma unroll
+        for (int v = 0; v < 2; v++) {
+            const uint32_t w[4] = {raw[it][v].u.x, raw[it][v].u.y, raw[it][v].u.z, raw[it][v].u.w};
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                asm("max.bf16x2 %0, %0, %1;" : "+r"(m[i]) : "r"(w[i] & 0x7FFF7FFFu));
+        }
+    asm("max.bf16x2 %0, %0, %1;" : "+r"(m[0]) : "r"(m[1]));
+    asm("max.bf16x2 %0, %0, %1;" : "+r"(m[2]) : "r"(m[3]));
+    asm("max.bf16x2 %0, %0, %1;" : "+r"(m[0]) : "r"(m[2]));
+    return fmaxf(a, fmaxf(__uint_as_float(m[0] << 16), __uint_as_float(m[0] & 0xFFFF0000u)));
+}
+
 /* The partials of vector kV of the thread's rows (columns (kV * 8 + lane8) * kVec ..); kV is a
  * template argument so that raw is indexed by constants (a loop over the vectors around the
  * runtime loops below was not unrolled, which put raw on the stack). */
