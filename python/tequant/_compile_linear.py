@@ -24,10 +24,11 @@ Traced updates all-reduce row 0 over the autocast's amax_reduction_group first (
 collective in the graph), as delayed.py's eager update does.
 A te.LayerNormLinear (or LayerNormMLP's fc1) hands its input as a _norm_fn.NormInput: where eager
 fuses (NormInput.fusable, the same rule), its norm runs as tequant::norm_fwd writing x's codes
-and the Function multiplies them through tequant::linear_fwd_given / linear_bwd_given (eager's
+(DelayedScaling: norm_fwd_delayed, which puts x's amax into this module's history itself) and
+the Function multiplies them through tequant::linear_fwd_given / linear_bwd_given (eager's
 bits); elsewhere the norm's output goes through the path above. LayerNormMLP's fc2 gets an
-_act_fn.ActInput, its activation run as tequant::act_fwd the same way; where fc1 multiplies the
-norm's codes, the activation's backward (tequant::act_bwd) quantizes fc1's grad_output, which
+_act_fn.ActInput, its activation run as tequant::act_fwd (act_fwd_delayed) the same way; where
+fc1 multiplies the norm's codes, the activation's backward (tequant::act_bwd) quantizes fc1's grad_output, which
 reaches fc1's backward as the gradients of the placeholders its Function returns
 (_act_fn.GradOutput), multiplied there by tequant::linear_bwd_dy_given.
 A weight FSDP2 all-gathered in the recipe's format (distributed/fsdp.py) is traced under the

@@ -2,7 +2,8 @@
 (te.ops), linear_fwd / linear_bwd / amax_update (te.Linear), linear_fwd_given / linear_bwd_given
 (te.Linear on the fused norm's codes), linear_fwd_wgiven / linear_bwd_wgiven (te.Linear on a
 weight FSDP2 gathered in a per-tensor FP8 format) and transpose_codes (the quantized gathers' columnwise
-codes). The norm's own ops, norm_fwd / norm_bwd, are in _norm_fn.py, beside their Function.
+codes). The norm's own ops, norm_fwd / norm_fwd_delayed / norm_bwd, are in _norm_fn.py, beside
+their Function (the activation's in _act_fn.py).
 
 Dynamo cannot trace te.ops' C calls, so under torch.compile each one runs as a torch.library
 custom op: its real implementation is the same C call as eager (the same bits), its fake
