@@ -1,6 +1,6 @@
 """The compiled backward's memory: dh written over h (tequant::act_bwd_over_h,
 python/tequant/_act_fn.py) and a large grad_output quantized in an op of its own
-(_act_fn.split_dy_backward), so the compiled Llama-style block holds neither a second h nor the
+(_dy_given.split_dy_backward), so the compiled Llama-style block holds neither a second h nor the
 bf16 dh next to fc1's dx and dW.
 
 The kernels (cuda/act_backward.cu) and the C reference (csrc/ref/act_backward_ref.c) read each
@@ -18,7 +18,7 @@ import torch
 import torch.utils.checkpoint
 
 import tequant as te
-from tequant import _C, _act_fn
+from tequant import _C, _dy_given
 from tequant.recipe import Float8BlockScaling, MXFP8BlockScaling
 from test_compile import op_names
 from test_act_kernels import ACTS, BASE, DTYPES, gpu_inputs, make, grad_of
@@ -132,7 +132,7 @@ def fresh_dynamo_reset():
 
 @pytest.fixture
 def split_everything(monkeypatch, fresh_dynamo_reset):
-    monkeypatch.setattr(_act_fn, "SPLIT_DY_ELEMENTS", 0)
+    monkeypatch.setattr(_dy_given, "SPLIT_DY_ELEMENTS", 0)
 
 
 def _grads(model, x, step):

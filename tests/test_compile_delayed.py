@@ -1,7 +1,7 @@
 """DelayedScaling's per-module bookkeeping inside the compiled te.Linear's ops (issue 23): the
 forward ops (tequant::linear_fwd in csrc/ext/linear_ops.c, linear_fwd_given in _compile_ops.py)
 take the module's amax history and return a copy with x's and W's amaxes max-accumulated into
-row 0; the backward ops (linear_bwd, linear_bwd_given, linear_bwd_dy_given in _act_fn.py), under
+row 0; the backward ops (linear_bwd, linear_bwd_given, linear_bwd_dy_given in _dy_given.py), under
 the fused update rule and without an amax all-reduce, update the module's history and scale
 (dy's amax accumulated, then rolled by dy's cast: tq_quantize_args.update, inside the
 cooperative dbias pass where that is the cast; test_cuda_backward_update_runs_in_dy_cast), so

@@ -1,5 +1,5 @@
 """fc1's grad_output written by te.LayerNormMLP's activation backward (issue 24, fused dh):
-python/tequant/_act_fn.py (GradOutput, the tequant::act_bwd op, given_dy_backward,
+python/tequant/_act_fn.py (GradOutput, the tequant::act_bwd op), _dy_given.py (given_dy_backward,
 tequant::linear_bwd_dy_given), linear.py and _compile_linear.py (fc1's side).
 
 - The fused path runs: fc1's C backward gets dy as a quantized tuple holding the activation

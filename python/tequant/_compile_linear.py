@@ -37,12 +37,11 @@ others the layer runs eagerly behind a graph break (_eager_local).
 Tests: tests/test_compile.py, tests/test_compile_delayed.py, tests/test_fused_norm_compile.py,
 tests/test_fused_act_modules.py, tests/test_fsdp.py (compile_worker).
 """
-import weakref
-
 import torch
 import torch.nn.functional as F
 
-from . import _C, _act_fn, _compile, _custom_linear, _norm_fn, _plan, delayed
+from . import _C, _act_fn, _compile, _custom_linear, _dy_given, _norm_fn, _plan, delayed
+from . import _compile_modules as _modules
 from . import checkpoint as _checkpoint
 from ._act_fn import ActInput
 from ._norm_fn import NormInput
@@ -235,8 +234,8 @@ class _CompiledLinear(torch.autograd.Function):
                 list(ctx.shape), ctx.x_dtype, ctx.w_dtype, bias_dtype, scale_bwd, hist_bwd)
             return (dx if needs & NEED_DGRAD else None, dw if needs & NEED_WGRAD else None,
                     db if bias_dtype is not None else None) + _NONE_ARGS
-        if _act_fn.splits_dy(ctx.recipe_id, dy, needs, bias_dtype, ctx.is_delayed):
-            return _act_fn.split_dy_backward(dy, x_kept, saved[n_x], ctx.recipe_id,
+        if _dy_given.splits_dy(ctx.recipe_id, dy, needs, bias_dtype, ctx.is_delayed):
+            return _dy_given.split_dy_backward(dy, x_kept, saved[n_x], ctx.recipe_id,
                                              list(ctx.shape), ctx.x_dtype,
                                              ctx.w_dtype) + (None,) + _NONE_ARGS
         outs = torch.ops.tequant.linear_bwd(dy, x_kept, saved[n_x], ctx.recipe_id, needs,
@@ -440,7 +439,7 @@ def forward(module, inp, is_first_microbatch):
                                  and tp.sequence_parallel else None)
     state = _compile.current()
     if state.enabled and not state.recipe.custom():
-        _check_tp_recipe(_module_uid(module), state.recipe_id)
+        _modules.check_tp_recipe(_modules.uid_of(module), state.recipe_id)
     out = tp.linear_hp(inp, lambda x: _local(module, x, weight, None if row else bias,
                                              is_first_microbatch))
     return out + bias.to(out.dtype) if row and bias is not None else out
@@ -505,7 +504,7 @@ def _local(module, inp, weight, bias, is_first_microbatch):
         # fullgraph=True it is an error.
         torch._dynamo.graph_break()
     if is_delayed:
-        _ensure_buffers(_module_uid(module), history_len)
+        _modules.ensure_buffers(_modules.uid_of(module), history_len)
         scale_fwd, hist_fwd = module.delayed_scale_fwd, module.delayed_amax_history_fwd
         scale_bwd, hist_bwd = module.delayed_scale_bwd, module.delayed_amax_history_bwd
         if torch.is_grad_enabled():
@@ -531,14 +530,6 @@ def _local(module, inp, weight, bias, is_first_microbatch):
 
 
 @_compile.constant
-def _check_tp_recipe(uid, recipe_id):
-    """The tensor-parallel group's one-time recipe agreement check (tensor_parallel.py), run
-    while Dynamo traces: every rank traces the same code, so every rank takes part."""
-    _MODULES[uid]._tp.check_recipe(_C._recipe_of_key(int(recipe_id)), int(recipe_id))
-    return True
-
-
-@_compile.constant
 def _in_checkpoint():
     """True while Dynamo traces the body of a torch.utils.checkpoint call (its higher-order
     op's subgraph tracer; tracers from torch 2.11 on carry that description); False outside
@@ -553,32 +544,6 @@ def _in_checkpoint():
             return True
         tracer = tracer.parent
     return False
-
-
-_MODULES = weakref.WeakValueDictionary()  # uid -> te.Linear, for _ensure_buffers
-
-
-def _module_uid(module):
-    uid = module.__dict__.get("_tequant_uid")
-    if uid is None:
-        raise RuntimeError("te.Linear._tequant_uid missing")  # set in Linear.__init__
-    return uid
-
-
-def register_module(module):
-    """Gives a te.Linear the uid _ensure_buffers finds it by (Linear.__init__)."""
-    uid = str(len(_MODULES)) + "." + str(id(module))
-    module.__dict__["_tequant_uid"] = uid
-    _MODULES[uid] = module
-
-
-@_compile.constant
-def _ensure_buffers(uid, length):
-    """Creates a module's DelayedScaling buffers for real while Dynamo traces (it runs once,
-    at trace time): buffers made inside the graph would be graph outputs, which the backward
-    cannot update in place; made here they are ordinary module buffers (graph inputs)."""
-    delayed.ensure(_MODULES[uid], length)
-    return True
 
 
 def _register_delayed(module, state, hist_fwd, scale_fwd, recipe_id):

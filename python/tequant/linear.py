@@ -32,8 +32,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import (_C, _act_fn, _compile_linear, _custom_linear, _norm_fn, _operands, _plan,
-               checkpoint, delayed)
+from . import (_C, _act_fn, _compile_linear, _compile_modules, _custom_linear, _dy_given,
+               _norm_fn, _operands, _plan, checkpoint, delayed)
 from . import _compile_gathered  # noqa: F401  (registers with _compile_linear)
 from ._act_fn import ActInput
 from ._norm_fn import NormInput
@@ -104,7 +104,7 @@ class _QuantizedLinear(torch.autograd.Function):
                              else _COLUMNWISE if needs & _NEED_DGRAD else 0)
         if dy_q and dy_q[0] is not None:  # dy's codes from the activation (_act_fn.GradOutput)
             blocks = plan.dy.scaling in _plan.BLOCK_FORMATS  # (no dbias: not asked with a bias)
-            dx, dw = _act_fn.given_dy_backward(plan.c_args, saved, dy_q, needs, ctx.shape,
+            dx, dw = _dy_given.given_dy_backward(plan.c_args, saved, dy_q, needs, ctx.shape,
                                                ctx.pending, blocks)
             db = dy_q[3] if ctx.needs_input_grad[2] and not blocks else None  # bias dtype
             return dx, dw, db, None, None, None, None, None, None, None, None
@@ -307,7 +307,7 @@ class Linear(torch.nn.Linear):
         module._tp = tp  # tensor parallelism (distributed/tensor_parallel.py), or None
         module._plans = {}           # recipe key -> _plan.Plan (or a CustomRecipe's quantizers)
         module._weight_cache = []    # [recipe key, quantized W] for is_first_microbatch=False
-        _compile_linear.register_module(module)
+        _compile_modules.register_module(module)
 
     # TransformerEngine's tensor-parallel attributes, read from the setting (a copy of the module
     # shares its process group: TensorParallel.__deepcopy__)
@@ -360,7 +360,7 @@ class Linear(torch.nn.Linear):
         state = dict(state)
         cached = state.pop("_weight_cache_recipe", None)
         super().__setstate__(state)
-        _compile_linear.register_module(self)  # a copy (deepcopy, pickle) is a module of its own
+        _compile_modules.register_module(self)  # a copy (deepcopy, pickle) is a module of its own
         if cached is not None:
             recipe, kept = cached
             if self._plan(recipe).delayed:  # its amax is this module's history slot, not a copy
