@@ -9,6 +9,9 @@
  * (quantize_fp8.cu's history-slot rule). So every output equals csrc/ref/norm_forward_ref.c bit
  * for bit, whatever the launch shape.
  *
+ * y_q_t (the codes transposed, wgrad's operand): fast_kernel's kColT form writes it from shared
+ * memory where colt_fits (16-bit x, K <= 4096, M % 32 == 0, no y_hp); else tq_transpose_cuda runs
+ * on y_q after the norm (same bits either way).
  * Two kernels (fast_kernel's code is in norm_forward_fast.cuh, included below):
  * - fast_kernel (the common case: M > 0, K % 8 == 0, K <= 16384, x's rows 16-byte aligned, y_hp's
  *   too and y_q's 8-byte aligned when given, and the GPU holds one of its CTAs; else the other
@@ -76,6 +79,8 @@ struct FwdParams {
     float *mean, *rstd, *amax;
     uint8_t *y_q;
     int64_t ld_q;
+    uint8_t *y_q_t; /* [K, M] codes, y_q transposed (fast_kernel's kColT form writes it) */
+    int64_t ld_qt;
     float *scale_inv;
     const float *scale;   /* DELAYED */
     const float *amax_in; /* CURRENT */
@@ -293,11 +298,22 @@ extern "C" tq_status tq_norm_forward_cuda(const tq_tensor *x, const tq_norm_forw
         p.amax_eps = c->amax_epsilon;
         p.pow2 = (c->flags & TQ_QUANT_POW2_SCALE) != 0;
         p.e5m2 = c->elem_dtype == TQ_DTYPE_FLOAT8_E5M2;
+        p.y_q_t = static_cast<uint8_t *>(a->y_q_t.data);
+        p.ld_qt = a->y_q_t.ld;
     }
     int sms = 132;
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, x->device);
-    bool launched = false;
-    if (fast_fits(p)) {
+    bool launched = false, wrote_t = false;
+    if (colt_fits(p, elem)) {
+        if (x->dtype == TQ_DTYPE_BFLOAT16)
+            launched = p.rms ? launch_fast<Bf16, true, true>(p, sms, s)
+                             : launch_fast<Bf16, false, true>(p, sms, s);
+        else
+            launched = p.rms ? launch_fast<Half, true, true>(p, sms, s)
+                             : launch_fast<Half, false, true>(p, sms, s);
+        wrote_t = launched;
+    }
+    if (!launched && fast_fits(p)) {
         switch (x->dtype) {
             case TQ_DTYPE_FLOAT32:
                 launched = p.rms ? launch_fast<float, true>(p, sms, s)
@@ -322,5 +338,10 @@ extern "C" tq_status tq_norm_forward_cuda(const tq_tensor *x, const tq_norm_forw
     }
     const cudaError_t err = cudaGetLastError(); /* cleared: must not poison later calls */
     if (err != cudaSuccess) return cuda_failed("norm forward kernel launch", err);
+    /* y_q_t where the kernel that ran does not write it: the codes transposed after it */
+    if (p.y_q_t != nullptr && !wrote_t && x->rows > 0) {
+        tq_tensor y_q_t = a->y_q_t;
+        return tq_transpose_cuda(&a->y_q, &y_q_t, stream);
+    }
     return TQ_SUCCESS;
 }

@@ -1,6 +1,6 @@
-/* norm_forward_fast.cuh: norm_forward.cu's fast_kernel (whole chunks, aligned rows, K <= 16384)
- * and its launch: what it computes, and why its bits are the reference's, is in norm_forward.cu's
- * opening comment. Included by norm_forward.cu alone, inside its anonymous namespace, after
+/* norm_forward_fast.cuh: norm_forward.cu's fast_kernel (whole chunks, aligned rows, K <= 16384;
+ * with y_q_t written from shared memory: tiles of 32 rows, K <= 4096) and its launch: what it
+ * computes, and why its bits are the reference's, is in norm_forward.cu's opening comment. Included by norm_forward.cu alone, inside its anonymous namespace, after
  * FwdParams and the shared pieces it uses (a part of that translation unit kept in its own file
  * for size). Tests: tests/test_norm_kernels.py (GPU cases), tests/test_sanitize_kernels.py.
  */
@@ -96,11 +96,11 @@ enum WriteMode { kAny, kCodesAmax, kCodes, kAmax };
 
 /* y of one whole chunk (raw: its packed x; c: its index) into the outputs, and amax. g, b: the
  * staged gamma / beta; yrow, qrow: the row of y_hp / y_q (only where given). */
-template <typename T, bool kRms, int kMode>
+template <typename T, bool kRms, int kMode, bool kStage>
 __device__ __forceinline__ void fast_write(const FwdParams &p, const uint4 (&raw)[kVecs<T>],
                                            int c, const float4 *g, const float4 *b, int nch,
                                            float mean, float rstd, float scale, T *yrow,
-                                           uint2 *qrow, float &amax) {
+                                           uint2 *qrow, uint32_t *srow, float &amax) {
     constexpr bool kWantAmax = kMode == kAny || kMode == kCodesAmax || kMode == kAmax;
     constexpr bool kWantCodes = kMode == kCodesAmax || kMode == kCodes;
     float v[kChunk], y[kChunk];
@@ -146,29 +146,77 @@ __device__ __forceinline__ void fast_write(const FwdParams &p, const uint4 (&raw
         for (int e = 0; e < kChunk; e++) scaled[e] = tq_mul(y[e], scale);
         tq_norm::cvt8x8(scaled, kMode == kAny && p.e5m2, w);
         qrow[c] = make_uint2(w[0], w[1]);
+        if constexpr (kStage) srow[2 * c] = w[0], srow[2 * c + 1] = w[1]; /* 4-byte aligned */
     }
 }
 
-/* The output pass over a thread's chunks of one row. */
-template <typename T, int kT, int kC, bool kRms, bool kFull, int kMode>
+/* The output pass over a thread's chunks of one row (kStage: its codes into srow too). */
+template <typename T, int kT, int kC, bool kRms, bool kFull, int kMode, bool kStage>
 __device__ __forceinline__ void fast_write_row(const FwdParams &p,
                                                const uint4 (&raw)[kC][kVecs<T>], int t,
                                                const float4 *g, const float4 *b, int nch,
                                                float mean, float rstd, float scale, T *yrow,
-                                               uint2 *qrow, float &amax) {
+                                               uint2 *qrow, uint32_t *srow, float &amax) {
 #pragma unroll
     for (int j = 0; j < kC; j++) {
         const int c = t + j * kT;
         if (kFull || c < nch)
-            fast_write<T, kRms, kMode>(p, raw[j], c, g, b, nch, mean, rstd, scale, yrow, qrow,
-                                       amax);
+            fast_write<T, kRms, kMode, kStage>(p, raw[j], c, g, b, nch, mean, rstd, scale, yrow,
+                                               qrow, srow, amax);
+    }
+}
+
+/* kColT: the rows of a tile of kTileRows, staged in shared memory as codes, leave as columns
+ * of y_q_t: y_q_t[j][tile rows] is one whole 32-byte sector, written by the four lanes of one
+ * warp store (a sector written in parts by different CTAs at different times costs the L2 a
+ * read of it from HBM: a 16-row form measured 2.5-4x slower than the norm plus the transpose).
+ * A staged row takes K + 4 bytes, so that the four lanes reading rows 8 apart hit other banks. */
+constexpr int kTileRows = 32;
+
+__host__ __device__ constexpr int64_t stage_ld(int64_t cols) { return cols + 4; }
+
+/* The staged tile into y_q_t's columns tile * 32 .. + 31: item (q, quarter) of a thread reads
+ * one 4-byte word (columns 4q .. 4q+3) of each of the quarter's 8 rows, regroups the bytes by
+ * column (byte_perm) and stores each column's 8 rows with one 8-byte store; the quarter is the
+ * fastest-varying part of the item, so lanes 4i .. 4i+3 complete 4 columns' sectors. */
+template <int kCta>
+__device__ __forceinline__ void write_tile_t(const FwdParams &p, const uint8_t *stage,
+                                             int64_t tile) {
+    const int items = (int)p.cols; /* (cols / 4) quads x 4 quarters */
+    const int64_t ld = stage_ld(p.cols);
+    for (int item = threadIdx.x; item < items; item += kCta) {
+        const int q = item >> 2, quarter = item & 3;
+        uint32_t w[8];
+#pragma unroll
+        for (int r = 0; r < 8; r++)
+            w[r] = *reinterpret_cast<const uint32_t *>(stage + (8 * quarter + r) * ld + 4 * q);
+        uint32_t col[4][2]; /* col[i][j]: rows 4j .. 4j+3 of the quarter, column 4q + i */
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const uint32_t lo01 = __byte_perm(w[4 * j], w[4 * j + 1], 0x5140);
+            const uint32_t hi01 = __byte_perm(w[4 * j], w[4 * j + 1], 0x7362);
+            const uint32_t lo23 = __byte_perm(w[4 * j + 2], w[4 * j + 3], 0x5140);
+            const uint32_t hi23 = __byte_perm(w[4 * j + 2], w[4 * j + 3], 0x7362);
+            col[0][j] = __byte_perm(lo01, lo23, 0x5410);
+            col[1][j] = __byte_perm(lo01, lo23, 0x7632);
+            col[2][j] = __byte_perm(hi01, hi23, 0x5410);
+            col[3][j] = __byte_perm(hi01, hi23, 0x7632);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            *reinterpret_cast<uint2 *>(p.y_q_t + (int64_t)(4 * q + i) * p.ld_qt
+                                       + tile * kTileRows + 8 * quarter) =
+                make_uint2(col[i][0], col[i][1]);
     }
 }
 
 /* kT threads per row, kC chunks per thread, kCta threads per CTA; kFull: every row is exactly
  * kT * kC chunks (no bounds at all). Registers are capped so that 1024 threads fit an SM when
- * the packed row takes at most 32 registers per thread (else 512). */
-template <typename T, int kT, int kC, bool kRms, bool kFull, int kCta>
+ * the packed row takes at most 32 registers per thread (else 512). kColT (E4M3 codes without
+ * y_hp, M % 32 == 0: colt_fits): the CTA takes tiles of 32 consecutive rows (its groups split
+ * a tile's rows), stages their codes in shared memory after gamma / beta and writes y_q_t's
+ * columns of the tile (write_tile_t) before the next; each row is computed as without it. */
+template <typename T, int kT, int kC, bool kRms, bool kFull, int kCta, bool kColT>
 __global__ void __launch_bounds__(kCta, (kC * kVecs<T> <= 8 ? 1024 : 512) / kCta)
     fast_kernel(const FwdParams p) {
     constexpr int kV = kVecs<T>, kSlots = kLanes / kT, kGroups = kCta / kT;
@@ -200,8 +248,7 @@ __global__ void __launch_bounds__(kCta, (kC * kVecs<T> <= 8 ? 1024 : 512) / kCta
                      : (!p.quantize && p.y_hp == nullptr && p.amax != nullptr) ? kAmax : kAny;
     float amax = 0.0f;
     int buf = 0;
-    for (int64_t row = (int64_t)blockIdx.x * kGroups + group; row < p.rows;
-         row += (int64_t)gridDim.x * kGroups) {
+    auto do_row = [&](int64_t row, uint32_t *srow) {
         const uint4 *xr =
             reinterpret_cast<const uint4 *>(static_cast<const T *>(p.x) + row * p.ld_x);
         uint4 raw[kC][kV];
@@ -254,14 +301,30 @@ __global__ void __launch_bounds__(kCta, (kC * kVecs<T> <= 8 ? 1024 : 512) / kCta
         }
         T *yrow = p.y_hp != nullptr ? static_cast<T *>(p.y_hp) + row * p.ld_y : nullptr;
         uint2 *qrow = p.quantize ? reinterpret_cast<uint2 *>(p.y_q + row * p.ld_q) : nullptr;
-#define TQ_FAST_WRITE_ROW(mode_)                                                                 \
-    fast_write_row<T, kT, kC, kRms, kFull, mode_>(p, raw, t, g_sm, b_sm, nch, mean, rstd, scale, \
-                                                  yrow, qrow, amax)
+#define TQ_FAST_WRITE_ROW(mode_)                                                          \
+    fast_write_row<T, kT, kC, kRms, kFull, mode_, kColT>(p, raw, t, g_sm, b_sm, nch, mean, \
+                                                         rstd, scale, yrow, qrow, srow, amax)
         if (mode == kCodesAmax) TQ_FAST_WRITE_ROW(kCodesAmax);
-        else if (mode == kCodes) TQ_FAST_WRITE_ROW(kCodes);
+        else if (kColT || mode == kCodes) TQ_FAST_WRITE_ROW(kCodes);
         else if (mode == kAmax) TQ_FAST_WRITE_ROW(kAmax);
         else TQ_FAST_WRITE_ROW(kAny);
 #undef TQ_FAST_WRITE_ROW
+    };
+    if constexpr (kColT) {
+        uint8_t *stage = reinterpret_cast<uint8_t *>(w_smem + (kRms ? 2 : 4) * nch);
+        const int64_t tiles = p.rows / kTileRows;
+        for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+            for (int i = group; i < kTileRows; i += kGroups)
+                do_row(tile * kTileRows + i,
+                       reinterpret_cast<uint32_t *>(stage + i * stage_ld(p.cols)));
+            __syncthreads(); /* the tile's codes are staged */
+            write_tile_t<kCta>(p, stage, tile);
+            __syncthreads(); /* read before the next tile overwrites them */
+        }
+    } else {
+        for (int64_t row = (int64_t)blockIdx.x * kGroups + group; row < p.rows;
+             row += (int64_t)gridDim.x * kGroups)
+            do_row(row, nullptr);
     }
     if (p.amax != nullptr) {
         for (int offset = 16; offset > 0; offset >>= 1)
@@ -278,13 +341,15 @@ __global__ void __launch_bounds__(kCta, (kC * kVecs<T> <= 8 ? 1024 : 512) / kCta
 /* Launches fast_kernel; false (nothing launched, no error left pending) where this GPU cannot
  * hold one of its CTAs (shared memory: 136 KiB for LayerNorm at K = 16384; GPUs that JIT the
  * PTX may have less), and the caller runs the general kernel instead. */
-template <typename T, int kT, int kC, bool kRms, bool kFull, int kCta>
+template <typename T, int kT, int kC, bool kRms, bool kFull, int kCta, bool kColT>
 bool launch_fast_kernel(const FwdParams &p, int sms, cudaStream_t s) {
     constexpr int kGroups = kCta / kT;
-    const auto kernel = fast_kernel<T, kT, kC, kRms, kFull, kCta>;
-    /* FP32 gamma (and beta): K floats each, at most 128 KiB; with the static fold scratch past
-     * 48 KiB the kernel must opt in to more dynamic memory */
-    const size_t smem = (kRms ? 1 : 2) * (size_t)p.cols * sizeof(float);
+    static_assert(!kColT || kTileRows % kGroups == 0, "a tile's rows split evenly");
+    const auto kernel = fast_kernel<T, kT, kC, kRms, kFull, kCta, kColT>;
+    /* FP32 gamma (and beta): K floats each, at most 128 KiB (kColT: and a tile of codes); with
+     * the static fold scratch past 48 KiB the kernel must opt in to more dynamic memory */
+    const size_t smem = (kRms ? 1 : 2) * (size_t)p.cols * sizeof(float)
+                        + (kColT ? (size_t)(kTileRows * stage_ld(p.cols)) : 0);
     if (smem + sizeof(float) * (2 * kCta + kCta / 32) > 48 * 1024
         && cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)
                != cudaSuccess) {
@@ -298,36 +363,40 @@ bool launch_fast_kernel(const FwdParams &p, int sms, cudaStream_t s) {
         (void)cudaGetLastError();
         return false;
     }
-    int64_t grid = (p.rows + kGroups - 1) / kGroups;
+    int64_t grid = kColT ? p.rows / kTileRows : (p.rows + kGroups - 1) / kGroups;
     const int64_t cap = (int64_t)sms * per_sm;
     if (grid > cap) grid = cap;
     kernel<<<(unsigned)grid, kCta, smem, s>>>(p);
     return true;
 }
 
-template <typename T, int kT, int kC, bool kRms, int kCta>
+template <typename T, int kT, int kC, bool kRms, int kCta, bool kColT>
 bool launch_fast_as(const FwdParams &p, int sms, cudaStream_t s) {
     if (p.nchunks == (int64_t)kT * kC)
-        return launch_fast_kernel<T, kT, kC, kRms, true, kCta>(p, sms, s);
-    return launch_fast_kernel<T, kT, kC, kRms, false, kCta>(p, sms, s);
+        return launch_fast_kernel<T, kT, kC, kRms, true, kCta, kColT>(p, sms, s);
+    return launch_fast_kernel<T, kT, kC, kRms, false, kCta, kColT>(p, sms, s);
 }
 
 /* kT and kC by row length: the fewest threads per row that hold it in kC <= 8 (16-bit) or
- * kC <= 4 (FP32; 8 for K > 8192) chunks of registers. */
-template <typename T, bool kRms>
+ * kC <= 4 (FP32; 8 for K > 8192) chunks of registers. kColT (16-bit x, K <= 4096: colt_fits):
+ * at K > 2048 one CTA of 1024 threads an SM (its 132 KiB tile of codes leaves room for one),
+ * 128 threads a row. */
+template <typename T, bool kRms, bool kColT = false>
 bool launch_fast(const FwdParams &p, int sms, cudaStream_t s) {
     const int64_t n = p.nchunks;
-    if (n <= 128) return launch_fast_as<T, 32, 4, kRms, 512>(p, sms, s);
+    if (n <= 128) return launch_fast_as<T, 32, 4, kRms, 512, kColT>(p, sms, s);
     if constexpr (sizeof(T) == 2) {
-        if (n <= 256) return launch_fast_as<T, 32, 8, kRms, 512>(p, sms, s);
-        if (n <= 512) return launch_fast_as<T, 64, 8, kRms, 512>(p, sms, s);
-        if (n <= 1024) return launch_fast_as<T, 128, 8, kRms, 512>(p, sms, s);
-        return launch_fast_as<T, 256, 8, kRms, 1024>(p, sms, s);
+        if (n <= 256) return launch_fast_as<T, 32, 8, kRms, 512, kColT>(p, sms, s);
+        if (kColT) return launch_fast_as<T, 128, 4, kRms, 1024, kColT>(p, sms, s);
+        if (n <= 512) return launch_fast_as<T, 64, 8, kRms, 512, false>(p, sms, s);
+        if (n <= 1024) return launch_fast_as<T, 128, 8, kRms, 512, false>(p, sms, s);
+        return launch_fast_as<T, 256, 8, kRms, 1024, false>(p, sms, s);
     } else {
-        if (n <= 256) return launch_fast_as<T, 64, 4, kRms, 512>(p, sms, s);
-        if (n <= 512) return launch_fast_as<T, 128, 4, kRms, 512>(p, sms, s);
-        if (n <= 1024) return launch_fast_as<T, 256, 4, kRms, 1024>(p, sms, s);
-        return launch_fast_as<T, 256, 8, kRms, 512>(p, sms, s);
+        static_assert(!kColT, "kColT is instantiated for 16-bit x only");
+        if (n <= 256) return launch_fast_as<T, 64, 4, kRms, 512, false>(p, sms, s);
+        if (n <= 512) return launch_fast_as<T, 128, 4, kRms, 512, false>(p, sms, s);
+        if (n <= 1024) return launch_fast_as<T, 256, 4, kRms, 1024, false>(p, sms, s);
+        return launch_fast_as<T, 256, 8, kRms, 512, false>(p, sms, s);
     }
 }
 
@@ -335,4 +404,12 @@ bool launch_fast(const FwdParams &p, int sms, cudaStream_t s) {
 bool fast_fits(const FwdParams &p) {
     return p.rows > 0 && p.cols % kChunk == 0 && p.nchunks <= kFastMaxChunks && p.x_vec &&
            (p.y_hp == nullptr || p.y_vec) && (!p.quantize || p.q_vec);
+}
+
+/* ... and writes y_q_t itself (kColT): E4M3 codes without y_hp (its two write modes), whole
+ * tiles of 32 rows, 8-byte aligned columns of y_q_t, K <= 4096 (a tile of codes in shared memory). */
+bool colt_fits(const FwdParams &p, size_t elem) {
+    return p.y_q_t != nullptr && fast_fits(p) && elem == 2 && p.quantize && !p.e5m2
+           && p.y_hp == nullptr && p.rows % kTileRows == 0 && p.nchunks <= 512
+           && tq_norm::aligned(p.y_q_t, 8) && p.ld_qt % 8 == 0;
 }

@@ -54,14 +54,17 @@ def test_norm_errors():
     x, gamma, beta, dy = make(4, 16, torch.float32)
     cur = te.quantizer_config(Float8CurrentScaling(), "input")
     mx = te.quantizer_config(MXFP8BlockScaling(), "input")
-    with pytest.raises(TypeError, match="takes 12 positional arguments, got 11"):
-        _C._norm_fwd(x, gamma, None, "LayerNorm", 1e-5, False, True, True, None, None, None)
+    with pytest.raises(TypeError, match="takes 13 positional arguments, got 12"):
+        _C._norm_fwd(x, gamma, None, "LayerNorm", 1e-5, False, True, True, None, None, None, 0)
     with pytest.raises(ValueError, match="padded=3 must be at least the 4 rows quantized"):
-        _C._norm_fwd(x, gamma, None, "LayerNorm", 1e-5, False, True, True, cur, None, None, 3)
+        _C._norm_fwd(x, gamma, None, "LayerNorm", 1e-5, False, True, True, cur, None, None, 3,
+                     False)
     with pytest.raises(NotImplementedError, match="per-tensor FP8"):
-        _C._norm_fwd(x, gamma, None, "LayerNorm", 1e-5, False, True, True, mx, None, None, 32)
+        _C._norm_fwd(x, gamma, None, "LayerNorm", 1e-5, False, True, True, mx, None, None, 32,
+                     True)
     with pytest.raises(ValueError, match="norm must be 'LayerNorm' or 'RMSNorm'"):
-        _C._norm_fwd(x, gamma, None, "BatchNorm", 1e-5, False, True, True, None, None, None, 0)
+        _C._norm_fwd(x, gamma, None, "BatchNorm", 1e-5, False, True, True, None, None, None, 0,
+                     False)
     f = forward(x, gamma, "LayerNorm", beta=beta)
     args = (dy, x, gamma, f["mean"], f["rstd"], "LayerNorm", False, True)
     with pytest.raises(TypeError, match="grad_dtype must be torch.float32, bfloat16 or float16"):
@@ -108,7 +111,7 @@ from tequant.recipe import DelayedScaling
 cfg = te.quantizer_config(DelayedScaling(), "input")
 x, gamma = torch.randn(3, 16), torch.ones(16)
 outs = _C._norm_fwd(x, gamma, None, "RMSNorm", 1e-5, False, False, False, cfg,
-                    torch.ones(1), None, 16)
+                    torch.ones(1), None, 16, False)
 assert [tuple(t.shape) for t in outs] == [(16, 16), (1, 1), (1, 1)], outs
 assert not outs[0][3:].view(torch.uint8).any() and outs[2].item() > 0
 print("ok")

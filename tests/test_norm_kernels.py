@@ -41,8 +41,9 @@ def make(m, k, dtype, seed=0, device="cpu", gamma_dtype=None, offset=0.0):
 
 
 def forward(x, gamma, norm, beta=None, zc=False, eps=EPS, cfg=None, scale=None, amax_in=None,
-            amax0=0.0, want=("y_hp", "mean", "rstd", "amax")):
-    """Every output asked for, allocated poisoned (NaN / 0xAB) so an unwritten element shows."""
+            amax0=0.0, want=("y_hp", "mean", "rstd", "amax"), y_q_t=None):
+    """Every output asked for, allocated poisoned (NaN / 0xAB) so an unwritten element shows
+    (y_q_t: the caller's, passed through)."""
     m, k = x.reshape(-1, x.shape[-1]).shape
     dev = x.device
     out = {}
@@ -63,6 +64,8 @@ def forward(x, gamma, norm, beta=None, zc=False, eps=EPS, cfg=None, scale=None, 
             kw["scale"] = scale
         if amax_in is not None:
             kw["amax_in"] = amax_in
+        if y_q_t is not None:
+            kw["y_q_t"] = y_q_t
     _C._norm_forward(x, gamma, norm, eps=eps, zero_centered_gamma=zc, beta=beta, **kw)
     return out
 

@@ -97,6 +97,32 @@ def test_norm_forward_fast():
         torch.sum(y_q, dtype=torch.int64)
 
 
+def test_norm_forward_columnwise():
+    """fast_kernel's kColT form (the codes staged in shared memory, a tile's columns written
+    between two CTA barriers): every row-length variant it takes, both norms, 16-bit x, delayed
+    scaling's pass and current scaling's cast pass; two shapes with more tiles than the grid
+    has CTAs, so the staging buffer is reused (racecheck); and one fallback (M % 32 != 0)."""
+    delayed = te.quantizer_config(DelayedScaling(), "input")
+    current = te.quantizer_config(Float8CurrentScaling(), "input")
+    cases = [(64, k, d, n) for k in (8, 512, 2048, 3072, 4096) for d in (BF16, F16)
+             for n in ("LayerNorm", "RMSNorm")]
+    cases += [(8192, 512, BF16, "LayerNorm"), (4096, 4096, F16, "RMSNorm"),
+              (40, 1024, BF16, "LayerNorm")]
+    for i, (m, k, dtype, norm) in enumerate(cases):
+        x = _randn(m, k, dtype=dtype, seed=90 + i)
+        gamma = _randn(k, dtype=dtype, seed=91 + i) + 1
+        y_q = torch.empty(m, k, dtype=torch.uint8, device=DEVICE)
+        y_q_t = torch.empty(k, m + 8, dtype=torch.uint8, device=DEVICE)[:, :m]
+        scale_inv, amax = torch.empty(1, device=DEVICE), torch.zeros(1, device=DEVICE)
+        _C._norm_forward(x, gamma, norm, config=delayed, y_q=y_q, scale_inv=scale_inv,
+                         scale=torch.ones(1, device=DEVICE), amax=amax, y_q_t=y_q_t)
+        torch.sum(y_q_t, dtype=torch.int64)  # read it all (initcheck)
+        _C._norm_forward(x, gamma, norm, config=current, y_q=y_q, scale_inv=scale_inv,
+                         amax_in=amax, rstd=torch.empty(m, device=DEVICE), y_q_t=y_q_t)
+        _finite(amax, scale_inv)
+        torch.sum(y_q_t, dtype=torch.int64)
+
+
 # ---- activations -----------------------------------------------------------------------------
 
 ACTS = ("gelu", "relu", "silu", "qgelu", "srelu", "geglu", "reglu", "swiglu", "identity")

@@ -63,6 +63,9 @@ norm_forward.cu norm_forward_kernel<f32|bf16|f16, kT 32|64|128|256 in registers,
                                           norm_forward_fast (every
                                           variant in each output mode; three shapes with several
                                           rows per row group: named barriers reused)
+               fast_kernel<bf16|f16, ..., kColT> (y_q_t from shared memory)
+                                          norm_forward_columnwise (K = 8 .. 4096, two shapes
+                                          with more tiles than CTAs, one M % 32 != 0)
 pad.cu         pad_rows_kernel<uint4>     linear_step (51 tokens), cuda_graph_step (50 tokens)
                pad_rows_kernel<uint8_t>   linear_step (third step: an input one element off a
                                           16-byte boundary)

@@ -89,6 +89,13 @@ tq_status tq_norm_forward(const tq_tensor *x, const tq_norm_forward_args *a,
         return st;
     st = check_quantized(fn, x, a);
     if (st != TQ_SUCCESS) return st;
+    if (tq_given(&a->y_q_t)) {
+        if (a->config == NULL || (!tq_given(&a->y_q) && m > 0))
+            return tq_fused_not_for(fn, "y_q_t", "it is y_q transposed: give config and y_q too");
+        st = tq_fused_check_matrix(fn, &a->y_q_t, "y_q_t", k, m, a->config->elem_dtype, x->device,
+                                   "x transposed");
+        if (st != TQ_SUCCESS) return st;
+    }
     return TQ_DISPATCH(norm_forward, x->device == TQ_DEVICE_CPU, x, a, stream);
 }
 

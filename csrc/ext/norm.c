@@ -56,16 +56,16 @@ static int run_backward(tqx_state *st, const tq_tensor *dy, PyObject *x_obj, con
 static PyObject *py_norm_forward(PyObject *module, PyObject *args, PyObject *kwargs) {
     static char *kwlist[] = {"x", "gamma", "norm", "eps", "zero_centered_gamma", "beta", "y_hp",
                              "mean", "rstd", "amax", "config", "y_q", "scale_inv", "scale",
-                             "amax_in", NULL};
+                             "amax_in", "y_q_t", NULL};
     PyObject *x_obj, *gamma, *norm_name, *beta = NULL, *y_hp = NULL, *mean = NULL, *rstd = NULL;
     PyObject *amax = NULL, *config = NULL, *y_q = NULL, *scale_inv = NULL, *scale = NULL;
-    PyObject *amax_in = NULL;
+    PyObject *amax_in = NULL, *y_q_t = NULL;
     double eps = 1e-5;
     int zero_centered = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOU|$dpOOOOOOOOOO:_norm_forward", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOU|$dpOOOOOOOOOOO:_norm_forward", kwlist,
                                      &x_obj, &gamma, &norm_name, &eps, &zero_centered, &beta,
                                      &y_hp, &mean, &rstd, &amax, &config, &y_q, &scale_inv,
-                                     &scale, &amax_in))
+                                     &scale, &amax_in, &y_q_t))
         return NULL;
     tqx_state *st = tqx_module_state(module);
     tq_norm_forward_args a = TQ_NORM_FORWARD_ARGS_INIT;
@@ -85,7 +85,8 @@ static PyObject *py_norm_forward(PyObject *module, PyObject *args, PyObject *kwa
         || tqx_optional_tensor(st, y_q, "y_q", CODES, &a.y_q) < 0
         || tqx_optional_tensor(st, scale_inv, "scale_inv", F32, &a.scale_inv) < 0
         || tqx_optional_tensor(st, scale, "scale", F32, &a.scale) < 0
-        || tqx_optional_tensor(st, amax_in, "amax_in", F32, &a.amax_in) < 0)
+        || tqx_optional_tensor(st, amax_in, "amax_in", F32, &a.amax_in) < 0
+        || tqx_optional_tensor(st, y_q_t, "y_q_t", CODES, &a.y_q_t) < 0)
         return NULL;
     if (config != NULL && config != Py_None) {
         if (tqx_config_from_py(st, config, &cfg) < 0) return NULL;
@@ -132,12 +133,12 @@ static PyObject *py_norm_backward(PyObject *module, PyObject *args, PyObject *kw
  * direction, its outputs made by fused_out.c ---- */
 
 /* _norm_fwd(x, gamma, beta, norm, eps, zero_centered, want_hp, want_stats, config, scale, amax,
- * padded): see the method table. */
+ * padded, columnwise): see the method table. */
 static PyObject *py_norm_fwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 12) {
+    if (nargs != 13) {
         PyErr_Format(PyExc_TypeError, "_norm_fwd(x, gamma, beta, norm, eps, zero_centered, "
-                     "want_hp, want_stats, config, scale, amax, padded) takes 12 positional "
-                     "arguments, got %zd", nargs);
+                     "want_hp, want_stats, config, scale, amax, padded, columnwise) takes 13 "
+                     "positional arguments, got %zd", nargs);
         return NULL;
     }
     tqx_state *st = tqx_module_state(module);
@@ -146,12 +147,12 @@ static PyObject *py_norm_fwd(PyObject *module, PyObject *const *args, Py_ssize_t
     tq_tensor x;
     tqx_tensor_info info;
     tq_quant_config cfg;
-    int zero_centered, want_hp, want_stats;
+    int zero_centered, want_hp, want_stats, columnwise;
     const double eps = PyFloat_AsDouble(args[4]);
     const long long padded = PyLong_AsLongLong(args[11]);
     if (PyErr_Occurred() || norm_from_py(args[3], &a.norm) < 0
         || tqx_flag_arg(args[5], &zero_centered) < 0 || tqx_flag_arg(args[6], &want_hp) < 0
-        || tqx_flag_arg(args[7], &want_stats) < 0
+        || tqx_flag_arg(args[7], &want_stats) < 0 || tqx_flag_arg(args[12], &columnwise) < 0
         || tqx_tensor_from_py(st, x_obj, "x", TQX_FLOAT_DTYPES, &x, &info) < 0
         || tqx_tensor_from_py(st, args[1], "gamma", TQX_FLOAT_DTYPES, &a.gamma, NULL) < 0
         || tqx_optional_tensor(st, args[2], "beta", TQX_FLOAT_DTYPES, &a.beta) < 0
@@ -177,18 +178,25 @@ static PyObject *py_norm_fwd(PyObject *module, PyObject *const *args, Py_ssize_t
         Py_DECREF(device);
         return outs;
     }
-    tq_tensor codes, scale_inv;
+    tq_tensor codes, scale_inv, codes_t = TQ_TENSOR_NONE;
     if (tqx_fused_fp8_outputs(st, outs, &cfg, padded, m, k, device, x.device, amax_obj, &codes,
                               &scale_inv, &a.amax) < 0)
         goto fail;
+    /* wgrad's columnwise codes [K, padded] (columns past M zero), written by the same pass */
+    if (columnwise) {
+        if (tqx_new_output(st, outs, k, padded, 0, codes.dtype, device, x.device, padded > m,
+                           &codes_t) < 0)
+            goto fail;
+        codes_t.cols = m;
+    }
     if (cfg.scaling == TQ_SCALING_DELAYED) { /* one pass: cast with the scale, amax alongside */
-        a.config = &cfg, a.y_q = codes, a.scale_inv = scale_inv;
+        a.config = &cfg, a.y_q = codes, a.scale_inv = scale_inv, a.y_q_t = codes_t;
         if (run_forward(st, &x, &a, info.stream) < 0) goto fail;
     } else { /* current scaling: the cast needs the whole tensor's amax first */
         tq_norm_forward_args cast = TQ_NORM_FORWARD_ARGS_INIT;
         cast.norm = a.norm, cast.flags = a.flags, cast.eps = a.eps;
         cast.gamma = a.gamma, cast.beta = a.beta;
-        cast.config = &cfg, cast.y_q = codes, cast.scale_inv = scale_inv;
+        cast.config = &cfg, cast.y_q = codes, cast.scale_inv = scale_inv, cast.y_q_t = codes_t;
         cast.amax_in = a.amax;
         if (run_forward(st, &x, &a, info.stream) < 0
             || run_forward(st, &x, &cast, info.stream) < 0)
@@ -267,11 +275,11 @@ PyMethodDef tqx_norm_methods[] = {
     {"_norm_forward", (PyCFunction)(void (*)(void))py_norm_forward, METH_VARARGS | METH_KEYWORDS,
      "_norm_forward(x, gamma, norm, *, eps=1e-5, zero_centered_gamma=False, beta=None, "
      "y_hp=None, mean=None, rstd=None, amax=None, config=None, y_q=None, scale_inv=None, "
-     "scale=None, amax_in=None)\n\nLayerNorm / RMSNorm ('LayerNorm' or 'RMSNorm') of x over its "
-     "last dim into the outputs given (tequant.h tq_norm_forward): y_hp (x's dtype), mean and "
-     "rstd (float32 [M]), amax (float32 [1], max-accumulated), and with a DELAYED or CURRENT "
-     "QuantizerConfig the FP8 codes y_q and scale_inv, cast with scale (delayed) or the scale of "
-     "amax_in (current)."},
+     "scale=None, amax_in=None, y_q_t=None)\n\nLayerNorm / RMSNorm ('LayerNorm' or 'RMSNorm') "
+     "of x over its last dim into the outputs given (tequant.h tq_norm_forward): y_hp (x's "
+     "dtype), mean and rstd (float32 [M]), amax (float32 [1], max-accumulated), and with a "
+     "DELAYED or CURRENT QuantizerConfig the FP8 codes y_q and scale_inv, cast with scale "
+     "(delayed) or the scale of amax_in (current), and y_q_t [K, M] (y_q transposed) if given."},
     {"_norm_backward", (PyCFunction)(void (*)(void))py_norm_backward, METH_VARARGS | METH_KEYWORDS,
      "_norm_backward(dy, x, gamma, norm, *, rstd, dx, dgamma, mean=None, dbeta=None, "
      "zero_centered_gamma=False)\n\ndx (x's dtype), dgamma and dbeta ([K], float32 or a 16-bit "
@@ -279,11 +287,12 @@ PyMethodDef tqx_norm_methods[] = {
      "from the forward's mean (LayerNorm) and rstd (tequant.h tq_norm_backward)."},
     {"_norm_fwd", (PyCFunction)(void (*)(void))py_norm_fwd, METH_FASTCALL,
      "_norm_fwd(x, gamma, beta, norm, eps, zero_centered, want_hp, want_stats, config, scale, "
-     "amax, padded) -> list\n\nThe norm forward with its outputs allocated here, for x [M, K]: "
-     "[y_hp (x's dtype) if want_hp, mean [M] (LayerNorm) and rstd [M] (float32) if want_stats]; "
-     "with a DELAYED or CURRENT QuantizerConfig also te.Linear's rowwise FP8 codes of y "
-     "[padded, K] (rows past M zero), scale_inv and amax: `amax` itself (DelayedScaling's slot, "
-     "max-accumulated) or, for None, a fresh one. DELAYED casts with scale in the same pass; "
+     "amax, padded, columnwise) -> list\n\nThe norm forward with its outputs allocated here, for "
+     "x [M, K]: [y_hp (x's dtype) if want_hp, mean [M] (LayerNorm) and rstd [M] (float32) if "
+     "want_stats]; with a DELAYED or CURRENT QuantizerConfig also te.Linear's rowwise FP8 codes "
+     "of y [padded, K] (rows past M zero), scale_inv and amax: `amax` itself (DelayedScaling's "
+     "slot, max-accumulated) or, for None, a fresh one; then, if columnwise, the codes "
+     "transposed [K, padded] (columns past M zero). DELAYED casts with scale in the same pass; "
      "CURRENT runs an amax pass, then the cast with that amax."},
     {"_norm_bwd", (PyCFunction)(void (*)(void))py_norm_bwd, METH_FASTCALL,
      "_norm_bwd(dy, x, gamma, mean, rstd, norm, zero_centered, want_dbeta, grad_dtype) -> list"

@@ -5,7 +5,8 @@
  * for bit. The row sums follow tequant.h's order S (tq_norm_sum_ref, internal_norm.h: chunks of
  * 8 into 256 lanes, each lane in index order, then a halving fold), which the kernel schedules
  * over its threads without changing; every other step is one of internal_norm.h's RN helpers.
- * The cast is tq_quantize's (quantize_fp8_ref.c): cvt8(tq_mul(y, scale)).
+ * The cast is tq_quantize's (quantize_fp8_ref.c): cvt8(tq_mul(y, scale)); y_q_t, when given, holds
+ * the same codes transposed.
  * Tests: tests/test_norm_kernels.py (against torch's layer_norm / rms_norm and te.ops.quantize;
  * CUDA against this).
  */
@@ -63,6 +64,11 @@ tq_status tq_norm_forward_ref(const tq_tensor *x, const tq_norm_forward_args *a,
             if (a->y_hp.data != NULL) tq_ref_store((tq_tensor *)&a->y_hp, r, i, tq_norm_canon(y));
             if (quantize) y_q[r * a->y_q.ld + i] = tq_f32_to_fp8(tq_mul(y, scale), e5m2);
         }
+    }
+    if (a->y_q_t.data != NULL) { /* the columnwise copy: the same codes, transposed */
+        uint8_t *y_q_t = (uint8_t *)a->y_q_t.data;
+        for (int64_t r = 0; r < m_rows; r++)
+            for (int64_t i = 0; i < k; i++) y_q_t[i * a->y_q_t.ld + r] = y_q[r * a->y_q.ld + i];
     }
     if (a->amax.data != NULL) tq_fused_max_accumulate((float *)a->amax.data, amax);
     free(v), free(t), free(g), free(b);

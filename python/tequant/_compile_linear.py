@@ -312,11 +312,12 @@ def _given_forward(ctx, needs, inp, weight, bias, scale_fwd, hist_fwd, scale_bwd
                    recipe_id, group, is_delayed, x, dh):
     """_CompiledLinear's forward for an x given quantized by the fused norm or activation
     (inp carries only the gradient): x = (data [padded rows, K], scale_inv, data_t,
-    scale_inv_t, amax): per-tensor codes (data_t None) with current scaling's amax (None for
-    DelayedScaling: the norm's or activation's op put it into hist_fwd's x slot); or
-    Float8BlockScaling's blocks (data_t given where wgrad needs it, no amax;
-    MXFP8BlockScaling's alike). Backward keeps x's columnwise members (per-tensor: the codes
-    transposed here, as eager's with_columnwise) and W's packed buffer. dh: the activation
+    scale_inv_t, amax): per-tensor codes (data_t: the norm's transposed codes, None from the
+    activation) with current scaling's amax (None for DelayedScaling: the norm's or
+    activation's op put it into hist_fwd's x slot); or Float8BlockScaling's blocks (data_t
+    given where wgrad needs it, no amax; MXFP8BlockScaling's alike). Backward keeps x's
+    columnwise members (per-tensor: data_t, else the codes transposed here, as eager's
+    with_columnwise) and W's packed buffer. dh: the activation
     writes dy's codes (_act_fn.GradOutput): (y, *placeholders)."""
     x_data, x_scale_inv, x_data_t, x_scale_inv_t, x_amax = x
     # MXFP8's E8M0 exponents enter the (mutating, so auto-functionalized) ops as uint8 views:
@@ -327,10 +328,12 @@ def _given_forward(ctx, needs, inp, weight, bias, scale_fwd, hist_fwd, scale_bwd
     outs = torch.ops.tequant.linear_fwd_given(members, list(inp.shape), inp.dtype, weight, bias,
                                               recipe_id, needs, scale_fwd, hist_fwd)
     x_kept = ()
-    ctx.x_blocks = x_data_t is not None
+    ctx.x_blocks = x_scale_inv_t is not None
     if needs & NEED_WGRAD:
+        if x_data_t is None:  # per-tensor codes the norm's kernel did not transpose
+            x_data_t = torch.ops.tequant.transpose_codes(x_data)
         x_kept = ((x_data_t, x_scale_inv_t) if ctx.x_blocks else
-                  (torch.ops.tequant.transpose_codes(x_data), x_scale_inv, x_amax))
+                  (x_data_t, x_scale_inv, x_amax))
     ctx.recipe_id, ctx.needs = recipe_id, needs
     delayed_ctx(ctx, recipe_id, group, is_delayed)
     ctx.shape, ctx.x_dtype, ctx.w_dtype = tuple(inp.shape), inp.dtype, weight.dtype

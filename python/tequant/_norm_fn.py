@@ -14,7 +14,8 @@ devices other than CPU and CUDA and a CUDA tensor in a CPU-only build run torch'
 (`refusal` says why).
 Fused (NormInput.fused, per-tensor FP8 recipes): the forward also writes te.Linear's rowwise FP8
 codes of the FP32 norm output y (not of y rounded to x's dtype), zero-padded to the format's row
-multiple as te.Linear pads its input; DelayedScaling casts with the module's scale and
+multiple as te.Linear pads its input, and where wgrad runs the same codes transposed (the
+kernel stages a tile of rows in shared memory; tq_norm_forward's y_q_t); DelayedScaling casts with the module's scale and
 max-accumulates amax(y) into the module's input history slot, as te.Linear's own input
 quantization does (compiled too: tequant::norm_fwd_delayed takes the module's buffers);
 Float8CurrentScaling runs an amax pass, then the cast pass.
@@ -81,22 +82,23 @@ def normalize(x, normalization, weight, bias, eps, zero_centered_gamma):
     if refusal(x, weight, bias) is not None:
         return torch_normalize(x, normalization, weight, bias, eps, zero_centered_gamma)
     return NormFunction.apply(x, weight, bias, None, None, normalization, eps,
-                              zero_centered_gamma, True, None, 0)
+                              zero_centered_gamma, True, None, 0, False)
 
 
 # ---- the kernels' calls, eager implementations of the ops -----------------------------------
 
 def _forward_into(x, gamma, beta, normalization, eps, zero_centered, want_hp, want_stats,
-                  recipe_id, scale, padded, amax):
+                  recipe_id, scale, padded, columnwise, amax):
     """[y_hp if want_hp, mean (LayerNorm) and rstd if want_stats] + with recipe_id (a per-tensor
     FP8 recipe: its "input" quantizer) [codes [padded, K] (rows past M zero), scale_inv, amax]
-    for x [M, K], in one C call that allocates them (_C._norm_fwd: DelayedScaling casts in the
-    norm's pass, Float8CurrentScaling runs an amax pass first). amax: the tensor to
-    max-accumulate amax(y) into (DelayedScaling's history slot, eager), or None for a fresh
-    one."""
+    + with columnwise [the codes transposed, [K, padded], wgrad's operand] for x [M, K], in one
+    C call that allocates them (_C._norm_fwd: DelayedScaling casts in the norm's pass,
+    Float8CurrentScaling runs an amax pass first; the kernel writes both directions). amax: the
+    tensor to max-accumulate amax(y) into (DelayedScaling's history slot, eager), or None for a
+    fresh one."""
     config = None if recipe_id is None else config_of(recipe_id, "input")
     return _C._norm_fwd(x, gamma, beta, normalization, eps, zero_centered, want_hp, want_stats,
-                        config, scale, amax, padded)
+                        config, scale, amax, padded, columnwise)
 
 
 def codes_returned(ctx, rest, amax):
@@ -115,18 +117,18 @@ def codes_returned(ctx, rest, amax):
 def _norm_fwd(x: torch.Tensor, gamma: torch.Tensor, beta: Optional[torch.Tensor],
               normalization: str, eps: float, zero_centered: bool, want_hp: bool,
               want_stats: bool, recipe_id: Optional[str], scale: Optional[torch.Tensor],
-              padded: int) -> list[torch.Tensor]:
+              padded: int, columnwise: bool) -> list[torch.Tensor]:
     """_forward_into with a fresh amax (current scaling's codes, or none). Its outputs may
     become a CUDA graph's (reduce-overhead), so the C call allocates them as torch.empty does
     (graph_safe_workspace)."""
     with graph_safe_workspace():
         return _forward_into(x, gamma, beta, normalization, eps, zero_centered, want_hp,
-                             want_stats, recipe_id, scale, padded, None)
+                             want_stats, recipe_id, scale, padded, columnwise, None)
 
 
 @fake("tequant::norm_fwd")
 def _norm_fwd_fake(x, gamma, beta, normalization, eps, zero_centered, want_hp, want_stats,
-                   recipe_id, scale, padded):
+                   recipe_id, scale, padded, columnwise):
     m, k = x.shape
     outs = [torch.empty_like(x)] if want_hp else []
     if want_stats:
@@ -137,42 +139,50 @@ def _norm_fwd_fake(x, gamma, beta, normalization, eps, zero_centered, want_hp, w
                                      _plan.ROWWISE)
         outs += [x.new_empty((r, c), dtype=dtype) for r, c, dtype in layout[:2]]
         outs.append(x.new_empty((1, 1), dtype=torch.float32))
+        if columnwise:
+            outs.append(x.new_empty((k, int(padded)), dtype=layout[0][2]))
     return outs
 
 
-_FWD_OUTS = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+_FWD_OUTS = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                  torch.Tensor]
 
 
 @op("tequant::norm_fwd_delayed", mutates_args=("hist_fwd",))
 def _norm_fwd_delayed(x: torch.Tensor, gamma: torch.Tensor, beta: Optional[torch.Tensor],
                       normalization: str, eps: float, zero_centered: bool, want_hp: bool,
                       want_stats: bool, recipe_id: str, scale_fwd: torch.Tensor, padded: int,
-                      hist_fwd: torch.Tensor) -> _FWD_OUTS:
+                      columnwise: bool, hist_fwd: torch.Tensor) -> _FWD_OUTS:
     """_forward_into under DelayedScaling on the te.Linear's own buffers, as eager's call:
     x's scale and amax slot are views of its scale_fwd and amax_history_fwd, and the kernel
     max-accumulates amax(y) into the slot (the op mutates hist_fwd). (y_hp, mean, rstd, codes,
-    scale_inv), an empty uint8 [0] for each absent one (a mutating op returns a fixed tuple)."""
+    scale_inv, codes transposed), an empty uint8 [0] for each absent one (a mutating op returns
+    a fixed tuple)."""
     scale, slot = delayed_x_state(recipe_id, hist_fwd, scale_fwd, x)
     with graph_safe_workspace():
         outs = _forward_into(x, gamma, beta, normalization, eps, zero_centered, want_hp,
-                             want_stats, recipe_id, scale, padded, slot)
-    it = iter(outs[:-1])  # the last is the slot itself
+                             want_stats, recipe_id, scale, padded, columnwise, slot)
+    it = iter([t for t in outs if t is not slot])  # not the slot itself
     return tuple(next(it) if w else _absent(x)
-                 for w in _wanted(want_hp, want_stats, normalization))
+                 for w in _wanted(want_hp, want_stats, normalization, columnwise))
 
 
 @fake("tequant::norm_fwd_delayed")
 def _norm_fwd_delayed_fake(x, gamma, beta, normalization, eps, zero_centered, want_hp,
-                           want_stats, recipe_id, scale_fwd, padded, hist_fwd):
-    outs = iter(_norm_fwd_fake(x, gamma, beta, normalization, eps, zero_centered, want_hp,
-                               want_stats, recipe_id, None, padded))
-    return tuple(next(outs) if w else _absent(x)
-                 for w in _wanted(want_hp, want_stats, normalization))
+                           want_stats, recipe_id, scale_fwd, padded, columnwise, hist_fwd):
+    outs = _norm_fwd_fake(x, gamma, beta, normalization, eps, zero_centered, want_hp,
+                          want_stats, recipe_id, None, padded, columnwise)
+    del outs[-2 if columnwise else -1]  # no amax: it went into hist_fwd
+    it = iter(outs)
+    return tuple(next(it) if w else _absent(x)
+                 for w in _wanted(want_hp, want_stats, normalization, columnwise))
 
 
-def _wanted(want_hp, want_stats, normalization):
-    """Which of (y_hp, mean, rstd, codes, scale_inv) tequant::norm_fwd_delayed makes."""
-    return (want_hp, want_stats and normalization == "LayerNorm", want_stats, True, True)
+def _wanted(want_hp, want_stats, normalization, columnwise):
+    """Which of (y_hp, mean, rstd, codes, scale_inv, codes transposed)
+    tequant::norm_fwd_delayed makes."""
+    return (want_hp, want_stats and normalization == "LayerNorm", want_stats, True, True,
+            columnwise)
 
 
 def present_outputs(outs, wanted):
@@ -222,25 +232,27 @@ class NormFunction(torch.autograd.Function):
     rowwise FP8 codes of y (NormInput.fused).
 
     forward(x, weight, bias, scale, amax, normalization, eps, zero_centered, want_hp, recipe_id,
-    padded) returns y (x's shape and dtype) alone without recipe_id, else (y, codes, scale_inv,
-    amax or None: None where the amax went into the given `amax`: DelayedScaling's slot in
-    eager code, the module's whole amax_history_fwd (with its whole scale_fwd as `scale`) in
-    compiled code, tequant::norm_fwd_delayed). Without want_hp y carries only the gradient (an
-    expanded scalar: no [M, K] store): the te.Linear that reads the codes returns its input
-    gradient for it."""
+    padded, columnwise) returns y (x's shape and dtype) alone without recipe_id, else (y, codes,
+    scale_inv, amax or None, codes transposed or None): the amax is None where it went into
+    the given `amax`: DelayedScaling's slot in eager code, the module's whole amax_history_fwd
+    (with its whole scale_fwd as `scale`) in compiled code, tequant::norm_fwd_delayed; the
+    transposed codes ([K, padded], wgrad's operand, written by the same kernel) come with
+    columnwise. Without want_hp y carries only the gradient (an expanded scalar: no [M, K]
+    store): the te.Linear that reads the codes returns its input gradient for it."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, scale, amax, normalization, eps, zero_centered, want_hp,
-                recipe_id, padded):
+                recipe_id, padded, columnwise):
         k = x.shape[-1]
         x2d = x.reshape(-1, k).contiguous()
         needs = ctx.needs_input_grad
         want_stats = needs[0] or needs[1] or needs[2]
+        columnwise = columnwise and recipe_id is not None
         args = (x2d, weight, bias, normalization, eps, zero_centered, want_hp, want_stats,
-                recipe_id, scale, padded)
+                recipe_id, scale, padded, columnwise)
         if torch.compiler.is_compiling() and amax is not None:  # the module's buffers
             outs = present_outputs(torch.ops.tequant.norm_fwd_delayed(*args, amax),
-                                   _wanted(want_hp, want_stats, normalization))
+                                   _wanted(want_hp, want_stats, normalization, columnwise))
         elif torch.compiler.is_compiling():
             outs = torch.ops.tequant.norm_fwd(*args)
         else:
@@ -257,13 +269,17 @@ class NormFunction(torch.autograd.Function):
             return y
         # the codes have no gradient: autograd must not make (and fill) zeros of their shape
         ctx.set_materialize_grads(False)
-        return (y,) + codes_returned(ctx, it, amax)
+        rest = list(it)
+        codes_t = rest.pop() if columnwise else None
+        if codes_t is not None:
+            ctx.mark_non_differentiable(codes_t)
+        return (y,) + codes_returned(ctx, rest, amax) + (codes_t,)
 
     @staticmethod
     @once_differentiable  # the kernels' backward is not differentiable: a clear error, not a
     def backward(ctx, dy, *_):  # silently missing second derivative
         if dy is None:  # y took no part in the loss
-            return (None,) * 11
+            return (None,) * 12
         x2d, weight, mean, rstd = ctx.saved_tensors
         needs = ctx.needs_input_grad
         want_dbeta = ctx.bias_dtype is not None and needs[2]
@@ -276,7 +292,7 @@ class NormFunction(torch.autograd.Function):
         dx = outs[0].view(ctx.shape) if needs[0] else None
         dgamma = outs[1] if needs[1] else None
         dbeta = outs[2] if want_dbeta else None
-        return dx, dgamma, dbeta, None, None, None, None, None, None, None, None
+        return dx, dgamma, dbeta, None, None, None, None, None, None, None, None, None
 
 
 # ---- the input of a te.Linear that normalizes first --------------------------------------------
@@ -325,15 +341,17 @@ class NormInput:
         input; amax: the slot to max-accumulate amax(y) into, or None (a fresh amax, which the
         members then hold); compiled code passes the te.Linear's whole scale_fwd and
         amax_history_fwd instead (NormFunction), and the members hold no amax then.
-        act_blocks (fusable), columnwise: ActInput's (Float8BlockScaling), unused here."""
+        columnwise: the members hold the codes transposed too (wgrad's operand, written by the
+        norm's kernel). act_blocks (fusable): ActInput's (Float8BlockScaling), unused here."""
         x = self.x
         rows = x.numel() // x.shape[-1]
-        y, data, scale_inv, fresh = NormFunction.apply(
+        y, data, scale_inv, fresh, data_t = NormFunction.apply(
             x, self.weight, self.bias, scale, amax, self.normalization, self.eps,
-            self.zero_centered, self.keep_output, recipe_id, _plan.padded(rows, align))
+            self.zero_centered, self.keep_output, recipe_id, _plan.padded(rows, align),
+            columnwise)
         if self.keep_output:
             self.output = y
-        return y, (data, scale_inv, None, None, given_amax(amax, fresh), None)
+        return y, (data, scale_inv, data_t, None, given_amax(amax, fresh), None)
 
 
 def given_amax(amax, fresh):
@@ -352,8 +370,8 @@ def resolved(inp):
 
 def with_columnwise(members):
     """Per-tensor FP8 members with the columnwise codes (the rowwise ones transposed, one tiled
-    pass: tq_transpose) that wgrad reads; members that have them (a fused activation's
-    Float8BlockScaling blocks) as they are."""
+    pass: tq_transpose) that wgrad reads; members that have them (the norm's, which its kernel
+    writes; a fused activation's Float8BlockScaling blocks) as they are."""
     if members[2] is not None:
         return members
     data = members[0]

@@ -5,8 +5,8 @@ model's state_dict loads.
 It is a te.Linear (a torch.nn.Linear) whose forward normalizes first, through the norm kernels
 (norm.py states their numerics): outside te.autocast it is the exact high-precision composition
 of that norm and F.linear. Inside te.autocast with a per-tensor FP8 recipe (DelayedScaling,
-Float8CurrentScaling) the norm kernel writes the GEMM's rowwise FP8 input codes itself
-(_norm_fn.NormInput.fused; the columnwise copy for wgrad is their transpose): these are the cast
+Float8CurrentScaling) the norm kernel writes the GEMM's FP8 input codes itself, rowwise and,
+where wgrad runs, columnwise (_norm_fn.NormInput.fused): these are the cast
 of the FP32 norm output y, where te.LayerNorm + te.Linear cast y rounded to x's dtype, so with
 bfloat16 / float16 inputs a code can differ by one where that rounding moves y across a rounding
 boundary (float32 inputs: the same bits). DelayedScaling records amax(y) in the input's history

@@ -73,6 +73,9 @@ typedef struct tq_norm_forward_args {
     tq_tensor scale_inv;   /* one FLOAT32 = RN(1 / scale) */
     tq_tensor scale;       /* DELAYED: one FLOAT32, the scale to cast with */
     tq_tensor amax_in;     /* CURRENT: one FLOAT32, the amax the scale comes from (not `amax`) */
+    tq_tensor y_q_t;       /* optional, with y_q: [K, M] codes, y_q transposed (y_q_t[j][i] =
+                              y_q[i][j]: wgrad's columnwise operand), ld >= M; columns past M
+                              are not written */
 } tq_norm_forward_args;
 
 /* A descriptor that names no tensor: an optional argument not given. */
@@ -81,7 +84,7 @@ typedef struct tq_norm_forward_args {
 #define TQ_NORM_FORWARD_ARGS_INIT \
     {sizeof(tq_norm_forward_args), TQ_NORM_LAYERNORM, 0u, 1e-5f, TQ_TENSOR_NONE, TQ_TENSOR_NONE, \
      TQ_TENSOR_NONE, TQ_TENSOR_NONE, TQ_TENSOR_NONE, TQ_TENSOR_NONE, NULL, TQ_TENSOR_NONE, \
-     TQ_TENSOR_NONE, TQ_TENSOR_NONE, TQ_TENSOR_NONE}
+     TQ_TENSOR_NONE, TQ_TENSOR_NONE, TQ_TENSOR_NONE, TQ_TENSOR_NONE}
 
 /* The norm of x [M, K] (FLOAT32, BFLOAT16 or FLOAT16; ld >= K; K >= 1, M >= 0) into the outputs
  * args names. CPU tensors run the C reference, CUDA tensors the kernels on `stream` (no sync,
