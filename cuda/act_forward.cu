@@ -15,7 +15,11 @@
  * row's last, partial chunk. No sync, no allocation. gelu / silu / qgelu of bf16 h over enough
  * elements read act(x) from a per-CTA shared-memory table (act_table.cuh: the same bits, fewer
  * instructions: the arithmetic made these kernels compute-bound).
- * Tests: tests/test_act_kernels.py (GPU cases: bit-exact against the C reference).
+ * y_q_t (the codes transposed, wgrad's operand): colt_kernel writes both directions where
+ * colt_fits (16-bit h, codes without y_hp, M % 32 == 0, N % 256 == 0); else tq_transpose_cuda
+ * runs on y_q after the pass (same bits either way).
+ * Tests: tests/test_act_kernels.py (GPU cases: bit-exact against the C reference),
+ * tests/test_act_columnwise.py (y_q_t).
  */
 #include <cuda_runtime.h>
 
@@ -26,6 +30,7 @@
 #include "internal_act.h"
 #include "internal_kernels.h"
 #include "launch.cuh"
+#include "tile_transpose.cuh"
 
 namespace {
 
@@ -44,6 +49,8 @@ struct FwdParams {
     int64_t ld_y;
     tq_fp8out::Out out;
     int h_vec, y_vec; /* 16-byte rows of h (and its second half) and of y_hp */
+    uint8_t *y_q_t;   /* [N, M] codes, y_q transposed (colt_kernel writes it) */
+    int64_t ld_qt;
 };
 
 /* One work item's inputs: chunk c of row r of h (and of its second half, gated). */
@@ -60,11 +67,10 @@ struct Item {
     }
 };
 
-/* An item's outputs (y_hp, codes) and its share of amax. */
+/* An item's y (act, gated product) and its share of amax. */
 template <typename T, int kBase, bool kGated, bool kTable>
-__device__ __forceinline__ void act_item(const FwdParams &p, const Item<T, kGated> &it,
-                                         const float *table, float scale, float &amax) {
-    float y[kChunk];
+__device__ __forceinline__ void item_values(const Item<T, kGated> &it, const float *table,
+                                            float (&y)[kChunk], float &amax) {
     if constexpr (kTable) {
         tq_act_table::values<kBase>(table, it.a.t, y);
     } else {
@@ -78,6 +84,14 @@ __device__ __forceinline__ void act_item(const FwdParams &p, const Item<T, kGate
 #pragma unroll
     for (int e = 0; e < kChunk; e++)
         if (e < it.n) amax = tq_amax_step(amax, y[e]);
+}
+
+/* An item's outputs (y_hp, codes) and its share of amax. */
+template <typename T, int kBase, bool kGated, bool kTable>
+__device__ __forceinline__ void act_item(const FwdParams &p, const Item<T, kGated> &it,
+                                         const float *table, float scale, float &amax) {
+    float y[kChunk];
+    item_values<T, kBase, kGated, kTable>(it, table, y, amax);
     if (p.y_hp != nullptr) {
         float o[kChunk];
 #pragma unroll
@@ -120,6 +134,61 @@ __global__ void __launch_bounds__(kTable ? tq_act_table::kThreads : kThreads)
     tq_fp8out::block_amax<kCta>(p.out.amax, amax);
 }
 
+/* colt_kernel: the codes alone (no y_hp), in both directions. A CTA takes tiles of 32 rows x
+ * 256 output columns (CTAs grid-striding over the tiles): each thread its 1024 / kCta items of
+ * the tile (all loads first), their codes into y_q (8-byte stores) and into a shared-memory copy
+ * of the tile (rows 260 bytes apart), then, after a barrier, the tile's columns into y_q_t
+ * (tile_transpose.cuh's store_columns32: whole 32-byte sectors) and a barrier before the next
+ * tile. colt_fits: M % 32 == 0, N % 256 == 0, 16-byte rows of h, 8-byte ones of y_q and y_q_t. */
+constexpr int kTileRows = 32, kTileChunks = 32, kStageLd = kTileChunks * kChunk + 4;
+
+template <typename T, int kBase, bool kGated, bool kTable>
+__global__ void __launch_bounds__(kTable ? tq_act_table::kThreads : kThreads)
+    colt_kernel(const FwdParams p) {
+    constexpr int kCta = kTable ? tq_act_table::kThreads : kThreads;
+    constexpr int kItems = kTileRows * kTileChunks / kCta;
+    __shared__ float table[kTable ? tq_act_table::kEntries : 1];
+    __shared__ __align__(16) uint8_t stage[kTileRows * kStageLd];
+    if constexpr (kTable) tq_act_table::fill<kBase>(table, nullptr);
+    const float scale = tq_fp8out::cast_scale(p.out);
+    tq_fp8out::write_scale_inv(p.out, scale);
+    float amax = 0.0f;
+    const int64_t col_tiles = p.nchunks / kTileChunks, tiles = p.rows / kTileRows * col_tiles;
+    for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        const int64_t r0 = tile / col_tiles * kTileRows, c0 = tile % col_tiles * kTileChunks;
+        Item<T, kGated> it[kItems];
+#pragma unroll
+        for (int i = 0; i < kItems; i++) {
+            const int at = threadIdx.x + i * kCta; /* consecutive threads: consecutive chunks */
+            it[i].load(p, r0 + at / kTileChunks, c0 + at % kTileChunks);
+        }
+#pragma unroll
+        for (int i = 0; i < kItems; i++) {
+            float y[kChunk];
+            uint32_t w[2];
+            item_values<T, kBase, kGated, kTable>(it[i], table, y, amax);
+            tq_fp8out::chunk_codes(y, scale, p.out.e5m2, w);
+            *reinterpret_cast<uint2 *>(p.out.q + it[i].r * p.out.ld_q + kChunk * it[i].c) =
+                make_uint2(w[0], w[1]);
+            const int at = threadIdx.x + i * kCta;
+            uint32_t *s = reinterpret_cast<uint32_t *>(stage + at / kTileChunks * kStageLd
+                                                       + kChunk * (at % kTileChunks));
+            s[0] = w[0], s[1] = w[1];
+        }
+        __syncthreads(); /* the tile's codes are staged */
+        tq_tile::store_columns32<kCta>(stage, kStageLd, kTileChunks * kChunk,
+                                       p.y_q_t + kChunk * c0 * p.ld_qt + r0, p.ld_qt);
+        __syncthreads(); /* read before the next tile overwrites them */
+    }
+    tq_fp8out::block_amax<kCta>(p.out.amax, amax);
+}
+
+bool colt_fits(const FwdParams &p, size_t elem) {
+    return p.y_q_t != nullptr && p.y_hp == nullptr && p.out.q != nullptr && elem == 2
+           && p.rows % kTileRows == 0 && p.n % (kTileChunks * kChunk) == 0 && p.h_vec
+           && p.out.q_vec && tq_chunk::aligned(p.y_q_t, 8) && p.ld_qt % 8 == 0;
+}
+
 }  // namespace
 
 extern "C" tq_status tq_act_forward_cuda(const tq_tensor *h, const tq_act_forward_args *a,
@@ -142,24 +211,45 @@ extern "C" tq_status tq_act_forward_cuda(const tq_tensor *h, const tq_act_forwar
     p.h_vec = tq_chunk::rows_aligned16(h->data, h->ld, elem) && (!gated || (p.n * elem) % 16 == 0);
     p.y_vec = p.y_hp != nullptr && tq_chunk::rows_aligned16(p.y_hp, p.ld_y, elem);
     p.out.q_vec = p.out.q != nullptr && tq_chunk::aligned(p.out.q, 8) && p.out.ld_q % 8 == 0;
+    p.y_q_t = static_cast<uint8_t *>(a->y_q_t.data);
+    p.ld_qt = a->y_q_t.ld;
+    const bool colt = colt_fits(p, elem);
     const int sms = tq_act_dispatch::sm_count(h->device);
     const bool table_pays = tq_act_table::worth_it(p.rows * p.n, sms);
     tq_act_dispatch::with_dtype_act(h->dtype, a->act, [&](auto t, auto act) {
         using A = decltype(act);
         using T = decltype(t);
+        const int64_t items = p.rows * p.nchunks, tiles = items / (kTileRows * kTileChunks);
         if constexpr (tq_act_table::kUses<T, A::base>) {
             if (table_pays) {
                 const unsigned grid = tq_act_dispatch::grid_for(
-                    p.rows * p.nchunks, sms, tq_act_table::kThreads, tq_act_table::kCtasPerSm);
-                act_forward_kernel<T, A::base, A::gated, true>
-                    <<<grid, tq_act_table::kThreads, 0, s>>>(p);
+                    items, sms, tq_act_table::kThreads, tq_act_table::kCtasPerSm);
+                if (colt)
+                    colt_kernel<T, A::base, A::gated, true><<<
+                        tq_act_dispatch::grid_for(tiles, sms, 1, tq_act_table::kCtasPerSm),
+                        tq_act_table::kThreads, 0, s>>>(p);
+                else
+                    act_forward_kernel<T, A::base, A::gated, true>
+                        <<<grid, tq_act_table::kThreads, 0, s>>>(p);
                 return;
             }
         }
-        const unsigned grid = tq_act_dispatch::grid_for(p.rows * p.nchunks, sms, kThreads);
+        const unsigned grid = tq_act_dispatch::grid_for(items, sms, kThreads);
+        if constexpr (sizeof(T) == 2) {
+            if (colt) {
+                colt_kernel<T, A::base, A::gated, false>
+                    <<<tq_act_dispatch::grid_for(tiles, sms, 1), kThreads, 0, s>>>(p);
+                return;
+            }
+        }
         act_forward_kernel<T, A::base, A::gated, false><<<grid, kThreads, 0, s>>>(p);
     });
     const cudaError_t err = cudaGetLastError(); /* cleared: must not poison later calls */
     if (err != cudaSuccess) return cuda_failed("act forward kernel launch", err);
+    /* y_q_t where colt_kernel did not run: the codes transposed after the pass */
+    if (p.y_q_t != nullptr && !colt && p.rows > 0) {
+        tq_tensor y_q_t = a->y_q_t;
+        return tq_transpose_cuda(&a->y_q, &y_q_t, stream);
+    }
     return TQ_SUCCESS;
 }

@@ -53,6 +53,7 @@
 #include "internal_kernels.h"
 #include "launch.cuh"
 #include "norm_rows.cuh"
+#include "tile_transpose.cuh"
 
 namespace {
 

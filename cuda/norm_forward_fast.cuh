@@ -166,56 +166,20 @@ __device__ __forceinline__ void fast_write_row(const FwdParams &p,
     }
 }
 
-/* kColT: the rows of a tile of kTileRows, staged in shared memory as codes, leave as columns
- * of y_q_t: y_q_t[j][tile rows] is one whole 32-byte sector, written by the four lanes of one
- * warp store (a sector written in parts by different CTAs at different times costs the L2 a
- * read of it from HBM: a 16-row form measured 2.5-4x slower than the norm plus the transpose).
- * A staged row takes K + 4 bytes, so that the four lanes reading rows 8 apart hit other banks. */
+/* kColT: the rows of a tile of kTileRows, staged in shared memory as codes (a row K + 4 bytes
+ * apart), leave as columns of y_q_t (tile_transpose.cuh's store_columns32: whole 32-byte
+ * sectors; a 16-row form, half a sector per CTA, measured 2.5-4x slower than the norm plus
+ * the transpose). */
 constexpr int kTileRows = 32;
 
 __host__ __device__ constexpr int64_t stage_ld(int64_t cols) { return cols + 4; }
-
-/* The staged tile into y_q_t's columns tile * 32 .. + 31: item (q, quarter) of a thread reads
- * one 4-byte word (columns 4q .. 4q+3) of each of the quarter's 8 rows, regroups the bytes by
- * column (byte_perm) and stores each column's 8 rows with one 8-byte store; the quarter is the
- * fastest-varying part of the item, so lanes 4i .. 4i+3 complete 4 columns' sectors. */
-template <int kCta>
-__device__ __forceinline__ void write_tile_t(const FwdParams &p, const uint8_t *stage,
-                                             int64_t tile) {
-    const int items = (int)p.cols; /* (cols / 4) quads x 4 quarters */
-    const int64_t ld = stage_ld(p.cols);
-    for (int item = threadIdx.x; item < items; item += kCta) {
-        const int q = item >> 2, quarter = item & 3;
-        uint32_t w[8];
-#pragma unroll
-        for (int r = 0; r < 8; r++)
-            w[r] = *reinterpret_cast<const uint32_t *>(stage + (8 * quarter + r) * ld + 4 * q);
-        uint32_t col[4][2]; /* col[i][j]: rows 4j .. 4j+3 of the quarter, column 4q + i */
-#pragma unroll
-        for (int j = 0; j < 2; j++) {
-            const uint32_t lo01 = __byte_perm(w[4 * j], w[4 * j + 1], 0x5140);
-            const uint32_t hi01 = __byte_perm(w[4 * j], w[4 * j + 1], 0x7362);
-            const uint32_t lo23 = __byte_perm(w[4 * j + 2], w[4 * j + 3], 0x5140);
-            const uint32_t hi23 = __byte_perm(w[4 * j + 2], w[4 * j + 3], 0x7362);
-            col[0][j] = __byte_perm(lo01, lo23, 0x5410);
-            col[1][j] = __byte_perm(lo01, lo23, 0x7632);
-            col[2][j] = __byte_perm(hi01, hi23, 0x5410);
-            col[3][j] = __byte_perm(hi01, hi23, 0x7632);
-        }
-#pragma unroll
-        for (int i = 0; i < 4; i++)
-            *reinterpret_cast<uint2 *>(p.y_q_t + (int64_t)(4 * q + i) * p.ld_qt
-                                       + tile * kTileRows + 8 * quarter) =
-                make_uint2(col[i][0], col[i][1]);
-    }
-}
 
 /* kT threads per row, kC chunks per thread, kCta threads per CTA; kFull: every row is exactly
  * kT * kC chunks (no bounds at all). Registers are capped so that 1024 threads fit an SM when
  * the packed row takes at most 32 registers per thread (else 512). kColT (E4M3 codes without
  * y_hp, M % 32 == 0: colt_fits): the CTA takes tiles of 32 consecutive rows (its groups split
  * a tile's rows), stages their codes in shared memory after gamma / beta and writes y_q_t's
- * columns of the tile (write_tile_t) before the next; each row is computed as without it. */
+ * columns of the tile (store_columns32) before the next; each row is computed as without it. */
 template <typename T, int kT, int kC, bool kRms, bool kFull, int kCta, bool kColT>
 __global__ void __launch_bounds__(kCta, (kC * kVecs<T> <= 8 ? 1024 : 512) / kCta)
     fast_kernel(const FwdParams p) {
@@ -318,7 +282,8 @@ __global__ void __launch_bounds__(kCta, (kC * kVecs<T> <= 8 ? 1024 : 512) / kCta
                 do_row(tile * kTileRows + i,
                        reinterpret_cast<uint32_t *>(stage + i * stage_ld(p.cols)));
             __syncthreads(); /* the tile's codes are staged */
-            write_tile_t<kCta>(p, stage, tile);
+            tq_tile::store_columns32<kCta>(stage, stage_ld(p.cols), (int)p.cols,
+                                           p.y_q_t + tile * kTileRows, p.ld_qt);
             __syncthreads(); /* read before the next tile overwrites them */
         }
     } else {

@@ -82,8 +82,9 @@ def _fp8_kwargs(out, kw, cfg, shape, device, scale, amax_in, layout, codes_name)
 
 
 def forward(h, act, cfg=None, scale=None, amax_in=None, amax0=0.0, want=("y_hp", "amax"),
-            layout=None):
-    """Every output asked for, allocated poisoned (NaN / 0xAB) so an unwritten element shows."""
+            layout=None, y_q_t=None):
+    """Every output asked for, allocated poisoned (NaN / 0xAB) so an unwritten element shows
+    (y_q_t: the caller's, passed through)."""
     m, k = h.shape
     n, dev = out_cols(act, k), h.device
     out = {}
@@ -94,6 +95,8 @@ def forward(h, act, cfg=None, scale=None, amax_in=None, amax0=0.0, want=("y_hp",
     kw = dict(out)
     if cfg is not None:
         _fp8_kwargs(out, kw, cfg, (m, n), dev, scale, amax_in, layout, "y_q")
+    if y_q_t is not None:
+        kw["y_q_t"] = y_q_t
     _C._act_forward(h, act, **kw)
     return out
 

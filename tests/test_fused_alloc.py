@@ -65,6 +65,9 @@ def test_norm_errors():
     with pytest.raises(ValueError, match="norm must be 'LayerNorm' or 'RMSNorm'"):
         _C._norm_fwd(x, gamma, None, "BatchNorm", 1e-5, False, True, True, None, None, None, 0,
                      False)
+    with pytest.raises(ValueError, match="_norm_fwd: columnwise=True needs a quantizer config"):
+        _C._norm_fwd(x, gamma, None, "LayerNorm", 1e-5, False, True, True, None, None, None, 0,
+                     True)
     f = forward(x, gamma, "LayerNorm", beta=beta)
     args = (dy, x, gamma, f["mean"], f["rstd"], "LayerNorm", False, True)
     with pytest.raises(TypeError, match="grad_dtype must be torch.float32, bfloat16 or float16"):
@@ -85,8 +88,8 @@ def test_act_errors():
         _C._act_fwd(h, "tanh", True, None, None, None, 0, False)
     with pytest.raises(ValueError, match="padded=2 must be at least the 4 rows quantized"):
         _C._act_fwd(h, "gelu", True, cur, None, None, 2, False)
-    with pytest.raises(ValueError, match="columnwise=True is for a BLOCK or MXFP8 config"):
-        _C._act_fwd(h, "gelu", False, cur, None, None, 16, True)
+    with pytest.raises(ValueError, match="_act_fwd: columnwise=True needs a quantizer config"):
+        _C._act_fwd(h, "gelu", False, None, None, None, 16, True)
     with pytest.raises(TypeError, match="takes 9 positional arguments, got 8"):
         _C._act_bwd(dy, h, "gelu", None, None, None, 0, None)
     with pytest.raises(TypeError, match="dbias_dtype must be None, torch.float32"):

@@ -171,6 +171,29 @@ def test_act_kernels():
         _finite(h)
 
 
+def test_act_forward_columnwise():
+    """act_forward.cu's colt_kernel (codes staged in shared memory, a tile's columns written
+    between two CTA barriers): each activation, 16-bit h, delayed scaling's pass and current
+    scaling's cast pass, a shape with more tiles than CTAs (the table launches of bf16 gelu /
+    silu / qgelu among them), and one the transpose takes (M % 32 != 0)."""
+    delayed = te.quantizer_config(DelayedScaling(), "input")
+    current = te.quantizer_config(Float8CurrentScaling(), "input")
+    for i, (act, dtype) in enumerate(itertools.product(ACTS[:-1], (BF16, F16))):
+        gated = act in ("geglu", "reglu", "swiglu")
+        for m, n in ((4096, 1024), (40, 256)):
+            h = _randn(m, 2 * n if gated else n, dtype=dtype, seed=120 + i)
+            y_q = torch.empty(m, n, dtype=torch.uint8, device=DEVICE)
+            y_q_t = torch.empty(n, m + 8, dtype=torch.uint8, device=DEVICE)[:, :m]
+            scale_inv, amax = torch.empty(1, device=DEVICE), torch.zeros(1, device=DEVICE)
+            _C._act_forward(h, act, config=delayed, y_q=y_q, scale_inv=scale_inv,
+                            scale=torch.ones(1, device=DEVICE), amax=amax, y_q_t=y_q_t)
+            torch.sum(y_q_t, dtype=torch.int64)  # read it all (initcheck)
+            _C._act_forward(h, act, config=current, y_q=y_q, scale_inv=scale_inv,
+                            amax_in=amax, y_q_t=y_q_t)
+            _finite(amax, scale_inv)
+            torch.sum(y_q_t, dtype=torch.int64)
+
+
 # bf16 sigmoid-family activations (gated too) over 2048 x 4096 outputs: more elements than
 # act_table.cuh's worth_it asks on a GPU of up to 186 SMs, so the launches fill and read the
 # shared-memory tables (a fill, a barrier, then lookups: racecheck's case)

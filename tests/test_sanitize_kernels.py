@@ -19,6 +19,8 @@ act_forward.cu act_forward_kernel<f32|bf16|f16, gelu|relu|silu|qgelu|srelu|ident
                                           16-byte and element paths; M = 0 too); <table>
                                           act_table_kernels (bf16 gelu, silu, qgelu, geglu,
                                           swiglu over enough elements: act_table.cuh)
+               colt_kernel<bf16|f16, activation, gated or not, table or not>
+                                          act_forward_columnwise (y_q_t from shared memory)
 act_backward.cu act_backward_kernel<f32|bf16|f16, activation, gated or not, dbias or not>
                                           act_kernels (dh over h too), act_table_kernels
                                           (<table>); <identity, dbias> (no h read) also

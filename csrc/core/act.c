@@ -42,9 +42,11 @@ static tq_status check_block(const char *fn, const tq_tensor *h, const tq_act_fo
         return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "%s: TQ_ACT_IDENTITY with %s config is "
                        "tq_quantize of h", fn,
                        a->config->scaling == TQ_SCALING_MXFP8 ? "an MXFP8" : "a BLOCK");
-    const tq_tensor *ts[] = {&a->y_hp, &a->amax, &a->y_q, &a->scale_inv, &a->scale, &a->amax_in};
-    static const char *const names[] = {"y_hp", "amax", "y_q", "scale_inv", "scale", "amax_in"};
-    for (int i = 0; i < 6; i++)
+    const tq_tensor *ts[] = {&a->y_hp, &a->amax, &a->y_q, &a->scale_inv, &a->scale, &a->amax_in,
+                             &a->y_q_t};
+    static const char *const names[] = {"y_hp", "amax", "y_q", "scale_inv", "scale", "amax_in",
+                                        "y_q_t"};
+    for (int i = 0; i < 7; i++)
         if (tq_given(ts[i]))
             return tq_fused_not_for(fn, names[i], "a block-format config writes q alone");
     return tq_fused_check_block_q(fn, a->config, a->q, m, n, h->device, "act(h)");
@@ -95,6 +97,13 @@ tq_status tq_act_forward(const tq_tensor *h, const tq_act_forward_args *a,
                             "y_q"};
     st = tq_fused_check_fp8(fn, &o, m, n, h->device, "act(h)");
     if (st != TQ_SUCCESS) return st;
+    if (tq_given(&a->y_q_t)) {
+        if (a->config == NULL || (!tq_given(&a->y_q) && m > 0))
+            return tq_fused_not_for(fn, "y_q_t", "it is y_q transposed: give config and y_q too");
+        st = tq_fused_check_matrix(fn, &a->y_q_t, "y_q_t", n, m, a->config->elem_dtype,
+                                   h->device, "act(h) transposed");
+        if (st != TQ_SUCCESS) return st;
+    }
     return TQ_DISPATCH(act_forward, h->device == TQ_DEVICE_CPU, h, a, stream);
 }
 

@@ -75,11 +75,12 @@ static int run_backward(tqx_state *st, const tq_tensor *dy, PyObject *h_obj, con
 
 static PyObject *py_act_forward(PyObject *module, PyObject *args, PyObject *kwargs) {
     static char *kwlist[] = {"h", "act", "y_hp", "amax", "config", "y_q", "scale_inv", "scale",
-                             "amax_in", NULL};
-    PyObject *h_obj, *act_name, *y_hp = NULL, *amax = NULL;
+                             "amax_in", "y_q_t", NULL};
+    PyObject *h_obj, *act_name, *y_hp = NULL, *amax = NULL, *y_q_t = NULL;
     PyObject *q[5] = {NULL, NULL, NULL, NULL, NULL}; /* config, y_q, scale_inv, scale, amax_in */
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OU|$OOOOOOO:_act_forward", kwlist, &h_obj,
-                                     &act_name, &y_hp, &amax, &q[0], &q[1], &q[2], &q[3], &q[4]))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OU|$OOOOOOOO:_act_forward", kwlist, &h_obj,
+                                     &act_name, &y_hp, &amax, &q[0], &q[1], &q[2], &q[3], &q[4],
+                                     &y_q_t))
         return NULL;
     tqx_state *st = tqx_module_state(module);
     tq_act_forward_args a = TQ_ACT_FORWARD_ARGS_INIT;
@@ -91,7 +92,8 @@ static PyObject *py_act_forward(PyObject *module, PyObject *args, PyObject *kwar
         || tqx_optional_tensor(st, y_hp, "y_hp", TQX_FLOAT_DTYPES, &a.y_hp) < 0
         || tqx_optional_tensor(st, amax, "amax", F32, &a.amax) < 0
         || fp8_output_from_py(st, q, "y_q", &cfg, &a.config, &a.y_q, &a.scale_inv, &a.scale,
-                              &a.amax_in) < 0)
+                              &a.amax_in) < 0
+        || tqx_optional_tensor(st, y_q_t, "y_q_t", CODES, &a.y_q_t) < 0)
         return NULL;
     if (run_forward(st, &h, &a, info.stream) < 0) return NULL;
     Py_RETURN_NONE;
@@ -184,6 +186,11 @@ static PyObject *py_act_fwd(PyObject *module, PyObject *const *args, Py_ssize_t 
         || (want_hp
             && tqx_new_output(st, outs, m, n, 0, h.dtype, device, h.device, 0, &a.y_hp) < 0))
         goto fail;
+    if (config == Py_None && columnwise) {
+        PyErr_SetString(PyExc_ValueError, "_act_fwd: columnwise=True needs a quantizer config "
+                        "(without one there are no codes to write columnwise)");
+        goto fail;
+    }
     if (config == Py_None) {
         if (run_forward(st, &h, &a, info.stream) < 0) goto fail;
     } else if (is_block_format(&cfg)) {
@@ -193,21 +200,23 @@ static PyObject *py_act_fwd(PyObject *module, PyObject *const *args, Py_ssize_t 
             || run_forward(st, &h, &a, info.stream) < 0)
             goto fail;
     } else {
-        if (columnwise) {
-            PyErr_SetString(PyExc_ValueError, "_act_fwd: columnwise=True is for a BLOCK or MXFP8 config; "
-                            "per-tensor codes are transposed by their GEMM's caller");
-            goto fail;
-        }
-        tq_tensor codes, scale_inv;
+        tq_tensor codes, scale_inv, codes_t = TQ_TENSOR_NONE;
         if (tqx_fused_fp8_outputs(st, outs, &cfg, padded, m, n, device, h.device, args[5],
                                   &codes, &scale_inv, &a.amax) < 0)
             goto fail;
+        /* wgrad's columnwise codes [N, padded] (columns past M zero), written by the same pass */
+        if (columnwise) {
+            if (tqx_new_output(st, outs, n, padded, 0, codes.dtype, device, h.device, padded > m,
+                               &codes_t) < 0)
+                goto fail;
+            codes_t.cols = m;
+        }
         if (cfg.scaling == TQ_SCALING_DELAYED) { /* one pass: cast with the scale, amax alongside */
-            a.config = &cfg, a.y_q = codes, a.scale_inv = scale_inv;
+            a.config = &cfg, a.y_q = codes, a.scale_inv = scale_inv, a.y_q_t = codes_t;
             if (run_forward(st, &h, &a, info.stream) < 0) goto fail;
         } else { /* current scaling: the cast needs the whole tensor's amax first */
             tq_act_forward_args cast = TQ_ACT_FORWARD_ARGS_INIT;
-            cast.act = a.act, cast.config = &cfg, cast.y_q = codes;
+            cast.act = a.act, cast.config = &cfg, cast.y_q = codes, cast.y_q_t = codes_t;
             cast.scale_inv = scale_inv, cast.amax_in = a.amax;
             if (run_forward(st, &h, &a, info.stream) < 0
                 || run_forward(st, &h, &cast, info.stream) < 0)
@@ -329,12 +338,12 @@ static PyObject *py_act_workspace_size(PyObject *module, PyObject *args) {
 PyMethodDef tqx_act_methods[] = {
     {"_act_forward", (PyCFunction)(void (*)(void))py_act_forward, METH_VARARGS | METH_KEYWORDS,
      "_act_forward(h, act, *, y_hp=None, amax=None, config=None, y_q=None, scale_inv=None, "
-     "scale=None, amax_in=None)\n\nThe activation act ('gelu', 'relu', 'silu', 'qgelu', 'srelu', "
+     "scale=None, amax_in=None, y_q_t=None)\n\nThe activation act ('gelu', 'relu', 'silu', 'qgelu', 'srelu', "
      "'identity', or the gated 'geglu', 'reglu', 'swiglu' of h = [first | second]) of h [M, K] "
      "into the outputs given (tequant.h tq_act_forward): y_hp (h's dtype, [M, K] or [M, K/2] "
      "gated), amax (float32 [1], max-accumulated), and with a DELAYED or CURRENT QuantizerConfig "
      "the FP8 codes y_q and scale_inv, cast with scale (delayed) or the scale of amax_in "
-     "(current)."},
+     "(current), and y_q_t ([N, M], y_q transposed) if given."},
     {"_act_backward", (PyCFunction)(void (*)(void))py_act_backward, METH_VARARGS | METH_KEYWORDS,
      "_act_backward(dy, h, act, *, dh=None, amax=None, config=None, dh_q=None, scale_inv=None, "
      "scale=None, amax_in=None, dbias=None, dh_q_t=None)\n\nThe gradient dh [M, K] of the "
@@ -348,8 +357,8 @@ PyMethodDef tqx_act_methods[] = {
      "activation of h [M, K] with its outputs allocated here: [y_hp (h's dtype, [M, N]: N = K, "
      "or K / 2 gated) if want_hp]; with a DELAYED or CURRENT QuantizerConfig also te.Linear's "
      "rowwise FP8 codes of y [padded, N] (rows past M zero), scale_inv and amax (`amax` itself, "
-     "DelayedScaling's slot, or for None a fresh one), as _norm_fwd; with a BLOCK (1x128) or "
-     "MXFP8 one "
+     "DelayedScaling's slot, or for None a fresh one) and, with columnwise, the codes transposed "
+     "[N, padded], as _norm_fwd; with a BLOCK (1x128) or MXFP8 one "
      "(no y_hp) y's members data, scale_inv and, with columnwise, data_t, scale_inv_t for "
      "[padded, N] (tq_quantize's of y_hp padded with zero rows)."},
     {"_act_bwd", (PyCFunction)(void (*)(void))py_act_bwd, METH_FASTCALL,

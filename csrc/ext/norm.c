@@ -173,6 +173,11 @@ static PyObject *py_norm_fwd(PyObject *module, PyObject *const *args, Py_ssize_t
     if (want_stats
         && tqx_new_output(st, outs, 1, m, 1, TQ_DTYPE_FLOAT32, device, x.device, 0, &a.rstd) < 0)
         goto fail;
+    if (config == Py_None && columnwise) {
+        PyErr_SetString(PyExc_ValueError, "_norm_fwd: columnwise=True needs a quantizer config "
+                        "(without one there are no codes to write columnwise)");
+        goto fail;
+    }
     if (config == Py_None) {
         if (run_forward(st, &x, &a, info.stream) < 0) goto fail;
         Py_DECREF(device);

@@ -5,7 +5,8 @@
  * Plain loops on purpose: the oracle that cuda/act_forward.cu is checked against bit for bit.
  * Each element's value is internal_act.h's (tq_act_value, the same code the kernel runs); the
  * outputs follow norm_forward_ref.c: y_hp = RNE of the canonical FP32 value, amax its max |.|
- * max-accumulated into the slot, codes cvt8(tq_mul(y, scale)).
+ * max-accumulated into the slot, codes cvt8(tq_mul(y, scale)); y_q_t, when given, the same codes
+ * transposed.
  * With a BLOCK or MXFP8 config, act(h) in h's dtype goes through that quantizer's reference.
  * Tests: tests/test_act_kernels.py (against torch's float32 activations and te.ops.quantize;
  * CUDA against this), tests/test_act_block.py, tests/test_act_mxfp8.py (the block formats).
@@ -34,6 +35,10 @@ tq_status tq_act_forward_ref(const tq_tensor *h, const tq_act_forward_args *a,
             if (a->y_hp.data != NULL) tq_ref_store((tq_tensor *)&a->y_hp, r, j, tq_norm_canon(y));
             if (quantize) y_q[r * a->y_q.ld + j] = tq_f32_to_fp8(tq_mul(y, scale), e5m2);
         }
+    }
+    if (a->y_q_t.data != NULL) { /* the columnwise copy: the same codes, transposed */
+        tq_tensor y_q_t = a->y_q_t;
+        tq_transpose_ref(&a->y_q, &y_q_t, NULL);
     }
     if (a->amax.data != NULL) tq_fused_max_accumulate((float *)a->amax.data, amax);
     return TQ_SUCCESS;

@@ -66,9 +66,8 @@ tq_status tq_norm_forward_ref(const tq_tensor *x, const tq_norm_forward_args *a,
         }
     }
     if (a->y_q_t.data != NULL) { /* the columnwise copy: the same codes, transposed */
-        uint8_t *y_q_t = (uint8_t *)a->y_q_t.data;
-        for (int64_t r = 0; r < m_rows; r++)
-            for (int64_t i = 0; i < k; i++) y_q_t[i * a->y_q_t.ld + r] = y_q[r * a->y_q.ld + i];
+        tq_tensor y_q_t = a->y_q_t;
+        tq_transpose_ref(&a->y_q, &y_q_t, NULL);
     }
     if (a->amax.data != NULL) tq_fused_max_accumulate((float *)a->amax.data, amax);
     free(v), free(t), free(g), free(b);

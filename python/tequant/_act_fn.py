@@ -150,15 +150,25 @@ def _act_fwd(h: torch.Tensor, activation: str, want_hp: bool, recipe_id: Optiona
 
 @op("tequant::act_fwd_delayed", mutates_args=("hist_fwd",))
 def _act_fwd_delayed(h: torch.Tensor, activation: str, want_hp: bool, recipe_id: str,
-                     scale_fwd: torch.Tensor, padded: int, hist_fwd: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     scale_fwd: torch.Tensor, padded: int, columnwise: bool,
+                     hist_fwd: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """_forward_into under DelayedScaling on fc2's own buffers, as tequant::norm_fwd_delayed:
-    the kernel max-accumulates amax(y) into x's slot of hist_fwd. (y_hp or an empty uint8 [0],
-    codes, scale_inv)."""
+    the kernel max-accumulates amax(y) into x's slot of hist_fwd. (y_hp, codes, scale_inv,
+    codes transposed), an empty uint8 [0] for y_hp without want_hp and for the transposed codes
+    without columnwise."""
     scale, slot = delayed_x_state(recipe_id, hist_fwd, scale_fwd, h)
     with graph_safe_workspace():
-        outs = _forward_into(h, activation, want_hp, recipe_id, scale, padded, slot)
-    return (outs[0] if want_hp else _absent(h),) + tuple(outs[-3:-1])
+        outs = _forward_into(h, activation, want_hp, recipe_id, scale, padded, slot, columnwise)
+    return _delayed_tuple(h, outs, want_hp, columnwise)
+
+
+def _delayed_tuple(h, outs, want_hp, columnwise):
+    """tequant::act_fwd_delayed's fixed tuple from _C._act_fwd's list ([y_hp], codes, scale_inv,
+    amax slot[, codes_t]) or the fake's."""
+    codes_t = outs[-1] if columnwise else _absent(h)
+    at = -4 if columnwise else -3
+    return (outs[0] if want_hp else _absent(h), outs[at], outs[at + 1], codes_t)
 
 
 def _fake_codes(like, recipe_id, role, padded, n):
@@ -180,13 +190,16 @@ def _act_fwd_fake(h, activation, want_hp, recipe_id, scale, padded, columnwise=F
                        layout[:4 if columnwise else 2]]
     if recipe_id is not None:
         outs += _fake_codes(h, recipe_id, "input", padded, n)
+        if columnwise:
+            outs.append(h.new_empty((n, int(padded)), dtype=outs[-3].dtype))
     return outs
 
 
 @fake("tequant::act_fwd_delayed")
-def _act_fwd_delayed_fake(h, activation, want_hp, recipe_id, scale_fwd, padded, hist_fwd):
-    outs = _act_fwd_fake(h, activation, want_hp, recipe_id, None, padded)
-    return (outs[0] if want_hp else _absent(h),) + tuple(outs[-3:-1])
+def _act_fwd_delayed_fake(h, activation, want_hp, recipe_id, scale_fwd, padded, columnwise,
+                          hist_fwd):
+    outs = _act_fwd_fake(h, activation, want_hp, recipe_id, None, padded, columnwise)
+    return _delayed_tuple(h, outs, want_hp, columnwise)
 
 
 def _backward_into(dy, h, activation, recipe_id, padded, scale, dbias_dtype, slot,
@@ -247,13 +260,14 @@ def _act_bwd_over_h_fake(dy, h, activation):
 # ---- the Function -----------------------------------------------------------------------------
 
 class ActFunction(torch.autograd.Function):
-    """y = act(h) over the last dim through the kernels; with recipe_id also fc2's rowwise FP8
-    codes of y (ActInput.fused).
+    """y = act(h) over the last dim through the kernels; with recipe_id also fc2's FP8 codes of
+    y (ActInput.fused).
 
     forward(h, scale, amax, activation, want_hp, recipe_id, padded, columnwise, dh, dh_scale,
     dh_slot, *dh_tokens) returns y alone without recipe_id, else (y, codes, scale_inv, amax or
     None: None where the amax went into the given `amax`, the eager DelayedScaling slot, or
-    in compiled code fc2's whole amax_history_fwd, with its whole scale_fwd as `scale`);
+    in compiled code fc2's whole amax_history_fwd, with its whole scale_fwd as `scale`; the
+    codes transposed with columnwise, else None);
     Float8BlockScaling: (y, data, scale_inv[, data_t, scale_inv_t with columnwise]). Without want_hp
     y carries only the gradient (an expanded scalar: no [M, N] store): the te.Linear that reads
     the codes returns its input gradient for it. dh ... dh_tokens: a GradOutput's (_dh_args;
@@ -268,8 +282,8 @@ class ActFunction(torch.autograd.Function):
         shape = h.shape[:-1] + (_cols(activation, k),)
         args = (h2d, activation, want_hp, recipe_id, scale, padded)
         if torch.compiler.is_compiling() and amax is not None:  # fc2's buffers
-            outs = torch.ops.tequant.act_fwd_delayed(*args, amax)
-            outs = outs if want_hp else outs[1:]
+            outs = torch.ops.tequant.act_fwd_delayed(*args, columnwise, amax)
+            outs = (outs if want_hp else outs[1:])[:None if columnwise else -1]
         elif torch.compiler.is_compiling():
             outs = torch.ops.tequant.act_fwd(*args, columnwise)
         else:
@@ -291,7 +305,11 @@ class ActFunction(torch.autograd.Function):
             members = tuple(it)
             ctx.mark_non_differentiable(*members)
             return (y,) + members
-        return (y,) + codes_returned(ctx, it, amax)
+        rest = list(it)
+        codes_t = rest.pop() if columnwise else None
+        if codes_t is not None:
+            ctx.mark_non_differentiable(codes_t)
+        return (y,) + codes_returned(ctx, rest, amax) + (codes_t,)
 
     @staticmethod
     @once_differentiable  # the kernels' backward is not differentiable: a clear error
@@ -363,19 +381,20 @@ class ActInput:
 
     def fused(self, recipe_id, align, scale, amax, columnwise=False):
         """(y carrier, the six members of the quantization te.Linear multiplies), as
-        NormInput.fused: per-tensor FP8 rowwise; Float8BlockScaling's / MXFP8BlockScaling's
-        blocks with the columnwise ones too where `columnwise` (wgrad will read them)."""
+        NormInput.fused: per-tensor FP8 codes; Float8BlockScaling's / MXFP8BlockScaling's
+        blocks; either with the columnwise ones too where `columnwise` (wgrad will read them),
+        written by the activation's pass."""
         h = self.h
         rows = h.numel() // h.shape[-1]
         block = _plan.of_id(recipe_id).x.scaling in _plan.BLOCK_FORMATS
         outs = ActFunction.apply(
             h, scale, amax, self.activation, False, recipe_id, _plan.padded(rows, align),
-            block and columnwise, *_dh_args(self.dh))
+            columnwise, *_dh_args(self.dh))
         if block:
             members = outs[1:] if columnwise else outs[1:] + (None, None)
             return outs[0], members + (None, None)
-        y, data, scale_inv, fresh = outs
-        return y, (data, scale_inv, None, None, given_amax(amax, fresh), None)
+        y, data, scale_inv, fresh, data_t = outs
+        return y, (data, scale_inv, data_t, None, given_amax(amax, fresh), None)
 
 
 # ---- fc1's grad_output from the activation's backward -------------------------------------------

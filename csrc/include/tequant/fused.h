@@ -212,11 +212,14 @@ typedef struct tq_act_forward_args {
      * (canonical NaN first: y_hp's bits, as TransformerEngine's fused block-format casts round),
      * so q equals tq_quantize of y_hp zero-padded to R rows, bit for bit; one pass over h. */
     tq_qtensor *q;
+    tq_tensor y_q_t;     /* optional, with y_q: [N, M] codes, y_q transposed (y_q_t[j][i] =
+                            y_q[i][j]: wgrad's columnwise operand), ld >= M; columns past M are
+                            not written */
 } tq_act_forward_args;
 
 #define TQ_ACT_FORWARD_ARGS_INIT \
     {sizeof(tq_act_forward_args), TQ_ACT_GELU, TQ_TENSOR_NONE, TQ_TENSOR_NONE, NULL, \
-     TQ_TENSOR_NONE, TQ_TENSOR_NONE, TQ_TENSOR_NONE, TQ_TENSOR_NONE, NULL}
+     TQ_TENSOR_NONE, TQ_TENSOR_NONE, TQ_TENSOR_NONE, TQ_TENSOR_NONE, NULL, TQ_TENSOR_NONE}
 
 /* act of h [M, K] (FLOAT32, BFLOAT16 or FLOAT16; ld >= K; K >= 1, even when gated; M >= 0) into
  * the outputs args names. CPU tensors run the C reference, CUDA tensors one kernel on `stream`
