@@ -153,9 +153,11 @@ __global__ void __launch_bounds__(kTable ? tq_act_table::kThreads : kThreads)
     const float scale = tq_fp8out::cast_scale(p.out);
     tq_fp8out::write_scale_inv(p.out, scale);
     float amax = 0.0f;
-    const int64_t col_tiles = p.nchunks / kTileChunks, tiles = p.rows / kTileRows * col_tiles;
+    /* tiles column block by column block: CTAs that run together write neighbouring sectors
+     * of y_q_t's rows (its lines, and HBM pages, fill in one go) */
+    const int64_t row_tiles = p.rows / kTileRows, tiles = row_tiles * (p.nchunks / kTileChunks);
     for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        const int64_t r0 = tile / col_tiles * kTileRows, c0 = tile % col_tiles * kTileChunks;
+        const int64_t r0 = tile % row_tiles * kTileRows, c0 = tile / row_tiles * kTileChunks;
         Item<T, kGated> it[kItems];
 #pragma unroll
         for (int i = 0; i < kItems; i++) {
