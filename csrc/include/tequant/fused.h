@@ -223,7 +223,8 @@ typedef struct tq_act_forward_args {
 
 /* act of h [M, K] (FLOAT32, BFLOAT16 or FLOAT16; ld >= K; K >= 1, even when gated; M >= 0) into
  * the outputs args names. CPU tensors run the C reference, CUDA tensors one kernel on `stream`
- * (no sync, no allocation). */
+ * (a second, the byte transpose, for a y_q_t the kernel does not write itself; no sync, no
+ * allocation). */
 TQ_API tq_status tq_act_forward(const tq_tensor *h, const tq_act_forward_args *args,
                                 struct CUstream_st *stream);
 
