@@ -129,3 +129,21 @@ def test_cuda_quantize_dbias_pass_gives_both_directions(shape):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     assert torch.equal(fused[2].view(torch.uint8), fused[0].view(torch.uint8).t())
     torch.testing.assert_close(dbias.float(), x.float().sum(0), rtol=1e-2, atol=0.5)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("act", ["gelu", "relu", "silu", "qgelu", "srelu"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_activation_columnwise_every_launch(act, dtype):
+    """dh_q_t of every not gated activation, both 16-bit dtypes, with and without dbias, the
+    table launch of bf16 gelu / silu / qgelu at 3072 x 2048, row chunks of 4 and 16, M % 8 != 0,
+    aligned and strided dh_q_t: bit for bit against the reference."""
+    for i, (m, k) in enumerate([(3072, 2048), (64, 512), (200, 1032), (44, 1024)]):
+        h, dy = inputs(m, k, act, dtype, seed=40 + i)
+        lay = strided if i % 2 else None
+        for want_dbias in (True, False):
+            kw = dict(MODES["delayed-e4m3"], want=("amax",) + (("dbias",) if want_dbias else ()))
+            ref = with_columnwise(dy, h, act, layout_t=lay, **kw)
+            got = with_columnwise(dy.cuda(), h.cuda(), act, layout_t=lay, **to_cuda(kw))
+            assert_same_bits(got, ref, (act, m, k, want_dbias))

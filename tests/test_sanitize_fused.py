@@ -175,12 +175,13 @@ def test_act_forward_columnwise():
     """act_forward.cu's colt_kernel (codes staged in shared memory, a tile's columns written
     between two CTA barriers): each activation, 16-bit h, delayed scaling's pass and current
     scaling's cast pass, a shape with more tiles than CTAs (the table launches of bf16 gelu /
-    silu / qgelu among them), and one the transpose takes (M % 32 != 0)."""
+    silu / qgelu among them), and one the transpose takes (M % 32 != 0); and the not gated
+    ones' backward with dh_q_t (the transpose after the pass), with and without dbias."""
     delayed = te.quantizer_config(DelayedScaling(), "input")
     current = te.quantizer_config(Float8CurrentScaling(), "input")
     for i, (act, dtype) in enumerate(itertools.product(ACTS[:-1], (BF16, F16))):
         gated = act in ("geglu", "reglu", "swiglu")
-        for m, n in ((4096, 1024), (40, 256)):
+        for m, n in ((4096, 1024), (40, 256), (512, 2048)):
             h = _randn(m, 2 * n if gated else n, dtype=dtype, seed=120 + i)
             y_q = torch.empty(m, n, dtype=torch.uint8, device=DEVICE)
             y_q_t = torch.empty(n, m + 8, dtype=torch.uint8, device=DEVICE)[:, :m]
@@ -192,6 +193,16 @@ def test_act_forward_columnwise():
                             amax_in=amax, y_q_t=y_q_t)
             _finite(amax, scale_inv)
             torch.sum(y_q_t, dtype=torch.int64)
+            if gated:
+                continue
+            dh_q = torch.empty(m, n, dtype=torch.uint8, device=DEVICE)
+            dh_q_t = torch.empty(n, m + 8, dtype=torch.uint8, device=DEVICE)[:, :m]
+            dbias = torch.empty(n, dtype=dtype, device=DEVICE)
+            for extra in (dict(dbias=dbias), {}):
+                _C._act_backward(h, h, act, config=delayed, dh_q=dh_q, scale_inv=scale_inv,
+                                 scale=torch.ones(1, device=DEVICE), amax=amax, dh_q_t=dh_q_t,
+                                 **extra)
+                torch.sum(dh_q_t, dtype=torch.int64)
 
 
 # bf16 sigmoid-family activations (gated too) over 2048 x 4096 outputs: more elements than
