@@ -397,8 +397,9 @@ def _delayed_states(recipe_id, needs, hist, scale, like):
 
 
 def _max_into(slot, amax):
-    """slot = max(slot, amax), in place (a module history's slot; amax: one element)."""
-    slot.copy_(torch.maximum(slot, amax.reshape(slot.shape)))
+    """slot = max(slot, amax), in place (a module history's slot; amax: one element): one
+    kernel, no temporary (an op body's run-time call, never traced)."""
+    torch.maximum(slot, amax.reshape(slot.shape), out=slot)
 
 
 @fake("tequant::linear_fwd_given")
