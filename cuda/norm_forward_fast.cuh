@@ -1,8 +1,8 @@
 /* norm_forward_fast.cuh: norm_forward.cu's fast_kernel (whole chunks, aligned rows, K <= 16384;
  * with y_q_t written from shared memory: tiles of 32 rows, K <= 4096) and its launch: what it
- * computes, and why its bits are the reference's, is in norm_forward.cu's opening comment. Included by norm_forward.cu alone, inside its anonymous namespace, after
- * FwdParams and the shared pieces it uses (a part of that translation unit kept in its own file
- * for size). Tests: tests/test_norm_kernels.py (GPU cases), tests/test_sanitize_kernels.py.
+ * computes, and why its bits are the reference's, is in norm_forward.cu's opening comment.
+ * Included by norm_forward.cu alone, inside its anonymous namespace, after FwdParams and the
+ * shared pieces it uses (a part of that translation unit kept in its own file for size). Tests: tests/test_norm_kernels.py (GPU cases), tests/test_sanitize_kernels.py.
  */
 #pragma once
 constexpr int kFastMaxChunks = 2048; /* K <= 16384 */

@@ -94,16 +94,9 @@ tq_status tq_act_forward(const tq_tensor *h, const tq_act_forward_args *a,
     if (a->q != NULL)
         return tq_fused_not_for(fn, "q", "it is a BLOCK or MXFP8 config's output");
     const tq_fused_fp8 o = {a->config, &a->y_q, &a->scale_inv, &a->scale, &a->amax_in, &a->amax,
-                            "y_q"};
+                            "y_q", &a->y_q_t, "y_q_t"};
     st = tq_fused_check_fp8(fn, &o, m, n, h->device, "act(h)");
     if (st != TQ_SUCCESS) return st;
-    if (tq_given(&a->y_q_t)) {
-        if (a->config == NULL || (!tq_given(&a->y_q) && m > 0))
-            return tq_fused_not_for(fn, "y_q_t", "it is y_q transposed: give config and y_q too");
-        st = tq_fused_check_matrix(fn, &a->y_q_t, "y_q_t", n, m, a->config->elem_dtype,
-                                   h->device, "act(h) transposed");
-        if (st != TQ_SUCCESS) return st;
-    }
     return TQ_DISPATCH(act_forward, h->device == TQ_DEVICE_CPU, h, a, stream);
 }
 
@@ -153,16 +146,8 @@ tq_status tq_act_backward(const tq_tensor *dy, const tq_tensor *h,
     if (a->q != NULL)
         return tq_fused_not_for(fn, "q", "it is a BLOCK or MXFP8 config's output");
     const tq_fused_fp8 o = {a->config, &a->dh_q, &a->scale_inv, &a->scale, &a->amax_in, &a->amax,
-                            "dh_q"};
+                            "dh_q", &a->dh_q_t, "dh_q_t"};
     if ((st = tq_fused_check_fp8(fn, &o, m, k, h->device, "h")) != TQ_SUCCESS) return st;
-    if (tq_given(&a->dh_q_t)) {
-        if (a->config == NULL || !tq_given(&a->dh_q))
-            return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "%s: dh_q_t (the columnwise codes) needs "
-                           "a config and dh_q (it is their transpose)", fn);
-        st = tq_fused_check_matrix(fn, &a->dh_q_t, "dh_q_t", k, m, a->config->elem_dtype,
-                                   h->device, "h transposed");
-        if (st != TQ_SUCCESS) return st;
-    }
     if (tq_given(&a->dbias)) {
         st = tq_fused_check_vector(fn, &a->dbias, "dbias", k, TQ_FLOAT_MASK, h->device);
         if (st != TQ_SUCCESS) return st;

@@ -64,8 +64,8 @@ tq_status tq_fused_check_matrix(const char *fn, const tq_tensor *t, const char *
     return TQ_SUCCESS;
 }
 
-tq_status tq_fused_check_fp8(const char *fn, const tq_fused_fp8 *o, int64_t rows, int64_t cols,
-                             int device, const char *like) {
+static tq_status check_rowwise(const char *fn, const tq_fused_fp8 *o, int64_t rows,
+                               int64_t cols, int device, const char *like) {
     const tq_quant_config *c = o->config;
     if (c == NULL) {
         const tq_tensor *ts[] = {o->q, o->scale_inv, o->scale, o->amax_in};
@@ -107,6 +107,19 @@ tq_status tq_fused_check_fp8(const char *fn, const tq_fused_fp8 *o, int64_t rows
         return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "%s: amax and amax_in are the same memory; the "
                        "scale would read an amax the same pass is still accumulating", fn);
     return st;
+}
+
+tq_status tq_fused_check_fp8(const char *fn, const tq_fused_fp8 *o, int64_t rows, int64_t cols,
+                             int device, const char *like) {
+    tq_status st = check_rowwise(fn, o, rows, cols, device, like);
+    if (st != TQ_SUCCESS || o->q_t == NULL || !tq_given(o->q_t)) return st;
+    if (o->config == NULL || (!tq_given(o->q) && rows > 0))
+        return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "%s: %s was given, but it is %s transposed: "
+                       "give config and %s too", fn, o->q_t_name, o->q_name, o->q_name);
+    char like_t[64];
+    snprintf(like_t, sizeof like_t, "%s transposed", like);
+    return tq_fused_check_matrix(fn, o->q_t, o->q_t_name, cols, rows, o->config->elem_dtype,
+                                 device, like_t);
 }
 
 tq_status tq_fused_check_workspace(const char *fn, const tq_tensor *w, size_t need, int device,

@@ -39,11 +39,13 @@ typedef struct tq_fused_fp8 {
     const tq_quant_config *config;
     const tq_tensor *q, *scale_inv, *scale, *amax_in, *amax;
     const char *q_name; /* "y_q", "dh_q" */
+    const tq_tensor *q_t; /* the optional columnwise codes (q transposed) */
+    const char *q_t_name; /* "y_q_t", "dh_q_t" */
 } tq_fused_fp8;
 
 /* A DELAYED or CURRENT config with codes [rows, cols] (like `like`) and scale_inv, plus the
  * scale (DELAYED) or the amax it comes from (CURRENT, not the same memory as amax); with no
- * config, none of them. */
+ * config, none of them. q_t, where given: [cols, rows] codes of the config's dtype, with q. */
 tq_status tq_fused_check_fp8(const char *fn, const tq_fused_fp8 *o, int64_t rows, int64_t cols,
                              int device, const char *like);
 

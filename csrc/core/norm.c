@@ -48,7 +48,7 @@ static tq_status check_matrix(const char *fn, const tq_tensor *t, const char *na
 static tq_status check_quantized(const char *fn, const tq_tensor *x,
                                  const tq_norm_forward_args *a) {
     const tq_fused_fp8 o = {a->config, &a->y_q, &a->scale_inv, &a->scale, &a->amax_in, &a->amax,
-                            "y_q"};
+                            "y_q", &a->y_q_t, "y_q_t"};
     return tq_fused_check_fp8(fn, &o, x->rows, x->cols, x->device, "x");
 }
 
@@ -89,13 +89,6 @@ tq_status tq_norm_forward(const tq_tensor *x, const tq_norm_forward_args *a,
         return st;
     st = check_quantized(fn, x, a);
     if (st != TQ_SUCCESS) return st;
-    if (tq_given(&a->y_q_t)) {
-        if (a->config == NULL || (!tq_given(&a->y_q) && m > 0))
-            return tq_fused_not_for(fn, "y_q_t", "it is y_q transposed: give config and y_q too");
-        st = tq_fused_check_matrix(fn, &a->y_q_t, "y_q_t", k, m, a->config->elem_dtype, x->device,
-                                   "x transposed");
-        if (st != TQ_SUCCESS) return st;
-    }
     return TQ_DISPATCH(norm_forward, x->device == TQ_DEVICE_CPU, x, a, stream);
 }
 

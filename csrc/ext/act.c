@@ -200,17 +200,10 @@ static PyObject *py_act_fwd(PyObject *module, PyObject *const *args, Py_ssize_t 
             || run_forward(st, &h, &a, info.stream) < 0)
             goto fail;
     } else {
-        tq_tensor codes, scale_inv, codes_t = TQ_TENSOR_NONE;
+        tq_tensor codes, scale_inv, codes_t = TQ_TENSOR_NONE; /* codes_t: by the same pass */
         if (tqx_fused_fp8_outputs(st, outs, &cfg, padded, m, n, device, h.device, args[5],
-                                  &codes, &scale_inv, &a.amax) < 0)
+                                  &codes, &scale_inv, &a.amax, columnwise ? &codes_t : NULL) < 0)
             goto fail;
-        /* wgrad's columnwise codes [N, padded] (columns past M zero), written by the same pass */
-        if (columnwise) {
-            if (tqx_new_output(st, outs, n, padded, 0, codes.dtype, device, h.device, padded > m,
-                               &codes_t) < 0)
-                goto fail;
-            codes_t.cols = m;
-        }
         if (cfg.scaling == TQ_SCALING_DELAYED) { /* one pass: cast with the scale, amax alongside */
             a.config = &cfg, a.y_q = codes, a.scale_inv = scale_inv, a.y_q_t = codes_t;
             if (run_forward(st, &h, &a, info.stream) < 0) goto fail;
@@ -303,7 +296,7 @@ static PyObject *py_act_bwd(PyObject *module, PyObject *const *args, Py_ssize_t 
     }
     tq_tensor codes, scale_inv;
     if (tqx_fused_fp8_outputs(st, outs, &cfg, padded, m, k, device, h.device, args[5], &codes,
-                              &scale_inv, &a.amax) < 0
+                              &scale_inv, &a.amax, NULL) < 0
         || (dbias_dtype != Py_None
             && tqx_new_output(st, outs, 1, k, 1, bias_dtype, device, h.device, 0, &a.dbias) < 0))
         goto fail;

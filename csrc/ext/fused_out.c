@@ -37,7 +37,7 @@ int tqx_new_output(tqx_state *st, PyObject *outs, int64_t rows, int64_t cols, in
 int tqx_fused_fp8_outputs(tqx_state *st, PyObject *outs, const tq_quant_config *config,
                           int64_t padded, int64_t m, int64_t n, PyObject *device,
                           int device_index, PyObject *amax, tq_tensor *codes,
-                          tq_tensor *scale_inv, tq_tensor *amax_t) {
+                          tq_tensor *scale_inv, tq_tensor *amax_t, tq_tensor *codes_t) {
     if (padded < m) {
         PyErr_Format(PyExc_ValueError, "padded=%lld must be at least the %lld rows quantized",
                      (long long)padded, (long long)m);
@@ -59,9 +59,19 @@ int tqx_fused_fp8_outputs(tqx_state *st, PyObject *outs, const tq_quant_config *
                           TQ_DTYPE_FLOAT32, device, device_index, 0, scale_inv) < 0)
         return -1;
     codes->rows = m;
-    if (amax == Py_None)
-        return tqx_new_output(st, outs, 1, 1, 0, TQ_DTYPE_FLOAT32, device, device_index, 1,
-                              amax_t);
-    if (tqx_tensor_from_py(st, amax, "amax", 1u << TQ_DTYPE_FLOAT32, amax_t, NULL) < 0) return -1;
-    return PyList_Append(outs, amax); /* the caller's slot itself (callers test identity) */
+    if (amax == Py_None) {
+        if (tqx_new_output(st, outs, 1, 1, 0, TQ_DTYPE_FLOAT32, device, device_index, 1,
+                           amax_t) < 0)
+            return -1;
+    } else if (tqx_tensor_from_py(st, amax, "amax", 1u << TQ_DTYPE_FLOAT32, amax_t, NULL) < 0
+               || PyList_Append(outs, amax) < 0) { /* the caller's slot itself (callers test
+                                                     identity) */
+        return -1;
+    }
+    if (codes_t == NULL) return 0;
+    if (tqx_new_output(st, outs, n, padded, 0, layout.data.dtype, device, device_index,
+                       padded > m, codes_t) < 0)
+        return -1;
+    codes_t->cols = m;
+    return 0;
 }

@@ -207,11 +207,12 @@ int tqx_new_output(tqx_state *st, PyObject *outs, int64_t rows, int64_t cols, in
 /* te.Linear's rowwise operand of an [m, n] output quantized with config (DELAYED / CURRENT),
  * appended to outs: codes [padded, n] (rows past m zero; *codes describes the first m rows),
  * scale_inv, and the amax: `amax` itself (the caller's DelayedScaling slot) or, for None, a new
- * zero [1, 1]. -1 with an exception. */
+ * zero [1, 1]; then, where codes_t is not NULL, wgrad's columnwise codes [n, padded] (columns
+ * past m zero; *codes_t describes the first m). -1 with an exception. */
 int tqx_fused_fp8_outputs(tqx_state *st, PyObject *outs, const tq_quant_config *config,
                           int64_t padded, int64_t m, int64_t n, PyObject *device,
                           int device_index, PyObject *amax, tq_tensor *codes,
-                          tq_tensor *scale_inv, tq_tensor *amax_t);
+                          tq_tensor *scale_inv, tq_tensor *amax_t, tq_tensor *codes_t);
 
 /* norm.c: _C._norm_forward, _C._norm_backward (the fused normalization kernels) */
 extern PyMethodDef tqx_norm_methods[];

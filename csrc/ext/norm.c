@@ -183,17 +183,10 @@ static PyObject *py_norm_fwd(PyObject *module, PyObject *const *args, Py_ssize_t
         Py_DECREF(device);
         return outs;
     }
-    tq_tensor codes, scale_inv, codes_t = TQ_TENSOR_NONE;
+    tq_tensor codes, scale_inv, codes_t = TQ_TENSOR_NONE; /* codes_t: written by the same pass */
     if (tqx_fused_fp8_outputs(st, outs, &cfg, padded, m, k, device, x.device, amax_obj, &codes,
-                              &scale_inv, &a.amax) < 0)
+                              &scale_inv, &a.amax, columnwise ? &codes_t : NULL) < 0)
         goto fail;
-    /* wgrad's columnwise codes [K, padded] (columns past M zero), written by the same pass */
-    if (columnwise) {
-        if (tqx_new_output(st, outs, k, padded, 0, codes.dtype, device, x.device, padded > m,
-                           &codes_t) < 0)
-            goto fail;
-        codes_t.cols = m;
-    }
     if (cfg.scaling == TQ_SCALING_DELAYED) { /* one pass: cast with the scale, amax alongside */
         a.config = &cfg, a.y_q = codes, a.scale_inv = scale_inv, a.y_q_t = codes_t;
         if (run_forward(st, &x, &a, info.stream) < 0) goto fail;
