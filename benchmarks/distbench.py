@@ -33,7 +33,11 @@ class Attention(torch.nn.Module):
     def forward(self, x):
         h = self.qkv(x)  # [s, b, 3 * heads * head_dim] (all tokens under sequence parallelism)
         s, b, _ = h.shape
-        q, k, v = h.view(s, b, 3, self.heads, -1).permute(2, 1, 3, 0, 4).unbind(0)
+        # q, k, v: the thirds of h's features, each [b, heads, s, head_dim] views. chunk's
+        # backward writes the three grads into h's grad in one cat; the earlier
+        # view(s, b, 3, heads, -1).permute(...).unbind(0) (the same q, k, v) took a stack and a
+        # contiguous copy there (~0.7 ms a step at d = 4096, 8192 tokens: NOTES.md, 34th session)
+        q, k, v = (t.view(s, b, self.heads, -1).permute(1, 2, 0, 3) for t in h.chunk(3, dim=-1))
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, heads, s, head_dim]
         return self.proj(a.permute(2, 0, 1, 3).reshape(s, b, -1))
 
