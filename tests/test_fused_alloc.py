@@ -96,11 +96,16 @@ def test_act_errors():
         _C._act_bwd(dy, h, "gelu", cur, None, None, 16, torch.int8, False)
     with pytest.raises(ValueError, match="dy is float32 \\[4, 16\\] on device -1; expected"):
         _C._act_bwd(dy, h, "swiglu", None, None, None, 0, None, False)
-    with pytest.raises(ValueError, match="columnwise=True is for a BLOCK or MXFP8 config"):
-        _C._act_bwd(dy, h, "gelu", cur, None, None, 16, None, True)
+    with pytest.raises(ValueError, match="columnwise=True needs a quantizer config"):
+        _C._act_bwd(dy, h, "gelu", None, None, None, 0, None, True)
     outs = _C._act_bwd(dy, h, "gelu", cur, None, None, 16, torch.bfloat16, False)
     assert [tuple(t.shape) for t in outs] == [(16, 16), (1, 1), (1, 1), (16,)]
     assert outs[3].dtype == torch.bfloat16 and not outs[0][4:].view(torch.uint8).any()
+    # columnwise: the codes transposed [K, padded] (columns past M zero) before dbias
+    both = _C._act_bwd(dy, h, "gelu", cur, None, None, 16, torch.bfloat16, True)
+    assert [tuple(t.shape) for t in both] == [(16, 16), (1, 1), (1, 1), (16, 16), (16,)]
+    assert torch.equal(both[3].view(torch.uint8), both[0].view(torch.uint8).t())
+    assert torch.equal(both[0].view(torch.uint8), outs[0].view(torch.uint8))
 
 
 def test_first_call_in_a_fresh_process_makes_zeroed_outputs():

@@ -166,7 +166,8 @@ def test_hooked_fc1_and_torch_activation_keep_dy_in_high_precision():
         nx = te.norm.module_input(m, x.clone().requires_grad_(), 64)
         nx.grad_output = grad_output
         h = m.fc1(nx)
-    assert len(grad_output.tokens) == 4  # fc1 asked: codes, scale_inv, amax, dbias
+    assert len(grad_output.tokens) == 5  # fc1 asked: codes, scale_inv, amax, codes_t, dbias
+    assert grad_output.tokens[3].shape == grad_output.tokens[0].shape[::-1]  # [N, padded]
     with spied() as (acts, dys), te.autocast(recipe=recipe):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             y = m.fc2(_act_fn.ActInput(h, "relu", grad_output))
@@ -181,7 +182,8 @@ def test_hooked_fc1_and_torch_activation_keep_dy_in_high_precision():
 @pytest.mark.parametrize("act,name", CASES)
 def test_codes_amax_and_dbias_are_the_kernels(act, name, dtype, device):
     """Two steps (DelayedScaling's second casts with an updated scale): codes, scale_inv, amax
-    and dbias are the kernel's with fc1's scale, rows past 21 zero codes; float32: the codes
+    and dbias are the kernel's with fc1's scale, rows past 21 zero codes, the columnwise codes
+    their transpose (columns past 21 zero); float32: the codes
     are te.ops.quantize's of the same dh (te.Linear's grad_output quantizer), dbias the fixed
     order's sum, and close to torch's."""
     recipe = RECIPES[name]
@@ -191,11 +193,12 @@ def test_codes_amax_and_dbias_are_the_kernels(act, name, dtype, device):
         _train(m, x, recipe, steps=2)
     assert len(acts) == 2
     for rec in acts:
-        codes, scale_inv, amax, dbias = rec["outs"]
+        codes, scale_inv, amax, codes_t, dbias = rec["outs"]  # codes_t: fc1's wgrad reads them
         assert dbias.dtype == dtype  # stored in fc1's bias dtype by the kernel: no cast after
         want = standalone(rec["dy"], rec["h"], act, recipe, rec["scale"], dtype)
         k = 192 if act in ("swiglu", "reglu") else 96
         assert codes.shape == (32, k) and not codes.view(torch.uint8)[21:].any()
+        assert torch.equal(codes_t.view(torch.uint8), codes.view(torch.uint8).t())
         assert torch.equal(codes.view(torch.uint8)[:21], want[0])
         for got, ref in zip((scale_inv, amax, dbias), want[1:]):
             assert same_bits(got.reshape(-1), ref)
@@ -213,6 +216,25 @@ def test_codes_amax_and_dbias_are_the_kernels(act, name, dtype, device):
         torch.testing.assert_close(dbias, dh.sum(0), rtol=1e-6, atol=1e-6)
     if name == "delayed":
         assert float(acts[1]["scale"][0]) != 1.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("act,name", [("gelu", "delayed"), ("srelu", "current")])
+def test_fc1_wgrad_takes_the_backwards_columnwise_codes(act, name, device):
+    """fc1's wgrad multiplies the codes_t the activation's backward call made: no transpose of
+    dy's codes after it (given_dy_backward's with_columnwise keeps them); a frozen fc1 weight
+    (no wgrad) asks for none."""
+    m = _mlp(act, torch.bfloat16, device)
+    x = torch.randn(2, 16, 64, device=device).to(torch.bfloat16)
+    calls = []
+    with pytest.MonkeyPatch.context() as mp, spied() as (acts, _):
+        mp.setattr(_C, "_transpose", lambda *a, _f=_C._transpose: calls.append(1) or _f(*a))
+        _train(m, x, RECIPES[name])
+    assert len(acts) == 1 and len(acts[0]["outs"]) == 5 and calls == []
+    m.fc1.weight.requires_grad_(False)
+    with spied() as (acts, _):
+        _train(m, x, RECIPES[name])
+    assert len(acts[0]["outs"]) == 4  # codes, scale_inv, amax, dbias
 
 
 @pytest.mark.parametrize("act,name", CASES)

@@ -264,8 +264,8 @@ static PyObject *py_act_bwd(PyObject *module, PyObject *const *args, Py_ssize_t 
     if (outs == NULL) goto fail;
     if (config == Py_None) {
         if (columnwise) {
-            PyErr_SetString(PyExc_ValueError, "_act_bwd: columnwise=True is for a BLOCK or "
-                            "MXFP8 config");
+            PyErr_SetString(PyExc_ValueError, "_act_bwd: columnwise=True needs a quantizer "
+                            "config (the columnwise codes or blocks of dh)");
             goto fail;
         }
         if (tqx_new_output(st, outs, m, k, 0, h.dtype, device, h.device, 0, &a.dh) < 0
@@ -289,24 +289,19 @@ static PyObject *py_act_bwd(PyObject *module, PyObject *const *args, Py_ssize_t 
         Py_DECREF(device);
         return outs;
     }
-    if (columnwise) {
-        PyErr_SetString(PyExc_ValueError, "_act_bwd: columnwise=True is for a BLOCK or MXFP8 "
-                        "config; per-tensor codes are transposed by their GEMM's caller");
-        goto fail;
-    }
-    tq_tensor codes, scale_inv;
+    tq_tensor codes, scale_inv, codes_t = TQ_TENSOR_NONE; /* codes_t: by the same call */
     if (tqx_fused_fp8_outputs(st, outs, &cfg, padded, m, k, device, h.device, args[5], &codes,
-                              &scale_inv, &a.amax, NULL) < 0
+                              &scale_inv, &a.amax, columnwise ? &codes_t : NULL) < 0
         || (dbias_dtype != Py_None
             && tqx_new_output(st, outs, 1, k, 1, bias_dtype, device, h.device, 0, &a.dbias) < 0))
         goto fail;
     if (cfg.scaling == TQ_SCALING_DELAYED) { /* one pass: cast with the scale, amax and dbias */
-        a.config = &cfg, a.dh_q = codes, a.scale_inv = scale_inv;
+        a.config = &cfg, a.dh_q = codes, a.scale_inv = scale_inv, a.dh_q_t = codes_t;
         if (run_backward(st, &dy, h_obj, &h, &a, info.stream) < 0) goto fail;
     } else { /* current scaling: the amax (and dbias) pass, then the cast pass */
         tq_act_backward_args cast = TQ_ACT_BACKWARD_ARGS_INIT;
         cast.act = a.act, cast.config = &cfg, cast.dh_q = codes, cast.scale_inv = scale_inv;
-        cast.amax_in = a.amax;
+        cast.amax_in = a.amax, cast.dh_q_t = codes_t;
         if (run_backward(st, &dy, h_obj, &h, &a, info.stream) < 0
             || run_backward(st, &dy, h_obj, &h, &cast, info.stream) < 0)
             goto fail;
@@ -358,8 +353,9 @@ PyMethodDef tqx_act_methods[] = {
      "_act_bwd(dy, h, act, config, scale, amax, padded, dbias_dtype, columnwise) -> list\n\n"
      "The activation's backward with its outputs allocated here: without config [dh] ([M, K], "
      "h's dtype); with a DELAYED or CURRENT QuantizerConfig (fc1's grad_output quantizer) "
-     "te.Linear's rowwise FP8 codes of dh [padded, K], scale_inv, amax (as _act_fwd's) and, "
-     "unless dbias_dtype is None, dbias [K] in that dtype; with a BLOCK (1x128) or MXFP8 one "
+     "te.Linear's rowwise FP8 codes of dh [padded, K], scale_inv, amax (as _act_fwd's), with "
+     "columnwise the codes transposed [K, padded] (columns past M zero) and, unless dbias_dtype "
+     "is None, dbias [K] in that dtype; with a BLOCK (1x128) or MXFP8 one "
      "(dbias_dtype None) dh's members data, scale_inv and, with columnwise, data_t, "
      "scale_inv_t for [padded, K] (tq_quantize's of dh padded with zero rows)."},
     {"_act_backward_workspace_size", (PyCFunction)(void (*)(void))py_act_workspace_size,

@@ -206,8 +206,9 @@ def _backward_into(dy, h, activation, recipe_id, padded, scale, dbias_dtype, slo
                    columnwise=False):
     """[dh [M, K] (h's dtype)] of h [M, K] from dy [M, N] in h's dtype; with recipe_id (a
     per-tensor FP8 recipe) fc1's grad_output instead (GradOutput): [codes [padded, K] (rows
-    past M zero) of its "grad_output" quantizer, scale_inv, amax [1, 1], dbias ([K] of
-    dbias_dtype, fc1's bias dtype: the kernel rounds its float32 sums to it) if dbias_dtype],
+    past M zero) of its "grad_output" quantizer, scale_inv, amax [1, 1], codes_t [K, padded]
+    if columnwise, dbias ([K] of dbias_dtype, fc1's bias dtype: the kernel rounds its float32
+    sums to it) if dbias_dtype],
     in one C call that allocates them (_C._act_bwd). slot: the tensor to max-accumulate amax(dh)
     into (DelayedScaling's history slot, eager), or None for a fresh one. Float8BlockScaling /
     MXFP8BlockScaling (_plan.Plan.dy_blocks, no dbias): [data, scale_inv] + [data_t,
@@ -239,6 +240,8 @@ def _act_bwd_fake(dy, h, activation, recipe_id, padded, scale, dbias_dtype, colu
         return [h.new_empty(shape, dtype=dtype)
                 for shape, dtype in _block_shapes(recipe_id, padded, k, columnwise)]
     outs = _fake_codes(h, recipe_id, "grad_output", padded, k)
+    if columnwise:
+        outs.append(h.new_empty((k, int(padded)), dtype=outs[0].dtype))
     return outs + ([h.new_empty((k,), dtype=dbias_dtype)] if dbias_dtype is not None else [])
 
 
@@ -406,7 +409,8 @@ class GradOutput:
     (ActInput.dh). Where fc1 multiplies the norm's fused codes with grad enabled (linear.py,
     _compile_linear.py: per-tensor FP8, no tensor parallelism, no backward_override) it asks()
     for it: its Function then returns, beside h, `tokens` (placeholders(): expanded scalars of
-    the shapes and dtypes of dy's codes, scale_inv, amax and, with a bias that learns, dbias),
+    the shapes and dtypes of dy's codes, scale_inv, amax, the codes transposed where fc1's
+    wgrad runs and, with a bias that learns, dbias),
     which the activation takes as inputs. Its backward returns the real tensors as their
     gradients, so autograd itself carries them to fc1's backward (data flow that Dynamo and AOT
     trace, where a side channel between two backwards would not be); fc1's backward multiplies
@@ -423,7 +427,8 @@ class GradOutput:
     def ask(self, recipe_id, padded, state, *, delayed, columnwise=False):
         """fc1's request: its recipe id, the padded rows of its x, and DelayedScaling's
         (scale [1], history slot [1]; None in compiled code: a fresh amax) of its grad_output,
-        or (None, None); columnwise: Float8BlockScaling's / MXFP8BlockScaling's columnwise
+        or (None, None); columnwise: the columnwise codes (per-tensor: the codes transposed,
+        in the backward's C call) or Float8BlockScaling's / MXFP8BlockScaling's columnwise
         blocks too (fc1's wgrad reads them). Returns the spec fc1's Function takes (its `dh`),
         or None where the activation's backward would be slower than fc1's own quantization
         (ARITHMETIC_BOUND outside DelayedScaling: torch runs that activation; block formats
@@ -444,10 +449,12 @@ class GradOutput:
 
 
 def _dbias_dtype(spec, tokens):
-    """The dbias dtype of a GradOutput's tokens (the fourth per-tensor token), or None."""
-    if len(tokens) != 4 or _plan.of_id(spec[0]).dy.scaling in _plan.BLOCK_FORMATS:
+    """The dbias dtype of a GradOutput's tokens (the last per-tensor token, after codes,
+    scale_inv, amax and, with columnwise, codes_t), or None."""
+    if (_plan.of_id(spec[0]).dy.scaling in _plan.BLOCK_FORMATS
+            or len(tokens) != 4 + bool(spec[2])):
         return None
-    return tokens[3].dtype
+    return tokens[-1].dtype
 
 
 def _block_shapes(recipe_id, padded, n, columnwise):
@@ -474,15 +481,17 @@ def _codes_dtype(recipe_id):
 def placeholders(like, spec, n, dbias_dtype):
     """The tokens fc1's Function returns (GradOutput): one expanded scalar (no storage) per
     tensor the activation's backward makes, of its shape and dtype: codes [padded, n],
-    scale_inv and amax [1, 1], then dbias [n] of dbias_dtype (fc1's bias dtype, where its bias
-    learns; None: no dbias); block formats: their members (_block_shapes), no dbias."""
+    scale_inv and amax [1, 1], with columnwise codes_t [n, padded], then dbias [n] of
+    dbias_dtype (fc1's bias dtype, where its bias learns; None: no dbias); block formats: their
+    members (_block_shapes), no dbias."""
     recipe_id, padded, columnwise = spec
     if _plan.of_id(recipe_id).dy.scaling in _plan.BLOCK_FORMATS:
         if dbias_dtype is not None:
             raise ValueError("a block-format grad_output from the activation has no dbias")
         shapes = _block_shapes(recipe_id, padded, n, columnwise)
     else:
-        shapes = [((padded, n), _codes_dtype(recipe_id)), ((1, 1), torch.float32),
-                  ((1, 1), torch.float32)] + ([((n,), dbias_dtype)] if dbias_dtype is not None
-                                              else [])
+        codes = _codes_dtype(recipe_id)
+        shapes = ([((padded, n), codes), ((1, 1), torch.float32), ((1, 1), torch.float32)]
+                  + ([((n, padded), codes)] if columnwise else [])
+                  + ([((n,), dbias_dtype)] if dbias_dtype is not None else []))
     return tuple(like.new_empty((), dtype=dtype).expand(shape) for shape, dtype in shapes)

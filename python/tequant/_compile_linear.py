@@ -367,10 +367,11 @@ def _given_backward(ctx, dy, dy_q):
     if hist is not None:
         needs = op_needs(ctx, dy_q[0] if codes else dy, scale_bwd, hist)
     if codes:
-        dx, dw = torch.ops.tequant.linear_bwd_dy_given(list(dy_q[:3]), x_members, saved[0],
-                                                       ctx.recipe_id, needs, list(ctx.shape),
-                                                       ctx.x_dtype, ctx.w_dtype, scale_bwd, hist)
-        outs = (dx, dw, dy_q[3] if bias_dtype is not None else None,
+        codes_t = _dy_given.given_codes_t(dy_q)
+        dx, dw = torch.ops.tequant.linear_bwd_dy_given(
+            list(dy_q[:3]) + ([codes_t] if codes_t is not None else []), x_members, saved[0],
+            ctx.recipe_id, needs, list(ctx.shape), ctx.x_dtype, ctx.w_dtype, scale_bwd, hist)
+        outs = (dx, dw, dy_q[-1] if bias_dtype is not None else None,
                 dy_q[2] if ctx.is_delayed and hist is None else None)
         return _grads(ctx, present(ctx, outs, bias_dtype), bias_dtype, scale_bwd, hist_bwd)
     outs = torch.ops.tequant.linear_bwd_given(dy, x_members, saved[0], ctx.recipe_id, needs,
@@ -524,7 +525,7 @@ def _local(module, inp, weight, bias, is_first_microbatch):
                 and torch.is_grad_enabled():
             dh = norm_in.grad_output.ask(recipe_id, x[0].shape[0],
                                          (scale_bwd[0:1], None) if is_delayed else (None, None),
-                                         delayed=is_delayed)
+                                         delayed=is_delayed, columnwise=weight.requires_grad)
         out = _CompiledLinear.apply(carrier, weight, bias, scale_fwd, hist_fwd, scale_bwd,
                                     hist_bwd, recipe_id, group, x[0], x[1], x[4], dh, x[2], x[3])
         return out if dh is None else norm_in.grad_output.received(out)

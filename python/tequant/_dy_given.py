@@ -17,12 +17,20 @@ from ._compile_ops import (_absent, _delayed_states, _max_into, _or_absent, _row
 from ._norm_fn import with_columnwise
 from ._operands import TQ_DTYPE
 
-__all__ = ["given_dy_backward", "split_dy_backward", "splits_dy"]
+__all__ = ["given_codes_t", "given_dy_backward", "split_dy_backward", "splits_dy"]
+
+
+def given_codes_t(dy_q):
+    """The columnwise codes [N, padded] among a per-tensor grad_output's tensors from the
+    activation's backward (codes, scale_inv, amax[, codes_t][, dbias]: codes_t is the one 2-D
+    tensor after amax; dbias is 1-D), or None (given_dy_backward transposes the codes then)."""
+    return dy_q[3] if len(dy_q) > 3 and dy_q[3] is not None and dy_q[3].dim() == 2 else None
 
 
 def given_dy_backward(c_args, saved, dy_q, needs, inp_shape, pending, blocks=False):
     """te.Linear's backward (csrc/ext/linear.c linear_backward) on the grad_output the
-    activation quantized, dy_q = (codes [padded, N], scale_inv, amax, ...), or with blocks
+    activation quantized, dy_q = (codes [padded, N], scale_inv, amax[, codes_t [N, padded]],
+    ...), or with blocks
     (Float8BlockScaling / MXFP8BlockScaling) its members (data, scale_inv[, data_t,
     scale_inv_t]), or for wgrad alone just (data_t, scale_inv_t): (dx or None, dW or None);
     the caller takes dbias. saved:
@@ -38,8 +46,8 @@ def given_dy_backward(c_args, saved, dy_q, needs, inp_shape, pending, blocks=Fal
         if blocks:
             members = (codes, dy_q[1]) + (tuple(dy_q[2:4]) if len(dy_q) >= 4
                                           else (None, None)) + (None, None)
-        else:
-            members = (codes, dy_q[1], None, None, dy_q[2], None)
+        else:  # the codes transposed: the activation's (its C call), else here
+            members = (codes, dy_q[1], given_codes_t(dy_q), None, dy_q[2], None)
             if needs & _plan.NEED_WGRAD:
                 members = with_columnwise(members)
         padded, n = codes.shape

@@ -106,7 +106,7 @@ class _QuantizedLinear(torch.autograd.Function):
             blocks = plan.dy.scaling in _plan.BLOCK_FORMATS  # (no dbias: not asked with a bias)
             dx, dw = _dy_given.given_dy_backward(plan.c_args, saved, dy_q, needs, ctx.shape,
                                                ctx.pending, blocks)
-            db = dy_q[3] if ctx.needs_input_grad[2] and not blocks else None  # bias dtype
+            db = dy_q[-1] if ctx.needs_input_grad[2] and not blocks else None  # the last token
             return dx, dw, db, None, None, None, None, None, None, None, None
         dy = _operands.waited(dy).contiguous()  # a collective's output (DTensor's)
         bias_dtype = ctx.bias_dtype if ctx.needs_input_grad[2] else None
@@ -534,7 +534,8 @@ class Linear(torch.nn.Linear):
                 source = norm_in.grad_output
                 dh = source.ask(plan.recipe._tequant_id, given[0].shape[0],
                                 delayed.slots(self, delayed.BACKWARD)[0] if plan.delayed
-                                else (None, None), delayed=plan.delayed)
+                                else (None, None), delayed=plan.delayed,
+                                columnwise=weight.requires_grad)
             elif (block_dh is not None and tp is None and plan.backward_override is None
                   and (bias is None or not bias.requires_grad) and inp.dtype == torch.bfloat16):
                 # Float8BlockScaling / MXFP8BlockScaling: dh's blocks from the activation's
