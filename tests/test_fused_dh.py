@@ -360,7 +360,9 @@ def _compiled_run(model, xs, recipe, backend):
                                       ("swiglu", "current")])
 def test_compile_bit_identical_with_the_fused_backward(act, name, fresh_dynamo):
     """aot_eager, fullgraph, two steps of 21 tokens: eager's bits (eager fused: counted); the
-    backward graph runs act_bwd and linear_bwd_dy_given (fc1) beside linear_bwd_given (fc2)."""
+    backward graph runs act_bwd and linear_bwd_dy_given (fc1) beside linear_bwd_given (fc2), and
+    fc1's grad_output codes are not transposed by a call of their own (act_bwd returns them
+    columnwise too)."""
     recipe = RECIPES[name]
     model = _mlp(act)
     twin = copy.deepcopy(model)
@@ -369,7 +371,11 @@ def test_compile_bit_identical_with_the_fused_backward(act, name, fresh_dynamo):
         want = _compiled_run(model, xs, recipe, None)
     assert len(acts) == 2
     recorder = torch._dynamo.testing.AotEagerAndRecordGraphs()
-    got = _compiled_run(twin, xs, recipe, recorder)
+    transposes = []  # fc1's codes_t come from act_bwd: linear_bwd_dy_given transposes nothing
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_C, "_transpose", lambda *a, _f=_C._transpose: transposes.append(1) or _f(*a))
+        got = _compiled_run(twin, xs, recipe, recorder)
+    assert transposes == []
     assert len(got) == len(want)
     assert all(same_bits(a, b) for a, b in zip(got, want))
     ops = set(op_names(recorder.bw_graphs))
