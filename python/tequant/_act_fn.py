@@ -41,8 +41,8 @@ from torch.autograd.function import once_differentiable
 
 from . import _C, _compile, _plan
 from ._compile_ops import _absent, config_of, fake, graph_safe_workspace, op
-from ._norm_fn import (PER_TENSOR, codes_returned, delayed_x_state, given_amax,
-                       refusal as _norm_refusal)
+from ._norm_fn import (PER_TENSOR, codes_returned, delayed_x_state, fake_fp8_outputs,
+                       given_amax, refusal as _norm_refusal)
 
 __all__ = ["ActFunction", "ActInput", "GradOutput", "activate", "kernel_activate", "refusal",
            "torch_activate", "ARITHMETIC_BOUND", "GATED"]
@@ -171,13 +171,6 @@ def _delayed_tuple(h, outs, want_hp, columnwise):
     return (outs[0] if want_hp else _absent(h), outs[at], outs[at + 1], codes_t)
 
 
-def _fake_codes(like, recipe_id, role, padded, n):
-    """Fake [codes, scale_inv, amax] of fp8_outputs."""
-    layout = _C._quantize_layout(config_of(recipe_id, role), int(padded), int(n), _plan.ROWWISE)
-    return ([like.new_empty((r, c), dtype=dtype) for r, c, dtype in layout[:2]]
-            + [like.new_empty((1, 1), dtype=torch.float32)])
-
-
 @fake("tequant::act_fwd")
 def _act_fwd_fake(h, activation, want_hp, recipe_id, scale, padded, columnwise=False):
     m, k = h.shape
@@ -189,9 +182,7 @@ def _act_fwd_fake(h, activation, want_hp, recipe_id, scale, padded, columnwise=F
         return outs + [h.new_empty((r, c), dtype=dtype) for r, c, dtype in
                        layout[:4 if columnwise else 2]]
     if recipe_id is not None:
-        outs += _fake_codes(h, recipe_id, "input", padded, n)
-        if columnwise:
-            outs.append(h.new_empty((n, int(padded)), dtype=outs[-3].dtype))
+        outs += fake_fp8_outputs(h, recipe_id, "input", padded, n, columnwise)
     return outs
 
 
@@ -239,9 +230,7 @@ def _act_bwd_fake(dy, h, activation, recipe_id, padded, scale, dbias_dtype, colu
     if _plan.of_id(recipe_id).dy.scaling in _plan.BLOCK_FORMATS:
         return [h.new_empty(shape, dtype=dtype)
                 for shape, dtype in _block_shapes(recipe_id, padded, k, columnwise)]
-    outs = _fake_codes(h, recipe_id, "grad_output", padded, k)
-    if columnwise:
-        outs.append(h.new_empty((k, int(padded)), dtype=outs[0].dtype))
+    outs = fake_fp8_outputs(h, recipe_id, "grad_output", padded, k, columnwise)
     return outs + ([h.new_empty((k,), dtype=dbias_dtype)] if dbias_dtype is not None else [])
 
 
@@ -308,11 +297,7 @@ class ActFunction(torch.autograd.Function):
             members = tuple(it)
             ctx.mark_non_differentiable(*members)
             return (y,) + members
-        rest = list(it)
-        codes_t = rest.pop() if columnwise else None
-        if codes_t is not None:
-            ctx.mark_non_differentiable(codes_t)
-        return (y,) + codes_returned(ctx, rest, amax) + (codes_t,)
+        return (y,) + codes_returned(ctx, it, amax, columnwise)
 
     @staticmethod
     @once_differentiable  # the kernels' backward is not differentiable: a clear error

@@ -101,16 +101,18 @@ def _forward_into(x, gamma, beta, normalization, eps, zero_centered, want_hp, wa
                         config, scale, amax, padded, columnwise)
 
 
-def codes_returned(ctx, rest, amax):
-    """A fused Function's returns after y: (codes, scale_inv, amax) from the op outputs `rest`,
-    none differentiable; the amax is None where it went into the caller's history (eager: the
-    slot `amax` came back; compiled: the op returned codes and scale_inv only)."""
+def codes_returned(ctx, rest, amax, columnwise):
+    """A fused Function's returns after y: (codes, scale_inv, amax, codes_t) from the op outputs
+    `rest` (codes_t last where columnwise, else None), none differentiable; the amax is None
+    where it went into the caller's history (eager: the slot `amax` came back; compiled: the op
+    returned codes and scale_inv only)."""
     rest = tuple(rest)
+    codes_t = rest[-1] if columnwise else None
+    rest = rest[:-1] if columnwise else rest
+    ctx.mark_non_differentiable(*rest, *(() if codes_t is None else (codes_t,)))
     if len(rest) == 2 or rest[2] is amax:
-        ctx.mark_non_differentiable(*rest[:2])
-        return rest[:2] + (None,)
-    ctx.mark_non_differentiable(*rest)
-    return rest
+        return rest[:2] + (None, codes_t)
+    return rest + (codes_t,)
 
 
 @op("tequant::norm_fwd", mutates_args=())
@@ -135,12 +137,19 @@ def _norm_fwd_fake(x, gamma, beta, normalization, eps, zero_centered, want_hp, w
         outs += [x.new_empty((m,), dtype=torch.float32)
                  for _ in range(2 if normalization == "LayerNorm" else 1)]
     if recipe_id is not None:
-        layout = _C._quantize_layout(config_of(recipe_id, "input"), int(padded), int(k),
-                                     _plan.ROWWISE)
-        outs += [x.new_empty((r, c), dtype=dtype) for r, c, dtype in layout[:2]]
-        outs.append(x.new_empty((1, 1), dtype=torch.float32))
-        if columnwise:
-            outs.append(x.new_empty((k, int(padded)), dtype=layout[0][2]))
+        outs += fake_fp8_outputs(x, recipe_id, "input", padded, k, columnwise)
+    return outs
+
+
+def fake_fp8_outputs(like, recipe_id, role, padded, n, columnwise):
+    """Fake [codes [padded, n], scale_inv, amax [1, 1][, codes_t [n, padded]]]: what the C
+    calls' tqx_fused_fp8_outputs makes for a per-tensor recipe's `role` quantizer (the norm's,
+    the activation's forward and backward)."""
+    layout = _C._quantize_layout(config_of(recipe_id, role), int(padded), int(n), _plan.ROWWISE)
+    outs = [like.new_empty((r, c), dtype=dtype) for r, c, dtype in layout[:2]]
+    outs.append(like.new_empty((1, 1), dtype=torch.float32))
+    if columnwise:
+        outs.append(like.new_empty((int(n), int(padded)), dtype=layout[0][2]))
     return outs
 
 
@@ -269,11 +278,7 @@ class NormFunction(torch.autograd.Function):
             return y
         # the codes have no gradient: autograd must not make (and fill) zeros of their shape
         ctx.set_materialize_grads(False)
-        rest = list(it)
-        codes_t = rest.pop() if columnwise else None
-        if codes_t is not None:
-            ctx.mark_non_differentiable(codes_t)
-        return (y,) + codes_returned(ctx, rest, amax) + (codes_t,)
+        return (y,) + codes_returned(ctx, it, amax, columnwise)
 
     @staticmethod
     @once_differentiable  # the kernels' backward is not differentiable: a clear error, not a
