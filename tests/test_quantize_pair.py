@@ -1,7 +1,7 @@
 """tq_quantize_pair (csrc/core/quantize.c; cuda/quantize_fp8_pair.cu, cuda/quantize_fp8_block.cu):
 two tensors quantized as two tq_quantize calls would, bit for bit, in one launch where both are
 bfloat16, both directions, one element format and either Float8CurrentScaling with their own
-amax and 64K-16M elements each (fused_pair_kernel, cooperative), DelayedScaling with their
+amax and at most 16M elements each (fused_pair_kernel, cooperative), DelayedScaling with their
 state's scale (delayed_pair_kernel) or Float8BlockScaling, each its own block shape
 (quantize_pair_kernel); te.Linear's x and W in its forward. Otherwise one after the other. Each
 tensor's own quantization is tested against independent references in tests/test_quantize_fp8.py
@@ -77,6 +77,9 @@ PAIRS = [
     ((3001, 3001), (333, 1000), BF16, (E4M3, E4M3_W)),    # ragged, one or two tiles per CTA
     ((300, 300), (4100, 1030), BF16, (E5M2, E5M2)),       # the larger one second, E5M2
     ((4096, 4096), (4096, 4096), BF16, (E4M3, E4M3_W)),   # 16M elements each (the largest)
+    ((128, 256), (256, 256), BF16, (E4M3, E4M3_W)),       # small: one launch, not two single-CTA
+    ((100, 100), (512, 512), BF16, (E4M3, E4M3_W)),       # a small x with a medium W
+    ((1, 16), (16, 16), BF16, (E5M2, E5M2)),              # one row, part of one tile each
 ]
 
 
@@ -103,7 +106,6 @@ DECLINED = [
     ((8192, 512), F32, (512, 512), F32, E4M3, E4M3_W, "float32"),
     ((8192, 512), F16, (512, 512), F16, E4M3, E4M3_W, "float16"),
     ((8192, 512), BF16, (512, 512), F16, E4M3, E4M3_W, "two dtypes"),
-    ((100, 100), BF16, (512, 512), BF16, E4M3, E4M3_W, "a small x (its own one-CTA kernel)"),
     ((8192, 4096), BF16, (512, 512), BF16, E4M3, E4M3_W, "32M elements (the amax pass)"),
     ((8192, 512), BF16, (512, 512), BF16, E4M3, E5M2, "two element formats"),
 ]

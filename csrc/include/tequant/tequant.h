@@ -295,7 +295,7 @@ TQ_API tq_status tq_quantize(const tq_tensor *x, const tq_quant_config *config,
 /* Two tq_quantize calls, (x0, c0, a0, q0) then (x1, c1, a1, q1): the same checks and bits, in
  * one launch where the kernels allow it (FP8 delayed, current or block scaling of two bfloat16
  * CUDA tensors on one device, both directions, no dbias, one element format; current scaling
- * with each its own amax and 64K-16M elements each: a Linear's input and weight), else one
+ * with each its own amax and at most 16M elements each: a Linear's input and weight), else one
  * after the other. */
 TQ_API tq_status tq_quantize_pair(const tq_tensor *x0, const tq_quant_config *c0,
                                   const tq_quantize_args *a0, tq_qtensor *q0, const tq_tensor *x1,
