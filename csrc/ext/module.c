@@ -22,7 +22,7 @@ static int tequant_exec(PyObject *module) {
     PyMethodDef *tables[] = {tqx_registry_methods, tqx_capability_methods, tqx_state_methods,
                              tqx_tensor_view_methods, tqx_ops_methods, tqx_quantize_methods,
                              tqx_codec_methods, tqx_gemm_methods, tqx_amax_update_methods,
-                             tqx_linear_methods, tqx_linear_ops_methods,
+                             tqx_linear_methods, tqx_linear_ctx_methods, tqx_linear_ops_methods,
                              tqx_autocast_methods, tqx_norm_methods, tqx_act_methods};
     for (size_t i = 0; i < sizeof tables / sizeof tables[0]; i++)
         if (PyModule_AddFunctions(module, tables[i]) < 0) return -1;

@@ -395,6 +395,8 @@ int tqx_linear_dbias_alone(tqx_state *st, const tq_tensor *x, void *stream,
 extern PyMethodDef tqx_linear_methods[];
 PyObject *tqx_linear_forward(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *tqx_linear_backward(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+/* linear_ctx.c: the forward of te.Linear's autograd Function for a plain call */
+extern PyMethodDef tqx_linear_ctx_methods[];
 /* packed.c: the bytes of the buffer holding `parts` of an [rows, cols] quantization laid out for
  * usage; -1 with an exception */
 int64_t tqx_packed_bytes(tqx_state *st, const tq_quant_config *config, int64_t rows, int64_t cols,

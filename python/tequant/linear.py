@@ -188,6 +188,17 @@ def _fast_apply(function):
 _quantized_linear = _fast_apply(_QuantizedLinear)
 
 
+class _PlainLinear(_QuantizedLinear):
+    """_QuantizedLinear for a plain call (a tensor input, the module's own weight, no tensor
+    parallelism, fused codes or backward_override): its forward in C, no Python frame
+    (csrc/ext/linear_ctx.c), the same ctx fields and backward."""
+
+    forward = staticmethod(_C.linear_ctx_forward)
+
+
+_plain_linear = _fast_apply(_PlainLinear)
+
+
 def _high_precision_backward(ctx, saved, kept, dy2d, needs, bias_dtype):
     """backward_override: "high_precision" multiplies the unquantized x and W (kept), "dequantized"
     the dequantized forward operands (rowwise x and W of saved), both in dy's precision."""
@@ -545,6 +556,12 @@ class Linear(torch.nn.Linear):
                 dh = source.ask(plan.recipe._tequant_id,
                                 _plan.padded(inp.numel() // inp.shape[-1], plan.align),
                                 (None, None), delayed=False, columnwise=weight.requires_grad)
+            if (dh is None and given is None and tp is None and plan.backward_override is None
+                    and (type(weight) is torch.nn.Parameter or type(weight) is torch.Tensor)):
+                if plan.delayed and states is None:
+                    states = delayed.slots(self, delayed.FORWARD)
+                return _plain_linear(inp, weight, bias, self, plan, is_first_microbatch, pending,
+                                     states)
             out = _quantized_linear(inp, weight, bias, self, plan, is_first_microbatch, pending,
                                     states, tp, given, dh)
             return out if dh is None else source.received(out)

@@ -1,0 +1,155 @@
+"""te.Linear's autograd Function forward in C for plain calls (csrc/ext/linear_ctx.c,
+linear._PlainLinear).
+
+A plain call (a tensor input, the module's own weight, no tensor parallelism, no fused norm or
+activation codes, no backward_override) runs _PlainLinear, whose forward is the C call; any other
+keeps the Python _QuantizedLinear. Both share the backward, so the C forward must leave the same
+ctx. Checked against the Python Function on an identical module and input (same seed, same
+autocast): output, input / weight / bias gradients and DelayedScaling's buffers bit for bit, the
+saved operands' buffers and every ctx field the backward reads; every recipe, CPU and CUDA,
+3-D inputs, padded token counts, frozen weights and inputs without grad. Results against
+independent references: tests/test_linear.py.
+"""
+import copy
+import weakref
+
+import pytest
+import torch
+
+import tequant as te
+from tequant import _C
+from tequant import linear as L
+from tequant.recipe import Float8CurrentScaling
+from test_linear_alloc import DEVICES, RECIPES  # noqa: E402
+
+K, N = 64, 96
+FIELDS = ("n_x", "n_w", "needs", "shape", "dtype", "bias_dtype", "weight_dtype", "rest",
+          "w_given", "tp")
+
+
+def same_bits(a, b):
+    if a is None or b is None:
+        return a is None and b is None
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def python_function(monkeypatch):
+    """Plain calls through the Python Function (the reference path)."""
+    monkeypatch.setattr(L, "_plain_linear", lambda inp, w, b, mod, plan, first, pending, states:
+                        L._quantized_linear(inp, w, b, mod, plan, first, pending, states, None,
+                                            None, None))
+
+
+def step(lin, x, recipe, dy, seed):
+    """One forward (kept node) and backward; NVFP4's stochastic rounding draws from the seed."""
+    torch.manual_seed(seed)
+    with te.autocast(recipe=recipe):
+        y = lin(x)
+    node = y.grad_fn
+    saved = L._saved(node, L._COLUMNWISE)[0] if node is not None else None
+    fields = {f: getattr(node, f) for f in FIELDS} if node is not None else None
+    amaxes = (node.x_amax, node.w_amax) if node is not None else None
+    if y.requires_grad:
+        y.backward(dy)
+    return y, type(node).__name__, saved, fields, amaxes
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["2d", "3d_padded", "frozen_weight", "no_input_grad",
+                                  "no_bias", "fp32"])
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_c_forward_matches_the_python_function(name, case, device, monkeypatch):
+    dtype = torch.float32 if case == "fp32" else torch.bfloat16
+    torch.manual_seed(0)
+    lin = te.Linear(K, N, bias=case != "no_bias", params_dtype=dtype, device=device)
+    if case == "frozen_weight":
+        lin.weight.requires_grad_(False)
+    ref = copy.deepcopy(lin)
+    shape = (2, 37, K) if case == "3d_padded" else (48, K)
+    x = torch.randn(shape, dtype=dtype, device=device) * 2
+    x_ref = x.clone()
+    if case != "no_input_grad":
+        x.requires_grad_(True)
+        x_ref.requires_grad_(True)
+    dy = torch.randn(shape[:-1] + (N,), dtype=dtype, device=device)
+    recipe = RECIPES[name]
+
+    got = step(lin, x, recipe, dy, seed=5)
+    python_function(monkeypatch)
+    want = step(ref, x_ref, recipe, dy, seed=5)
+
+    assert got[1] == "_PlainLinearBackward" and want[1] == "_QuantizedLinearBackward"
+    assert same_bits(got[0], want[0])
+    for a, b in ((x, x_ref), (lin.weight, ref.weight), (lin.bias, ref.bias)):
+        if a is not None:
+            assert same_bits(a.grad, b.grad)
+    for key, buf in lin.named_buffers():
+        assert same_bits(buf, dict(ref.named_buffers())[key]), key
+    g_saved, w_saved = got[2], want[2]
+    assert len(g_saved) == len(w_saved)
+    for g, w in zip(g_saved[:2], w_saved[:2]):  # x's and W's kept quantizations: the same
+        assert (g is None) == (w is None)        # buffers (their alignment gaps are not set;
+        for gt, wt in zip(g or (), w or ()):     # the gradients above read their contents)
+            assert (gt is None) == (wt is None)
+            if gt is not None:
+                assert (gt.dtype, gt.shape, gt.device) == (wt.dtype, wt.shape, wt.device)
+    assert got[3] == want[3]
+    for g, w in zip(got[4], want[4]):
+        assert (g is None) == (w is None)
+        for gt, wt in zip(g or (), w or ()):
+            assert same_bits(gt, wt)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_calls_that_are_not_plain_keep_the_python_function(device):
+    lin = te.Linear(K, N, params_dtype=torch.bfloat16, device=device)
+    x = torch.randn(8, K, dtype=torch.bfloat16, device=device, requires_grad=True)
+    with te.autocast(recipe=Float8CurrentScaling()):
+        plain = lin(x)
+    with te.autocast(recipe=Float8CurrentScaling(backward_override="high_precision")):
+        override = lin(x)
+    assert type(plain.grad_fn).__name__ == "_PlainLinearBackward"
+    assert type(override.grad_fn).__name__ == "_QuantizedLinearBackward"
+
+
+def test_the_saved_operands_go_with_the_graph():
+    """The node holds x's and W's kept buffers through save_for_backward only: dropping the
+    output frees them (no reference left in C), and backward frees them too."""
+    lin = te.Linear(K, N, params_dtype=torch.bfloat16)
+    x = torch.randn(16, K, dtype=torch.bfloat16, requires_grad=True)
+    for drop in ("output", "backward"):
+        with te.autocast(recipe=Float8CurrentScaling()):
+            y = lin(x)
+        refs = [weakref.ref(t) for kept in L._saved(y.grad_fn)[0][:2] for t in kept
+                if isinstance(t, torch.Tensor)]
+        assert refs
+        if drop == "backward":
+            y.sum().backward()
+        del y
+        assert all(r() is None for r in refs), drop
+
+
+def test_bad_calls_raise():
+    with pytest.raises(TypeError, match="9 arguments"):
+        _C.linear_ctx_forward(None, None)
+    lin = te.Linear(K, N, params_dtype=torch.bfloat16)
+    plan = lin._plan(Float8CurrentScaling())
+    x = torch.randn(4, K, dtype=torch.bfloat16)
+
+    class Ctx:
+        needs_input_grad = (False, True, True)
+
+        def save_for_backward(self, *tensors):
+            self.to_save = tensors
+
+    with pytest.raises(TypeError, match="states must be None or"):
+        _C.linear_ctx_forward(Ctx(), x, lin.weight, lin.bias, lin, plan, None, None, (1,))
+
+    class NoGrads(Ctx):
+        needs_input_grad = None
+
+    with pytest.raises(TypeError, match="needs_input_grad"):
+        _C.linear_ctx_forward(NoGrads(), x, lin.weight, lin.bias, lin, plan, None, None, None)
+    with pytest.raises(TypeError, match="must be a torch.Tensor"):
+        _C.linear_ctx_forward(Ctx(), "x", lin.weight, lin.bias, lin, plan, None, None, None)
