@@ -48,6 +48,13 @@ static const char *describe(const tq_quant_config *c, char *buf, size_t size) {
     return buf;
 }
 
+const char *tq_lt_call_name(const tq_lt_call *call, char *buf, size_t size) {
+    char na[48], nb[48];
+    snprintf(buf, size, "%s x %s", describe(call->what_a, na, sizeof na),
+             describe(call->what_b, nb, sizeof nb));
+    return buf;
+}
+
 /* The direction an operand reads: its data, scales, amax and physical shape [rows, k]. */
 typedef struct direction {
     const tq_tensor *data, *scale_inv, *amax;
@@ -154,18 +161,23 @@ tq_status tq_gemm_query(const tq_gemm_operand *a, const tq_gemm_operand *b, tq_d
                        (long long)da.rows, (long long)da.k, (long long)db.rows, (long long)db.k);
     const tq_quant_config *ca = a->config, *cb = b->config;
     const family f = family_of(ca);
-    char na[48], nb[48];
-    describe(ca, na, sizeof na), describe(cb, nb, sizeof nb);
-    if (f != family_of(cb))
+    char na[48], nb[48]; /* the pair's names: formatted on the error paths only */
+    if (f != family_of(cb)) {
+        describe(ca, na, sizeof na), describe(cb, nb, sizeof nb);
         return tq_fail(TQ_ERROR_NOT_SUPPORTED, "no GEMM pairs %s with %s; supported pairs: FP8 "
                        "per-tensor x FP8 per-tensor, FP8 block x FP8 block (not both 128x128), "
                        "MXFP8 x MXFP8, NVFP4 x NVFP4", na, nb);
-    if (f != FAMILY_NVFP4 && ca->elem_dtype == TQ_DTYPE_FLOAT8_E5M2 && cb->elem_dtype == TQ_DTYPE_FLOAT8_E5M2)
+    }
+    if (f != FAMILY_NVFP4 && ca->elem_dtype == TQ_DTYPE_FLOAT8_E5M2 && cb->elem_dtype == TQ_DTYPE_FLOAT8_E5M2) {
+        describe(ca, na, sizeof na), describe(cb, nb, sizeof nb);
         return tq_fail(TQ_ERROR_NOT_SUPPORTED, "GEMM of %s x %s: E5M2 x E5M2 has no cuBLASLt "
                        "kernel; one operand must be E4M3 (HYBRID pairs E5M2 grads with E4M3)", na, nb);
-    if (f == FAMILY_BLOCK && two_d(ca) && two_d(cb))
+    }
+    if (f == FAMILY_BLOCK && two_d(ca) && two_d(cb)) {
+        describe(ca, na, sizeof na), describe(cb, nb, sizeof nb);
         return tq_fail(TQ_ERROR_NOT_SUPPORTED, "GEMM of %s x %s: cuBLASLt on Hopper has no "
                        "128x128 x 128x128 block-scaled GEMM; one operand must use 1x128 blocks", na, nb);
+    }
     if (da.k <= 0)
         return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "GEMM with K=%lld: nothing to contract",
                        (long long)da.k);
@@ -181,10 +193,12 @@ tq_status tq_gemm_query(const tq_gemm_operand *a, const tq_gemm_operand *b, tq_d
         return tq_fail(TQ_ERROR_INVALID_ARGUMENT, "FP8 GEMMs write output rows of a multiple of 16 "
                        "bytes (cuBLASLt): N=%lld with a %s output needs N to be a multiple of %d",
                        (long long)db.rows, tq_dtype_name(out_dtype), 16 / out_bytes);
-    if (emulated ? out_dtype != TQ_DTYPE_FLOAT32 && out_dtype != TQ_DTYPE_BFLOAT16 : !fp8_output(out_dtype))
+    if (emulated ? out_dtype != TQ_DTYPE_FLOAT32 && out_dtype != TQ_DTYPE_BFLOAT16 : !fp8_output(out_dtype)) {
+        describe(ca, na, sizeof na), describe(cb, nb, sizeof nb);
         return tq_fail(TQ_ERROR_NOT_SUPPORTED, "GEMM of %s x %s writes %s; out has dtype %s", na,
                        nb, emulated ? "float32 or bfloat16 (the BF16 GEMM's outputs)"
                                     : "float32, bfloat16 or float16", tq_dtype_name(out_dtype));
+    }
     info->m = da.rows;
     info->n = db.rows;
     info->k = da.k;
@@ -406,9 +420,6 @@ static tq_status gemm_cuda(const tq_gemm_operand *a, const tq_gemm_operand *b,
     const scratch_plan sp = plan_scratch(f, a->config, info->m, info->n, info->k, out->dtype);
     const int accumulate = (args->flags & TQ_GEMM_ACCUMULATE) != 0;
     static const float one = 1.0f, zero = 0.0f;
-    char na[48], nb[48], what[112];
-    snprintf(what, sizeof what, "%s x %s", describe(a->config, na, sizeof na),
-             describe(b->config, nb, sizeof nb));
     tq_lt_call call;
     memset(&call, 0, sizeof call);
     call.device = out->device;
@@ -422,7 +433,7 @@ static tq_status gemm_cuda(const tq_gemm_operand *a, const tq_gemm_operand *b,
     call.workspace = args->workspace.data;
     call.workspace_bytes = args->workspace.data ? (size_t)args->workspace.rows * (size_t)args->workspace.cols : 0;
     call.stream = stream;
-    call.what = what;
+    call.what_a = a->config, call.what_b = b->config;
     if (info->emulated) return run_emulated(&call, f, a, b, &da, &db, info, args, out, &sp);
     call.a_type = cuda_type(b->config->elem_dtype);
     call.b_type = cuda_type(a->config->elem_dtype);

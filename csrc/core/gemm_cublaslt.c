@@ -43,9 +43,10 @@ static cublasLtHandle_t handles[MAX_DEVICES];
 static plan cache[CACHE_SLOTS];
 static uint64_t n_heuristic, n_hits, n_plans;
 
-static tq_status lt_fail(cublasStatus_t s, const char *call, const char *what) {
-    return tq_fail(TQ_ERROR_CUBLAS, "%s failed for %s: %s (%d)", call, what,
-                   cublasLtGetStatusString(s), (int)s);
+static tq_status lt_fail(cublasStatus_t s, const char *call, const tq_lt_call *c) {
+    char what[112];
+    return tq_fail(TQ_ERROR_CUBLAS, "%s failed for %s: %s (%d)", call,
+                   tq_lt_call_name(c, what, sizeof what), cublasLtGetStatusString(s), (int)s);
 }
 
 static int32_t alignment(const void *p) {
@@ -83,7 +84,7 @@ static void plan_destroy(plan *p) {
 #define LT_TRY(call_expr, name)                                          \
     do {                                                                 \
         cublasStatus_t s_ = (call_expr);                                 \
-        if (s_ != CUBLAS_STATUS_SUCCESS) return lt_fail(s_, name, c->what); \
+        if (s_ != CUBLAS_STATUS_SUCCESS) return lt_fail(s_, name, c);      \
     } while (0)
 
 static tq_status set_desc(cublasLtMatmulDesc_t d, cublasLtMatmulDescAttributes_t attr,
@@ -157,11 +158,14 @@ static tq_status plan_build(plan *p, const plan_key *key, const tq_lt_call *c) {
                                            pref, 1, &result, &found);
     }
     cublasLtMatmulPreferenceDestroy(pref);
-    if (s == CUBLAS_STATUS_NOT_SUPPORTED || (s == CUBLAS_STATUS_SUCCESS && found == 0))
+    if (s == CUBLAS_STATUS_NOT_SUPPORTED || (s == CUBLAS_STATUS_SUCCESS && found == 0)) {
+        char what[112];
         return tq_fail(TQ_ERROR_NOT_SUPPORTED, "cuBLASLt %zu has no algorithm for %s with m=%lld "
-                       "n=%lld k=%lld (cuBLAS terms) on device %d", cublasLtGetVersion(), c->what,
-                       (long long)c->m, (long long)c->n, (long long)c->k, c->device);
-    if (s != CUBLAS_STATUS_SUCCESS) return lt_fail(s, "cublasLtMatmulAlgoGetHeuristic", c->what);
+                       "n=%lld k=%lld (cuBLAS terms) on device %d", cublasLtGetVersion(),
+                       tq_lt_call_name(c, what, sizeof what), (long long)c->m, (long long)c->n,
+                       (long long)c->k, c->device);
+    }
+    if (s != CUBLAS_STATUS_SUCCESS) return lt_fail(s, "cublasLtMatmulAlgoGetHeuristic", c);
     p->algo = result.algo;
     return TQ_SUCCESS;
 }

@@ -29,8 +29,12 @@ typedef struct tq_lt_call {
     void *workspace;
     size_t workspace_bytes;
     struct CUstream_st *stream;
-    const char *what; /* the pair, for error messages ("FP8 E4M3 x E4M3 per-tensor") */
+    const tq_quant_config *what_a, *what_b; /* tq_gemm's pair, named in error messages */
 } tq_lt_call;
+
+/* "<a> x <b>" of a call's pair ("FP8 per-tensor (E4M3) x FP8 per-tensor (E4M3)") in buf: formatted
+ * for error messages only (eagerly, the names cost ~2 us of host time a GEMM). */
+const char *tq_lt_call_name(const tq_lt_call *call, char *buf, size_t size);
 
 /* Runs the call through a cached plan (heuristic on the first call of its kind). */
 tq_status tq_lt_matmul(const tq_lt_call *call);
