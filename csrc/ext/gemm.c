@@ -58,13 +58,21 @@ static _Thread_local int workspace_per_call;
  * call alone during a capture or under workspace_per_call: *owner holds it then). */
 static int workspace_for(tqx_state *st, PyObject *device, int device_index, void *stream,
                          tq_tensor *ws, PyObject **owner) {
+    *owner = NULL;
+    const int pool = tqx_op_may_use_graph_pool(st);
+    /* the last lookup again (one GEMM after another on one stream): no key, dict or DLPack view
+     * (~1.3 us of host time a GEMM on an H200 host) */
+    if (!pool && st->gemm_ws_last.data != NULL && st->gemm_ws_last_device == device_index
+        && st->gemm_ws_last_stream == stream) {
+        *ws = st->gemm_ws_last;
+        return 0;
+    }
     if (st->gemm_workspaces == NULL && (st->gemm_workspaces = PyDict_New()) == NULL) return -1;
     PyObject *key = Py_BuildValue("(iK)", device_index, (unsigned long long)(uintptr_t)stream);
     if (key == NULL) return -1;
     PyObject *tensor = PyDict_GetItemWithError(st->gemm_workspaces, key); /* borrowed */
     int rc = 0, capturing = 0;
-    *owner = NULL;
-    if (tqx_op_may_use_graph_pool(st)) tensor = NULL, capturing = 1;
+    if (pool) tensor = NULL, capturing = 1;
     if (tensor == NULL && !PyErr_Occurred()) {
         tq_status s = capturing ? TQ_SUCCESS
                                 : tq_stream_is_capturing((struct CUstream_st *)stream, &capturing);
@@ -90,6 +98,11 @@ static int workspace_for(tqx_state *st, PyObject *device, int device_index, void
         Py_XDECREF(*owner);
         *owner = NULL;
         return -1;
+    }
+    if (*owner == NULL) { /* held by the dict for the module's life */
+        st->gemm_ws_last = *ws;
+        st->gemm_ws_last_device = device_index;
+        st->gemm_ws_last_stream = stream;
     }
     return 0;
 }

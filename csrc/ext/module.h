@@ -136,8 +136,12 @@ typedef struct tqx_state {
     PyObject *delayed_update, *delayed_backward_update;
     /* quantize.c (tqx_rng_for): tequant._rng.rng_state, the stochastic-rounding rng source */
     PyObject *rng_state;
-    /* gemm.c: the cuBLASLt workspace per (device, stream), a dict of uint8 tensors */
+    /* gemm.c: the cuBLASLt workspace per (device, stream), a dict of uint8 tensors, and the
+     * last one looked up (a view of a tensor the dict holds; data NULL: none yet) */
     PyObject *gemm_workspaces;
+    tq_tensor gemm_ws_last;
+    int gemm_ws_last_device;
+    void *gemm_ws_last_stream;
     /* linear_ops.c: recipe id (str) -> linear plan tuple, filled through linear_plan_of (set by
      * tequant._compile_linear) on a miss */
     PyObject *linear_plans, *linear_plan_of;
