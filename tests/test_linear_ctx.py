@@ -153,3 +153,49 @@ def test_bad_calls_raise():
         _C.linear_ctx_forward(NoGrads(), x, lin.weight, lin.bias, lin, plan, None, None, None)
     with pytest.raises(TypeError, match="must be a torch.Tensor"):
         _C.linear_ctx_forward(Ctx(), "x", lin.weight, lin.bias, lin, plan, None, None, None)
+
+
+class _AsyncGrad(torch.autograd.Function):
+    """Identity whose backward hands on its gradient as an AsyncCollectiveTensor, as a
+    functional collective after the layer would."""
+
+    @staticmethod
+    def forward(ctx, y):
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, dy):
+        from torch.distributed._functional_collectives import AsyncCollectiveTensor
+        return AsyncCollectiveTensor(dy)
+
+
+@pytest.mark.parametrize("name", ["current", "delayed"])
+def test_c_backward_waits_for_an_async_collective_grad(name, monkeypatch):
+    torch.manual_seed(0)
+    lin = te.Linear(K, N, params_dtype=torch.bfloat16)
+    ref = copy.deepcopy(lin)
+    x = torch.randn(24, K, dtype=torch.bfloat16)
+    dy = torch.randn(24, N, dtype=torch.bfloat16)
+    grads = []
+    for i, module in enumerate((lin, ref)):
+        if i == 1:
+            python_function(monkeypatch)
+        xi = x.clone().requires_grad_(True)
+        with te.autocast(recipe=RECIPES[name]):
+            y = module(xi)
+        assert type(y.grad_fn).__name__ == ("_PlainLinearBackward", "_QuantizedLinearBackward")[i]
+        _AsyncGrad.apply(y).backward(dy)
+        grads.append((xi.grad, module.weight.grad, module.bias.grad))
+    for a, b in zip(*grads):
+        assert same_bits(a, b)
+
+
+def test_bad_backward_calls_raise():
+    with pytest.raises(TypeError, match="2 arguments"):
+        _C.linear_ctx_backward(None)
+
+    class Empty:
+        pass
+
+    with pytest.raises(AttributeError):
+        _C.linear_ctx_backward(Empty(), torch.zeros(2, 2))

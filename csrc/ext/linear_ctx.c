@@ -1,16 +1,20 @@
-/* linear_ctx.c: the forward of te.Linear's autograd Function in C, for the plain call (what most
- * steps make: a tensor input, the module's own weight, no tensor parallelism, no fused norm or
- * activation codes, no backward_override).
+/* linear_ctx.c: te.Linear's autograd Function in C, for the plain call (what most steps make: a
+ * tensor input, the module's own weight, no tensor parallelism, no fused norm or activation
+ * codes, no backward_override).
  *
  *   linear_ctx_forward(ctx, inp, weight, bias, module, plan, first_microbatch, pending, states)
  *       -> out
+ *   linear_ctx_backward(ctx, dy) -> (dx, dW, db, None x 5)
  *
- * It is python/tequant/linear.py's _PlainLinear.forward: torch's Function machinery calls it with
- * the node's ctx, and it does what _QuantizedLinear.forward does in Python for such a call, with no
- * Python frame: linear_forward (linear.c) with needs from ctx.needs_input_grad (plus packed),
- * x's columnwise part and W kept through ctx.save_for_backward, and the ctx fields
- * _QuantizedLinear.backward reads (the same backward runs for both). states: DelayedScaling's
- * ((scale, amax slot) of x, of W), or None for the other recipes.
+ * They are python/tequant/linear.py's _PlainLinear.forward and .backward: torch's Function
+ * machinery calls them with the node's ctx, and they do what _QuantizedLinear's forward and
+ * backward do in Python for such a call, with no Python frame: linear_forward (linear.c) with
+ * needs from ctx.needs_input_grad (plus packed), x's columnwise part and W kept through
+ * ctx.save_for_backward, and the ctx fields _QuantizedLinear.backward reads (so either backward
+ * can run a node); then linear_backward on what was kept. states: DelayedScaling's ((scale,
+ * amax slot) of x, of W), or None for the other recipes; backward takes dy's slot from
+ * tequant.delayed.slots and waits for a dy that is an AsyncCollectiveTensor through
+ * tequant._operands.waited, as the Python backward does.
  * Why: that Python body was ~10 us of a 50-90 us forward on an H200 host, all of it attribute
  * traffic and tuple handling around the one C call; te.Linear's forward over nn.Linear's there
  * (M=128, 256 -> 256, median of three process pairs): current 2.51 -> 2.25x, delayed 2.80 ->
@@ -22,11 +26,13 @@
 /* ctx field names, interned once (the first call) */
 enum { F_NEEDS_INPUT_GRAD, F_W_GIVEN, F_X_AMAX, F_W_AMAX, F_N_X, F_N_W, F_TP, F_PLAN, F_REST,
        F_NEEDS, F_SHAPE, F_MODULE, F_PENDING, F_BIAS_DTYPE, F_DTYPE, F_WEIGHT_DTYPE, F_C_ARGS,
-       F_WEIGHT_CACHE, F_CONTIGUOUS, F_SAVE, F_SHAPE_ATTR, F_DTYPE_ATTR, N_FIELDS };
+       F_WEIGHT_CACHE, F_CONTIGUOUS, F_SAVE, F_SHAPE_ATTR, F_DTYPE_ATTR, F_SAVED_TENSORS,
+       F_DELAYED, F_TRIGGER_WAIT, N_FIELDS };
 static const char *const field_names[N_FIELDS] = {
     "needs_input_grad", "w_given", "x_amax", "w_amax", "n_x", "n_w", "tp", "plan", "rest",
     "needs", "shape", "module", "pending", "bias_dtype", "dtype", "weight_dtype", "c_args",
-    "_weight_cache", "contiguous", "save_for_backward", "shape", "dtype"};
+    "_weight_cache", "contiguous", "save_for_backward", "shape", "dtype", "saved_tensors",
+    "delayed", "trigger_wait"};
 static PyObject *fields[N_FIELDS];
 
 static int intern_fields(void) {
@@ -166,9 +172,139 @@ done:
     return out;
 }
 
+/* kept = the saved tensors [first, first + n) with the amaxes the forward left on ctx (None when
+ * nothing was kept): _joined in linear.py (new reference). */
+static PyObject *joined(PyObject *tensors, Py_ssize_t first, Py_ssize_t n, PyObject *amaxes) {
+    if (amaxes == Py_None) return Py_NewRef(Py_None);
+    PyObject *part = PyTuple_GetSlice(tensors, first, first + n);
+    PyObject *kept = part ? PySequence_Concat(part, amaxes) : NULL;
+    Py_XDECREF(part);
+    return kept;
+}
+
+/* tequant.<module>.<name>, imported on first use and kept (new reference). */
+static PyObject *python_helper(PyObject **slot, const char *module, const char *name) {
+    if (*slot == NULL) {
+        PyObject *mod = PyImport_ImportModule(module);
+        *slot = mod ? PyObject_GetAttrString(mod, name) : NULL;
+        Py_XDECREF(mod);
+    }
+    return Py_XNewRef(*slot);
+}
+
+static PyObject *waited_fn, *slots_fn;
+
+static PyObject *ctx_field(PyObject *ctx, int field) { return PyObject_GetAttr(ctx, fields[field]); }
+
+static PyObject *linear_ctx_backward(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "linear_ctx_backward takes 2 arguments (ctx, dy); %zd "
+                     "given", nargs);
+        return NULL;
+    }
+    if (intern_fields() < 0) return NULL;
+    PyObject *ctx = args[0], *dy = Py_NewRef(args[1]);
+    PyObject *plan = NULL, *tensors = NULL, *x_amax = NULL, *w_amax = NULL, *rest = NULL;
+    PyObject *n_x = NULL, *n_w = NULL, *kept_x = NULL, *kept_w = NULL, *head = NULL;
+    PyObject *saved = NULL, *grads = NULL, *state = NULL, *bias_dtype = NULL, *c_args = NULL;
+    PyObject *needs = NULL, *shape = NULL, *pending = NULL, *res = NULL, *result = NULL;
+    PyObject *dy_c = NULL;
+    if (PyObject_HasAttr((PyObject *)Py_TYPE(dy), fields[F_TRIGGER_WAIT])) {
+        /* an AsyncCollectiveTensor: the Python helper waits for it */
+        PyObject *waited = python_helper(&waited_fn, "tequant._operands", "waited");
+        PyObject *w = waited ? PyObject_CallOneArg(waited, dy) : NULL;
+        Py_XDECREF(waited);
+        if (w == NULL) goto done;
+        Py_SETREF(dy, w);
+    }
+    if ((dy_c = PyObject_CallMethodNoArgs(dy, fields[F_CONTIGUOUS])) == NULL
+        || (plan = ctx_field(ctx, F_PLAN)) == NULL
+        || (tensors = ctx_field(ctx, F_SAVED_TENSORS)) == NULL
+        || (x_amax = ctx_field(ctx, F_X_AMAX)) == NULL || (w_amax = ctx_field(ctx, F_W_AMAX)) == NULL
+        || (n_x = ctx_field(ctx, F_N_X)) == NULL || (n_w = ctx_field(ctx, F_N_W)) == NULL
+        || (rest = ctx_field(ctx, F_REST)) == NULL || (needs = ctx_field(ctx, F_NEEDS)) == NULL
+        || (shape = ctx_field(ctx, F_SHAPE)) == NULL || (pending = ctx_field(ctx, F_PENDING)) == NULL
+        || (grads = ctx_field(ctx, F_NEEDS_INPUT_GRAD)) == NULL
+        || (c_args = PyObject_GetAttr(plan, fields[F_C_ARGS])) == NULL)
+        goto done;
+    const Py_ssize_t nx = PyLong_AsSsize_t(n_x), nw = PyLong_AsSsize_t(n_w);
+    if (PyErr_Occurred()) goto done;
+    if (!PyTuple_Check(tensors) || !PyTuple_Check(rest) || !PyTuple_Check(grads)
+        || PyTuple_GET_SIZE(grads) < 3 || nx + nw > PyTuple_GET_SIZE(tensors)) {
+        PyErr_SetString(PyExc_RuntimeError, "linear_ctx_backward: ctx does not hold what "
+                        "linear_ctx_forward left (saved tensors, n_x / n_w, rest)");
+        goto done;
+    }
+    if ((kept_x = joined(tensors, 0, nx, x_amax)) == NULL
+        || (kept_w = joined(tensors, nx, nw, w_amax)) == NULL
+        || (head = PyTuple_Pack(2, kept_x, kept_w)) == NULL
+        || (saved = PySequence_Concat(head, rest)) == NULL)
+        goto done;
+    if (PyTuple_GET_ITEM(grads, 2) == Py_True) {
+        if ((bias_dtype = ctx_field(ctx, F_BIAS_DTYPE)) == NULL) goto done;
+    } else {
+        bias_dtype = Py_NewRef(Py_None);
+    }
+    PyObject *delayed = PyObject_GetAttr(plan, fields[F_DELAYED]);
+    const int is_delayed = delayed ? PyObject_IsTrue(delayed) : -1;
+    Py_XDECREF(delayed);
+    if (is_delayed < 0) goto done;
+    if (is_delayed) { /* dy's (scale, amax slot): delayed.slots(module, "bwd")[0] */
+        PyObject *slots = python_helper(&slots_fn, "tequant.delayed", "slots");
+        PyObject *layer = slots ? ctx_field(ctx, F_MODULE) : NULL;
+        PyObject *direction = layer ? PyUnicode_FromString("bwd") : NULL;
+        PyObject *all = direction ? PyObject_CallFunctionObjArgs(slots, layer, direction, NULL)
+                                  : NULL;
+        state = all ? PySequence_GetItem(all, 0) : NULL;
+        Py_XDECREF(all);
+        Py_XDECREF(direction);
+        Py_XDECREF(layer);
+        Py_XDECREF(slots);
+        if (state == NULL) goto done;
+    } else {
+        state = Py_NewRef(Py_None);
+    }
+    PyObject *const bargs[8] = {c_args, saved, dy_c, needs, state, shape, bias_dtype, pending};
+    if ((res = tqx_linear_backward(module, bargs, 8)) == NULL) goto done;
+    if (!PyTuple_Check(res) || PyTuple_GET_SIZE(res) != 3) {
+        PyErr_SetString(PyExc_RuntimeError, "linear_ctx_backward: linear_backward returned no "
+                        "(dx, dW, db)");
+        goto done;
+    }
+    /* (dx, dW, db) and None for module, plan, first_microbatch, pending, states */
+    result = PyTuple_Pack(8, PyTuple_GET_ITEM(res, 0), PyTuple_GET_ITEM(res, 1),
+                          PyTuple_GET_ITEM(res, 2), Py_None, Py_None, Py_None, Py_None, Py_None);
+done:
+    Py_XDECREF(dy);
+    Py_XDECREF(dy_c);
+    Py_XDECREF(plan);
+    Py_XDECREF(tensors);
+    Py_XDECREF(x_amax);
+    Py_XDECREF(w_amax);
+    Py_XDECREF(n_x);
+    Py_XDECREF(n_w);
+    Py_XDECREF(rest);
+    Py_XDECREF(needs);
+    Py_XDECREF(shape);
+    Py_XDECREF(pending);
+    Py_XDECREF(grads);
+    Py_XDECREF(c_args);
+    Py_XDECREF(kept_x);
+    Py_XDECREF(kept_w);
+    Py_XDECREF(head);
+    Py_XDECREF(saved);
+    Py_XDECREF(bias_dtype);
+    Py_XDECREF(state);
+    Py_XDECREF(res);
+    return result;
+}
+
 PyMethodDef tqx_linear_ctx_methods[] = {
     {"linear_ctx_forward", (PyCFunction)(void (*)(void))linear_ctx_forward, METH_FASTCALL,
      "linear_ctx_forward(ctx, inp, weight, bias, module, plan, first_microbatch, pending, states)"
      " -> out\n\nThe forward of te.Linear's autograd Function for a plain call; see "
      "csrc/ext/linear_ctx.c."},
+    {"linear_ctx_backward", (PyCFunction)(void (*)(void))linear_ctx_backward, METH_FASTCALL,
+     "linear_ctx_backward(ctx, dy) -> (dx, dw, db, None, None, None, None, None)\n\nThe "
+     "backward of te.Linear's autograd Function for a plain call; see csrc/ext/linear_ctx.c."},
     {NULL, NULL, 0, NULL}};

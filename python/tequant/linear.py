@@ -190,10 +190,11 @@ _quantized_linear = _fast_apply(_QuantizedLinear)
 
 class _PlainLinear(_QuantizedLinear):
     """_QuantizedLinear for a plain call (a tensor input, the module's own weight, no tensor
-    parallelism, fused codes or backward_override): its forward in C, no Python frame
-    (csrc/ext/linear_ctx.c), the same ctx fields and backward."""
+    parallelism, fused codes or backward_override): its forward and backward in C, no Python
+    frame (csrc/ext/linear_ctx.c), the same ctx fields."""
 
     forward = staticmethod(_C.linear_ctx_forward)
+    backward = staticmethod(_C.linear_ctx_backward)
 
 
 _plain_linear = _fast_apply(_PlainLinear)
