@@ -26,13 +26,13 @@
 /* ctx field names, interned once (the first call) */
 enum { F_NEEDS_INPUT_GRAD, F_W_GIVEN, F_X_AMAX, F_W_AMAX, F_N_X, F_N_W, F_TP, F_PLAN, F_REST,
        F_NEEDS, F_SHAPE, F_MODULE, F_PENDING, F_BIAS_DTYPE, F_DTYPE, F_WEIGHT_DTYPE, F_C_ARGS,
-       F_WEIGHT_CACHE, F_CONTIGUOUS, F_SAVE, F_SHAPE_ATTR, F_DTYPE_ATTR, F_SAVED_TENSORS,
-       F_DELAYED, F_TRIGGER_WAIT, N_FIELDS };
+       F_WEIGHT_CACHE, F_CONTIGUOUS, F_SAVE, F_SAVED_TENSORS, F_DELAYED, F_TRIGGER_WAIT,
+       N_FIELDS };
 static const char *const field_names[N_FIELDS] = {
     "needs_input_grad", "w_given", "x_amax", "w_amax", "n_x", "n_w", "tp", "plan", "rest",
     "needs", "shape", "module", "pending", "bias_dtype", "dtype", "weight_dtype", "c_args",
-    "_weight_cache", "contiguous", "save_for_backward", "shape", "dtype", "saved_tensors",
-    "delayed", "trigger_wait"};
+    "_weight_cache", "contiguous", "save_for_backward", "saved_tensors", "delayed",
+    "trigger_wait"}; /* ctx's shape / dtype fields share their names with the tensors' */
 static PyObject *fields[N_FIELDS];
 
 static int intern_fields(void) {
@@ -137,7 +137,7 @@ static PyObject *linear_ctx_forward(PyObject *module, PyObject *const *args, Py_
         if (r == NULL) goto done;
         Py_DECREF(r);
     }
-    if ((shape = PyObject_GetAttr(inp, fields[F_SHAPE_ATTR])) == NULL) goto done;
+    if ((shape = PyObject_GetAttr(inp, fields[F_SHAPE])) == NULL) goto done;
     if (set_field(ctx, F_W_GIVEN, Py_NewRef(Py_None)) < 0
         || set_field(ctx, F_TP, Py_NewRef(Py_None)) < 0
         || set_field(ctx, F_X_AMAX, Py_NewRef(x_amax)) < 0
@@ -151,9 +151,9 @@ static PyObject *linear_ctx_forward(PyObject *module, PyObject *const *args, Py_
         || set_field(ctx, F_MODULE, Py_NewRef(layer)) < 0
         || set_field(ctx, F_PENDING, Py_NewRef(args[7])) < 0
         || set_field(ctx, F_BIAS_DTYPE, bias == Py_None ? Py_NewRef(Py_None)
-                                                         : PyObject_GetAttr(bias, fields[F_DTYPE_ATTR])) < 0
-        || set_field(ctx, F_DTYPE, PyObject_GetAttr(x, fields[F_DTYPE_ATTR])) < 0
-        || set_field(ctx, F_WEIGHT_DTYPE, PyObject_GetAttr(weight, fields[F_DTYPE_ATTR])) < 0)
+                                                         : PyObject_GetAttr(bias, fields[F_DTYPE])) < 0
+        || set_field(ctx, F_DTYPE, PyObject_GetAttr(x, fields[F_DTYPE])) < 0
+        || set_field(ctx, F_WEIGHT_DTYPE, PyObject_GetAttr(weight, fields[F_DTYPE])) < 0)
         goto done;
     out = Py_NewRef(PyTuple_GET_ITEM(res, 0));
 done:
