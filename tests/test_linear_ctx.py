@@ -35,7 +35,9 @@ def same_bits(a, b):
 
 
 def python_function(monkeypatch):
-    """Plain calls through the Python Function (the reference path)."""
+    """Plain calls through the Python Function (the reference path; Linear.forward's C call
+    off too, as it holds _PlainLinear's apply itself)."""
+    monkeypatch.setattr(L, "_module_forward", lambda *args: NotImplemented)
     monkeypatch.setattr(L, "_plain_linear", lambda inp, w, b, mod, plan, first, pending, states:
                         L._quantized_linear(inp, w, b, mod, plan, first, pending, states, None,
                                             None, None))

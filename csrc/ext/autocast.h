@@ -34,4 +34,11 @@ static inline AutocastObject *tqx_frame_root(AutocastObject *frame) {
     return frame->root ? frame->root : frame;
 }
 
+/* state.c: the innermost active autocast of this thread / context (borrowed), or NULL (*error
+ * set on a failed read, else none is active) */
+AutocastObject *tqx_autocast_innermost(tqx_state *st, int *error);
+/* state.c: appends obj to the outermost autocast's list of DelayedScaling modules; *first: this
+ * call created the list (that module runs the backward update). -1 with an exception. */
+int tqx_delayed_register(AutocastObject *ac, PyObject *obj, int *first);
+
 #endif /* TEQUANT_EXT_AUTOCAST_H_ */

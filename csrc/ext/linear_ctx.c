@@ -12,9 +12,10 @@
  * needs from ctx.needs_input_grad (plus packed), x's columnwise part and W kept through
  * ctx.save_for_backward, and the ctx fields _QuantizedLinear.backward reads (so either backward
  * can run a node); then linear_backward on what was kept. states: DelayedScaling's ((scale,
- * amax slot) of x, of W), or None for the other recipes; backward takes dy's slot from
- * tequant.delayed.slots and waits for a dy that is an AsyncCollectiveTensor through
- * tequant._operands.waited, as the Python backward does.
+ * amax slot) of x, of W), or None for the other recipes; backward takes dy's slot as
+ * delayed.slots gives it (its kept views read in C: tqx_delayed_slots_bwd, linear_module.c)
+ * and waits for a dy that is an AsyncCollectiveTensor through tequant._operands.waited, as the
+ * Python backward does.
  * Why: that Python body was ~10 us of a 50-90 us forward on an H200 host, all of it attribute
  * traffic and tuple handling around the one C call; te.Linear's forward over nn.Linear's there
  * (M=128, 256 -> 256, median of three process pairs): current 2.51 -> 2.25x, delayed 2.80 ->
@@ -192,7 +193,7 @@ static PyObject *python_helper(PyObject **slot, const char *module, const char *
     return Py_XNewRef(*slot);
 }
 
-static PyObject *waited_fn, *slots_fn;
+static PyObject *waited_fn;
 
 static PyObject *ctx_field(PyObject *ctx, int field) { return PyObject_GetAttr(ctx, fields[field]); }
 
@@ -250,16 +251,11 @@ static PyObject *linear_ctx_backward(PyObject *module, PyObject *const *args, Py
     Py_XDECREF(delayed);
     if (is_delayed < 0) goto done;
     if (is_delayed) { /* dy's (scale, amax slot): delayed.slots(module, "bwd")[0] */
-        PyObject *slots = python_helper(&slots_fn, "tequant.delayed", "slots");
-        PyObject *layer = slots ? ctx_field(ctx, F_MODULE) : NULL;
-        PyObject *direction = layer ? PyUnicode_FromString("bwd") : NULL;
-        PyObject *all = direction ? PyObject_CallFunctionObjArgs(slots, layer, direction, NULL)
-                                  : NULL;
+        PyObject *layer = ctx_field(ctx, F_MODULE);
+        PyObject *all = layer ? tqx_delayed_slots_bwd(tqx_module_state(module), layer) : NULL;
         state = all ? PySequence_GetItem(all, 0) : NULL;
         Py_XDECREF(all);
-        Py_XDECREF(direction);
         Py_XDECREF(layer);
-        Py_XDECREF(slots);
         if (state == NULL) goto done;
     } else {
         state = Py_NewRef(Py_None);

@@ -22,7 +22,8 @@ static int tequant_exec(PyObject *module) {
     PyMethodDef *tables[] = {tqx_registry_methods, tqx_capability_methods, tqx_state_methods,
                              tqx_tensor_view_methods, tqx_ops_methods, tqx_quantize_methods,
                              tqx_codec_methods, tqx_gemm_methods, tqx_amax_update_methods,
-                             tqx_linear_methods, tqx_linear_ctx_methods, tqx_linear_ops_methods,
+                             tqx_linear_methods, tqx_linear_ctx_methods, tqx_linear_module_methods,
+                             tqx_linear_ops_methods,
                              tqx_autocast_methods, tqx_norm_methods, tqx_act_methods};
     for (size_t i = 0; i < sizeof tables / sizeof tables[0]; i++)
         if (PyModule_AddFunctions(module, tables[i]) < 0) return -1;
@@ -56,6 +57,7 @@ static int tequant_traverse(PyObject *module, visitproc visit, void *arg) {
     Py_VISIT(st->linear_plans);
     Py_VISIT(st->linear_plan_of);
     Py_VISIT(st->delayed_states);
+    for (int i = 0; i < TQX_LINEAR_MODULE_SLOTS; i++) Py_VISIT(st->linear_module[i]);
     const int visited = tqx_torch_traverse(st, visit, arg);
     if (visited != 0) return visited;
     return tqx_registry_traverse(st, visit, arg);
@@ -81,6 +83,7 @@ static int tequant_clear(PyObject *module) {
     Py_CLEAR(st->linear_plans);
     Py_CLEAR(st->linear_plan_of);
     Py_CLEAR(st->delayed_states);
+    for (int i = 0; i < TQX_LINEAR_MODULE_SLOTS; i++) Py_CLEAR(st->linear_module[i]);
     Py_CLEAR(st->str_enabled);
     Py_CLEAR(st->str_calibrating);
     Py_CLEAR(st->str_recipe);

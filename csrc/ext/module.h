@@ -86,6 +86,7 @@ typedef enum tqx_torch_dtype {
 } tqx_torch_dtype;
 
 #define TQX_ID_CACHE_SIZE 8
+#define TQX_LINEAR_MODULE_SLOTS 40
 #define TQX_MAX_DEVICES 64
 
 typedef struct tqx_state {
@@ -147,6 +148,9 @@ typedef struct tqx_state {
     PyObject *linear_plans, *linear_plan_of;
     /* linear_delayed.c: the in-place ops' DelayedScaling states kept per history buffer */
     PyObject *delayed_states;
+    /* linear_module.c: the torch objects te.Linear.forward's C call uses (handed over by
+     * linear.py's _C._linear_module_setup; NULL until then) and the names it looks up */
+    PyObject *linear_module[TQX_LINEAR_MODULE_SLOTS];
     /* interned keyword names for the autocast constructor */
     PyObject *str_enabled, *str_calibrating, *str_recipe, *str_amax_reduction_group;
 } tqx_state;
@@ -401,6 +405,10 @@ PyObject *tqx_linear_forward(PyObject *module, PyObject *const *args, Py_ssize_t
 PyObject *tqx_linear_backward(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 /* linear_ctx.c: the forward of te.Linear's autograd Function for a plain call */
 extern PyMethodDef tqx_linear_ctx_methods[];
+/* linear_module.c: te.Linear.forward's plain call in C; and a module's DelayedScaling
+ * (scale, amax slot) pairs of dy, delayed.slots(module, "bwd") (new reference, or NULL) */
+extern PyMethodDef tqx_linear_module_methods[];
+PyObject *tqx_delayed_slots_bwd(tqx_state *st, PyObject *layer);
 /* packed.c: the bytes of the buffer holding `parts` of an [rows, cols] quantization laid out for
  * usage; -1 with an exception */
 int64_t tqx_packed_bytes(tqx_state *st, const tq_quant_config *config, int64_t rows, int64_t cols,

@@ -7,7 +7,7 @@
 #include "autocast.h"
 
 /* Borrowed innermost active autocast, or NULL with no error when there is none. */
-static AutocastObject *innermost(tqx_state *st, int *error) {
+AutocastObject *tqx_autocast_innermost(tqx_state *st, int *error) {
     PyObject *value;
     *error = PyContextVar_Get(st->context_var, NULL, &value) < 0;
     if (*error) return NULL;
@@ -15,10 +15,10 @@ static AutocastObject *innermost(tqx_state *st, int *error) {
     return value == Py_None ? NULL : (AutocastObject *)value;
 }
 
-#define READ_STATE(module, ac)                          \
-    tqx_state *st = tqx_module_state(module);           \
-    int error_;                                         \
-    AutocastObject *ac = innermost(st, &error_);        \
+#define READ_STATE(module, ac)                                \
+    tqx_state *st = tqx_module_state(module);                 \
+    int error_;                                               \
+    AutocastObject *ac = tqx_autocast_innermost(st, &error_); \
     if (error_) return NULL
 
 static PyObject *is_fp8_enabled(PyObject *module, PyObject *unused) {
@@ -73,17 +73,22 @@ static PyObject *is_first_fp8_module(PyObject *module, PyObject *unused) {
 
 /* Appends obj to the outermost autocast's list of DelayedScaling modules; returns (list, first):
  * first is True for the call that created the list (that module runs the backward update). */
+int tqx_delayed_register(AutocastObject *ac, PyObject *obj, int *first) {
+    AutocastObject *root = tqx_frame_root(ac);
+    *first = root->pending == NULL;
+    if (*first && (root->pending = PyList_New(0)) == NULL) return -1;
+    return PyList_Append(root->pending, obj);
+}
+
 static PyObject *delayed_register(PyObject *module, PyObject *obj) {
     READ_STATE(module, ac);
     if (ac == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "_delayed_register outside te.autocast");
         return NULL;
     }
-    AutocastObject *root = tqx_frame_root(ac);
-    const int first = root->pending == NULL;
-    if (first && (root->pending = PyList_New(0)) == NULL) return NULL;
-    if (PyList_Append(root->pending, obj) < 0) return NULL;
-    return Py_BuildValue("(OO)", root->pending, first ? Py_True : Py_False);
+    int first;
+    if (tqx_delayed_register(ac, obj, &first) < 0) return NULL;
+    return Py_BuildValue("(OO)", tqx_frame_root(ac)->pending, first ? Py_True : Py_False);
 }
 
 /* _C._live: one object whose attributes read the calling thread's / context's autocast state
@@ -97,7 +102,7 @@ typedef struct {
 } LiveObject;
 
 static AutocastObject *live_frame(LiveObject *self, int *error) {
-    return innermost(self->st, error);
+    return tqx_autocast_innermost(self->st, error);
 }
 
 static PyObject *live_enabled(LiveObject *self, void *c) {

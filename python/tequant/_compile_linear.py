@@ -40,7 +40,8 @@ tests/test_fused_act_modules.py, tests/test_fsdp.py (compile_worker).
 import torch
 import torch.nn.functional as F
 
-from . import _C, _act_fn, _compile, _custom_linear, _dy_given, _norm_fn, _plan, delayed
+from . import (_C, _act_fn, _compile, _custom_linear, _dy_given, _norm_fn, _override, _plan,
+               delayed)
 from . import _compile_modules as _modules
 from . import checkpoint as _checkpoint
 from ._act_fn import ActInput
@@ -407,15 +408,8 @@ def _dequantized_operands(ctx, saved, dtype):
 
 
 def _high_precision(dy, x2d, weight, needs, bias_dtype, ctx):
-    dy2d = dy.reshape(-1, dy.shape[-1])
-    dx = dw = db = None
-    if needs & NEED_DGRAD:
-        dx = (dy2d @ weight.to(dy2d.dtype)).to(ctx.x_dtype).view(ctx.shape)
-    if needs & NEED_WGRAD:
-        dw = (dy2d.t() @ x2d.to(dy2d.dtype)).to(ctx.w_dtype)
-    if bias_dtype is not None:
-        db = dy2d.sum(0, dtype=torch.float32).to(bias_dtype)
-    return dx, dw, db
+    return _override.grads(dy.reshape(-1, dy.shape[-1]), x2d, weight, needs, bias_dtype,
+                           ctx.shape, ctx.x_dtype, ctx.w_dtype)
 
 
 def forward(module, inp, is_first_microbatch):

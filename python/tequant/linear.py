@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from . import (_C, _act_fn, _compile_linear, _compile_modules, _custom_linear, _dy_given,
-               _norm_fn, _operands, _plan, checkpoint, delayed)
+               _norm_fn, _operands, _override, _plan, checkpoint, delayed)
 from . import _compile_gathered  # noqa: F401  (registers with _compile_linear)
 from ._act_fn import ActInput
 from ._norm_fn import NormInput
@@ -115,8 +115,8 @@ class _QuantizedLinear(torch.autograd.Function):
         if tp is not None:
             dy = tp.gather_grad_output(dy, plan, state, needs, plan.backward_override is None)
         if plan.backward_override is not None:
-            dx, dw, db = _high_precision_backward(ctx, saved, kept, dy.reshape(-1, dy.shape[-1]),
-                                                  needs, bias_dtype)
+            dx, dw, db = _override.backward(ctx, saved, kept, dy.reshape(-1, dy.shape[-1]),
+                                            needs, bias_dtype)
         else:  # ctx.pending: first in forward, so last in backward: it updates them all
             after_dgrad = None if tp is None else tp.grad_input_overlap(needs & _NEED_WGRAD)
             dx, dw, db = _C.linear_backward(plan.c_args, saved, dy, needs, state, ctx.shape,
@@ -182,6 +182,7 @@ def _fast_apply(function):
         if active():
             return function.apply(inp, weight, bias, *rest)
         return raw(unwrap(inp), unwrap(weight), None if bias is None else unwrap(bias), *rest)
+    apply.raw = raw
     return apply
 
 
@@ -198,34 +199,6 @@ class _PlainLinear(_QuantizedLinear):
 
 
 _plain_linear = _fast_apply(_PlainLinear)
-
-
-def _high_precision_backward(ctx, saved, kept, dy2d, needs, bias_dtype):
-    """backward_override: "high_precision" multiplies the unquantized x and W (kept), "dequantized"
-    the dequantized forward operands (rowwise x and W of saved), both in dy's precision."""
-    plan = ctx.plan
-    if plan.backward_override == "high_precision":
-        inp, weight = kept
-        if ctx.w_given is not None:
-            weight = ctx.w_given.tq_dequantized()
-        x2d = inp.reshape(-1, inp.shape[-1])
-    else:
-        qx, qw, rows, padded, n, k = saved[:6]
-        x2d = _dequantized(plan.x, padded, k, qx, dy2d.dtype)[:rows]
-        weight = _dequantized(plan.w, n, k, qw, dy2d.dtype)
-    dx = dw = None
-    if needs & _NEED_DGRAD:
-        dx = (dy2d @ weight.to(dy2d.dtype)).to(ctx.dtype).view(ctx.shape)
-    if needs & _NEED_WGRAD:
-        dw = (dy2d.t() @ x2d.to(dy2d.dtype)).to(ctx.weight_dtype)
-    db = dy2d.sum(0, dtype=torch.float32).to(bias_dtype) if bias_dtype is not None else None
-    return dx, dw, db
-
-
-def _dequantized(config, rows, cols, members, dtype):
-    out = torch.empty((rows, cols), dtype=dtype, device=members[0].device)
-    _C._dequantize(config, rows, cols, members, _ROWWISE, out)
-    return out
 
 
 class Linear(torch.nn.Linear):
@@ -415,6 +388,10 @@ class Linear(torch.nn.Linear):
         """y = inp W^T + b for inp [..., in_features]: quantized inside te.autocast, exactly
         F.linear outside. is_first_microbatch: see the class docstring. Returns y, or (y, bias)
         with return_bias=True."""
+        if not torch.compiler.is_compiling():  # a plain call: all of it in C (linear_module.c)
+            out = _module_forward(self, inp, is_first_microbatch)
+            if out is not NotImplemented:
+                return out
         if not isinstance(inp, torch.Tensor) and type(inp) is not NormInput \
                 and type(inp) is not ActInput:
             raise TypeError(f"{type(self).__name__}: inp must be a torch.Tensor, got "
@@ -580,6 +557,13 @@ class Linear(torch.nn.Linear):
                 if saved is not None and getattr(self, name, None) is None:
                     self.register_buffer(name, torch.empty_like(saved, device=self.weight.device))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+_module_forward = _C.linear_module_forward  # what it reads, handed over once:
+_C._linear_module_setup(Linear, torch.nn.Parameter, torch.Tensor, _plain_linear.raw,
+                        checkpoint.REGIONS, torch._C._functorch.unwrap_if_dead,
+                        torch._C._are_functorch_transforms_active, _operands._forward_ad,
+                        delayed.slots, torch.is_grad_enabled, torch._C._is_any_autocast_enabled)
 
 
 def prepare_state(model, recipe):
