@@ -6,8 +6,9 @@ checkpointing, torch.autocast or functorch transform) runs from Linear.forward s
 any other returns NotImplemented and takes the Python path. Checked: plain calls never reach
 Linear._compute; against the Python path (the C call switched off) on an identical module,
 several steps of outputs, gradients and DelayedScaling buffers (histories and scales updated at
-each autocast's exit and in backward) are equal bit for bit, with and without grad, with
-return_bias, frozen weights and is_first_microbatch; every other kind of call reaches _compute;
+each autocast's exit and in backward) are equal bit for bit, with and without grad, under
+inference_mode, with return_bias, frozen weights, is_first_microbatch and parameters swapped in
+by torch.func.functional_call; every other kind of call reaches _compute;
 replaced DelayedScaling buffers are used at once; bad calls raise. Every recipe, CPU and CUDA.
 """
 import copy
@@ -46,13 +47,17 @@ def run_steps(lin, recipe, xs, dys, *, grad, first_microbatch):
     results = []
     for i, (x, dy) in enumerate(zip(xs, dys)):
         torch.manual_seed(11 + i)
-        x = x.clone().requires_grad_(grad)
-        with torch.set_grad_enabled(grad), te.autocast(recipe=recipe):
-            y = lin(x, is_first_microbatch=first_microbatch[i])
+        x = x.clone().requires_grad_(grad is True)
+        with torch.set_grad_enabled(grad is True), te.autocast(recipe=recipe):
+            if grad == "inference":
+                with torch.inference_mode():
+                    y = lin(x, is_first_microbatch=first_microbatch[i]).clone()
+            else:
+                y = lin(x, is_first_microbatch=first_microbatch[i])
         out = y[0] if isinstance(y, tuple) else y
         if isinstance(y, tuple):
             assert y[1] is lin.bias
-        if grad:
+        if grad is True:
             out.backward(dy)
         results.append((out.detach(), x.grad))
     grads = [p.grad for p in lin.parameters()]
@@ -60,8 +65,8 @@ def run_steps(lin, recipe, xs, dys, *, grad, first_microbatch):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", ["grad", "no_grad", "return_bias", "frozen_weight",
-                                  "first_microbatch", "3d"])
+@pytest.mark.parametrize("case", ["grad", "no_grad", "inference", "return_bias",
+                                  "frozen_weight", "first_microbatch", "3d"])
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_c_forward_matches_the_python_path(name, case, device, monkeypatch):
     torch.manual_seed(0)
@@ -74,7 +79,7 @@ def test_c_forward_matches_the_python_path(name, case, device, monkeypatch):
     xs = [torch.randn(shape, dtype=torch.bfloat16, device=device) * (1 + i) for i in range(3)]
     dys = [torch.randn(shape[:-1] + (N,), dtype=torch.bfloat16, device=device) for _ in xs]
     first = [True, False, False] if case == "first_microbatch" else [None] * 3
-    grad = case != "no_grad"
+    grad = {"no_grad": False, "inference": "inference"}.get(case, True)
     recipe = RECIPES[name]
 
     calls = counting_compute(monkeypatch)
@@ -91,7 +96,7 @@ def test_c_forward_matches_the_python_path(name, case, device, monkeypatch):
     if name == "delayed":  # amaxes recorded; with grad, registered and updated at the exits
         hist_fwd, scale_fwd = got[2][0], got[2][1]
         assert hist_fwd.abs().sum() > 0
-        assert torch.equal(scale_fwd, torch.ones_like(scale_fwd)) != grad
+        assert torch.equal(scale_fwd, torch.ones_like(scale_fwd)) != (grad is True)
 
 
 def _subclass():
@@ -225,6 +230,29 @@ def test_replaced_delayed_buffers_are_used_at_once(device, monkeypatch):
     for a, b in zip(*outs):
         assert same_bits(a, b)
     assert not torch.equal(outs[0][0], outs[0][2]) and not torch.equal(outs[0][1], outs[0][3])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["current", "delayed"])
+def test_functional_call_swapped_parameters(name, device, monkeypatch):
+    """torch.func.functional_call puts plain tensors into _parameters: the C call multiplies
+    those, as the Python path does."""
+    torch.manual_seed(0)
+    lin = te.Linear(K, N, params_dtype=torch.bfloat16, device=device)
+    ref = copy.deepcopy(lin)
+    swapped = {"weight": torch.randn(N, K, dtype=torch.bfloat16, device=device),
+               "bias": torch.randn(N, dtype=torch.bfloat16, device=device)}
+    x = torch.randn(24, K, dtype=torch.bfloat16, device=device)
+    outs = []
+    for i, module in enumerate((lin, ref)):
+        if i == 1:
+            python_path(monkeypatch)
+        with te.autocast(recipe=RECIPES[name]):
+            module(x)
+            outs.append(torch.func.functional_call(module, swapped, (x,)))
+            outs.append(module(x))
+    assert same_bits(outs[0], outs[2]) and same_bits(outs[1], outs[3])
+    assert not torch.equal(outs[0], outs[1])
 
 
 def test_bad_calls_raise():
