@@ -38,9 +38,10 @@ def python_function(monkeypatch):
     """Plain calls through the Python Function (the reference path; Linear.forward's C call
     off too, as it holds _PlainLinear's apply itself)."""
     monkeypatch.setattr(L, "_module_forward", lambda *args: NotImplemented)
-    monkeypatch.setattr(L, "_plain_linear", lambda inp, w, b, mod, plan, first, pending, states:
+    monkeypatch.setattr(L, "_plain_linear",
+                        lambda inp, w, b, mod, plan, first, pending, states, given=None:
                         L._quantized_linear(inp, w, b, mod, plan, first, pending, states, None,
-                                            None, None))
+                                            given, None))
 
 
 def step(lin, x, recipe, dy, seed):
@@ -103,6 +104,53 @@ def test_c_forward_matches_the_python_function(name, case, device, monkeypatch):
             assert same_bits(gt, wt)
 
 
+def fused_step(module, x, recipe, dy, seed):
+    """One fwd + bwd of a fused module: y, the grad_fn's ctx fields and saved kept members of
+    the te.Linear node that multiplied the fused codes (fc2 / the LayerNormLinear's linear)."""
+    torch.manual_seed(seed)
+    with te.autocast(recipe=recipe):
+        y = module(x)
+    node = y.grad_fn
+    fields = {f: getattr(node, f) for f in FIELDS}
+    saved = L._saved(node, L._COLUMNWISE)[0][:2]
+    y.backward(dy)
+    return y.detach(), type(node).__name__, fields, saved
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["LayerNormLinear", "LayerNormMLP"])
+@pytest.mark.parametrize("name", ["delayed", "current"])
+def test_c_forward_of_fused_codes_matches_the_python_function(name, kind, device, monkeypatch):
+    """x's codes from the fused norm (LayerNormLinear) or activation (LayerNormMLP's fc2, relu:
+    fused under both recipes): the C Function's output, gradients, DelayedScaling buffers and
+    ctx fields equal the Python Function's."""
+    torch.manual_seed(0)
+    module = (te.LayerNormLinear(K, N, params_dtype=torch.bfloat16, device=device)
+              if kind == "LayerNormLinear" else
+              te.LayerNormMLP(K, N, params_dtype=torch.bfloat16, device=device,
+                              activation="relu"))
+    ref = copy.deepcopy(module)
+    x = torch.randn(2, 19, K, dtype=torch.bfloat16, device=device) * 2
+    x_ref = x.clone().requires_grad_(True)
+    x.requires_grad_(True)
+    dy = torch.randn(2, 19, N if kind == "LayerNormLinear" else K, dtype=torch.bfloat16,
+                     device=device)
+    got = fused_step(module, x, RECIPES[name], dy, seed=3)
+    python_function(monkeypatch)
+    want = fused_step(ref, x_ref, RECIPES[name], dy, seed=3)
+    assert got[1] == "_PlainLinearBackward" and want[1] == "_QuantizedLinearBackward"
+    assert same_bits(got[0], want[0]) and same_bits(x.grad, x_ref.grad)
+    assert got[2] == want[2]
+    assert type(got[2]["shape"]) is tuple  # (a torch.Size: x was not given as codes)
+    for (ka, a), (kb, b) in zip(module.named_parameters(), ref.named_parameters()):
+        assert same_bits(a.grad, b.grad), ka
+    for (ka, a), (kb, b) in zip(module.named_buffers(), ref.named_buffers()):
+        assert same_bits(a, b), ka
+    for g, w in zip(got[3], want[3]):
+        assert len(g) == len(w)
+        assert all((gt is None) == (wt is None) for gt, wt in zip(g, w))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_calls_that_are_not_plain_keep_the_python_function(device):
     lin = te.Linear(K, N, params_dtype=torch.bfloat16, device=device)
@@ -133,7 +181,7 @@ def test_the_saved_operands_go_with_the_graph():
 
 
 def test_bad_calls_raise():
-    with pytest.raises(TypeError, match="9 arguments"):
+    with pytest.raises(TypeError, match="9 or 10 arguments"):
         _C.linear_ctx_forward(None, None)
     lin = te.Linear(K, N, params_dtype=torch.bfloat16)
     plan = lin._plan(Float8CurrentScaling())
@@ -155,6 +203,8 @@ def test_bad_calls_raise():
         _C.linear_ctx_forward(NoGrads(), x, lin.weight, lin.bias, lin, plan, None, None, None)
     with pytest.raises(TypeError, match="must be a torch.Tensor"):
         _C.linear_ctx_forward(Ctx(), "x", lin.weight, lin.bias, lin, plan, None, None, None)
+    with pytest.raises(TypeError, match="given must be the six members"):
+        _C.linear_ctx_forward(Ctx(), x, lin.weight, lin.bias, lin, plan, None, None, None, (1,))
 
 
 class _AsyncGrad(torch.autograd.Function):

@@ -1,10 +1,11 @@
 /* linear_ctx.c: te.Linear's autograd Function in C, for the plain call (what most steps make: a
- * tensor input, the module's own weight, no tensor parallelism, no fused norm or activation
- * codes, no backward_override).
+ * tensor input, the module's own weight, no tensor parallelism, no backward_override), also
+ * where x's codes come from a fused norm or activation (`given`) and no grad_output codes are
+ * asked of the activation's backward.
  *
- *   linear_ctx_forward(ctx, inp, weight, bias, module, plan, first_microbatch, pending, states)
- *       -> out
- *   linear_ctx_backward(ctx, dy) -> (dx, dW, db, None x 5)
+ *   linear_ctx_forward(ctx, inp, weight, bias, module, plan, first_microbatch, pending, states
+ *                      [, given]) -> out
+ *   linear_ctx_backward(ctx, dy) -> (dx, dW, db, None for each other input)
  *
  * They are python/tequant/linear.py's _PlainLinear.forward and .backward: torch's Function
  * machinery calls them with the node's ctx, and they do what _QuantizedLinear's forward and
@@ -16,6 +17,9 @@
  * delayed.slots gives it (its kept views read in C: tqx_delayed_slots_bwd, linear_module.c)
  * and waits for a dy that is an AsyncCollectiveTensor through tequant._operands.waited, as the
  * Python backward does.
+ * given: the six members of x's rowwise quantization (the norm's or activation's codes, with
+ * their columnwise codes where wgrad runs, else tequant._norm_fn.with_columnwise adds them);
+ * inp then only carries the gradient (an expanded scalar of x's shape) and is not read.
  * Why: that Python body was ~10 us of a 50-90 us forward on an H200 host, all of it attribute
  * traffic and tuple handling around the one C call; te.Linear's forward over nn.Linear's there
  * (M=128, 256 -> 256, median of three process pairs): current 2.51 -> 2.25x, delayed 2.80 ->
@@ -76,10 +80,58 @@ static int set_field(PyObject *ctx, int field, PyObject *value) {
     return rc;
 }
 
+/* tequant.<module>.<name>, imported on first use and kept (new reference). */
+static PyObject *python_helper(PyObject **slot, const char *module, const char *name) {
+    if (*slot == NULL) {
+        PyObject *mod = PyImport_ImportModule(module);
+        *slot = mod ? PyObject_GetAttrString(mod, name) : NULL;
+        Py_XDECREF(mod);
+    }
+    return Py_XNewRef(*slot);
+}
+
+static PyObject *waited_fn, *with_columnwise_fn;
+
+/* x for linear_forward from given codes: (members, tuple(inp.shape), inp's tq dtype), the
+ * members with their columnwise codes where wgrad runs (_norm_fn.with_columnwise); *shape:
+ * that tuple (new references). */
+static PyObject *given_input(PyObject *module, PyObject *inp, PyObject *given, int wgrad,
+                             PyObject **shape) {
+    PyObject *members = Py_NewRef(given), *dtype = NULL, *x = NULL;
+    if (wgrad && PyTuple_GET_ITEM(given, 2) == Py_None) {
+        PyObject *fn = python_helper(&with_columnwise_fn, "tequant._norm_fn", "with_columnwise");
+        Py_SETREF(members, fn ? PyObject_CallOneArg(fn, given) : NULL);
+        Py_XDECREF(fn);
+        if (members == NULL) return NULL;
+    }
+    PyObject *size = PyObject_GetAttr(inp, fields[F_SHAPE]);
+    *shape = size ? PySequence_Tuple(size) : NULL;
+    Py_XDECREF(size);
+    if (*shape != NULL && (dtype = PyObject_GetAttr(inp, fields[F_DTYPE])) != NULL) {
+        const tq_dtype d = tqx_dtype_of_torch(tqx_module_state(module), dtype);
+        if (d == TQ_DTYPE_FLOAT32 || d == TQ_DTYPE_BFLOAT16 || d == TQ_DTYPE_FLOAT16)
+            x = Py_BuildValue("(OOi)", members, *shape, (int)d);
+        else
+            PyErr_Format(PyExc_TypeError, "linear_ctx_forward: a fused input of dtype %R (float32, "
+                         "bfloat16 or float16 expected)", dtype);
+    }
+    Py_DECREF(members);
+    Py_XDECREF(dtype);
+    if (x == NULL) Py_CLEAR(*shape);
+    return x;
+}
+
 static PyObject *linear_ctx_forward(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 9) {
-        PyErr_Format(PyExc_TypeError, "linear_ctx_forward takes 9 arguments (ctx, inp, weight, "
-                     "bias, module, plan, first_microbatch, pending, states); %zd given", nargs);
+    if (nargs != 9 && nargs != 10) {
+        PyErr_Format(PyExc_TypeError, "linear_ctx_forward takes 9 or 10 arguments (ctx, inp, "
+                     "weight, bias, module, plan, first_microbatch, pending, states[, given]); %zd "
+                     "given", nargs);
+        return NULL;
+    }
+    PyObject *given = nargs == 10 && args[9] != Py_None ? args[9] : NULL;
+    if (given != NULL && (!PyTuple_Check(given) || PyTuple_GET_SIZE(given) != 6)) {
+        PyErr_SetString(PyExc_TypeError, "linear_ctx_forward: given must be the six members of "
+                        "x's quantization");
         return NULL;
     }
     if (intern_fields() < 0) return NULL;
@@ -112,7 +164,10 @@ static PyObject *linear_ctx_forward(PyObject *module, PyObject *const *args, Py_
     PyObject *needs_obj = PyLong_FromLong(needs);
     PyObject *c_needs = PyLong_FromLong(needs | TQX_PACKED);
     if (needs_obj == NULL || c_needs == NULL) goto done;
-    if ((x = PyObject_CallMethodNoArgs(inp, fields[F_CONTIGUOUS])) == NULL) {
+    if (given != NULL) { /* (members, shape, tq dtype), as linear_forward takes x's codes */
+        if ((x = given_input(module, inp, given, needs & TQX_NEED_WGRAD, &shape)) == NULL)
+            goto done;
+    } else if ((x = PyObject_CallMethodNoArgs(inp, fields[F_CONTIGUOUS])) == NULL) {
         if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
             PyErr_Clear();
             PyErr_Format(PyExc_TypeError, "linear_ctx_forward: inp must be a torch.Tensor, got "
@@ -138,7 +193,7 @@ static PyObject *linear_ctx_forward(PyObject *module, PyObject *const *args, Py_
         if (r == NULL) goto done;
         Py_DECREF(r);
     }
-    if ((shape = PyObject_GetAttr(inp, fields[F_SHAPE])) == NULL) goto done;
+    if (shape == NULL && (shape = PyObject_GetAttr(inp, fields[F_SHAPE])) == NULL) goto done;
     if (set_field(ctx, F_W_GIVEN, Py_NewRef(Py_None)) < 0
         || set_field(ctx, F_TP, Py_NewRef(Py_None)) < 0
         || set_field(ctx, F_X_AMAX, Py_NewRef(x_amax)) < 0
@@ -153,7 +208,7 @@ static PyObject *linear_ctx_forward(PyObject *module, PyObject *const *args, Py_
         || set_field(ctx, F_PENDING, Py_NewRef(args[7])) < 0
         || set_field(ctx, F_BIAS_DTYPE, bias == Py_None ? Py_NewRef(Py_None)
                                                          : PyObject_GetAttr(bias, fields[F_DTYPE])) < 0
-        || set_field(ctx, F_DTYPE, PyObject_GetAttr(x, fields[F_DTYPE])) < 0
+        || set_field(ctx, F_DTYPE, PyObject_GetAttr(inp, fields[F_DTYPE])) < 0
         || set_field(ctx, F_WEIGHT_DTYPE, PyObject_GetAttr(weight, fields[F_DTYPE])) < 0)
         goto done;
     out = Py_NewRef(PyTuple_GET_ITEM(res, 0));
@@ -182,18 +237,6 @@ static PyObject *joined(PyObject *tensors, Py_ssize_t first, Py_ssize_t n, PyObj
     Py_XDECREF(part);
     return kept;
 }
-
-/* tequant.<module>.<name>, imported on first use and kept (new reference). */
-static PyObject *python_helper(PyObject **slot, const char *module, const char *name) {
-    if (*slot == NULL) {
-        PyObject *mod = PyImport_ImportModule(module);
-        *slot = mod ? PyObject_GetAttrString(mod, name) : NULL;
-        Py_XDECREF(mod);
-    }
-    return Py_XNewRef(*slot);
-}
-
-static PyObject *waited_fn;
 
 static PyObject *ctx_field(PyObject *ctx, int field) { return PyObject_GetAttr(ctx, fields[field]); }
 
@@ -267,9 +310,10 @@ static PyObject *linear_ctx_backward(PyObject *module, PyObject *const *args, Py
                         "(dx, dW, db)");
         goto done;
     }
-    /* (dx, dW, db) and None for module, plan, first_microbatch, pending, states */
-    result = PyTuple_Pack(8, PyTuple_GET_ITEM(res, 0), PyTuple_GET_ITEM(res, 1),
-                          PyTuple_GET_ITEM(res, 2), Py_None, Py_None, Py_None, Py_None, Py_None);
+    /* (dx, dW, db) and None for module, plan, first_microbatch, pending, states[, given] */
+    if ((result = PyTuple_New(PyTuple_GET_SIZE(grads))) == NULL) goto done;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(grads); i++)
+        PyTuple_SET_ITEM(result, i, Py_NewRef(i < 3 ? PyTuple_GET_ITEM(res, i) : Py_None));
 done:
     Py_XDECREF(dy);
     Py_XDECREF(dy_c);
@@ -297,10 +341,10 @@ done:
 
 PyMethodDef tqx_linear_ctx_methods[] = {
     {"linear_ctx_forward", (PyCFunction)(void (*)(void))linear_ctx_forward, METH_FASTCALL,
-     "linear_ctx_forward(ctx, inp, weight, bias, module, plan, first_microbatch, pending, states)"
-     " -> out\n\nThe forward of te.Linear's autograd Function for a plain call; see "
-     "csrc/ext/linear_ctx.c."},
+     "linear_ctx_forward(ctx, inp, weight, bias, module, plan, first_microbatch, pending, states"
+     "[, given]) -> out\n\nThe forward of te.Linear's autograd Function for a plain call (given:"
+     " x's fused codes); see csrc/ext/linear_ctx.c."},
     {"linear_ctx_backward", (PyCFunction)(void (*)(void))linear_ctx_backward, METH_FASTCALL,
-     "linear_ctx_backward(ctx, dy) -> (dx, dw, db, None, None, None, None, None)\n\nThe "
+     "linear_ctx_backward(ctx, dy) -> (dx, dw, db, None for each other input)\n\nThe "
      "backward of te.Linear's autograd Function for a plain call; see csrc/ext/linear_ctx.c."},
     {NULL, NULL, 0, NULL}};

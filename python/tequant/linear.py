@@ -190,9 +190,10 @@ _quantized_linear = _fast_apply(_QuantizedLinear)
 
 
 class _PlainLinear(_QuantizedLinear):
-    """_QuantizedLinear for a plain call (a tensor input, the module's own weight, no tensor
-    parallelism, fused codes or backward_override): its forward and backward in C, no Python
-    frame (csrc/ext/linear_ctx.c), the same ctx fields."""
+    """_QuantizedLinear for a plain call (a tensor input or x's fused codes `given` as a tenth
+    argument, the module's own weight, no tensor parallelism, no grad_output codes asked of the
+    activation, no backward_override): its forward and backward in C, no Python frame
+    (csrc/ext/linear_ctx.c), the same ctx fields."""
 
     forward = staticmethod(_C.linear_ctx_forward)
     backward = staticmethod(_C.linear_ctx_backward)
@@ -508,8 +509,9 @@ class Linear(torch.nn.Linear):
                     record.scale_fwd = self._buffers["delayed_scale_fwd"].clone()
         given = None
         if norm_in is not None:  # x's codes from the norm, its amax in x's slot (DelayedScaling)
-            x_state = (states or delayed.slots(self, delayed.FORWARD))[0] if plan.delayed \
-                else (None, None)
+            if plan.delayed and states is None:
+                states = delayed.slots(self, delayed.FORWARD)
+            x_state = states[0] if plan.delayed else (None, None)
             inp, given = norm_in.fused(plan.recipe._tequant_id, plan.align, *x_state,
                                        columnwise=torch.is_grad_enabled()
                                        and weight.requires_grad)
@@ -534,12 +536,15 @@ class Linear(torch.nn.Linear):
                 dh = source.ask(plan.recipe._tequant_id,
                                 _plan.padded(inp.numel() // inp.shape[-1], plan.align),
                                 (None, None), delayed=False, columnwise=weight.requires_grad)
-            if (dh is None and given is None and tp is None and plan.backward_override is None
+            if (dh is None and tp is None and plan.backward_override is None
                     and (type(weight) is torch.nn.Parameter or type(weight) is torch.Tensor)):
                 if plan.delayed and states is None:
                     states = delayed.slots(self, delayed.FORWARD)
+                if given is None:
+                    return _plain_linear(inp, weight, bias, self, plan, is_first_microbatch,
+                                         pending, states)
                 return _plain_linear(inp, weight, bias, self, plan, is_first_microbatch, pending,
-                                     states)
+                                     states, given)
             out = _quantized_linear(inp, weight, bias, self, plan, is_first_microbatch, pending,
                                     states, tp, given, dh)
             return out if dh is None else source.received(out)
