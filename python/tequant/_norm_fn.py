@@ -81,8 +81,8 @@ def normalize(x, normalization, weight, bias, eps, zero_centered_gamma):
     norm kernels through NormFunction, or torch's norm where they do not run (refusal)."""
     if refusal(x, weight, bias) is not None:
         return torch_normalize(x, normalization, weight, bias, eps, zero_centered_gamma)
-    return NormFunction.apply(x, weight, bias, None, None, normalization, eps,
-                              zero_centered_gamma, True, None, 0, False)
+    return _norm_apply(x, weight, bias, None, None, normalization, eps, zero_centered_gamma,
+                       True, None, 0, False)
 
 
 # ---- the kernels' calls, eager implementations of the ops -----------------------------------
@@ -259,10 +259,11 @@ class NormFunction(torch.autograd.Function):
         columnwise = columnwise and recipe_id is not None
         args = (x2d, weight, bias, normalization, eps, zero_centered, want_hp, want_stats,
                 recipe_id, scale, padded, columnwise)
-        if torch.compiler.is_compiling() and amax is not None:  # the module's buffers
+        compiling = torch.compiler.is_compiling()
+        if compiling and amax is not None:  # the module's buffers
             outs = present_outputs(torch.ops.tequant.norm_fwd_delayed(*args, amax),
                                    _wanted(want_hp, want_stats, normalization, columnwise))
-        elif torch.compiler.is_compiling():
+        elif compiling:
             outs = torch.ops.tequant.norm_fwd(*args)
         else:
             outs = _forward_into(*args, amax)
@@ -298,6 +299,9 @@ class NormFunction(torch.autograd.Function):
         dgamma = outs[1] if needs[1] else None
         dbeta = outs[2] if want_dbeta else None
         return dx, dgamma, dbeta, None, None, None, None, None, None, None, None, None
+
+
+_norm_apply = _operands.fast_apply(NormFunction)
 
 
 # ---- the input of a te.Linear that normalizes first --------------------------------------------
@@ -350,7 +354,7 @@ class NormInput:
         norm's kernel). act_blocks (fusable): ActInput's (Float8BlockScaling), unused here."""
         x = self.x
         rows = x.numel() // x.shape[-1]
-        y, data, scale_inv, fresh, data_t = NormFunction.apply(
+        y, data, scale_inv, fresh, data_t = _norm_apply(
             x, self.weight, self.bias, scale, amax, self.normalization, self.eps,
             self.zero_centered, self.keep_output, recipe_id, _plan.padded(rows, align),
             columnwise)

@@ -169,24 +169,7 @@ def _forward(inp, weight, bias, module, plan, is_first_microbatch, c_needs, stat
                              is_first_microbatch, x_state, w_state)
 
 
-def _fast_apply(function):
-    """function.apply less torch's Python wrapper (~4 us of a ~75 us forward on the H200 host).
-    With no functorch transform active and no setup_context, that wrapper unwraps dead functorch
-    wrappers and calls _FunctionBase.apply; this does the same for the three tensor arguments
-    (inp, weight, bias). Under a transform it is torch's own apply (which raises: these
-    Functions define no setup_context)."""
-    raw = torch._C._FunctionBase.__dict__["apply"].__get__(None, function)
-    unwrap, active = torch._C._functorch.unwrap_if_dead, torch._C._are_functorch_transforms_active
-
-    def apply(inp, weight, bias, *rest):
-        if active():
-            return function.apply(inp, weight, bias, *rest)
-        return raw(unwrap(inp), unwrap(weight), None if bias is None else unwrap(bias), *rest)
-    apply.raw = raw
-    return apply
-
-
-_quantized_linear = _fast_apply(_QuantizedLinear)
+_quantized_linear = _operands.fast_apply(_QuantizedLinear)
 
 
 class _PlainLinear(_QuantizedLinear):
@@ -199,7 +182,7 @@ class _PlainLinear(_QuantizedLinear):
     backward = staticmethod(_C.linear_ctx_backward)
 
 
-_plain_linear = _fast_apply(_PlainLinear)
+_plain_linear = _operands.fast_apply(_PlainLinear)
 
 
 class Linear(torch.nn.Linear):
@@ -389,7 +372,8 @@ class Linear(torch.nn.Linear):
         """y = inp W^T + b for inp [..., in_features]: quantized inside te.autocast, exactly
         F.linear outside. is_first_microbatch: see the class docstring. Returns y, or (y, bias)
         with return_bias=True."""
-        if not torch.compiler.is_compiling():  # a plain call: all of it in C (linear_module.c)
+        compiling = torch.compiler.is_compiling()
+        if not compiling:  # a plain call: all of it in C (linear_module.c)
             out = _module_forward(self, inp, is_first_microbatch)
             if out is not NotImplemented:
                 return out
@@ -400,7 +384,7 @@ class Linear(torch.nn.Linear):
         if is_first_microbatch is not None and type(is_first_microbatch) is not bool:
             raise TypeError(f"is_first_microbatch must be None, True or False, got "
                             f"{type(is_first_microbatch).__name__}")
-        if torch.compiler.is_compiling():
+        if compiling:
             out = _compile_linear.forward(self, inp, is_first_microbatch)
         else:
             regions = checkpoint.REGIONS.get()
@@ -460,8 +444,9 @@ class Linear(torch.nn.Linear):
                     delayed.calibrate(self, plan.x.amax_history_len, inp)
         norm_in = None  # a NormInput / ActInput whose norm / activation writes x's codes
         block_dh = None  # LayerNormMLP's fc1 on the norm's output: its GradOutput (block formats)
+        custom, plan = recipe is not None and recipe.custom(), None
         if type(inp) is NormInput or type(inp) is ActInput:
-            plan = None if recipe is None or recipe.custom() else self._plan(recipe)
+            plan = None if recipe is None or custom else self._plan(recipe)
             if plan is not None and inp.fusable(plan.x.scaling, plan.backward_override, tp,
                                                 plan.act_blocks):
                 norm_in = inp
@@ -484,13 +469,13 @@ class Linear(torch.nn.Linear):
             inp = _operands.waited(inp)  # a collective's output, not yet waited on
             if torch.is_autocast_enabled(inp.device.type):
                 inp = inp.to(torch.get_autocast_dtype(inp.device.type))
-        if recipe.custom():
+        if custom:
             quantizers = _custom_linear.quantizers(self, recipe)
             if tp is not None:
                 return tp.linear_hp(inp, lambda x: _custom_linear.apply(x, weight, bias,
                                                                         quantizers))
             return _custom_linear.apply(inp, weight, bias, quantizers)
-        plan = self._plan(recipe)
+        plan = plan or self._plan(recipe)
         if tp is not None:
             tp.check_recipe(recipe, plan.key)
         pending = states = None
