@@ -80,18 +80,6 @@ static int set_field(PyObject *ctx, int field, PyObject *value) {
     return rc;
 }
 
-/* tequant.<module>.<name>, imported on first use and kept (new reference). */
-static PyObject *python_helper(PyObject **slot, const char *module, const char *name) {
-    if (*slot == NULL) {
-        PyObject *mod = PyImport_ImportModule(module);
-        *slot = mod ? PyObject_GetAttrString(mod, name) : NULL;
-        Py_XDECREF(mod);
-    }
-    return Py_XNewRef(*slot);
-}
-
-static PyObject *waited_fn, *with_columnwise_fn;
-
 /* x for linear_forward from given codes: (members, tuple(inp.shape), inp's tq dtype), the
  * members with their columnwise codes where wgrad runs (_norm_fn.with_columnwise); *shape:
  * that tuple (new references). */
@@ -99,9 +87,7 @@ static PyObject *given_input(PyObject *module, PyObject *inp, PyObject *given, i
                              PyObject **shape) {
     PyObject *members = Py_NewRef(given), *dtype = NULL, *x = NULL;
     if (wgrad && PyTuple_GET_ITEM(given, 2) == Py_None) {
-        PyObject *fn = python_helper(&with_columnwise_fn, "tequant._norm_fn", "with_columnwise");
-        Py_SETREF(members, fn ? PyObject_CallOneArg(fn, given) : NULL);
-        Py_XDECREF(fn);
+        Py_SETREF(members, tqx_with_columnwise(tqx_module_state(module), given));
         if (members == NULL) return NULL;
     }
     PyObject *size = PyObject_GetAttr(inp, fields[F_SHAPE]);
@@ -255,9 +241,7 @@ static PyObject *linear_ctx_backward(PyObject *module, PyObject *const *args, Py
     PyObject *dy_c = NULL;
     if (PyObject_HasAttr((PyObject *)Py_TYPE(dy), fields[F_TRIGGER_WAIT])) {
         /* an AsyncCollectiveTensor: the Python helper waits for it */
-        PyObject *waited = python_helper(&waited_fn, "tequant._operands", "waited");
-        PyObject *w = waited ? PyObject_CallOneArg(waited, dy) : NULL;
-        Py_XDECREF(waited);
+        PyObject *w = tqx_waited(tqx_module_state(module), dy);
         if (w == NULL) goto done;
         Py_SETREF(dy, w);
     }

@@ -2,7 +2,8 @@
  *
  *   linear_module_forward(module, inp, is_first_microbatch) -> out, (out, bias) or NotImplemented
  *   _linear_module_setup(cls, parameter, tensor, apply, regions, unwrap, transforms_active,
- *                        forward_ad, slots, grad_enabled, any_autocast)
+ *                        forward_ad, slots, grad_enabled, any_autocast, waited,
+ *                        with_columnwise)
  *
  * python/tequant/linear.py's Linear.forward calls it first in eager code. A plain call is an
  * exact te.Linear called with a torch.Tensor inside an enabled te.autocast whose recipe is not a
@@ -18,14 +19,15 @@
  * The setup hands over linear.py's objects: the Linear class, torch.nn.Parameter, torch.Tensor,
  * _PlainLinear's raw apply, checkpoint.REGIONS, torch._C._functorch.unwrap_if_dead and
  * _are_functorch_transforms_active, torch.autograd.forward_ad, delayed.slots,
- * torch.is_grad_enabled, torch._C._is_any_autocast_enabled.
+ * torch.is_grad_enabled, torch._C._is_any_autocast_enabled, and for linear_ctx.c's calls
+ * _operands.waited and _norm_fn.with_columnwise (tqx_waited, tqx_with_columnwise).
  * Tests: tests/test_linear_module_c.py.
  */
 #include "autocast.h"
 
 enum { /* what the setup hands over, then the names looked up */
     S_CLS, S_PARAMETER, S_TENSOR, S_APPLY, S_REGIONS, S_UNWRAP, S_TRANSFORMS_ACTIVE,
-    S_FORWARD_AD, S_SLOTS, S_GRAD_ENABLED, S_ANY_AUTOCAST, N_SET,
+    S_FORWARD_AD, S_SLOTS, S_GRAD_ENABLED, S_ANY_AUTOCAST, S_WAITED, S_WITH_COLUMNWISE, N_SET,
     A_TP = N_SET, A_PLANS, A_RETURN_BIAS, A_WEIGHT_CACHE, A_PARAMETERS, A_BUFFERS, A_WEIGHT,
     A_BIAS, A_BACKWARD_OVERRIDE, A_DELAYED, A_C_ARGS, A_X, A_HISTORY_LEN, A_SHAPE, A_DEVICE,
     A_REQUIRES_GRAD, A_CONTIGUOUS, A_DATA_PTR, A_HIST, A_SCALE, A_KEPT_SLOTS, A_DELAYED_PLAN,
@@ -157,13 +159,27 @@ static PyObject *kept_slots(PyObject **s, PyObject *layer, PyObject *dict, PyObj
     return PyObject_CallFunctionObjArgs(s[S_SLOTS], layer, s[backward ? A_BWD : A_FWD], NULL);
 }
 
+/* s[which] (one of linear.py's helpers), or NULL with RuntimeError before the setup */
+static PyObject *helper(tqx_state *st, int which, const char *what) {
+    PyObject *fn = st->linear_module[which];
+    if (fn == NULL)
+        PyErr_Format(PyExc_RuntimeError, "tequant.linear did not set up _C (%s)", what);
+    return fn;
+}
+
+PyObject *tqx_waited(tqx_state *st, PyObject *t) {
+    PyObject *fn = helper(st, S_WAITED, "the wait for a collective's output");
+    return fn ? PyObject_CallOneArg(fn, t) : NULL;
+}
+
+PyObject *tqx_with_columnwise(tqx_state *st, PyObject *members) {
+    PyObject *fn = helper(st, S_WITH_COLUMNWISE, "the columnwise codes of fused ones");
+    return fn ? PyObject_CallOneArg(fn, members) : NULL;
+}
+
 PyObject *tqx_delayed_slots_bwd(tqx_state *st, PyObject *layer) {
     PyObject **s = st->linear_module;
-    if (s[S_SLOTS] == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "tequant.linear did not set up _C (the "
-                        "DelayedScaling slots of a backward)");
-        return NULL;
-    }
+    if (helper(st, S_SLOTS, "the DelayedScaling slots of a backward") == NULL) return NULL;
     PyObject *dict = PyObject_GenericGetDict(layer, NULL);
     if (dict == NULL) return NULL;
     int error = 0;
@@ -356,6 +372,6 @@ PyMethodDef tqx_linear_module_methods[] = {
      "any other. See csrc/ext/linear_module.c."},
     {"_linear_module_setup", (PyCFunction)(void (*)(void))setup, METH_FASTCALL,
      "_linear_module_setup(cls, parameter, tensor, apply, regions, unwrap, transforms_active, "
-     "forward_ad, slots, grad_enabled, any_autocast)\n\nWhat linear_module_forward uses, from "
-     "python/tequant/linear.py."},
+     "forward_ad, slots, grad_enabled, any_autocast, waited, with_columnwise)\n\nWhat "
+     "linear_module_forward and linear_ctx.c use, from python/tequant/linear.py."},
     {NULL, NULL, 0, NULL}};

@@ -86,7 +86,7 @@ typedef enum tqx_torch_dtype {
 } tqx_torch_dtype;
 
 #define TQX_ID_CACHE_SIZE 8
-#define TQX_LINEAR_MODULE_SLOTS 40
+#define TQX_LINEAR_MODULE_SLOTS 48
 #define TQX_MAX_DEVICES 64
 
 typedef struct tqx_state {
@@ -405,10 +405,13 @@ PyObject *tqx_linear_forward(PyObject *module, PyObject *const *args, Py_ssize_t
 PyObject *tqx_linear_backward(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 /* linear_ctx.c: the forward of te.Linear's autograd Function for a plain call */
 extern PyMethodDef tqx_linear_ctx_methods[];
-/* linear_module.c: te.Linear.forward's plain call in C; and a module's DelayedScaling
- * (scale, amax slot) pairs of dy, delayed.slots(module, "bwd") (new reference, or NULL) */
+/* linear_module.c: te.Linear.forward's plain call in C; and, for linear_ctx.c, a module's
+ * DelayedScaling (scale, amax slot) pairs of dy (delayed.slots(module, "bwd")), _operands.waited(t)
+ * and _norm_fn.with_columnwise(members) (new references, or NULL with an exception) */
 extern PyMethodDef tqx_linear_module_methods[];
 PyObject *tqx_delayed_slots_bwd(tqx_state *st, PyObject *layer);
+PyObject *tqx_waited(tqx_state *st, PyObject *t);
+PyObject *tqx_with_columnwise(tqx_state *st, PyObject *members);
 /* packed.c: the bytes of the buffer holding `parts` of an [rows, cols] quantization laid out for
  * usage; -1 with an exception */
 int64_t tqx_packed_bytes(tqx_state *st, const tq_quant_config *config, int64_t rows, int64_t cols,

@@ -553,7 +553,8 @@ _module_forward = _C.linear_module_forward  # what it reads, handed over once:
 _C._linear_module_setup(Linear, torch.nn.Parameter, torch.Tensor, _plain_linear.raw,
                         checkpoint.REGIONS, torch._C._functorch.unwrap_if_dead,
                         torch._C._are_functorch_transforms_active, _operands._forward_ad,
-                        delayed.slots, torch.is_grad_enabled, torch._C._is_any_autocast_enabled)
+                        delayed.slots, torch.is_grad_enabled, torch._C._is_any_autocast_enabled,
+                        _operands.waited, _norm_fn.with_columnwise)
 
 
 def prepare_state(model, recipe):
