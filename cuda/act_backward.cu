@@ -76,9 +76,10 @@ template <typename T, bool kWords = false>
 __device__ __forceinline__ void write_half(const BwdParams &p, int64_t r, int64_t col0,
                                            int64_t c, int n, const float (&d)[kChunk],
                                            float scale, float &amax, uint32_t (*w)[2] = nullptr) {
+    /* every element, a partial chunk's tail too: dy's and h's loads zero-fill it, and with a
+     * zero g every activation's gradient is 0, so the tail adds nothing */
 #pragma unroll
-    for (int e = 0; e < kChunk; e++)
-        if (e < n) amax = tq_amax_step(amax, d[e]);
+    for (int e = 0; e < kChunk; e++) amax = tq_amax_step(amax, d[e]);
     if (p.dh != nullptr) {
         float o[kChunk];
 #pragma unroll

@@ -81,9 +81,10 @@ __device__ __forceinline__ void item_values(const Item<T, kGated> &it, const flo
 #pragma unroll
         for (int e = 0; e < kChunk; e++) y[e] = tq_nmul(y[e], tq_fp::widen(it.b.t[e]));
     }
+    /* every element, a partial chunk's tail too: load_chunk zero-fills it and act(0) = 0 for
+     * every activation, so the tail adds nothing, and no per-element test costs ALU slots */
 #pragma unroll
-    for (int e = 0; e < kChunk; e++)
-        if (e < it.n) amax = tq_amax_step(amax, y[e]);
+    for (int e = 0; e < kChunk; e++) amax = tq_amax_step(amax, y[e]);
 }
 
 /* An item's outputs (y_hp, codes) and its share of amax. */
