@@ -54,14 +54,17 @@ def _mlp(activation, dtype=torch.bfloat16, device="cpu", **kw):
 def _composition(m, act=None, recipe_name=None):
     """te.LayerNorm + te.Linear + act + te.Linear with m's parameters; act by default what m runs
     under recipe_name: the kernels' activation where its fused forward writes fc2's codes
-    (DelayedScaling: every activation; _act_fn.ARITHMETIC_BOUND ones only there), else
-    _act_fn.activate (torch's for ARITHMETIC_BOUND, the kernels' for the others)."""
+    (DelayedScaling: every activation; Float8CurrentScaling: _act_fn.fuses_current, the
+    ARITHMETIC_BOUND ones for bfloat16 only), else _act_fn.activate (torch's for
+    ARITHMETIC_BOUND, the kernels' for the others)."""
     n = te.LayerNorm(64, params_dtype=m.layer_norm_weight.dtype, device=m.fc1_weight.device)
     with torch.no_grad():
         n.weight.copy_(m.layer_norm_weight)
         n.bias.copy_(m.layer_norm_bias)
     fc1, fc2 = copy.deepcopy(m.fc1), copy.deepcopy(m.fc2)
-    act = act or (_act_fn.kernel_activate if recipe_name == "delayed" else _act_fn.activate)
+    fused = recipe_name == "delayed" or (
+        recipe_name == "current" and _act_fn.fuses_current(m.activation, m.fc1_weight.dtype))
+    act = act or (_act_fn.kernel_activate if fused else _act_fn.activate)
     name = m.activation
 
     class Composed(torch.nn.Module):
@@ -176,15 +179,15 @@ def standalone_codes(h2d, act, recipe, scale=None):
     return codes, scale_inv, amax
 
 
-# (activation, recipe) where the activation writes fc2's codes: every one under DelayedScaling,
-# the ARITHMETIC_BOUND ones not under current scaling (torch's activation, te.Linear's quantize)
-FUSED_CASES = [(a, n) for a in ACTS for n in FUSED
-               if n == "delayed" or a not in _act_fn.ARITHMETIC_BOUND]
+# (activation, recipe, dtype) where the activation writes fc2's codes: every one under
+# DelayedScaling; under current scaling the ARITHMETIC_BOUND ones for bfloat16 h only (torch's
+# activation and te.Linear's quantize for the others: _act_fn.fuses_current)
+FUSED_CASES = [(a, n, d) for a in ACTS for n in FUSED for d in (torch.float32, torch.bfloat16)
+               if n == "delayed" or _act_fn.fuses_current(a, d)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("act,name", FUSED_CASES)
+@pytest.mark.parametrize("act,name,dtype", FUSED_CASES)
 def test_fused_codes_are_the_standalone_kernels(act, name, dtype, device):
     """Two steps, 21 tokens (padded to 32 rows of zero codes): fc2's codes and scale_inv are
     the kernel's run by hand; float32: te.ops.quantize's of the kernel's activation too."""

@@ -41,9 +41,12 @@ from test_norm_kernels import ordered_column_sum  # noqa: E402
 assert one_cpu_thread  # the autouse fixture, imported to apply here too
 FUSED = ("delayed", "current")
 ACTS = ["gelu", "srelu", "swiglu", "reglu"]
-# (activation, recipe) where the activation's backward writes fc1's codes: every one under
-# DelayedScaling, the ARITHMETIC_BOUND ones (gelu) not under current scaling (torch's there)
-CASES = [(a, n) for a in ACTS for n in FUSED if n == "delayed" or a not in ARITHMETIC_BOUND]
+# (activation, recipe, dtype) where the activation's backward writes fc1's codes: every one
+# under DelayedScaling; under current scaling the ARITHMETIC_BOUND ones (gelu) for bfloat16 h
+# only (_act_fn.fuses_current: torch's activation for float32 there)
+DTYPED_CASES = [(a, n, d) for a in ACTS for n in FUSED for d in (torch.float32, torch.bfloat16)
+                if n == "delayed" or _act_fn.fuses_current(a, d)]
+CASES = [(a, n) for a, n, d in DTYPED_CASES if d == torch.float32]  # the float32 ones
 
 
 @contextlib.contextmanager
@@ -134,10 +137,11 @@ def test_other_recipes_and_outside_autocast_keep_dy_in_high_precision(name):
 
 @pytest.mark.parametrize("act", ARITHMETIC_BOUND)
 def test_arithmetic_bound_activation_under_current_scaling_is_torchs(act):
-    """gelu, silu under Float8CurrentScaling: torch's activation (faster than the kernels'
-    two evaluations), fc1 not asking for its grad_output: no activation kernel runs, every
-    te.Linear backward gets dy in high precision; the float32 result is the composition with
-    torch's activation bit for bit. Under DelayedScaling the same model runs the fused path."""
+    """gelu, silu under Float8CurrentScaling with float32 h (no table: the kernels' two
+    evaluations lose to torch's activation), fc1 not asking for its grad_output: no activation
+    kernel runs, every te.Linear backward gets dy in high precision; the result is the
+    composition with torch's activation bit for bit. Under DelayedScaling the same model runs
+    the fused path, and so does a bfloat16 one under current scaling."""
     m = _mlp(act, torch.float32)
     x = torch.randn(21, 64)
     ran = []
@@ -151,6 +155,9 @@ def test_arithmetic_bound_activation_under_current_scaling_is_torchs(act):
     assert all(same_bits(a, b) for a, b in zip(got + got_grads, want + want_grads))
     with spied() as (acts, _):
         _train(m, x, RECIPES["delayed"])
+    assert len(acts) == 1
+    with spied() as (acts, _):
+        _train(_mlp(act), x.to(torch.bfloat16), RECIPES["current"])
     assert len(acts) == 1
 
 
@@ -182,8 +189,7 @@ def test_hooked_fc1_and_torch_activation_keep_dy_in_high_precision():
 # ---- the bits fc1 receives ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("act,name", CASES)
+@pytest.mark.parametrize("act,name,dtype", DTYPED_CASES)
 def test_codes_amax_and_dbias_are_the_kernels(act, name, dtype, device):
     """Two steps (DelayedScaling's second casts with an updated scale): codes, scale_inv, amax
     and dbias are the kernel's with fc1's scale, rows past 21 zero codes, the columnwise codes

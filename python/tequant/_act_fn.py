@@ -45,20 +45,30 @@ from ._norm_fn import (PER_TENSOR, codes_returned, delayed_x_state, fake_fp8_out
                        given_amax, refusal as _norm_refusal)
 
 __all__ = ["ActFunction", "ActInput", "GradOutput", "activate", "kernel_activate", "refusal",
-           "torch_activate", "ARITHMETIC_BOUND", "GATED"]
+           "torch_activate", "ARITHMETIC_BOUND", "GATED", "fuses_current"]
 
 GATED = ("geglu", "reglu", "swiglu")
-# The activations whose fused kernels lose to torch's own under Float8CurrentScaling. Its two
-# runs (amax, then cast) evaluate the activation twice, and torch's gelu and silu are single
-# memory-bound kernels. H200, 8192x16384 bf16 (docs/results/bench_act.md, 241b263; bf16 reads
-# act(x) from cuda/act_table.cuh's table): fused current gelu 361.8 us forward and 435.0 us
-# backward, against 312.5 / 431.0 us for torch's activation + te.Linear's quantization (other
-# dtypes compute the arithmetic per element: slower, the H100 rows). So torch computes them in high
-# precision and under current scaling; their kernels write codes under DelayedScaling only
-# (one run: 195.9 / 238.2 us, the fused pass wins). qgelu is not one of them: torch runs it as
-# three kernels, slower than the fused current run. The gated ones evaluate act on half of h,
-# and relu / srelu run at memory speed, so they win everywhere.
+# The activations whose kernels compute an expensive exact arithmetic per element (tequant's own
+# e^x, two IEEE divisions): torch's activation is faster for the unfused high-precision
+# activation (activate), for the Float8BlockScaling / MXFP8BlockScaling tile pass, and under
+# Float8CurrentScaling (two runs: amax, then cast, each evaluating the activation) unless h is
+# bfloat16, whose kernels read act(x) from cuda/act_table.cuh's table. H200, 8192x16384 bf16
+# gelu since the table's cheaper index (docs/results/NOTES.md, thirty-ninth session): fused
+# current 250.1 us forward and 329.8 us backward against 312.2 / 431.6 for torch's activation +
+# te.Linear's quantization (before it: 361.7 / 440.7, when torch's ran for every dtype); silu
+# 248.9 / 331.8 against 301.3 / 426.7. float16 and float32 compute the arithmetic per element
+# (no table: not measured against torch since, so they keep torch's). Under DelayedScaling
+# (one run: 140.3 / 189.3 us for bf16 gelu) the fused pass wins for every dtype. qgelu is not
+# one of them: torch runs it as three kernels, slower than the fused current run. The gated ones
+# evaluate act on half of h, and relu / srelu run at memory speed, so they win everywhere.
 ARITHMETIC_BOUND = ("gelu", "silu")
+CURRENT_TABLE_DTYPES = (torch.bfloat16,)  # where ARITHMETIC_BOUND ones fuse under current
+
+
+def fuses_current(activation, dtype):
+    """Whether the activation's kernels write codes for h of `dtype` under Float8CurrentScaling
+    (ARITHMETIC_BOUND's rule above)."""
+    return activation not in ARITHMETIC_BOUND or dtype in CURRENT_TABLE_DTYPES
 # The activations whose backward writes fc1's Float8BlockScaling / MXFP8BlockScaling grad_output
 # blocks (GradOutput.ask): those without the bf16 table. H200, bf16, 8192 rows, both directions
 # (docs/results/NOTES.md, eighteenth session): relu [8192, 16384] 253.0 us fused against 358.2
@@ -353,7 +363,7 @@ class ActInput:
     def fusable(self, scaling, backward_override, tp, act_blocks=False):
         """NormInput.fusable's rule: per-tensor FP8, no backward_override, the kernels run, no
         tensor parallelism over several ranks; an ARITHMETIC_BOUND activation under
-        DelayedScaling only. Float8BlockScaling and MXFP8BlockScaling too where their input
+        Float8CurrentScaling only for bfloat16 h (fuses_current). Float8BlockScaling and MXFP8BlockScaling too where their input
         blocks are 1x128 / 1x32 E4M3 (act_blocks: the recipe's _plan.Plan.act_blocks), but for
         the ARITHMETIC_BOUND activations: the activation's pass writes both directions' blocks (H200, 8192 rows,
         bf16, docs/results/NOTES.md: swiglu 317.5 us against 327.3 for the kernel's activation +
@@ -365,7 +375,7 @@ class ActInput:
         if scaling in _plan.BLOCK_FORMATS:
             return act_blocks and self.activation not in ARITHMETIC_BOUND
         return (scaling in PER_TENSOR
-                and (scaling == "delayed" or self.activation not in ARITHMETIC_BOUND))
+                and (scaling == "delayed" or fuses_current(self.activation, self.h.dtype)))
 
     def high_precision(self):
         return activate(self.h, self.activation, self.dh)
@@ -405,10 +415,10 @@ class GradOutput:
     those codes and returns dbias as its bias gradient. Tokens whose gradients do not come
     (torch's activation ran) leave fc1's backward as it was, quantizing its dy itself."""
 
-    __slots__ = ("activation", "spec", "scale", "slot", "tokens")
+    __slots__ = ("activation", "dtype", "spec", "scale", "slot", "tokens")
 
-    def __init__(self, activation):
-        self.activation = activation
+    def __init__(self, activation, dtype=None):
+        self.activation, self.dtype = activation, dtype  # dtype: h's (the module input's)
         self.spec = self.scale = self.slot = None
         self.tokens = ()
 
@@ -419,9 +429,9 @@ class GradOutput:
         in the backward's C call) or Float8BlockScaling's / MXFP8BlockScaling's columnwise
         blocks too (fc1's wgrad reads them). Returns the spec fc1's Function takes (its `dh`),
         or None where the activation's backward would be slower than fc1's own quantization
-        (ARITHMETIC_BOUND outside DelayedScaling: torch runs that activation; block formats
-        but for BLOCK_DH)."""
-        if not delayed and self.activation in ARITHMETIC_BOUND:
+        (Float8CurrentScaling where not fuses_current: torch runs that activation; block
+        formats but for BLOCK_DH)."""
+        if not delayed and not fuses_current(self.activation, self.dtype):
             return None
         if (_plan.of_id(recipe_id).dy.scaling in _plan.BLOCK_FORMATS
                 and self.activation not in BLOCK_DH):

@@ -30,8 +30,9 @@ Float8BlockScaling (1x128 E4M3 input blocks; eager and compiled alike)
 the activation's pass writes fc2's blocks in both directions from the activation rounded to h's
 dtype, as TE's fused block casts do: te.Linear's bits for the kernel's activation, and no
 high-precision [M, N] activation is written (tests/test_act_block.py; not gelu / silu). gelu and
-silu (_act_fn.ARITHMETIC_BOUND) are torch's outside DelayedScaling: their kernels are bound
-by their exact arithmetic and slower than torch there (docs/results/bench_act.md). Outside
+silu (_act_fn.ARITHMETIC_BOUND) are torch's under block formats, and under
+Float8CurrentScaling but for bfloat16 h (_act_fn.fuses_current): there their kernels are bound
+by their exact arithmetic and slower than torch (docs/results/bench_act.md). Outside
 te.autocast the module is the exact composition of the norm kernel, F.linear and the activation
 (the kernel's, torch's for those two). Tests: tests/test_norm_modules.py, tests/test_fused_norm_modules.py,
 tests/test_fused_act_modules.py, tests/test_act_block.py.
@@ -141,7 +142,8 @@ class LayerNormMLP(torch.nn.Module):
 
     def forward(self, inp, is_first_microbatch=None):
         x = norm.module_input(self, inp, self.hidden_size)
-        dh = x.grad_output = _act_fn.GradOutput(self.activation)  # fc1's dy: quantized by the activation
+        # fc1's dy: quantized by the activation (h has the input's dtype where it is)
+        dh = x.grad_output = _act_fn.GradOutput(self.activation, inp.dtype)
         h = self.fc1(x if _plain(self.fc1) else x.high_precision(), is_first_microbatch)
         a = _act_fn.ActInput(h, self.activation, dh)  # fc2 activates h (fused codes where it can)
         out = self.fc2(a if _plain(self.fc2) else a.high_precision(), is_first_microbatch)
