@@ -69,6 +69,8 @@ def fuses_current(activation, dtype):
     """Whether the activation's kernels write codes for h of `dtype` under Float8CurrentScaling
     (ARITHMETIC_BOUND's rule above)."""
     return activation not in ARITHMETIC_BOUND or dtype in CURRENT_TABLE_DTYPES
+
+
 # The activations whose backward writes fc1's Float8BlockScaling / MXFP8BlockScaling grad_output
 # blocks (GradOutput.ask): those without the bf16 table. H200, bf16, 8192 rows, both directions
 # (docs/results/NOTES.md, eighteenth session): relu [8192, 16384] 253.0 us fused against 358.2
@@ -363,10 +365,11 @@ class ActInput:
     def fusable(self, scaling, backward_override, tp, act_blocks=False):
         """NormInput.fusable's rule: per-tensor FP8, no backward_override, the kernels run, no
         tensor parallelism over several ranks; an ARITHMETIC_BOUND activation under
-        Float8CurrentScaling only for bfloat16 h (fuses_current). Float8BlockScaling and MXFP8BlockScaling too where their input
-        blocks are 1x128 / 1x32 E4M3 (act_blocks: the recipe's _plan.Plan.act_blocks), but for
-        the ARITHMETIC_BOUND activations: the activation's pass writes both directions' blocks (H200, 8192 rows,
-        bf16, docs/results/NOTES.md: swiglu 317.5 us against 327.3 for the kernel's activation +
+        Float8CurrentScaling only for bfloat16 h (fuses_current). Float8BlockScaling and
+        MXFP8BlockScaling too where their input blocks are 1x128 / 1x32 E4M3 (act_blocks: the
+        recipe's _plan.Plan.act_blocks), but for the ARITHMETIC_BOUND activations: the
+        activation's pass writes both directions' blocks (H200, 8192 rows, bf16,
+        docs/results/NOTES.md: swiglu 317.5 us against 327.3 for the kernel's activation +
         te.Linear's quantization, relu 197.1 against 284.9; gelu 314.6 against 303.7 and silu
         315.8 against 293.1 for torch's activation + the quantization, so those stay unfused)."""
         if (self.refusal is not None or backward_override is not None
