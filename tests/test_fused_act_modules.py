@@ -54,7 +54,7 @@ def _mlp(activation, dtype=torch.bfloat16, device="cpu", **kw):
 def _composition(m, act=None, recipe_name=None):
     """te.LayerNorm + te.Linear + act + te.Linear with m's parameters; act by default what m runs
     under recipe_name: the kernels' activation where its fused forward writes fc2's codes
-    (DelayedScaling: every activation; Float8CurrentScaling: _act_fn.fuses_current, the
+    (DelayedScaling: every activation; Float8CurrentScaling: _act_fn.beats_torch, the
     ARITHMETIC_BOUND ones for bfloat16 only), else _act_fn.activate (torch's for
     ARITHMETIC_BOUND, the kernels' for the others)."""
     n = te.LayerNorm(64, params_dtype=m.layer_norm_weight.dtype, device=m.fc1_weight.device)
@@ -63,7 +63,7 @@ def _composition(m, act=None, recipe_name=None):
         n.bias.copy_(m.layer_norm_bias)
     fc1, fc2 = copy.deepcopy(m.fc1), copy.deepcopy(m.fc2)
     fused = recipe_name == "delayed" or (
-        recipe_name == "current" and _act_fn.fuses_current(m.activation, m.fc1_weight.dtype))
+        recipe_name == "current" and _act_fn.beats_torch(m.activation, m.fc1_weight.dtype))
     act = act or (_act_fn.kernel_activate if fused else _act_fn.activate)
     name = m.activation
 
@@ -181,9 +181,9 @@ def standalone_codes(h2d, act, recipe, scale=None):
 
 # (activation, recipe, dtype) where the activation writes fc2's codes: every one under
 # DelayedScaling; under current scaling the ARITHMETIC_BOUND ones for bfloat16 h only (torch's
-# activation and te.Linear's quantize for the others: _act_fn.fuses_current)
+# activation and te.Linear's quantize for the others: _act_fn.beats_torch)
 FUSED_CASES = [(a, n, d) for a in ACTS for n in FUSED for d in (torch.float32, torch.bfloat16)
-               if n == "delayed" or _act_fn.fuses_current(a, d)]
+               if n == "delayed" or _act_fn.beats_torch(a, d)]
 
 
 @pytest.mark.parametrize("device", DEVICES)

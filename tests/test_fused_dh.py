@@ -43,9 +43,9 @@ FUSED = ("delayed", "current")
 ACTS = ["gelu", "srelu", "swiglu", "reglu"]
 # (activation, recipe, dtype) where the activation's backward writes fc1's codes: every one
 # under DelayedScaling; under current scaling the ARITHMETIC_BOUND ones (gelu) for bfloat16 h
-# only (_act_fn.fuses_current: torch's activation for float32 there)
+# only (_act_fn.beats_torch: torch's activation for float32 there)
 DTYPED_CASES = [(a, n, d) for a in ACTS for n in FUSED for d in (torch.float32, torch.bfloat16)
-                if n == "delayed" or _act_fn.fuses_current(a, d)]
+                if n == "delayed" or _act_fn.beats_torch(a, d)]
 CASES = [(a, n) for a, n, d in DTYPED_CASES if d == torch.float32]  # the float32 ones
 
 

@@ -45,30 +45,34 @@ from ._norm_fn import (PER_TENSOR, codes_returned, delayed_x_state, fake_fp8_out
                        given_amax, refusal as _norm_refusal)
 
 __all__ = ["ActFunction", "ActInput", "GradOutput", "activate", "kernel_activate", "refusal",
-           "torch_activate", "ARITHMETIC_BOUND", "GATED", "fuses_current"]
+           "torch_activate", "ARITHMETIC_BOUND", "GATED", "beats_torch"]
 
 GATED = ("geglu", "reglu", "swiglu")
 # The activations whose kernels compute an expensive exact arithmetic per element (tequant's own
 # e^x, two IEEE divisions): torch's activation is faster for the unfused high-precision
-# activation (activate), for the Float8BlockScaling / MXFP8BlockScaling tile pass, and under
-# Float8CurrentScaling (two runs: amax, then cast, each evaluating the activation) unless h is
-# bfloat16, whose kernels read act(x) from cuda/act_table.cuh's table. H200, 8192x16384 bf16
-# gelu since the table's cheaper index (docs/results/NOTES.md, thirty-ninth session): fused
-# current 250.1 us forward and 329.8 us backward against 312.2 / 431.6 for torch's activation +
-# te.Linear's quantization (before it: 361.7 / 440.7, when torch's ran for every dtype); silu
-# 248.9 / 331.8 against 301.3 / 426.7. float16 and float32 compute the arithmetic per element
-# (no table: not measured against torch since, so they keep torch's). Under DelayedScaling
-# (one run: 140.3 / 189.3 us for bf16 gelu) the fused pass wins for every dtype. qgelu is not
-# one of them: torch runs it as three kernels, slower than the fused current run. The gated ones
-# evaluate act on half of h, and relu / srelu run at memory speed, so they win everywhere.
+# activation (activate), and where the fused pass evaluates act more than a plain pass does
+# (Float8CurrentScaling's two runs: amax, then cast; the block formats' tile pass, at fewer
+# threads an SM) unless h is bfloat16, whose kernels read act(x) from cuda/act_table.cuh's table.
+# H200, 8192x16384 bf16 gelu since the table's cheaper index (docs/results/NOTES.md,
+# thirty-ninth and fortieth sessions): fused current 250.1 us forward and 329.8 us backward
+# against 312.2 / 431.6 for torch's activation + te.Linear's quantization (before it: 361.7 /
+# 440.7, when torch's ran for every dtype); silu 248.9 / 331.8 against 301.3 / 426.7; the
+# Float8BlockScaling tile pass forward (both directions) 256.1 against 300.8 (silu 254.5 against
+# 291.1; its backward is BLOCK_DH's rule below). float16 and float32 compute the arithmetic per
+# element (no table: not measured against torch since, so they keep torch's). Under
+# DelayedScaling (one run: 140.3 / 189.3 us for bf16 gelu) the fused pass wins for every dtype.
+# qgelu is not one of them: torch runs it as three kernels, slower than the fused current run.
+# The gated ones evaluate act on half of h, and relu / srelu run at memory speed, so they win
+# everywhere.
 ARITHMETIC_BOUND = ("gelu", "silu")
-CURRENT_TABLE_DTYPES = (torch.bfloat16,)  # where ARITHMETIC_BOUND ones fuse under current
+TABLE_DTYPES = (torch.bfloat16,)  # where the ARITHMETIC_BOUND ones read a table
 
 
-def fuses_current(activation, dtype):
-    """Whether the activation's kernels write codes for h of `dtype` under Float8CurrentScaling
-    (ARITHMETIC_BOUND's rule above)."""
-    return activation not in ARITHMETIC_BOUND or dtype in CURRENT_TABLE_DTYPES
+def beats_torch(activation, dtype):
+    """Whether the activation's fused kernels write fc2's input for h of `dtype` faster than
+    torch's activation + te.Linear's quantization where they evaluate act more than once or in
+    the block formats' tile pass (ARITHMETIC_BOUND's rule above)."""
+    return activation not in ARITHMETIC_BOUND or dtype in TABLE_DTYPES
 
 
 # The activations whose backward writes fc1's Float8BlockScaling / MXFP8BlockScaling grad_output
@@ -364,21 +368,22 @@ class ActInput:
 
     def fusable(self, scaling, backward_override, tp, act_blocks=False):
         """NormInput.fusable's rule: per-tensor FP8, no backward_override, the kernels run, no
-        tensor parallelism over several ranks; an ARITHMETIC_BOUND activation under
-        Float8CurrentScaling only for bfloat16 h (fuses_current). Float8BlockScaling and
-        MXFP8BlockScaling too where their input blocks are 1x128 / 1x32 E4M3 (act_blocks: the
-        recipe's _plan.Plan.act_blocks), but for the ARITHMETIC_BOUND activations: the
-        activation's pass writes both directions' blocks (H200, 8192 rows, bf16,
-        docs/results/NOTES.md: swiglu 317.5 us against 327.3 for the kernel's activation +
-        te.Linear's quantization, relu 197.1 against 284.9; gelu 314.6 against 303.7 and silu
-        315.8 against 293.1 for torch's activation + the quantization, so those stay unfused)."""
+        tensor parallelism over several ranks. Float8BlockScaling and MXFP8BlockScaling too
+        where their input blocks are 1x128 / 1x32 E4M3 (act_blocks: the recipe's
+        _plan.Plan.act_blocks): the activation's pass writes both directions' blocks (H200, 8192
+        rows, bf16, docs/results/NOTES.md: swiglu 317.5 us against 327.3 for the kernel's
+        activation + te.Linear's quantization, relu 197.1 against 284.9). An ARITHMETIC_BOUND
+        activation fuses under Float8CurrentScaling and the block formats only for bfloat16 h
+        (beats_torch)."""
         if (self.refusal is not None or backward_override is not None
                 or (tp is not None and tp.size != 1)):
             return False
+        if scaling == "delayed":
+            return True
+        fast = beats_torch(self.activation, self.h.dtype)
         if scaling in _plan.BLOCK_FORMATS:
-            return act_blocks and self.activation not in ARITHMETIC_BOUND
-        return (scaling in PER_TENSOR
-                and (scaling == "delayed" or fuses_current(self.activation, self.h.dtype)))
+            return act_blocks and fast
+        return scaling in PER_TENSOR and fast
 
     def high_precision(self):
         return activate(self.h, self.activation, self.dh)
@@ -432,9 +437,9 @@ class GradOutput:
         in the backward's C call) or Float8BlockScaling's / MXFP8BlockScaling's columnwise
         blocks too (fc1's wgrad reads them). Returns the spec fc1's Function takes (its `dh`),
         or None where the activation's backward would be slower than fc1's own quantization
-        (Float8CurrentScaling where not fuses_current: torch runs that activation; block
+        (Float8CurrentScaling where not beats_torch: torch runs that activation; block
         formats but for BLOCK_DH)."""
-        if not delayed and not fuses_current(self.activation, self.dtype):
+        if not delayed and not beats_torch(self.activation, self.dtype):
             return None
         if (_plan.of_id(recipe_id).dy.scaling in _plan.BLOCK_FORMATS
                 and self.activation not in BLOCK_DH):

@@ -29,10 +29,10 @@ multiplies those codes (float32: te.Linear's bits but for dbias's summation orde
 Float8BlockScaling (1x128 E4M3 input blocks; eager and compiled alike)
 the activation's pass writes fc2's blocks in both directions from the activation rounded to h's
 dtype, as TE's fused block casts do: te.Linear's bits for the kernel's activation, and no
-high-precision [M, N] activation is written (tests/test_act_block.py; not gelu / silu). gelu and
-silu (_act_fn.ARITHMETIC_BOUND) are torch's under block formats, and under
-Float8CurrentScaling but for bfloat16 h (_act_fn.fuses_current): there their kernels are bound
-by their exact arithmetic and slower than torch (docs/results/bench_act.md). Outside
+high-precision [M, N] activation is written (tests/test_act_block.py). gelu and silu
+(_act_fn.ARITHMETIC_BOUND) are torch's under block formats and Float8CurrentScaling but for
+bfloat16 h (_act_fn.beats_torch): for other dtypes their kernels are bound by their exact
+arithmetic and slower than torch (docs/results/bench_act.md). Outside
 te.autocast the module is the exact composition of the norm kernel, F.linear and the activation
 (the kernel's, torch's for those two). Tests: tests/test_norm_modules.py, tests/test_fused_norm_modules.py,
 tests/test_fused_act_modules.py, tests/test_act_block.py.
