@@ -15,11 +15,13 @@
  * row's last, partial chunk. No sync, no allocation. gelu / silu / qgelu of bf16 h over enough
  * elements read act(x) from a per-CTA shared-memory table (act_table.cuh: the same bits, fewer
  * instructions: the arithmetic made these kernels compute-bound).
+ * The amax run of those three (current scaling's first launch) reads h at memory speed with one
+ * activation a thread (monotone_amax_kernel: they are monotone where amax is decided).
  * y_q_t (the codes transposed, wgrad's operand): colt_kernel writes both directions where
  * colt_fits (16-bit h, codes without y_hp, M % 32 == 0, N % 256 == 0); else tq_transpose_cuda
  * runs on y_q after the pass (same bits either way).
  * Tests: tests/test_act_kernels.py (GPU cases: bit-exact against the C reference),
- * tests/test_act_columnwise.py (y_q_t).
+ * tests/test_act_columnwise.py (y_q_t), tests/test_act_amax.py (the amax run).
  */
 #include <cuda_runtime.h>
 
@@ -135,6 +137,50 @@ __global__ void __launch_bounds__(kTable ? tq_act_table::kThreads : kThreads)
     tq_fp8out::block_amax<kCta>(p.out.amax, amax);
 }
 
+/* The amax run (no y_hp, no codes) of gelu / silu / qgelu of bf16 h: these are non-negative and
+ * non-decreasing over every non-negative bf16 x (+Inf included), and |act(x)| < kNegBound for
+ * every negative one (-Inf and NaN give NaN, which amax ignores): checked over all 65536 values
+ * by tests/test_act_amax.py. So where m, the largest x a thread reads, has act(m) >=
+ * kNegBound, act(m) is that thread's max |act(x)| exactly, and the thread reads h at memory
+ * speed with one activation. A thread whose act(m) is smaller (every x it reads below ~0.67)
+ * reads its items again and computes each act(x). Same bits as act_forward_kernel's amax. */
+constexpr float kNegBound = 0.5f; /* |act(x)| over negative bf16 x: gelu 0.170, silu 0.279, qgelu 0.164 */
+
+template <int kBase>
+__global__ void __launch_bounds__(kThreads) monotone_amax_kernel(const FwdParams p) {
+    using T = tq_fp::Bf16;
+    float m = 0.0f;
+    const int64_t start = (int64_t)blockIdx.x * kThreads + threadIdx.x,
+                  stride = (int64_t)gridDim.x * kThreads;
+    const int64_t rows = p.rows; /* nchunks >= 1: tq_act_forward refuses h without features */
+    for (tq_chunk::Walk w(start, stride, p.nchunks); w.row < rows;) {
+        Item<T, false> first, second;
+        first.load(p, w.row, w.chunk);
+        w.next();
+        const bool two = w.row < rows;
+        if (two) second.load(p, w.row, w.chunk);
+#pragma unroll
+        for (int e = 0; e < kChunk; e++) m = fmaxf(m, tq_fp::widen(first.a.t[e])); /* NaN: m */
+        if (two) {
+#pragma unroll
+            for (int e = 0; e < kChunk; e++) m = fmaxf(m, tq_fp::widen(second.a.t[e]));
+            w.next();
+        }
+    }
+    float amax = tq_act_value(kBase, m);
+    if (!(amax >= kNegBound)) {
+        amax = 0.0f;
+        for (tq_chunk::Walk w(start, stride, p.nchunks); w.row < rows; w.next()) {
+            Item<T, false> it;
+            it.load(p, w.row, w.chunk);
+#pragma unroll
+            for (int e = 0; e < kChunk; e++)
+                amax = tq_amax_step(amax, tq_act_value(kBase, tq_fp::widen(it.a.t[e])));
+        }
+    }
+    tq_fp8out::block_amax<kThreads>(p.out.amax, amax);
+}
+
 /* colt_kernel: the codes alone (no y_hp), in both directions. A CTA takes tiles of 32 rows x
  * 256 output columns (CTAs grid-striding over the tiles): each thread its 1024 / kCta items of
  * the tile (all loads first), their codes into y_q (8-byte stores) and into a shared-memory copy
@@ -223,6 +269,13 @@ extern "C" tq_status tq_act_forward_cuda(const tq_tensor *h, const tq_act_forwar
         using A = decltype(act);
         using T = decltype(t);
         const int64_t items = p.rows * p.nchunks, tiles = items / (kTileRows * kTileChunks);
+        if constexpr (tq_act_table::kUses<T, A::base> && !A::gated) {
+            if (a->config == nullptr && p.y_hp == nullptr) { /* current scaling's amax run */
+                monotone_amax_kernel<A::base>
+                    <<<tq_act_dispatch::grid_for(items, sms, kThreads), kThreads, 0, s>>>(p);
+                return;
+            }
+        }
         if constexpr (tq_act_table::kUses<T, A::base>) {
             if (table_pays) {
                 const unsigned grid = tq_act_dispatch::grid_for(
