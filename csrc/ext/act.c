@@ -99,7 +99,7 @@ static PyObject *py_act_forward(PyObject *module, PyObject *args, PyObject *kwar
     Py_RETURN_NONE;
 }
 
-static PyObject *py_act_backward(PyObject *module, PyObject *args, PyObject *kwargs) {
+PyObject *tqx_act_backward(PyObject *module, PyObject *args, PyObject *kwargs) {
     static char *kwlist[] = {"dy", "h", "act", "dh", "amax", "config", "dh_q", "scale_inv",
                              "scale", "amax_in", "dbias", "dh_q_t", NULL};
     PyObject *dy_obj, *h_obj, *act_name, *dh = NULL, *amax = NULL, *dbias = NULL, *dh_q_t = NULL;
@@ -158,7 +158,7 @@ static int is_block_format(const tq_quant_config *c) {
 }
 
 /* _act_fwd(h, act, want_hp, config, scale, amax, padded, columnwise): see the method table. */
-static PyObject *py_act_fwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+PyObject *tqx_act_fwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 8) {
         PyErr_Format(PyExc_TypeError, "_act_fwd(h, act, want_hp, config, scale, amax, padded, "
                      "columnwise) takes 8 positional arguments, got %zd", nargs);
@@ -226,7 +226,7 @@ fail:
 
 /* _act_bwd(dy, h, act, config, scale, amax, padded, dbias_dtype, columnwise): see the method
  * table. */
-static PyObject *py_act_bwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+PyObject *tqx_act_bwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 9) {
         PyErr_Format(PyExc_TypeError, "_act_bwd(dy, h, act, config, scale, amax, padded, "
                      "dbias_dtype, columnwise) takes 9 positional arguments, got %zd", nargs);
@@ -332,7 +332,7 @@ PyMethodDef tqx_act_methods[] = {
      "gated), amax (float32 [1], max-accumulated), and with a DELAYED or CURRENT QuantizerConfig "
      "the FP8 codes y_q and scale_inv, cast with scale (delayed) or the scale of amax_in "
      "(current), and y_q_t ([N, M], y_q transposed) if given."},
-    {"_act_backward", (PyCFunction)(void (*)(void))py_act_backward, METH_VARARGS | METH_KEYWORDS,
+    {"_act_backward", (PyCFunction)(void (*)(void))tqx_act_backward, METH_VARARGS | METH_KEYWORDS,
      "_act_backward(dy, h, act, *, dh=None, amax=None, config=None, dh_q=None, scale_inv=None, "
      "scale=None, amax_in=None, dbias=None, dh_q_t=None)\n\nThe gradient dh [M, K] of the "
      "activation from dy (act(h)'s gradient, h's dtype) into the outputs given (tequant.h "
@@ -340,7 +340,7 @@ PyMethodDef tqx_act_methods[] = {
      "dh_q_t [K, M] (their transpose, with dh_q), and dbias ([K] float32, "
      "bfloat16 or float16: the column sums of the FP32 dh in tequant's fixed order, rounded "
      "once). 'identity' reads no h (pass dy): dh = dy."},
-    {"_act_fwd", (PyCFunction)(void (*)(void))py_act_fwd, METH_FASTCALL,
+    {"_act_fwd", (PyCFunction)(void (*)(void))tqx_act_fwd, METH_FASTCALL,
      "_act_fwd(h, act, want_hp, config, scale, amax, padded, columnwise) -> list\n\nThe "
      "activation of h [M, K] with its outputs allocated here: [y_hp (h's dtype, [M, N]: N = K, "
      "or K / 2 gated) if want_hp]; with a DELAYED or CURRENT QuantizerConfig also te.Linear's "
@@ -349,7 +349,7 @@ PyMethodDef tqx_act_methods[] = {
      "[N, padded], as _norm_fwd; with a BLOCK (1x128) or MXFP8 one "
      "(no y_hp) y's members data, scale_inv and, with columnwise, data_t, scale_inv_t for "
      "[padded, N] (tq_quantize's of y_hp padded with zero rows)."},
-    {"_act_bwd", (PyCFunction)(void (*)(void))py_act_bwd, METH_FASTCALL,
+    {"_act_bwd", (PyCFunction)(void (*)(void))tqx_act_bwd, METH_FASTCALL,
      "_act_bwd(dy, h, act, config, scale, amax, padded, dbias_dtype, columnwise) -> list\n\n"
      "The activation's backward with its outputs allocated here: without config [dh] ([M, K], "
      "h's dtype); with a DELAYED or CURRENT QuantizerConfig (fc1's grad_output quantizer) "

@@ -38,7 +38,7 @@
 
 
 /* The (plan tuple, backward update or None) entry of a recipe id (new reference). */
-static PyObject *entry_of(tqx_state *st, PyObject *recipe_id) {
+PyObject *tqx_linear_entry(tqx_state *st, PyObject *recipe_id) {
     if (st->linear_plans == NULL && (st->linear_plans = PyDict_New()) == NULL) return NULL;
     PyObject *entry = PyDict_GetItemWithError(st->linear_plans, recipe_id);
     if (entry != NULL) return Py_NewRef(entry);
@@ -108,7 +108,7 @@ static PyObject *contiguous(PyObject *t) {
 
 /* An empty uint8 [0] tensor on like's device: a fixed-arity op's absent output (new
  * reference). */
-static PyObject *absent(tqx_state *st, PyObject *like) {
+PyObject *tqx_absent(tqx_state *st, PyObject *like) {
     void *data;
     PyObject *device = PyObject_GetAttrString(like, "device");
     PyObject *shape = device ? Py_BuildValue("(i)", 0) : NULL;
@@ -139,7 +139,7 @@ static PyObject *forward(PyObject *module, PyObject *const *args, Py_ssize_t nar
     const long needs = PyLong_AsLong(args[4]);
     if (needs == -1 && PyErr_Occurred()) return NULL;
     PyObject *hist = nargs == 7 ? args[6] : Py_None;
-    PyObject *entry = entry_of(st, args[3]), *inp = NULL, *device = NULL, *cache = NULL;
+    PyObject *entry = tqx_linear_entry(st, args[3]), *inp = NULL, *device = NULL, *cache = NULL;
     PyObject *x_state = Py_NewRef(Py_None), *w_state = Py_NewRef(Py_None);
     PyObject *fwd = NULL, *list = NULL;
     tqx_delayed_buffers c = TQX_DELAYED_BUFFERS_INIT;
@@ -193,7 +193,7 @@ static PyObject *forward(PyObject *module, PyObject *const *args, Py_ssize_t nar
         Py_CLEAR(list);
     if (list && in_place) { /* (y, x's buffer or an empty tensor, W's buffer) */
         PyObject *x_buf = PyList_GET_SIZE(list) == 3 ? Py_NewRef(PyList_GET_ITEM(list, 1))
-                                                     : absent(st, inp);
+                                                     : tqx_absent(st, inp);
         PyObject *fixed = x_buf ? PyTuple_Pack(3, PyList_GET_ITEM(list, 0), x_buf,
                                                PyList_GET_ITEM(list, PyList_GET_SIZE(list) - 1))
                                 : NULL;
@@ -230,8 +230,8 @@ static PyObject *linear_fwd_delayed_op(PyObject *module, PyObject *const *args,
  * `update` (the recipe entry's), the module's update of hist and scale after dy's amax: dy's
  * cast runs it after itself (in its own launch where that is the cooperative dbias pass), a
  * call of its own only where no cast of dy ran (new reference, or NULL with an exception). */
-static PyObject *backward_updating(tqx_state *st, PyObject *module, PyObject *const *call,
-                                   PyObject *hist, PyObject *scale, PyObject *update) {
+PyObject *tqx_backward_updating(tqx_state *st, PyObject *module, PyObject *const *call,
+                                PyObject *hist, PyObject *scale, PyObject *update) {
     tqx_update u;
     if (update != NULL && tqx_amax_update_one(st, hist, scale, update, &u) < 0) return NULL;
     const int previous = tqx_gemm_workspace_per_call(1);
@@ -275,7 +275,7 @@ static PyObject *backward(PyObject *module, PyObject *const *args, Py_ssize_t na
                         "bfloat16 or float16");
         goto done;
     }
-    if ((entry = entry_of(st, args[3])) == NULL || tqx_torch_import(st) < 0
+    if ((entry = tqx_linear_entry(st, args[3])) == NULL || tqx_torch_import(st) < 0
         || plan_is_delayed(st, (plan = PyTuple_GET_ITEM(entry, 0)), &delayed) < 0
         || (dy = contiguous(args[0])) == NULL
         || (dy_shape = PyObject_GetAttrString(dy, "shape")) == NULL)
@@ -330,13 +330,13 @@ static PyObject *backward(PyObject *module, PyObject *const *args, Py_ssize_t na
      * end of backward (deferred: the end of the backward pass runs it, after an amax
      * all-reduce) */
     PyObject *call[8] = {plan, saved, dy, linear_needs, state, shape, args[8], Py_None};
-    bwd = backward_updating(st, module, call, c.hist, c.scale,
+    bwd = tqx_backward_updating(st, module, call, c.hist, c.scale,
                             c.hist && !deferred ? PyTuple_GET_ITEM(entry, 1) : NULL);
     if (bwd == NULL || (list = PyList_New(0)) == NULL) goto done;
     for (Py_ssize_t i = 0; i < 3 && list; i++) {
         PyObject *g = PyTuple_GET_ITEM(bwd, i);
         if (in_place) { /* (dx, dW, db), an empty tensor for each absent one */
-            PyObject *v = g != Py_None ? Py_NewRef(g) : absent(st, dy);
+            PyObject *v = g != Py_None ? Py_NewRef(g) : tqx_absent(st, dy);
             if (v == NULL || PyList_Append(list, v) < 0) Py_CLEAR(list);
             Py_XDECREF(v);
         } else if (g != Py_None && PyList_Append(list, g) < 0) {
@@ -387,7 +387,7 @@ static PyObject *py_delayed_states(PyObject *module, PyObject *const *args, Py_s
                      step);
         return NULL;
     }
-    PyObject *entry = entry_of(st, args[0]), *result = NULL;
+    PyObject *entry = tqx_linear_entry(st, args[0]), *result = NULL;
     tqx_delayed_buffers c = TQX_DELAYED_BUFFERS_INIT;
     if (entry != NULL && tqx_delayed_copies(st, entry, (tqx_delayed_step)step, args[2], args[3],
                                             args[4], 1, &c) == 0)
@@ -401,7 +401,7 @@ static PyObject *py_delayed_states(PyObject *module, PyObject *const *args, Py_s
 /* The entry of recipe_id whose backward update is the fused rule (new reference), else NULL
  * with ValueError naming fn. */
 static PyObject *fused_entry(tqx_state *st, PyObject *recipe_id, const char *fn) {
-    PyObject *entry = entry_of(st, recipe_id);
+    PyObject *entry = tqx_linear_entry(st, recipe_id);
     if (entry != NULL && PyTuple_GET_ITEM(entry, 1) == Py_None) {
         PyErr_Format(PyExc_ValueError, "%s: the recipe's update rule is not the fused one", fn);
         Py_CLEAR(entry);
@@ -438,7 +438,7 @@ static PyObject *py_backward_updating(PyObject *module, PyObject *const *args, P
     }
     tqx_state *st = tqx_module_state(module);
     PyObject *entry = fused_entry(st, args[0], "_linear_backward_updating");
-    PyObject *bwd = entry ? backward_updating(st, module, args + 3, args[1], args[2],
+    PyObject *bwd = entry ? tqx_backward_updating(st, module, args + 3, args[1], args[2],
                                               PyTuple_GET_ITEM(entry, 1))
                           : NULL;
     Py_XDECREF(entry);

@@ -222,10 +222,19 @@ int tqx_fused_fp8_outputs(tqx_state *st, PyObject *outs, const tq_quant_config *
                           int device_index, PyObject *amax, tq_tensor *codes,
                           tq_tensor *scale_inv, tq_tensor *amax_t, tq_tensor *codes_t);
 
-/* norm.c: _C._norm_forward, _C._norm_backward (the fused normalization kernels) */
+/* norm.c: _C._norm_forward, _C._norm_backward (the fused normalization kernels) and the
+ * allocating _C._norm_fwd / _C._norm_bwd, which fused_ops.c's op kernels call too */
 extern PyMethodDef tqx_norm_methods[];
-/* act.c: _C._act_forward, _C._act_backward (the fused activation kernels) */
+PyObject *tqx_norm_fwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *tqx_norm_bwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+/* act.c: _C._act_forward, _C._act_backward (the fused activation kernels) and the allocating
+ * _C._act_fwd / _C._act_bwd, as norm.c's */
 extern PyMethodDef tqx_act_methods[];
+PyObject *tqx_act_backward(PyObject *module, PyObject *args, PyObject *kwargs);
+PyObject *tqx_act_fwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *tqx_act_bwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+/* fused_ops.c: the kernels of the norm's and activation's tequant:: ops */
+extern PyMethodDef tqx_fused_ops_methods[];
 
 /* torch_calls.c: torch functions the extension calls (allocation, dtypes), imported once. */
 int tqx_torch_import(tqx_state *st); /* -1 with an exception */
@@ -426,6 +435,16 @@ int tqx_in_compiled_op(void);
 int tqx_cudagraph_trees_seen(tqx_state *st);
 int tqx_op_may_use_graph_pool(tqx_state *st);
 extern PyMethodDef tqx_linear_ops_methods[];
+/* linear_ops.c: a recipe id's (plan tuple, DelayedScaling backward update or None) entry (new
+ * reference, or NULL with an exception); an empty uint8 [0] tensor on like's device, a
+ * fixed-arity op's absent output (new reference) */
+PyObject *tqx_linear_entry(tqx_state *st, PyObject *recipe_id);
+PyObject *tqx_absent(tqx_state *st, PyObject *like);
+/* linear_ops.c: linear.c's backward on call[0..7] (its arguments) as a compiled op runs it;
+ * given update (a plan entry's fused rule), the module's update of hist and scale after dy's
+ * amax, run by dy's cast where one runs (new reference, or NULL with an exception) */
+PyObject *tqx_backward_updating(tqx_state *st, PyObject *module, PyObject *const *call,
+                                PyObject *hist, PyObject *scale, PyObject *update);
 
 /* linear_delayed.c: a module's DelayedScaling buffers as the compiled ops take them. A state is
  * the (scale[column:column + 1], amax slot) pair the quantizers cast with and accumulate into;

@@ -134,7 +134,7 @@ static PyObject *py_norm_backward(PyObject *module, PyObject *args, PyObject *kw
 
 /* _norm_fwd(x, gamma, beta, norm, eps, zero_centered, want_hp, want_stats, config, scale, amax,
  * padded, columnwise): see the method table. */
-static PyObject *py_norm_fwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+PyObject *tqx_norm_fwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 13) {
         PyErr_Format(PyExc_TypeError, "_norm_fwd(x, gamma, beta, norm, eps, zero_centered, "
                      "want_hp, want_stats, config, scale, amax, padded, columnwise) takes 13 "
@@ -210,7 +210,7 @@ fail:
 
 /* _norm_bwd(dy, x, gamma, mean, rstd, norm, zero_centered, want_dbeta, grad_dtype): see the
  * method table. */
-static PyObject *py_norm_bwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+PyObject *tqx_norm_bwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 9) {
         PyErr_Format(PyExc_TypeError, "_norm_bwd(dy, x, gamma, mean, rstd, norm, zero_centered, "
                      "want_dbeta, grad_dtype) takes 9 positional arguments, got %zd", nargs);
@@ -283,7 +283,7 @@ PyMethodDef tqx_norm_methods[] = {
      "zero_centered_gamma=False)\n\ndx (x's dtype), dgamma and dbeta ([K], float32 or a 16-bit "
      "float, both one dtype) of the norm "
      "from the forward's mean (LayerNorm) and rstd (tequant.h tq_norm_backward)."},
-    {"_norm_fwd", (PyCFunction)(void (*)(void))py_norm_fwd, METH_FASTCALL,
+    {"_norm_fwd", (PyCFunction)(void (*)(void))tqx_norm_fwd, METH_FASTCALL,
      "_norm_fwd(x, gamma, beta, norm, eps, zero_centered, want_hp, want_stats, config, scale, "
      "amax, padded, columnwise) -> list\n\nThe norm forward with its outputs allocated here, for "
      "x [M, K]: [y_hp (x's dtype) if want_hp, mean [M] (LayerNorm) and rstd [M] (float32) if "
@@ -292,7 +292,7 @@ PyMethodDef tqx_norm_methods[] = {
      "slot, max-accumulated) or, for None, a fresh one; then, if columnwise, the codes "
      "transposed [K, padded] (columns past M zero). DELAYED casts with scale in the same pass; "
      "CURRENT runs an amax pass, then the cast with that amax."},
-    {"_norm_bwd", (PyCFunction)(void (*)(void))py_norm_bwd, METH_FASTCALL,
+    {"_norm_bwd", (PyCFunction)(void (*)(void))tqx_norm_bwd, METH_FASTCALL,
      "_norm_bwd(dy, x, gamma, mean, rstd, norm, zero_centered, want_dbeta, grad_dtype) -> list"
      "\n\n[dx (x's dtype), dgamma, dbeta if want_dbeta] of the norm of x [M, K], dgamma and "
      "dbeta [K] in grad_dtype (the FP32 sums rounded once), all allocated here."},

@@ -40,8 +40,8 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from . import _C, _compile, _operands, _plan
-from ._compile_ops import _absent, config_of, fake, graph_safe_workspace, op
-from ._norm_fn import (PER_TENSOR, codes_returned, delayed_x_state, fake_fp8_outputs,
+from ._compile_ops import _absent, config_of, fake, op
+from ._norm_fn import (PER_TENSOR, codes_returned, fake_fp8_outputs,
                        given_amax, refusal as _norm_refusal)
 
 __all__ = ["ActFunction", "ActInput", "GradOutput", "activate", "kernel_activate", "refusal",
@@ -153,18 +153,16 @@ def _forward_into(h, activation, want_hp, recipe_id, scale, padded, amax, column
     return _C._act_fwd(h, activation, want_hp, config, scale, amax, padded, columnwise)
 
 
-@op("tequant::act_fwd", mutates_args=())
+@op("tequant::act_fwd", mutates_args=(), kernel=_C.act_fwd_op)
 def _act_fwd(h: torch.Tensor, activation: str, want_hp: bool, recipe_id: Optional[str],
              scale: Optional[torch.Tensor], padded: int,
              columnwise: bool = False) -> list[torch.Tensor]:
-    """_forward_into with a fresh amax (current scaling's codes, block formats' or none). Its
-    outputs may become a CUDA graph's (reduce-overhead), so the C call allocates them as
-    torch.empty does (graph_safe_workspace)."""
-    with graph_safe_workspace():
-        return _forward_into(h, activation, want_hp, recipe_id, scale, padded, None, columnwise)
+    """_forward_into with a fresh amax (current scaling's codes, block formats' or none), in C
+    (csrc/ext/fused_ops.c, the kernel); its outputs are allocated as any compiled op's (they may
+    become a CUDA graph's under reduce-overhead)."""
 
 
-@op("tequant::act_fwd_delayed", mutates_args=("hist_fwd",))
+@op("tequant::act_fwd_delayed", mutates_args=("hist_fwd",), kernel=_C.act_fwd_delayed_op)
 def _act_fwd_delayed(h: torch.Tensor, activation: str, want_hp: bool, recipe_id: str,
                      scale_fwd: torch.Tensor, padded: int, columnwise: bool,
                      hist_fwd: torch.Tensor
@@ -172,11 +170,7 @@ def _act_fwd_delayed(h: torch.Tensor, activation: str, want_hp: bool, recipe_id:
     """_forward_into under DelayedScaling on fc2's own buffers, as tequant::norm_fwd_delayed:
     the kernel max-accumulates amax(y) into x's slot of hist_fwd. (y_hp, codes, scale_inv,
     codes transposed), an empty uint8 [0] for y_hp without want_hp and for the transposed codes
-    without columnwise."""
-    scale, slot = delayed_x_state(recipe_id, hist_fwd, scale_fwd, h)
-    with graph_safe_workspace():
-        outs = _forward_into(h, activation, want_hp, recipe_id, scale, padded, slot, columnwise)
-    return _delayed_tuple(h, outs, want_hp, columnwise)
+    without columnwise (csrc/ext/fused_ops.c, the kernel)."""
 
 
 def _delayed_tuple(h, outs, want_hp, columnwise):
@@ -227,15 +221,12 @@ def _backward_into(dy, h, activation, recipe_id, padded, scale, dbias_dtype, slo
     return outs
 
 
-@op("tequant::act_bwd", mutates_args=())
+@op("tequant::act_bwd", mutates_args=(), kernel=_C.act_bwd_op)
 def _act_bwd(dy: torch.Tensor, h: torch.Tensor, activation: str, recipe_id: Optional[str],
              padded: int, scale: Optional[torch.Tensor], dbias_dtype: Optional[torch.dtype],
              columnwise: bool = False) -> list[torch.Tensor]:
     """_backward_into with a fresh amax (compiled code max-accumulates it into fc1's history),
-    its outputs allocated as torch.empty does (see _act_fwd)."""
-    with graph_safe_workspace():
-        return _backward_into(dy, h, activation, recipe_id, padded, scale, dbias_dtype, None,
-                              columnwise)
+    its outputs allocated as act_fwd's (csrc/ext/fused_ops.c, the kernel)."""
 
 
 @fake("tequant::act_bwd")
@@ -250,14 +241,14 @@ def _act_bwd_fake(dy, h, activation, recipe_id, padded, scale, dbias_dtype, colu
     return outs + ([h.new_empty((k,), dtype=dbias_dtype)] if dbias_dtype is not None else [])
 
 
-@op("tequant::act_bwd_over_h", mutates_args=("h",))
+@op("tequant::act_bwd_over_h", mutates_args=("h",), kernel=_C.act_bwd_over_h_op)
 def _act_bwd_over_h(dy: torch.Tensor, h: torch.Tensor, activation: str) -> None:
     """dh written over h (the kernels read each element of h before they write it: the same
     bits as act_bwd's fresh dh). The compiled backward's plain dh: its saved h is dead after
     the activation's backward, so the graph holds one [M, K] buffer there instead of two (the
     compiled Llama block's peak, docs/results/NOTES.md, twenty-seventh session). Compiled code
-    only: there the graph sees every use of h (functionalization copies it if any remains)."""
-    _C._act_backward(dy, h, activation, dh=h)
+    only: there the graph sees every use of h (functionalization copies it if any remains).
+    The kernel: csrc/ext/fused_ops.c."""
 
 
 @fake("tequant::act_bwd_over_h")

@@ -364,7 +364,7 @@ def _linear_bwd_delayed_fake(dy, x_kept, w_kept, recipe_id, needs, inp_shape, x_
 # eager calls' bits. Python kernels: the fused path's op pair, beside the C-kernel linear_fwd /
 # linear_bwd of a high-precision x.
 
-@op("tequant::linear_fwd_given", mutates_args=("hist_fwd",))
+@op("tequant::linear_fwd_given", mutates_args=("hist_fwd",), kernel=_C.linear_fwd_given_op)
 def linear_fwd_given(x_members: list[Optional[torch.Tensor]], x_shape: list[int],
                      x_dtype: torch.dtype, weight: torch.Tensor, bias: Optional[torch.Tensor],
                      recipe_id: str, needs: int, scale_fwd: Optional[torch.Tensor],
@@ -372,17 +372,7 @@ def linear_fwd_given(x_members: list[Optional[torch.Tensor]], x_shape: list[int]
     """(y, W's packed buffer) of y = x W^T + b for x given as its members (needs: linear.c's
     bits, packed; x's own members are not returned: the caller holds them). DelayedScaling:
     W's amax max-accumulated into row 0 of hist_fwd in place (x's is there already: the norm's
-    or activation's op put it there; x_members[4] is None)."""
-    plan = _plan.of_id(recipe_id)
-    w_state = None
-    if plan.delayed:
-        x_state, w_state = _delayed_states(recipe_id, None, hist_fwd, scale_fwd, weight)
-        x_members = list(x_members[:4]) + [x_state[1]] + list(x_members[5:])
-    x = (tuple(x_members), tuple(x_shape), _TQ_DTYPE[x_dtype])
-    with graph_safe_workspace():
-        out, saved = _C.linear_forward(plan.c_args, x, weight, bias, needs | PACKED, [], None,
-                                       None, w_state)
-    return out, saved[1][0]
+    or activation's op put it there; x_members[4] is None). The kernel: csrc/ext/fused_ops.c."""
 
 
 def _delayed_states(recipe_id, needs, hist, scale, like):
@@ -415,16 +405,16 @@ def _linear_fwd_given_fake(x_members, x_shape, x_dtype, weight, bias, recipe_id,
 _GRADS = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-@op("tequant::linear_bwd_given", mutates_args=("scale_bwd", "hist_bwd"), tags=ANY_LAYOUT)
+@op("tequant::linear_bwd_given", mutates_args=("scale_bwd", "hist_bwd"), tags=ANY_LAYOUT,
+    kernel=_C.linear_bwd_given_op)
 def linear_bwd_given(dy: torch.Tensor, x_members: list[Optional[torch.Tensor]],
                      w_kept: torch.Tensor, recipe_id: str, needs: int, inp_shape: list[int],
                      x_dtype: torch.dtype, w_dtype: torch.dtype, bias_dtype: torch.dtype | None,
                      scale_bwd: torch.Tensor | None,
                      hist_bwd: torch.Tensor | None = None) -> _GRADS:
     """linear_bwd for an x that came as members (x_members: its six, the columnwise ones for
-    wgrad) and W's packed buffer: _backward_given's (dx, dW, db, amax dy)."""
-    return _backward_given(dy, tuple(x_members), None, w_kept, recipe_id, needs, inp_shape,
-                           x_dtype, w_dtype, bias_dtype, scale_bwd, hist_bwd)
+    wgrad) and W's packed buffer: _backward_given's (dx, dW, db, amax dy) (csrc/ext/fused_ops.c,
+    the kernel)."""
 
 
 def _backward_given(dy, x_kept, w_members, w_kept, recipe_id, needs, inp_shape, x_dtype,

@@ -28,8 +28,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import _C, _operands, _plan
-from ._compile_ops import (_absent, _delayed_states, config_of, fake, graph_safe_workspace,
-                           op)
+from ._compile_ops import _absent, config_of, fake, op
 
 __all__ = ["NormFunction", "NormInput", "normalize", "refusal"]
 
@@ -115,17 +114,14 @@ def codes_returned(ctx, rest, amax, columnwise):
     return rest + (codes_t,)
 
 
-@op("tequant::norm_fwd", mutates_args=())
+@op("tequant::norm_fwd", mutates_args=(), kernel=_C.norm_fwd_op)
 def _norm_fwd(x: torch.Tensor, gamma: torch.Tensor, beta: Optional[torch.Tensor],
               normalization: str, eps: float, zero_centered: bool, want_hp: bool,
               want_stats: bool, recipe_id: Optional[str], scale: Optional[torch.Tensor],
               padded: int, columnwise: bool) -> list[torch.Tensor]:
-    """_forward_into with a fresh amax (current scaling's codes, or none). Its outputs may
-    become a CUDA graph's (reduce-overhead), so the C call allocates them as torch.empty does
-    (graph_safe_workspace)."""
-    with graph_safe_workspace():
-        return _forward_into(x, gamma, beta, normalization, eps, zero_centered, want_hp,
-                             want_stats, recipe_id, scale, padded, columnwise, None)
+    """_forward_into with a fresh amax (current scaling's codes, or none), in C
+    (csrc/ext/fused_ops.c, the kernel); its outputs are allocated as any compiled op's (they may
+    become a CUDA graph's under reduce-overhead)."""
 
 
 @fake("tequant::norm_fwd")
@@ -157,7 +153,7 @@ _FWD_OUTS = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.
                   torch.Tensor]
 
 
-@op("tequant::norm_fwd_delayed", mutates_args=("hist_fwd",))
+@op("tequant::norm_fwd_delayed", mutates_args=("hist_fwd",), kernel=_C.norm_fwd_delayed_op)
 def _norm_fwd_delayed(x: torch.Tensor, gamma: torch.Tensor, beta: Optional[torch.Tensor],
                       normalization: str, eps: float, zero_centered: bool, want_hp: bool,
                       want_stats: bool, recipe_id: str, scale_fwd: torch.Tensor, padded: int,
@@ -166,14 +162,7 @@ def _norm_fwd_delayed(x: torch.Tensor, gamma: torch.Tensor, beta: Optional[torch
     x's scale and amax slot are views of its scale_fwd and amax_history_fwd, and the kernel
     max-accumulates amax(y) into the slot (the op mutates hist_fwd). (y_hp, mean, rstd, codes,
     scale_inv, codes transposed), an empty uint8 [0] for each absent one (a mutating op returns
-    a fixed tuple)."""
-    scale, slot = delayed_x_state(recipe_id, hist_fwd, scale_fwd, x)
-    with graph_safe_workspace():
-        outs = _forward_into(x, gamma, beta, normalization, eps, zero_centered, want_hp,
-                             want_stats, recipe_id, scale, padded, columnwise, slot)
-    it = iter([t for t in outs if t is not slot])  # not the slot itself
-    return tuple(next(it) if w else _absent(x)
-                 for w in _wanted(want_hp, want_stats, normalization, columnwise))
+    a fixed tuple; csrc/ext/fused_ops.c, the kernel)."""
 
 
 @fake("tequant::norm_fwd_delayed")
@@ -199,12 +188,6 @@ def present_outputs(outs, wanted):
     return [t for t, w in zip(outs, wanted) if w]
 
 
-def delayed_x_state(recipe_id, hist, scale, like):
-    """(scale [1], amax slot [1]) of x on a te.Linear's forward buffers (scale_fwd [2],
-    amax_history_fwd [L, 2]), views that the fused ops' kernels read and max-accumulate into."""
-    return _delayed_states(recipe_id, None, hist, scale, like)[0]
-
-
 def norm_backward(dy: torch.Tensor, x: torch.Tensor, gamma: torch.Tensor,
                   mean: Optional[torch.Tensor], rstd: torch.Tensor, normalization: str,
                   zero_centered: bool, want_dbeta: bool,
@@ -215,15 +198,13 @@ def norm_backward(dy: torch.Tensor, x: torch.Tensor, gamma: torch.Tensor,
                         grad_dtype)
 
 
-@op("tequant::norm_bwd", mutates_args=())
+@op("tequant::norm_bwd", mutates_args=(), kernel=_C.norm_bwd_op)
 def _norm_bwd(dy: torch.Tensor, x: torch.Tensor, gamma: torch.Tensor,
               mean: Optional[torch.Tensor], rstd: torch.Tensor, normalization: str,
               zero_centered: bool, want_dbeta: bool,
               grad_dtype: torch.dtype) -> list[torch.Tensor]:
-    """norm_backward, its outputs allocated as torch.empty does (see _norm_fwd)."""
-    with graph_safe_workspace():
-        return norm_backward(dy, x, gamma, mean, rstd, normalization, zero_centered, want_dbeta,
-                             grad_dtype)
+    """norm_backward, its outputs allocated as norm_fwd's (csrc/ext/fused_ops.c, the
+    kernel)."""
 
 
 @fake("tequant::norm_bwd")

@@ -1,0 +1,124 @@
+"""The fused modules' tequant:: ops run C kernels (csrc/ext/fused_ops.c), no Python body.
+
+A compiled (aot_eager, fullgraph) step of te.LayerNormLinear + te.LayerNormMLP under every
+recipe that fuses: the profiler sees the fused ops run, and no Python frame of an op's schema
+function (the bodies they had) runs; and the kernels' bad calls raise clear exceptions. The
+bits of these ops against eager are tests/test_fused_norm_compile.py's,
+tests/test_fused_act_modules.py's and tests/test_fused_dh.py's (compiled vs eager).
+"""
+import sys
+
+import pytest
+import torch
+
+import tequant as te
+from tequant import _C
+from tequant.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
+
+from test_compile import DEVICES
+
+# the ops' schema functions (their former Python bodies), by file
+SCHEMA_FUNCTIONS = {
+    "_norm_fn.py": {"_norm_fwd", "_norm_fwd_delayed", "_norm_bwd"},
+    "_act_fn.py": {"_act_fwd", "_act_fwd_delayed", "_act_bwd", "_act_bwd_over_h"},
+    "_compile_ops.py": {"linear_fwd_given", "linear_bwd_given"},
+}
+# what a fwd+bwd step of the model below runs, per recipe
+EXPECTED = {
+    "current": {"norm_fwd", "norm_bwd", "act_fwd", "act_bwd", "linear_fwd_given",
+                "linear_bwd_given"},
+    "delayed": {"norm_fwd_delayed", "norm_bwd", "act_fwd_delayed", "linear_fwd_given",
+                "linear_bwd_given"},
+    "block": {"norm_fwd", "norm_bwd", "act_fwd", "linear_fwd_given", "linear_bwd_given"},
+}
+RECIPES = {"current": Float8CurrentScaling, "delayed": lambda: DelayedScaling(amax_history_len=4),
+           "block": Float8BlockScaling}
+
+
+def _model(device):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        te.LayerNormLinear(64, 64, params_dtype=torch.bfloat16, device=device),
+        te.LayerNormMLP(64, 128, activation="gelu", params_dtype=torch.bfloat16,
+                        device=device))
+
+
+def _python_frames(step):
+    """Names of the ops' schema functions that ran as Python frames during step()."""
+    seen = set()
+
+    def hook(frame, event, arg):
+        if event == "call":
+            code = frame.f_code
+            names = SCHEMA_FUNCTIONS.get(code.co_filename.rsplit("/", 1)[-1])
+            if names and code.co_name in names:
+                seen.add(code.co_name)
+
+    sys.setprofile(hook)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_compiled_fused_step_runs_c_kernels(name, device):
+    torch._dynamo.reset()
+    model = _model(device)
+    recipe = RECIPES[name]()
+    x = torch.randn(2, 24, 64, dtype=torch.bfloat16, device=device, requires_grad=True)
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def fwd(inp):
+        with te.autocast(recipe=recipe):
+            return model(inp)
+
+    def step():
+        fwd(x).float().pow(2).sum().backward()
+
+    step()  # compiles
+    assert _python_frames(step) == set()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+    ran = {e.name.split("::", 1)[1] for e in prof.events() if e.name.startswith("tequant::")}
+    assert EXPECTED[name] <= ran, f"not run: {EXPECTED[name] - ran}"
+    torch._dynamo.reset()
+
+
+def test_kernels_refuse_bad_calls():
+    rid = Float8CurrentScaling()._tequant_id
+    delayed_id = DelayedScaling()._tequant_id
+    x = torch.randn(16, 32, dtype=torch.bfloat16)
+    g = torch.ones(32, dtype=torch.bfloat16)
+    scale = torch.ones(2)
+    with pytest.raises(TypeError, match="norm_fwd_op takes 12 arguments"):
+        _C.norm_fwd_op(x, g)
+    with pytest.raises(TypeError, match="act_fwd_op takes 6 or 7 arguments"):
+        _C.act_fwd_op(x)
+    with pytest.raises(ValueError, match="needs the module's hist_fwd"):
+        _C.norm_fwd_delayed_op(x, g, None, "LayerNorm", 1e-5, False, True, False, delayed_id,
+                               scale, 16, False, None)
+    with pytest.raises(ValueError, match="recipe_id must name a recipe"):
+        _C.act_fwd_delayed_op(x, "gelu", True, None, scale, 16, False, torch.zeros(4, 2))
+    codes = torch.ops.tequant.norm_fwd(x, g, None, "RMSNorm", 1e-5, False, False, False, rid,
+                                       None, 16, False)
+    w = torch.randn(16, 32, dtype=torch.bfloat16)
+    members = [codes[0], codes[1], None, None, codes[2], None]
+    with pytest.raises(ValueError, match="x_dtype must be torch.float32, bfloat16 or float16"):
+        _C.linear_fwd_given_op(members, [16, 32], torch.int8, w, None, rid, 1, None)
+    with pytest.raises(ValueError, match="x_members must be x's six members, got 5"):
+        _C.linear_fwd_given_op(members[:5], [16, 32], torch.bfloat16, w, None, rid, 1, None)
+    y, w_buf = _C.linear_fwd_given_op(members, [16, 32], torch.bfloat16, w, None, rid, 1, None)
+    assert y.shape == (16, 16) and w_buf.dtype == torch.uint8
+    dy = torch.randn(16, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="empty inp_shape"):
+        _C.linear_bwd_given_op(dy, members, w_buf, rid, 1, [], torch.bfloat16, torch.bfloat16,
+                               None, None)
+    with pytest.raises(ValueError, match="DelayedScaling needs scale_bwd"):
+        _C.linear_bwd_given_op(dy, members, w_buf, delayed_id, 1, [16, 32], torch.bfloat16,
+                               torch.bfloat16, None, None)
+    dx, dw, db, amax = _C.linear_bwd_given_op(dy, members, w_buf, rid, 1, [16, 32],
+                                              torch.bfloat16, torch.bfloat16, None, None)
+    assert dx.shape == (16, 32) and dw.numel() == db.numel() == amax.numel() == 0
