@@ -26,7 +26,7 @@ import torch
 import torch._dynamo.testing
 
 import tequant as te
-from tequant import _C, _act_fn
+from tequant import _C, _act_fn, _dy_given
 from tequant._act_fn import ARITHMETIC_BOUND
 from tequant.recipe import DelayedScaling, Float8CurrentScaling, Format, QParams
 
@@ -52,9 +52,12 @@ CASES = [(a, n) for a, n, d in DTYPED_CASES if d == torch.float32]  # the float3
 @contextlib.contextmanager
 def spied():
     """Records each activation backward that quantizes fc1's grad_output (its arguments, fc1's
-    scale as it was, copies of its outputs) and the dy of every te.Linear C backward."""
+    scale as it was, copies of its outputs) and the dy of every te.Linear backward called from
+    Python: a tensor (linear_backward), or the grad_output's codes as the activation returned
+    them (given_dy_backward, fc1's C backward on them)."""
     acts, dys = [], []
     into, linear_backward = _act_fn._backward_into, _C.linear_backward
+    given = _dy_given.given_dy_backward
 
     def act_spy(dy, h, activation, recipe_id, padded, scale, dbias_dtype, slot,
                 columnwise=False):
@@ -68,9 +71,14 @@ def spied():
     def c_spy(*args):
         dys.append(args[2])
         return linear_backward(*args)
+
+    def given_spy(*args):
+        dys.append(args[2])
+        return given(*args)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_act_fn, "_backward_into", act_spy)
         mp.setattr(_C, "linear_backward", c_spy)
+        mp.setattr(_dy_given, "given_dy_backward", given_spy)
         yield acts, dys
 
 
@@ -104,9 +112,9 @@ def _train(model, x, recipe, steps=1):
 @pytest.mark.parametrize("name", FUSED)
 def test_fc1_multiplies_the_activations_codes(name):
     """Two steps: per step one fused activation backward; fc2's node is the C Function (its
-    backward quantizes the tensor dy in C, csrc/ext/linear_ctx.c), fc1's Python backward gets
-    the tuple (members, shape, dtype) whose codes are the very tensor the activation backward
-    returned (no second quantization), rows padded to 32 (21 tokens)."""
+    backward quantizes the tensor dy in C, csrc/ext/linear_ctx.c), fc1's backward multiplies
+    the very codes the activation backward returned (no second quantization), rows padded to
+    32 (21 tokens)."""
     m = _mlp("swiglu")
     x = (torch.randn(3, 7, 64) * 2).to(torch.bfloat16)
     with te.autocast(recipe=RECIPES[name]):
@@ -118,9 +126,7 @@ def test_fc1_multiplies_the_activations_codes(name):
     for step in range(2):
         fc1_dy = dys[step]
         assert type(fc1_dy) is tuple
-        members, shape, _ = fc1_dy
-        assert members[0] is acts[step]["returned"][0] and shape == (32, 192)
-        assert members[2] is not None  # the transposed codes for wgrad
+        assert fc1_dy[0] is acts[step]["returned"][0] and fc1_dy[0].shape == (32, 192)
     # the DelayedScaling update ran on fc1's grad_output history (the amax rolled to the end)
     if name == "delayed":
         assert float(m.fc1.delayed_amax_history_bwd[-1, 0]) > 0

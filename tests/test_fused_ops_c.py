@@ -22,13 +22,14 @@ SCHEMA_FUNCTIONS = {
     "_norm_fn.py": {"_norm_fwd", "_norm_fwd_delayed", "_norm_bwd"},
     "_act_fn.py": {"_act_fwd", "_act_fwd_delayed", "_act_bwd", "_act_bwd_over_h"},
     "_compile_ops.py": {"linear_fwd_given", "linear_bwd_given"},
+    "_dy_given.py": {"_linear_bwd_dy_given", "_linear_bwd_part"},
 }
 # what a fwd+bwd step of the model below runs, per recipe
 EXPECTED = {
     "current": {"norm_fwd", "norm_bwd", "act_fwd", "act_bwd", "linear_fwd_given",
-                "linear_bwd_given"},
-    "delayed": {"norm_fwd_delayed", "norm_bwd", "act_fwd_delayed", "linear_fwd_given",
-                "linear_bwd_given"},
+                "linear_bwd_given", "linear_bwd_dy_given"},
+    "delayed": {"norm_fwd_delayed", "norm_bwd", "act_fwd_delayed", "act_bwd",
+                "linear_fwd_given", "linear_bwd_given", "linear_bwd_dy_given"},
     "block": {"norm_fwd", "norm_bwd", "act_fwd", "linear_fwd_given", "linear_bwd_given"},
 }
 RECIPES = {"current": Float8CurrentScaling, "delayed": lambda: DelayedScaling(amax_history_len=4),
@@ -122,3 +123,23 @@ def test_kernels_refuse_bad_calls():
     dx, dw, db, amax = _C.linear_bwd_given_op(dy, members, w_buf, rid, 1, [16, 32],
                                               torch.bfloat16, torch.bfloat16, None, None)
     assert dx.shape == (16, 32) and dw.numel() == db.numel() == amax.numel() == 0
+
+
+def test_given_dy_kernels_refuse_bad_calls():
+    rid = Float8CurrentScaling()._tequant_id
+    block_id = Float8BlockScaling()._tequant_id
+    codes = torch.zeros(16, 16, dtype=torch.uint8)
+    with pytest.raises(TypeError, match="_given_dy_backward.*takes 7 arguments"):
+        _C._given_dy_backward(None, None, [codes])
+    with pytest.raises(TypeError, match="saved must be linear_forward's 8-tuple"):
+        _C._given_dy_backward(None, (), [codes, codes], 1, (16, 16), None, False)
+    with pytest.raises(ValueError, match="part must be 1 \\(dgrad\\) or 2 \\(wgrad\\), got 3"):
+        _C.linear_bwd_part_op([codes, codes], codes, codes, block_id, 3, [16, 16],
+                              torch.bfloat16, torch.bfloat16)
+    with pytest.raises(ValueError, match="dy_q must hold dy's codes and scale_inv and amax, "
+                                         "got 2 tensors"):
+        _C.linear_bwd_dy_given_op([codes, codes], [None] * 6, codes, rid, 1, [16, 16],
+                                  torch.bfloat16, torch.bfloat16)
+    with pytest.raises(ValueError, match="dy's codes must be 2-D"):
+        _C.linear_bwd_dy_given_op([codes.view(-1), codes, codes], [None] * 6, codes, rid, 1,
+                                  [16, 16], torch.bfloat16, torch.bfloat16)

@@ -401,6 +401,149 @@ done:
     return result;
 }
 
+/* ---- te.Linear on a grad_output given quantized (dy_given.c) ---- */
+
+/* (dx or None, dW or None) of tequant::linear_bwd_dy_given's / linear_bwd_part's te.Linear:
+ * x_kept its six members (a sequence) or linear_fwd's packed buffer (a tensor), W's packed
+ * buffer, dy_q dy's codes as the activation or the quantize op made them. */
+static PyObject *given_dy_grads(PyObject *module, PyObject *entry, int delayed, long long align,
+                                PyObject *dy_q, PyObject *x_kept, PyObject *w_kept, long needs,
+                                PyObject *inp_shape, PyObject *const *dtypes) {
+    tqx_state *st = tqx_module_state(module);
+    PyObject *plan = PyTuple_GET_ITEM(entry, 0), *shape = NULL, *saved = NULL, *result = NULL;
+    PyObject *x_pair = NULL, *codes_shape = NULL;
+    PyObject *q = PySequence_Fast(dy_q, "dy_q must be a sequence of tensors");
+    tq_quant_config dy_config;
+    int x_dtype, w_dtype;
+    long long rows, k, dims[2] = {0, 0};
+    if (q == NULL || tqx_config_from_py(st, PyTuple_GET_ITEM(plan, CONFIG_GRAD_OUTPUT),
+                                        &dy_config) < 0
+        || (x_dtype = float_dtype(st, dtypes[0], "x_dtype")) < 0
+        || (w_dtype = float_dtype(st, dtypes[1], "w_dtype")) < 0
+        || (shape = PySequence_Tuple(inp_shape)) == NULL || rows_cols(shape, &rows, &k) < 0)
+        goto done;
+    const int blocks = dy_config.scaling == TQ_SCALING_BLOCK
+                       || dy_config.scaling == TQ_SCALING_MXFP8;
+    const Py_ssize_t n_q = PySequence_Fast_GET_SIZE(q);
+    if (n_q < (blocks ? 2 : 3)) {
+        PyErr_Format(PyExc_ValueError, "dy_q must hold dy's codes and scale_inv%s, got %zd "
+                     "tensors", blocks ? "" : " and amax", n_q);
+        goto done;
+    }
+    if ((codes_shape = PyObject_GetAttrString(PySequence_Fast_GET_ITEM(q, 0), "shape")) == NULL
+        || PyObject_Size(codes_shape) != 2) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "dy's codes must be 2-D");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < 2; i++) {
+        PyObject *d = PySequence_GetItem(codes_shape, i);
+        dims[i] = d ? PyLong_AsLongLong(d) : -1;
+        Py_XDECREF(d);
+    }
+    if (PyErr_Occurred()) goto done;
+    /* N: the rowwise codes' columns, or the rows of the columnwise pair's data_t [N, M] */
+    const int columnwise_pair = blocks && n_q == 2 && !(needs & TQX_NEED_DGRAD);
+    x_pair = PyTuple_Check(x_kept) ? Py_NewRef(x_kept) : PyTuple_Pack(2, x_kept, Py_None);
+    PyObject *w_amax = delayed ? PySequence_Fast_GET_ITEM(q, 2) : Py_None;
+    saved = x_pair ? Py_BuildValue("(O(OO)LLLLii)", x_pair, w_kept, w_amax, rows,
+                                   (rows + align - 1) / align * align,
+                                   columnwise_pair ? dims[0] : dims[1], k, x_dtype, w_dtype)
+                   : NULL;
+    if (saved == NULL) goto done;
+    const int previous = tqx_gemm_workspace_per_call(1);
+    result = tqx_given_dy_backward(module, plan, saved, q, needs & ~(long)TQX_DEFER_UPDATE, shape,
+                                   Py_None, blocks);
+    tqx_gemm_workspace_per_call(previous);
+done:
+    Py_XDECREF(q);
+    Py_XDECREF(shape);
+    Py_XDECREF(x_pair);
+    Py_XDECREF(codes_shape);
+    Py_XDECREF(saved);
+    return result;
+}
+
+/* linear_bwd_dy_given_op: (dx, dW), an absent tensor for one not asked for. */
+static PyObject *linear_bwd_dy_given_op(PyObject *module, PyObject *const *args,
+                                        Py_ssize_t nargs) {
+    if (arity("linear_bwd_dy_given_op", nargs, 8, 10) < 0) return NULL;
+    tqx_state *st = tqx_module_state(module);
+    PyObject *scale = nargs > 8 ? args[8] : Py_None, *hist = nargs > 9 ? args[9] : Py_None;
+    PyObject *entry, *x_kept = NULL, *grads = NULL, *result = NULL, *like = NULL;
+    tqx_delayed_buffers c = TQX_DELAYED_BUFFERS_INIT;
+    int delayed;
+    long long align;
+    const long needs = PyLong_AsLong(args[4]);
+    if ((needs == -1 && PyErr_Occurred()) || tqx_torch_import(st) < 0
+        || plan_entry(st, args[3], &entry, &delayed, &align) < 0)
+        return NULL;
+    const int updating = delayed && hist != Py_None, deferred = (needs & TQX_DEFER_UPDATE) != 0;
+    if ((like = PySequence_GetItem(args[0], 0)) == NULL) goto done;
+    if (updating) { /* dy's amax into the history's row 0, then (unless deferred) the update */
+        const tqx_delayed_step step = deferred ? TQX_DELAYED_BACKWARD_DEFERRED
+                                               : TQX_DELAYED_BACKWARD;
+        PyObject *amax = PySequence_GetItem(args[0], 2);
+        const int rc = amax ? module_states(st, entry, step, hist, scale, like, &c) : -1;
+        PyObject *slot = rc == 0 ? PyTuple_GET_ITEM(c.states[0], 1) : NULL;
+        PyObject *max = slot ? tqx_max_into(st, slot, amax) : NULL;
+        Py_XDECREF(amax);
+        if (max == NULL) goto done;
+        Py_DECREF(max);
+    }
+    if ((x_kept = PySequence_Tuple(args[1])) == NULL
+        || (grads = given_dy_grads(module, entry, delayed, align, args[0], x_kept, args[2], needs,
+                                   args[5], args + 6)) == NULL)
+        goto done;
+    if (updating && !deferred) {
+        PyObject *update = PyTuple_GET_ITEM(entry, 1);
+        if (update == Py_None) {
+            PyErr_SetString(PyExc_ValueError, "linear_bwd_dy_given: the recipe's update rule is "
+                            "not the fused one");
+            goto done;
+        }
+        if (tqx_amax_update_buffers(st, 1, &hist, &scale, update, NULL, "hist_bwd", "scale_bwd")
+            < 0)
+            goto done;
+    }
+    PyObject *dx = PyTuple_GET_ITEM(grads, 0), *dw = PyTuple_GET_ITEM(grads, 1);
+    dx = dx != Py_None ? Py_NewRef(dx) : tqx_absent(st, like);
+    dw = dx == NULL ? NULL : dw != Py_None ? Py_NewRef(dw) : tqx_absent(st, like);
+    if (dw != NULL) result = PyTuple_Pack(2, dx, dw);
+    Py_XDECREF(dx);
+    Py_XDECREF(dw);
+done:
+    Py_DECREF(entry);
+    Py_XDECREF(like);
+    Py_XDECREF(x_kept);
+    Py_XDECREF(grads);
+    tqx_delayed_buffers_clear(&c);
+    return result;
+}
+
+/* linear_bwd_part_op: dx (part NEED_DGRAD, the rowwise pair) or dW (NEED_WGRAD, the columnwise
+ * pair) of a block-format te.Linear from linear_fwd's packed buffers. */
+static PyObject *linear_bwd_part_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (arity("linear_bwd_part_op", nargs, 8, 8) < 0) return NULL;
+    tqx_state *st = tqx_module_state(module);
+    PyObject *entry, *result = NULL;
+    int delayed;
+    long long align;
+    const long part = PyLong_AsLong(args[4]);
+    if ((part == -1 && PyErr_Occurred()) || tqx_torch_import(st) < 0) return NULL;
+    if (part != TQX_NEED_DGRAD && part != TQX_NEED_WGRAD) {
+        PyErr_Format(PyExc_ValueError, "linear_bwd_part: part must be %d (dgrad) or %d (wgrad), "
+                     "got %ld", TQX_NEED_DGRAD, TQX_NEED_WGRAD, part);
+        return NULL;
+    }
+    if (plan_entry(st, args[3], &entry, &delayed, &align) < 0) return NULL;
+    PyObject *grads = given_dy_grads(module, entry, delayed, align, args[0], args[1], args[2],
+                                     part, args[5], args + 6);
+    if (grads != NULL) result = Py_NewRef(PyTuple_GET_ITEM(grads, part == TQX_NEED_DGRAD ? 0 : 1));
+    Py_XDECREF(grads);
+    Py_DECREF(entry);
+    return result;
+}
+
 #define OP(name, doc) {#name, (PyCFunction)(void (*)(void))name, METH_FASTCALL, doc}
 PyMethodDef tqx_fused_ops_methods[] = {
     OP(norm_fwd_op, "The kernel of tequant::norm_fwd (csrc/ext/fused_ops.c)."),
@@ -412,4 +555,6 @@ PyMethodDef tqx_fused_ops_methods[] = {
     OP(act_bwd_over_h_op, "The kernel of tequant::act_bwd_over_h: dh written over h."),
     OP(linear_fwd_given_op, "The kernel of tequant::linear_fwd_given."),
     OP(linear_bwd_given_op, "The kernel of tequant::linear_bwd_given."),
+    OP(linear_bwd_dy_given_op, "The kernel of tequant::linear_bwd_dy_given (dy_given.c)."),
+    OP(linear_bwd_part_op, "The kernel of tequant::linear_bwd_part (dy_given.c)."),
     {NULL, NULL, 0, NULL}};

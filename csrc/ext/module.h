@@ -121,7 +121,7 @@ typedef struct tqx_state {
     PyObject *alloc_device;
     DLDevice alloc_dl_device;
     /* torch functions and dtypes (torch_calls.c), imported on first use */
-    PyObject *torch_empty, *torch_zeros, *torch_mm;
+    PyObject *torch_empty, *torch_zeros, *torch_mm, *torch_maximum;
     PyObject *kw_dtype_device; /* ("dtype", "device"): the keyword names of torch.empty calls */
     PyObject *torch_is_autocast_enabled, *torch_set_autocast_enabled;
     PyObject *torch_dtypes[TQX_TORCH_DTYPE_COUNT];
@@ -233,13 +233,23 @@ extern PyMethodDef tqx_act_methods[];
 PyObject *tqx_act_backward(PyObject *module, PyObject *args, PyObject *kwargs);
 PyObject *tqx_act_fwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *tqx_act_bwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
-/* fused_ops.c: the kernels of the norm's and activation's tequant:: ops */
+/* fused_ops.c: the kernels of the fused modules' tequant:: ops */
 extern PyMethodDef tqx_fused_ops_methods[];
+/* dy_given.c: te.Linear's backward on a grad_output given quantized, (dx or None, dW or None)
+ * (new reference, or NULL with an exception) */
+extern PyMethodDef tqx_dy_given_methods[];
+PyObject *tqx_given_dy_backward(PyObject *module, PyObject *c_args, PyObject *saved,
+                               PyObject *dy_q, long needs, PyObject *inp_shape, PyObject *pending,
+                               int blocks);
 
 /* torch_calls.c: torch functions the extension calls (allocation, dtypes), imported once. */
 int tqx_torch_import(tqx_state *st); /* -1 with an exception */
 PyObject *tqx_torch_dtype_of(tqx_state *st, tq_dtype d); /* borrowed; packed E2M1 -> uint8 */
 tq_dtype tqx_dtype_of_torch(tqx_state *st, PyObject *dtype); /* TQ_DTYPE_COUNT_ if not a float */
+/* slot = max(slot, amax) in place (torch.maximum: a one-element amax into a DelayedScaling
+ * history slot, on their device); the result (new reference), or NULL with an exception.
+ * Needs tqx_torch_import. */
+PyObject *tqx_max_into(tqx_state *st, PyObject *slot, PyObject *amax);
 /* A new [rows, cols] tensor (cols in elements; packed E2M1 counts codes) of dtype on `device`
  * (a torch.device), torch.zeros when zeroed; its data pointer goes to *data. */
 PyObject *tqx_torch_new(tqx_state *st, int64_t rows, int64_t cols, tq_dtype dtype,

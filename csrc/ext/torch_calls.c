@@ -41,6 +41,7 @@ int tqx_torch_import(tqx_state *st) {
     if (ok) ok = (st->tls_get_obj = PyObject_GetAttrString(torch_c, "_get_obj_in_tls")) != NULL;
     if (ok) ok = (st->trees_key = PyUnicode_InternFromString("tree_manager_containers")) != NULL;
     Py_XDECREF(torch_c);
+    if (ok) ok = (st->torch_maximum = PyObject_GetAttrString(torch, "maximum")) != NULL;
     if (ok) ok = (st->torch_mm = PyObject_GetAttrString(torch, "mm")) != NULL;
     Py_DECREF(torch);
     if (!ok) tqx_torch_clear(st); /* all or nothing: torch_mm marks a complete import */
@@ -356,6 +357,19 @@ void tqx_scratch_release(tqx_state *st, tqx_scratch *s) {
     s->raw = s->data = NULL;
 }
 
+PyObject *tqx_max_into(tqx_state *st, PyObject *slot, PyObject *amax) {
+    PyObject *shape = PyObject_GetAttrString(slot, "shape");
+    PyObject *same = shape ? PyObject_CallMethod(amax, "reshape", "(O)", shape) : NULL;
+    PyObject *args = same ? PyTuple_Pack(2, slot, same) : NULL;
+    PyObject *kwargs = args ? Py_BuildValue("{sO}", "out", slot) : NULL;
+    PyObject *result = kwargs ? PyObject_Call(st->torch_maximum, args, kwargs) : NULL;
+    Py_XDECREF(shape);
+    Py_XDECREF(same);
+    Py_XDECREF(args);
+    Py_XDECREF(kwargs);
+    return result;
+}
+
 void tqx_torch_clear(tqx_state *st) {
     Py_CLEAR(st->raw_alloc);
     Py_CLEAR(st->raw_delete);
@@ -363,6 +377,7 @@ void tqx_torch_clear(tqx_state *st) {
     Py_CLEAR(st->kw_dtype_device);
     Py_CLEAR(st->torch_zeros);
     Py_CLEAR(st->torch_mm);
+    Py_CLEAR(st->torch_maximum);
     Py_CLEAR(st->torch_is_autocast_enabled);
     Py_CLEAR(st->torch_set_autocast_enabled);
     for (int i = 0; i < TQX_TORCH_DTYPE_COUNT; i++) Py_CLEAR(st->torch_dtypes[i]);
@@ -379,6 +394,7 @@ int tqx_torch_traverse(tqx_state *st, visitproc visit, void *arg) {
     Py_VISIT(st->kw_dtype_device);
     Py_VISIT(st->torch_zeros);
     Py_VISIT(st->torch_mm);
+    Py_VISIT(st->torch_maximum);
     Py_VISIT(st->torch_is_autocast_enabled);
     Py_VISIT(st->torch_set_autocast_enabled);
     for (int i = 0; i < TQX_TORCH_DTYPE_COUNT; i++) Py_VISIT(st->torch_dtypes[i]);

@@ -386,12 +386,6 @@ def _delayed_states(recipe_id, needs, hist, scale, like):
     return _C._linear_delayed_states(recipe_id, step, hist, scale, like)
 
 
-def _max_into(slot, amax):
-    """slot = max(slot, amax), in place (a module history's slot; amax: one element): one
-    kernel, no temporary (an op body's run-time call, never traced)."""
-    torch.maximum(slot, amax.reshape(slot.shape), out=slot)
-
-
 @fake("tequant::linear_fwd_given")
 def _linear_fwd_given_fake(x_members, x_shape, x_dtype, weight, bias, recipe_id, needs,
                            scale_fwd, hist_fwd=None):

@@ -12,10 +12,7 @@ from typing import Optional
 import torch
 
 from . import _C, _plan
-from ._compile_ops import (_absent, _delayed_states, _max_into, _or_absent, _rows_cols, fake,
-                           graph_safe_workspace, op)
-from ._norm_fn import with_columnwise
-from ._operands import TQ_DTYPE
+from ._compile_ops import _absent, _rows_cols, fake, op
 
 __all__ = ["given_codes_t", "given_dy_backward", "split_dy_backward", "splits_dy"]
 
@@ -27,38 +24,13 @@ def given_codes_t(dy_q):
     return dy_q[3] if len(dy_q) > 3 and dy_q[3] is not None and dy_q[3].dim() == 2 else None
 
 
-def given_dy_backward(c_args, saved, dy_q, needs, inp_shape, pending, blocks=False):
-    """te.Linear's backward (csrc/ext/linear.c linear_backward) on the grad_output the
-    activation quantized, dy_q = (codes [padded, N], scale_inv, amax[, codes_t [N, padded]],
-    ...), or with blocks
-    (Float8BlockScaling / MXFP8BlockScaling) its members (data, scale_inv[, data_t,
-    scale_inv_t]), or for wgrad alone just (data_t, scale_inv_t): (dx or None, dW or None);
-    the caller takes dbias. saved:
-    linear_forward's. linear.c takes a quantized grad_output of the forward's rows only where
-    they are already the padded rows (a gathered one's), so the call is made for the padded
-    rows (zero codes, which add nothing to dW) and dx keeps the first M of the [padded, K]
-    dgrad: the bits of te.Linear's own padding."""
-    codes = dy_q[0]
-    if blocks and len(dy_q) == 2 and not needs & _plan.NEED_DGRAD:  # the columnwise pair
-        members = (None, None, codes, dy_q[1], None, None)
-        n, padded = codes.shape
-    else:
-        if blocks:
-            members = (codes, dy_q[1]) + (tuple(dy_q[2:4]) if len(dy_q) >= 4
-                                          else (None, None)) + (None, None)
-        else:  # the codes transposed: the activation's (its C call), else here
-            members = (codes, dy_q[1], given_codes_t(dy_q), None, dy_q[2], None)
-            if needs & _plan.NEED_WGRAD:
-                members = with_columnwise(members)
-        padded, n = codes.shape
-    rows, k = saved[2], saved[5]
-    dx, dw, _ = _C.linear_backward(c_args, saved[:2] + (padded,) + saved[3:],
-                                   (members, (padded, n), saved[6]), needs, None, (padded, k),
-                                   None, pending)
-    return (None if dx is None else dx[:rows].view(inp_shape)), dw
+# te.Linear's backward on a grad_output given quantized: (dx or None, dW or None), in C for eager
+# (linear.py) and the ops below alike (csrc/ext/dy_given.c says what dy_q may hold).
+given_dy_backward = _C._given_dy_backward
 
 
-@op("tequant::linear_bwd_dy_given", mutates_args=("scale_bwd", "hist_bwd"))
+@op("tequant::linear_bwd_dy_given", mutates_args=("scale_bwd", "hist_bwd"),
+    kernel=_C.linear_bwd_dy_given_op)
 def _linear_bwd_dy_given(dy_q: list[torch.Tensor], x_members: list[Optional[torch.Tensor]],
                          w_kept: torch.Tensor, recipe_id: str, needs: int, inp_shape: list[int],
                          x_dtype: torch.dtype, w_dtype: torch.dtype,
@@ -68,39 +40,8 @@ def _linear_bwd_dy_given(dy_q: list[torch.Tensor], x_members: list[Optional[torc
     """(dx, dW), an empty uint8 [0] for one not asked for, of tequant::linear_bwd_given's
     te.Linear (x as the fused norm's members, W's packed buffer) for the grad_output the
     activation quantized; given DelayedScaling's hist_bwd (and scale_bwd): dy's amax (dy_q[2])
-    max-accumulated into its row 0, then the module's update of both in place (linear_bwd's)."""
-    plan = _plan.of_id(recipe_id)
-    state = None
-    if plan.delayed and hist_bwd is not None:
-        state = _delayed_states(recipe_id, needs, hist_bwd, scale_bwd, dy_q[0])[0]
-        _max_into(state[1], dy_q[2])
-    grads = _dy_given_grads(plan, dy_q, tuple(x_members), w_kept, recipe_id, needs, inp_shape,
-                            x_dtype, w_dtype)
-    if state is not None and not needs & _plan.DEFER_UPDATE:  # the module's update, as linear_bwd's
-        _C._linear_delayed_update(recipe_id, hist_bwd, scale_bwd)
-    return tuple(_or_absent(g, dy_q[0]) for g in grads)
-
-
-def _dy_given_grads(plan, dy_q, x_kept, w_kept, recipe_id, needs, inp_shape, x_dtype, w_dtype):
-    """given_dy_backward's (dx, dW) for the ops' arguments: x_kept its six members or its packed
-    buffer (a tensor: linear_fwd's, split_dy_backward)."""
-    rows, k = _rows_cols(inp_shape)
-    if isinstance(x_kept, torch.Tensor):
-        x_kept = (x_kept, None)
-    saved = (x_kept, (w_kept, dy_q[2] if plan.delayed else None), rows,
-             _plan.padded(rows, plan.align), _dy_cols(dy_q, needs, recipe_id), k,
-             TQ_DTYPE[x_dtype], TQ_DTYPE[w_dtype])
-    with graph_safe_workspace():
-        return given_dy_backward(plan.c_args, saved, dy_q, needs & ~_plan.DEFER_UPDATE,
-                                 tuple(inp_shape), None, plan.dy.scaling in _plan.BLOCK_FORMATS)
-
-
-def _dy_cols(dy_q, needs, recipe_id):
-    """N of the grad_output the given-dy backward multiplies: its rowwise codes' columns, or the
-    rows of the columnwise pair's data_t [N, M] (split_dy_backward's wgrad)."""
-    columnwise_pair = (len(dy_q) == 2 and not needs & _plan.NEED_DGRAD
-                       and _plan.of_id(recipe_id).dy.scaling in _plan.BLOCK_FORMATS)
-    return dy_q[0].shape[0] if columnwise_pair else dy_q[0].shape[1]
+    max-accumulated into its row 0, then the module's update of both in place (linear_bwd's).
+    The kernel: csrc/ext/fused_ops.c."""
 
 
 @fake("tequant::linear_bwd_dy_given")
@@ -110,6 +51,14 @@ def _linear_bwd_dy_given_fake(dy_q, x_members, w_kept, recipe_id, needs, inp_sha
     return (dy.new_empty(tuple(inp_shape), dtype=x_dtype) if needs & _plan.NEED_DGRAD else absent,
             dy.new_empty((dy.shape[-1], inp_shape[-1]), dtype=w_dtype)
             if needs & _plan.NEED_WGRAD else absent)
+
+
+def _dy_cols(dy_q, needs, recipe_id):
+    """N of the grad_output the given-dy backward multiplies: its rowwise codes' columns, or the
+    rows of the columnwise pair's data_t [N, M] (split_dy_backward's wgrad)."""
+    columnwise_pair = (len(dy_q) == 2 and not needs & _plan.NEED_DGRAD
+                       and _plan.of_id(recipe_id).dy.scaling in _plan.BLOCK_FORMATS)
+    return dy_q[0].shape[0] if columnwise_pair else dy_q[0].shape[1]
 
 
 # ---- a large grad_output quantized in an op of its own (compiled te.Linear) ---------------------
@@ -145,15 +94,13 @@ def split_dy_backward(dy, x_kept, w_kept, recipe_id, inp_shape, x_dtype, w_dtype
                  for pair, part in ((dy_q[:2], _plan.NEED_DGRAD), (dy_q[2:4], _plan.NEED_WGRAD)))
 
 
-@op("tequant::linear_bwd_part", mutates_args=())
+@op("tequant::linear_bwd_part", mutates_args=(), kernel=_C.linear_bwd_part_op)
 def _linear_bwd_part(dy_pair: list[torch.Tensor], x_kept: torch.Tensor, w_kept: torch.Tensor,
                      recipe_id: str, part: int, inp_shape: list[int], x_dtype: torch.dtype,
                      w_dtype: torch.dtype) -> torch.Tensor:
     """dx (part NEED_DGRAD: dy_pair the rowwise data and scale_inv) or dW (NEED_WGRAD: the
-    columnwise pair) of a block-format te.Linear from linear_fwd's packed buffers."""
-    grads = _dy_given_grads(_plan.of_id(recipe_id), dy_pair, x_kept, w_kept, recipe_id, part,
-                            inp_shape, x_dtype, w_dtype)
-    return grads[0] if part == _plan.NEED_DGRAD else grads[1]
+    columnwise pair) of a block-format te.Linear from linear_fwd's packed buffers (the kernel:
+    csrc/ext/fused_ops.c)."""
 
 
 @fake("tequant::linear_bwd_part")
