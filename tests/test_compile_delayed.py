@@ -470,7 +470,8 @@ def test_ops_refuse_bad_histories():
     with pytest.raises(ValueError, match="fused update rule"):
         bwd(dy, outs[1], outs[2], unfused, *args[1:], torch.ones(1), torch.zeros(3, 1))
     with pytest.raises(ValueError, match=r"hist_bwd must be float32 \[4, 1\]"):
-        _C._linear_delayed_states(rid, True, torch.zeros(4, 2), torch.ones(1), dy)
+        torch.ops.tequant.linear_bwd_given(dy, [None] * 6, outs[2], *args, torch.ones(1),
+                                           torch.zeros(4, 2))
 
 
 @gpu

@@ -140,6 +140,49 @@ def test_given_dy_kernels_refuse_bad_calls():
                                          "got 2 tensors"):
         _C.linear_bwd_dy_given_op([codes, codes], [None] * 6, codes, rid, 1, [16, 16],
                                   torch.bfloat16, torch.bfloat16)
-    with pytest.raises(ValueError, match="dy's codes must be 2-D"):
+    with pytest.raises(ValueError, match="dy.s codes must be 2-D, got 1 dims"):
         _C.linear_bwd_dy_given_op([codes.view(-1), codes, codes], [None] * 6, codes, rid, 1,
                                   [16, 16], torch.bfloat16, torch.bfloat16)
+
+
+def _bits(t):
+    return t.detach().view(torch.uint8 if t.element_size() == 1 else torch.int16).cpu()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_wgiven_kernels_give_linear_ops_bits(device):
+    """FSDP2's gathered-weight ops (W as its six members) run C kernels with no Python frame and
+    give the bits of tequant::linear_fwd / linear_bwd on the high-precision W (whose quantization
+    te.ops.quantize reproduces)."""
+    recipe = Float8CurrentScaling()
+    rid = recipe._tequant_id
+    g = torch.Generator().manual_seed(0)
+    x, w, dy = (torch.randn(shape, generator=g).to(torch.bfloat16).to(device)
+                for shape in ((48, 64), (32, 64), (48, 32)))
+    q = te.ops.quantize(w, recipe, role="weight", rowwise=True, columnwise=True)
+    ops = torch.ops.tequant
+    seen = set()
+
+    def hook(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.endswith("_compile_ops.py"):
+            seen.add(frame.f_code.co_name)
+
+    sys.setprofile(hook)
+    try:
+        y, x_buf = ops.linear_fwd_wgiven(x, [q.data, q.scale_inv, None, None, q.amax, None],
+                                         torch.bfloat16, None, rid, 3, None)
+        dx, dw, db, amax = ops.linear_bwd_wgiven(
+            dy, x_buf, [q.data, q.scale_inv, q.data_t, None, q.amax, None], rid, 3, [48, 64],
+            torch.bfloat16, torch.bfloat16, None, None)
+    finally:
+        sys.setprofile(None)
+    assert not seen & {"linear_fwd_wgiven", "linear_bwd_wgiven"}
+    ref = ops.linear_fwd(x, w, None, rid, 8 | 3, None)
+    ref_dx, ref_dw = ops.linear_bwd(dy, ref[1], ref[2], rid, 3, [48, 64], torch.bfloat16,
+                                    torch.bfloat16, None, None)
+    # x's packed buffer holds alignment gaps: its bits compare through dW
+    for got, want in ((y, ref[0]), (dx, ref_dx), (dw, ref_dw)):
+        assert torch.equal(_bits(got), _bits(want))
+    assert db.numel() == 0 and amax.numel() == 0
+    with pytest.raises(ValueError, match="w_members must be W's six members"):
+        ops.linear_fwd_wgiven(x, [None] * 6, torch.bfloat16, None, rid, 3, None)

@@ -27,20 +27,6 @@ static PyObject *item_or_none(PyObject *seq, Py_ssize_t i) {
     return i < PySequence_Fast_GET_SIZE(seq) ? PySequence_Fast_GET_ITEM(seq, i) : Py_None;
 }
 
-/* The dims of a tensor's shape (ndim 0..2 read into dims; -1 with an exception). */
-static int shape_of(PyObject *t, Py_ssize_t *ndim, long long dims[2]) {
-    PyObject *shape = PyObject_GetAttrString(t, "shape");
-    if (shape == NULL) return -1;
-    *ndim = PyObject_Size(shape);
-    for (Py_ssize_t i = 0; i < *ndim && i < 2; i++) {
-        PyObject *d = PySequence_GetItem(shape, i);
-        dims[i] = d ? PyLong_AsLongLong(d) : -1;
-        Py_XDECREF(d);
-    }
-    Py_DECREF(shape);
-    return PyErr_Occurred() ? -1 : 0;
-}
-
 /* The one-byte codes [rows, cols] transposed into a new [cols, rows] tensor (tq_transpose on
  * their current stream; new reference). */
 static PyObject *transposed(tqx_state *st, PyObject *codes) {
@@ -71,13 +57,8 @@ static int dy_members(tqx_state *st, PyObject *q, long needs, int blocks, PyObje
                       PyObject **shape) {
     PyObject *codes = PySequence_Fast_GET_ITEM(q, 0), *scale_inv = item_or_none(q, 1);
     const Py_ssize_t n_q = PySequence_Fast_GET_SIZE(q);
-    Py_ssize_t ndim;
     long long dims[2] = {0, 0};
-    if (shape_of(codes, &ndim, dims) < 0) return -1;
-    if (ndim != 2) {
-        PyErr_Format(PyExc_ValueError, "dy's codes must be 2-D, got %zd dims", ndim);
-        return -1;
-    }
+    if (tqx_op_dims2(codes, "dy's codes", dims) < 0) return -1;
     if (blocks && n_q == 2 && !(needs & TQX_NEED_DGRAD)) { /* the columnwise pair [N, padded] */
         *members = PyTuple_Pack(6, Py_None, Py_None, codes, scale_inv, Py_None, Py_None);
         *shape = *members ? Py_BuildValue("(LL)", dims[1], dims[0]) : NULL;
@@ -89,10 +70,13 @@ static int dy_members(tqx_state *st, PyObject *q, long needs, int blocks, PyObje
         *members = PyTuple_Pack(6, codes, scale_inv, data_t, scale_inv_t, Py_None, Py_None);
     } else { /* codes_t: the one 2-D tensor after amax (dbias is 1-D), else transposed here */
         PyObject *codes_t = item_or_none(q, 3), *made = NULL;
-        Py_ssize_t t_ndim = 0;
-        long long t_dims[2];
-        if (codes_t != Py_None && shape_of(codes_t, &t_ndim, t_dims) < 0) return -1;
-        if (t_ndim != 2) codes_t = Py_None;
+        if (codes_t != Py_None) {
+            PyObject *ndim = PyObject_GetAttrString(codes_t, "ndim");
+            const long n = ndim ? PyLong_AsLong(ndim) : -1;
+            Py_XDECREF(ndim);
+            if (n == -1 && PyErr_Occurred()) return -1;
+            if (n != 2) codes_t = Py_None;
+        }
         if (codes_t == Py_None && (needs & TQX_NEED_WGRAD)) {
             if ((made = transposed(st, codes)) == NULL) return -1;
             codes_t = made;

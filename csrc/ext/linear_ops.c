@@ -15,10 +15,6 @@
  *       waiting for the end of the backward pass (an amax all-reduce first)
  *   _set_linear_plan_of(fn): fn(recipe_id) -> (linear.c's plan tuple, DelayedScaling's backward
  *       update (history_len, algo, (scaled max of dy,)) or None: TE's unfused rule), once per id
- *   _linear_delayed_states / _linear_delayed_update / _linear_backward_updating: the
- *       DelayedScaling steps (linear_delayed.c) for the Python-bodied ops on the fused norm's and
- *       activation's codes (_compile_ops.py, _act_fn.py); the last, linear.c's backward with
- *       the update run by dy's cast, as linear_bwd_delayed_op runs it
  *   _packed_bytes(config, rows, cols, usage, parts) -> bytes of a packed buffer (fake kernels)
  *
  * Op outputs must be fresh tensors that alias nothing, so the ops keep linear.c's packed form
@@ -370,81 +366,6 @@ static PyObject *linear_bwd_delayed_op(PyObject *module, PyObject *const *args,
     return backward(module, args, nargs, 1);
 }
 
-/* For the Python-bodied ops: _linear_delayed_states(recipe_id, step, hist, scale, like) -> the
- * states on the module's buffers themselves, (x's, W's) or (dy's,), after the C ops' checks of
- * the buffers; step: 0 forward, 1 backward (the op updates), 2 backward (update deferred). */
-static PyObject *py_delayed_states(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "_linear_delayed_states(recipe_id, step, hist, "
-                        "scale, like)");
-        return NULL;
-    }
-    tqx_state *st = tqx_module_state(module);
-    const long step = PyLong_AsLong(args[1]);
-    if (step == -1 && PyErr_Occurred()) return NULL;
-    if (step < TQX_DELAYED_FORWARD || step > TQX_DELAYED_BACKWARD_DEFERRED) {
-        PyErr_Format(PyExc_ValueError, "_linear_delayed_states: step must be 0, 1 or 2; got %ld",
-                     step);
-        return NULL;
-    }
-    PyObject *entry = tqx_linear_entry(st, args[0]), *result = NULL;
-    tqx_delayed_buffers c = TQX_DELAYED_BUFFERS_INIT;
-    if (entry != NULL && tqx_delayed_copies(st, entry, (tqx_delayed_step)step, args[2], args[3],
-                                            args[4], 1, &c) == 0)
-        result = step != TQX_DELAYED_FORWARD ? PyTuple_Pack(1, c.states[0])
-                                             : PyTuple_Pack(2, c.states[0], c.states[1]);
-    Py_XDECREF(entry);
-    tqx_delayed_buffers_clear(&c);
-    return result;
-}
-
-/* The entry of recipe_id whose backward update is the fused rule (new reference), else NULL
- * with ValueError naming fn. */
-static PyObject *fused_entry(tqx_state *st, PyObject *recipe_id, const char *fn) {
-    PyObject *entry = tqx_linear_entry(st, recipe_id);
-    if (entry != NULL && PyTuple_GET_ITEM(entry, 1) == Py_None) {
-        PyErr_Format(PyExc_ValueError, "%s: the recipe's update rule is not the fused one", fn);
-        Py_CLEAR(entry);
-    }
-    return entry;
-}
-
-/* _linear_delayed_update(recipe_id, hist, scale): linear_bwd_delayed_op's update of a module's
- * backward buffers, in place. */
-static PyObject *py_delayed_update(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "_linear_delayed_update(recipe_id, hist, scale)");
-        return NULL;
-    }
-    tqx_state *st = tqx_module_state(module);
-    PyObject *entry = fused_entry(st, args[0], "_linear_delayed_update");
-    const int rc = entry ? tqx_amax_update_buffers(st, 1, &args[1], &args[2],
-                                                   PyTuple_GET_ITEM(entry, 1), NULL, "hist_bwd",
-                                                   "scale_bwd")
-                         : -1;
-    Py_XDECREF(entry);
-    if (rc < 0) return NULL;
-    Py_RETURN_NONE;
-}
-
-/* _linear_backward_updating(recipe_id, hist, scale, *linear_backward's 8 arguments): the
- * Python-bodied backward ops' linear_backward with the module's update as
- * linear_bwd_delayed_op runs it (dy's cast). */
-static PyObject *py_backward_updating(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 11) {
-        PyErr_SetString(PyExc_TypeError, "_linear_backward_updating(recipe_id, hist, scale, "
-                        "plan, saved, dy, needs, dy_state, input_shape, bias_dtype, pending)");
-        return NULL;
-    }
-    tqx_state *st = tqx_module_state(module);
-    PyObject *entry = fused_entry(st, args[0], "_linear_backward_updating");
-    PyObject *bwd = entry ? tqx_backward_updating(st, module, args + 3, args[1], args[2],
-                                              PyTuple_GET_ITEM(entry, 1))
-                          : NULL;
-    Py_XDECREF(entry);
-    return bwd;
-}
-
 static PyObject *set_linear_plan_of(PyObject *module, PyObject *fn) {
     tqx_state *st = tqx_module_state(module);
     if (!PyCallable_Check(fn)) {
@@ -491,18 +412,6 @@ PyMethodDef tqx_linear_ops_methods[] = {
     {"_set_linear_plan_of", set_linear_plan_of, METH_O,
      "_set_linear_plan_of(fn): fn(recipe_id) gives (the linear plan tuple, the DelayedScaling "
      "backward update (history_len, algo, (scaled max,)) or None) of a recipe id."},
-    {"_linear_delayed_states", (PyCFunction)(void (*)(void))py_delayed_states, METH_FASTCALL,
-     "_linear_delayed_states(recipe_id, step, hist, scale, like) -> states\n\nThe (scale, "
-     "amax slot) states on a module's DelayedScaling buffers, checked as the C ops check them: "
-     "(x's, W's) for step 0, (dy's,) for 1 (backward) and 2 (backward, update deferred)."},
-    {"_linear_delayed_update", (PyCFunction)(void (*)(void))py_delayed_update, METH_FASTCALL,
-     "_linear_delayed_update(recipe_id, hist, scale)\n\nlinear_bwd_delayed_op's update of a "
-     "module's backward buffers, in place."},
-    {"_linear_backward_updating", (PyCFunction)(void (*)(void))py_backward_updating,
-     METH_FASTCALL,
-     "_linear_backward_updating(recipe_id, hist, scale, plan, saved, dy, needs, dy_state, "
-     "input_shape, bias_dtype, pending) -> (dx, dw, db)\n\nlinear_backward with the module's "
-     "DelayedScaling update of hist and scale run by dy's cast (linear_bwd_delayed_op's)."},
     {"_kept_delayed_states", tqx_kept_states_count, METH_NOARGS,
      "_kept_delayed_states() -> the number of module histories whose states the in-place ops "
      "keep (linear_delayed.c)."},

@@ -25,7 +25,8 @@ static int tequant_exec(PyObject *module) {
                              tqx_linear_methods, tqx_linear_ctx_methods, tqx_linear_module_methods,
                              tqx_linear_ops_methods,
                              tqx_autocast_methods, tqx_norm_methods, tqx_act_methods,
-                             tqx_fused_ops_methods, tqx_dy_given_methods};
+                             tqx_fused_ops_methods, tqx_given_ops_methods,
+                             tqx_dy_given_methods};
     for (size_t i = 0; i < sizeof tables / sizeof tables[0]; i++)
         if (PyModule_AddFunctions(module, tables[i]) < 0) return -1;
     /* the bit values Python passes to the C calls, named once (here) for every Python module */

@@ -233,8 +233,10 @@ extern PyMethodDef tqx_act_methods[];
 PyObject *tqx_act_backward(PyObject *module, PyObject *args, PyObject *kwargs);
 PyObject *tqx_act_fwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *tqx_act_bwd(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
-/* fused_ops.c: the kernels of the fused modules' tequant:: ops */
+/* fused_ops.c / given_ops.c: the kernels of the norm's and activation's tequant:: ops, and of
+ * te.Linear's on a given operand */
 extern PyMethodDef tqx_fused_ops_methods[];
+extern PyMethodDef tqx_given_ops_methods[];
 /* dy_given.c: te.Linear's backward on a grad_output given quantized, (dx or None, dW or None)
  * (new reference, or NULL with an exception) */
 extern PyMethodDef tqx_dy_given_methods[];
@@ -483,6 +485,25 @@ int tqx_delayed_copies(tqx_state *st, PyObject *entry, tqx_delayed_step step, Py
                        PyObject *scale, PyObject *like, int in_place, tqx_delayed_buffers *c);
 /* _C._kept_delayed_states() -> how many histories' states are kept (tests) */
 PyObject *tqx_kept_states_count(PyObject *module, PyObject *unused);
+
+/* op_args.c: what those kernels share. A compiled op's call of fn (tqx_gemm_workspace_per_call
+ * around it); TypeError unless lo <= nargs <= hi; a recipe id's linear plan entry (new
+ * reference) with its DelayedScaling flag and row multiple; a module's DelayedScaling buffers
+ * in place (ValueError naming hist_fwd / hist_bwd for None); a float dtype argument's tq dtype;
+ * rows and k of an inp_shape tuple; a 2-D tensor's dims; a tensor's last dim. -1 (or NULL)
+ * with an exception. */
+typedef PyObject *(*tqx_fastcall)(PyObject *, PyObject *const *, Py_ssize_t);
+enum { TQX_PLAN_INPUT = 1, TQX_PLAN_GRAD_OUTPUT = 3 }; /* the configs' places in a plan tuple */
+PyObject *tqx_in_op(tqx_fastcall fn, PyObject *module, PyObject *const *args, Py_ssize_t n);
+int tqx_op_arity(const char *fn, Py_ssize_t nargs, Py_ssize_t lo, Py_ssize_t hi);
+int tqx_op_entry(tqx_state *st, PyObject *recipe_id, PyObject **entry, int *delayed,
+                 long long *align);
+int tqx_op_module_states(tqx_state *st, PyObject *entry, tqx_delayed_step step, PyObject *hist,
+                         PyObject *scale, PyObject *like, tqx_delayed_buffers *c);
+int tqx_op_float_dtype(tqx_state *st, PyObject *dtype, const char *name);
+int tqx_op_rows_cols(PyObject *shape, long long *rows, long long *k);
+int tqx_op_dims2(PyObject *t, const char *name, long long dims[2]);
+long long tqx_op_last_dim(PyObject *t, const char *name);
 
 /* amax_update.c: _amax_update, delayed scaling's history roll and scale update */
 extern PyMethodDef tqx_amax_update_methods[];

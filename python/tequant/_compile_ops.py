@@ -40,7 +40,6 @@ from typing import Optional
 import torch
 
 from . import _C, _plan, _rng, delayed
-from ._operands import TQ_DTYPE as _TQ_DTYPE
 from ._plan import COLUMNWISE, DEFER_UPDATE, NEED_DGRAD, NEED_WGRAD, PACKED, ROWWISE
 
 _CONFIGS = {}  # (recipe_id, role) -> QuantizerConfig
@@ -372,18 +371,7 @@ def linear_fwd_given(x_members: list[Optional[torch.Tensor]], x_shape: list[int]
     """(y, W's packed buffer) of y = x W^T + b for x given as its members (needs: linear.c's
     bits, packed; x's own members are not returned: the caller holds them). DelayedScaling:
     W's amax max-accumulated into row 0 of hist_fwd in place (x's is there already: the norm's
-    or activation's op put it there; x_members[4] is None). The kernel: csrc/ext/fused_ops.c."""
-
-
-def _delayed_states(recipe_id, needs, hist, scale, like):
-    """The (scale, amax slot) states on a module's own DelayedScaling buffers, which the
-    in-place ops update: forward's (needs None: x's and W's), or backward's (dy's; the update
-    the op's own, or deferred with needs bit DEFER_UPDATE)."""
-    if hist is None:
-        name = "hist_fwd" if needs is None else "hist_bwd"
-        raise ValueError(f"DelayedScaling needs the module's {name}")
-    step = 0 if needs is None else 2 if needs & DEFER_UPDATE else 1
-    return _C._linear_delayed_states(recipe_id, step, hist, scale, like)
+    or activation's op put it there; x_members[4] is None). The kernel: csrc/ext/given_ops.c."""
 
 
 @fake("tequant::linear_fwd_given")
@@ -407,51 +395,15 @@ def linear_bwd_given(dy: torch.Tensor, x_members: list[Optional[torch.Tensor]],
                      scale_bwd: torch.Tensor | None,
                      hist_bwd: torch.Tensor | None = None) -> _GRADS:
     """linear_bwd for an x that came as members (x_members: its six, the columnwise ones for
-    wgrad) and W's packed buffer: _backward_given's (dx, dW, db, amax dy) (csrc/ext/fused_ops.c,
-    the kernel)."""
-
-
-def _backward_given(dy, x_kept, w_members, w_kept, recipe_id, needs, inp_shape, x_dtype,
-                    w_dtype, bias_dtype, scale_bwd, hist_bwd):
-    """linear.c's backward on x's kept form (a tuple of its six members, its packed buffer, or
-    None without wgrad) and W's six members (w_members) or packed buffer (w_kept): (dx, dW, db,
-    DelayedScaling's amax of dy without hist_bwd), an empty uint8 [0] for each absent one; given
-    hist_bwd, dy's amax goes into its row 0 and the module's update runs on hist_bwd and
-    scale_bwd in place. A packed buffer is paired with dy's amax slot under DelayedScaling: no
-    GEMM reads a kept operand's amax, and linear.c wants a tensor there (linear_ops.c does the
-    same)."""
-    plan = _plan.of_id(recipe_id)
-    rows, k = _rows_cols(inp_shape)
-    state = None
-    if plan.delayed and hist_bwd is not None:
-        state = _delayed_states(recipe_id, needs, hist_bwd, scale_bwd, dy)[0]
-    elif plan.delayed:
-        state = (scale_bwd[0:1], dy.new_zeros((1, 1), dtype=torch.float32))
-    slot = state[1] if state else None
-    w = tuple(w_members) if w_members is not None else (w_kept, slot)
-    if isinstance(x_kept, torch.Tensor):
-        x_kept = (x_kept, slot)
-    saved = (x_kept, w, rows,
-             _plan.padded(rows, plan.align), dy.shape[-1], k, _TQ_DTYPE[x_dtype],
-             _TQ_DTYPE[w_dtype])
-    call = (plan.c_args, saved, dy.contiguous(), needs & ~DEFER_UPDATE, state,
-            tuple(inp_shape), bias_dtype, None)
-    updating = state is not None and hist_bwd is not None  # the module's buffers
-    with graph_safe_workspace():  # the update in dy's cast, as linear_bwd_delayed's
-        grads = _C._linear_backward_updating(recipe_id, hist_bwd, scale_bwd, *call) \
-            if updating and not needs & DEFER_UPDATE else _C.linear_backward(*call)
-    amax = None if updating else state[1] if state else None
-    return tuple(_or_absent(t, dy) for t in (*grads[:3], amax))
+    wgrad) and W's packed buffer: (dx, dW, db, DelayedScaling's amax of dy without hist_bwd), an
+    empty uint8 [0] tensor for each absent one; given hist_bwd, dy's amax goes into its row 0
+    and the module's update runs on hist_bwd and scale_bwd in place (unless needs defers it).
+    The kernel: csrc/ext/given_ops.c."""
 
 
 def _absent(like):
     """The empty uint8 [0] tensor that stands for an absent output of a fixed-arity op."""
     return like.new_empty((0,), dtype=torch.uint8)
-
-
-def _or_absent(t, like):
-    """t, or _absent(like) for None."""
-    return t if t is not None else _absent(like)
 
 
 def _backward_given_fake(dy, recipe_id, needs, inp_shape, x_dtype, w_dtype, bias_dtype, hist_bwd):
@@ -475,24 +427,16 @@ def _linear_bwd_given_fake(dy, x_members, w_kept, recipe_id, needs, inp_shape, x
 # TraceableGatheredWeight) reaches te.Linear as its members: these two run linear.c's calls on
 # such a W (eager's bits: linear.py hands C the same members) and a high-precision x.
 
-@op("tequant::linear_fwd_wgiven", mutates_args=("hist_fwd",), tags=ANY_LAYOUT)
+@op("tequant::linear_fwd_wgiven", mutates_args=("hist_fwd",), tags=ANY_LAYOUT,
+    kernel=_C.linear_fwd_wgiven_op)
 def linear_fwd_wgiven(inp: torch.Tensor, w_members: list[Optional[torch.Tensor]],
                       w_dtype: torch.dtype, bias: Optional[torch.Tensor], recipe_id: str,
                       needs: int, scale_fwd: Optional[torch.Tensor],
                       hist_fwd: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, x's packed columnwise buffer, or an empty uint8 [0] tensor without wgrad) of
     y = x W^T + b for W given as its six members (rowwise); DelayedScaling: x's amax
-    max-accumulated into row 0 of hist_fwd in place (W's went into it at the gather)."""
-    plan = _plan.of_id(recipe_id)
-    x_state = None
-    if plan.delayed:
-        x_state = _delayed_states(recipe_id, None, hist_fwd, scale_fwd, inp)[0]
-    n, k = w_members[0].shape
-    w = (tuple(w_members), n, k, _TQ_DTYPE[w_dtype])
-    with graph_safe_workspace():
-        out, saved = _C.linear_forward(plan.c_args, inp.contiguous(), w, bias, needs | PACKED,
-                                       [], None, x_state, None)
-    return out, (saved[0][0] if needs & NEED_WGRAD else _absent(inp))
+    max-accumulated into row 0 of hist_fwd in place (W's went into it at the gather). The
+    kernel: csrc/ext/given_ops.c."""
 
 
 @fake("tequant::linear_fwd_wgiven")
@@ -508,16 +452,16 @@ def _linear_fwd_wgiven_fake(inp, w_members, w_dtype, bias, recipe_id, needs, sca
     return inp.new_empty(tuple(inp.shape[:-1]) + (n,)), x_buf
 
 
-@op("tequant::linear_bwd_wgiven", mutates_args=("scale_bwd", "hist_bwd"), tags=ANY_LAYOUT)
+@op("tequant::linear_bwd_wgiven", mutates_args=("scale_bwd", "hist_bwd"), tags=ANY_LAYOUT,
+    kernel=_C.linear_bwd_wgiven_op)
 def linear_bwd_wgiven(dy: torch.Tensor, x_kept: Optional[torch.Tensor],
                       w_members: list[Optional[torch.Tensor]], recipe_id: str, needs: int,
                       inp_shape: list[int], x_dtype: torch.dtype, w_dtype: torch.dtype,
                       bias_dtype: Optional[torch.dtype], scale_bwd: Optional[torch.Tensor],
                       hist_bwd: Optional[torch.Tensor] = None) -> _GRADS:
     """linear_bwd for x's packed columnwise buffer (linear_fwd_wgiven's, None without wgrad) and
-    W's six members (its columnwise codes for dgrad): _backward_given's (dx, dW, db, amax dy)."""
-    return _backward_given(dy, x_kept, w_members, None, recipe_id, needs, inp_shape, x_dtype,
-                           w_dtype, bias_dtype, scale_bwd, hist_bwd)
+    W's six members (its columnwise codes for dgrad): (dx, dW, db, amax dy) as linear_bwd_given's
+    (csrc/ext/given_ops.c, the kernel)."""
 
 
 @fake("tequant::linear_bwd_wgiven")

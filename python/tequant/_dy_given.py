@@ -41,7 +41,7 @@ def _linear_bwd_dy_given(dy_q: list[torch.Tensor], x_members: list[Optional[torc
     te.Linear (x as the fused norm's members, W's packed buffer) for the grad_output the
     activation quantized; given DelayedScaling's hist_bwd (and scale_bwd): dy's amax (dy_q[2])
     max-accumulated into its row 0, then the module's update of both in place (linear_bwd's).
-    The kernel: csrc/ext/fused_ops.c."""
+    The kernel: csrc/ext/given_ops.c."""
 
 
 @fake("tequant::linear_bwd_dy_given")
@@ -100,7 +100,7 @@ def _linear_bwd_part(dy_pair: list[torch.Tensor], x_kept: torch.Tensor, w_kept: 
                      w_dtype: torch.dtype) -> torch.Tensor:
     """dx (part NEED_DGRAD: dy_pair the rowwise data and scale_inv) or dW (NEED_WGRAD: the
     columnwise pair) of a block-format te.Linear from linear_fwd's packed buffers (the kernel:
-    csrc/ext/fused_ops.c)."""
+    csrc/ext/given_ops.c)."""
 
 
 @fake("tequant::linear_bwd_part")
