@@ -360,8 +360,7 @@ def _linear_bwd_delayed_fake(dy, x_kept, w_kept, recipe_id, needs, inp_shape, x_
 
 # The fused norm's codes (_norm_fn.NormInput) reach te.Linear already quantized: these two run
 # linear.c's calls on such an x (its six members, rows zero-padded to the format's multiple), the
-# eager calls' bits. Python kernels: the fused path's op pair, beside the C-kernel linear_fwd /
-# linear_bwd of a high-precision x.
+# eager calls' bits, through C kernels as linear_fwd / linear_bwd of a high-precision x.
 
 @op("tequant::linear_fwd_given", mutates_args=("hist_fwd",), kernel=_C.linear_fwd_given_op)
 def linear_fwd_given(x_members: list[Optional[torch.Tensor]], x_shape: list[int],
