@@ -151,9 +151,10 @@ def _bits(t):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_wgiven_kernels_give_linear_ops_bits(device):
-    """FSDP2's gathered-weight ops (W as its six members) run C kernels with no Python frame and
-    give the bits of tequant::linear_fwd / linear_bwd on the high-precision W (whose quantization
-    te.ops.quantize reproduces)."""
+    """FSDP2's gathered-weight ops (W as its six members, its columnwise codes transposed by
+    tequant::transpose_codes) run C kernels with no Python frame and give the bits of
+    tequant::linear_fwd / linear_bwd on the high-precision W (whose quantization te.ops.quantize
+    reproduces)."""
     recipe = Float8CurrentScaling()
     rid = recipe._tequant_id
     g = torch.Generator().manual_seed(0)
@@ -171,12 +172,14 @@ def test_wgiven_kernels_give_linear_ops_bits(device):
     try:
         y, x_buf = ops.linear_fwd_wgiven(x, [q.data, q.scale_inv, None, None, q.amax, None],
                                          torch.bfloat16, None, rid, 3, None)
+        codes_t = ops.transpose_codes(q.data)  # the gathered W's columnwise codes
         dx, dw, db, amax = ops.linear_bwd_wgiven(
-            dy, x_buf, [q.data, q.scale_inv, q.data_t, None, q.amax, None], rid, 3, [48, 64],
+            dy, x_buf, [q.data, q.scale_inv, codes_t, None, q.amax, None], rid, 3, [48, 64],
             torch.bfloat16, torch.bfloat16, None, None)
     finally:
         sys.setprofile(None)
-    assert not seen & {"linear_fwd_wgiven", "linear_bwd_wgiven"}
+    assert not seen & {"linear_fwd_wgiven", "linear_bwd_wgiven", "transpose_codes"}
+    assert torch.equal(_bits(codes_t), _bits(q.data_t))
     ref = ops.linear_fwd(x, w, None, rid, 8 | 3, None)
     ref_dx, ref_dw = ops.linear_bwd(dy, ref[1], ref[2], rid, 3, [48, 64], torch.bfloat16,
                                     torch.bfloat16, None, None)

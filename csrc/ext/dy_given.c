@@ -19,37 +19,9 @@
  */
 #include "module.h"
 
-#define CODE_DTYPES                                                                              \
-    ((1u << TQ_DTYPE_UINT8) | (1u << TQ_DTYPE_FLOAT8_E4M3) | (1u << TQ_DTYPE_FLOAT8_E5M2))
-
 /* seq[i], or None past its end (borrowed; seq a tuple or list from PySequence_Fast). */
 static PyObject *item_or_none(PyObject *seq, Py_ssize_t i) {
     return i < PySequence_Fast_GET_SIZE(seq) ? PySequence_Fast_GET_ITEM(seq, i) : Py_None;
-}
-
-/* The one-byte codes [rows, cols] transposed into a new [cols, rows] tensor (tq_transpose on
- * their current stream; new reference). */
-static PyObject *transposed(tqx_state *st, PyObject *codes) {
-    tq_tensor x, out;
-    tqx_tensor_info info;
-    void *data;
-    if (tqx_tensor_from_py(st, codes, "dy codes", CODE_DTYPES, &x, &info) < 0) return NULL;
-    PyObject *device = PyObject_GetAttrString(codes, "device");
-    PyObject *t = device ? tqx_torch_new(st, x.cols, x.rows, x.dtype, device, 0, &data) : NULL;
-    Py_XDECREF(device);
-    if (t == NULL || tqx_tensor_from_py(st, t, "codes_t", CODE_DTYPES, &out, NULL) < 0) {
-        Py_XDECREF(t);
-        return NULL;
-    }
-    tq_status s;
-    Py_BEGIN_ALLOW_THREADS
-    s = tq_transpose(&x, &out, (struct CUstream_st *)info.stream);
-    Py_END_ALLOW_THREADS
-    if (s != TQ_SUCCESS) {
-        Py_DECREF(t);
-        return tqx_raise_status(st, s);
-    }
-    return t;
 }
 
 /* dy's six members and (padded, n) for given_dy_backward (new references in *members, *shape). */
@@ -78,7 +50,7 @@ static int dy_members(tqx_state *st, PyObject *q, long needs, int blocks, PyObje
             if (n != 2) codes_t = Py_None;
         }
         if (codes_t == Py_None && (needs & TQX_NEED_WGRAD)) {
-            if ((made = transposed(st, codes)) == NULL) return -1;
+            if ((made = tqx_transposed(st, codes)) == NULL) return -1;
             codes_t = made;
         }
         *members = PyTuple_Pack(6, codes, scale_inv, codes_t, Py_None, item_or_none(q, 2),

@@ -199,6 +199,9 @@ extern PyMethodDef tqx_tensor_view_methods[];
 
 /* ops.c */
 extern PyMethodDef tqx_ops_methods[];
+/* ops.c: 2-D one-byte codes [rows, cols] transposed into a new [cols, rows] tensor (tq_transpose
+ * on their current stream; new reference, or NULL with an exception) */
+PyObject *tqx_transposed(tqx_state *st, PyObject *codes);
 
 /* codec.c: _C._codec, the elementwise codecs for tests */
 extern PyMethodDef tqx_codec_methods[];

@@ -209,15 +209,13 @@ def _gemm_out_fake(a, a_recipe_id, a_role, a_rows, a_cols, a_usage, b, b_recipe_
 
 
 # ---- te.Linear ---------------------------------------------------------------------------------
-@op("tequant::transpose_codes", mutates_args=())
+@op("tequant::transpose_codes", mutates_args=(), kernel=_C.transpose_codes_op)
 def transpose_codes(x: torch.Tensor) -> torch.Tensor:
     """x.t().contiguous() for a 2-D tensor of one-byte codes (uint8, float8_e4m3fn, float8_e5m2,
-    float8_e8m0fnu), in one tiled pass (tq_transpose): the columnwise codes of a gathered
-    per-tensor FP8 or 2-D-block operand (distributed/gather_layout.py). An op, not a C call,
-    so that traced code (the quantized sequence-parallel gather under torch.compile) reaches it."""
-    out = _transposed_like(x)
-    _C._transpose(x, out)
-    return out
+    float8_e8m0fnu), in one tiled pass (tq_transpose; the kernel: csrc/ext/ops.c): the
+    columnwise codes of a gathered per-tensor FP8 or 2-D-block operand
+    (distributed/gather_layout.py). An op, not a C call, so that traced code (the quantized
+    sequence-parallel gather under torch.compile) reaches it."""
 
 
 @fake("tequant::transpose_codes")
