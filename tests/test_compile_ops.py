@@ -477,34 +477,3 @@ def test_compiled_outputs_are_torch_allocations_once_cudagraph_trees_exist():
     done = subprocess.run([sys.executable, "-c", _ALLOCATION_SCRIPT], env=env, timeout=300,
                           capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
-
-
-def test_graph_safe_workspace_restores_the_mode():
-    """The ops' `with graph_safe_workspace():` turns the per-call GEMM workspace on for their C
-    calls and restores the mode it found, nested, and when the body raises."""
-    from tequant import _C
-    from tequant._compile_ops import graph_safe_workspace
-
-    def mode():  # the current mode, left as it was
-        now = _C._gemm_workspace_per_call(True)
-        _C._gemm_workspace_per_call(now)
-        return now
-
-    before = _C._gemm_workspace_per_call(False)
-    try:
-        with graph_safe_workspace():
-            assert mode() is True
-            with graph_safe_workspace():
-                assert mode() is True
-            assert mode() is True
-        assert mode() is False
-        with pytest.raises(RuntimeError, match="body"):
-            with graph_safe_workspace():
-                raise RuntimeError("body")
-        assert mode() is False
-        _C._gemm_workspace_per_call(True)
-        with graph_safe_workspace():
-            pass
-        assert mode() is True
-    finally:
-        _C._gemm_workspace_per_call(before)

@@ -1,10 +1,13 @@
-"""The fused modules' tequant:: ops run C kernels (csrc/ext/fused_ops.c), no Python body.
+"""Every tequant:: op runs a C kernel, no Python body (csrc/ext/fused_ops.c, given_ops.c,
+functional_ops.c, ops.c; linear_ops.c's since the twenty-second session).
 
 A compiled (aot_eager, fullgraph) step of te.LayerNormLinear + te.LayerNormMLP under every
 recipe that fuses: the profiler sees the fused ops run, and no Python frame of an op's schema
-function (the bodies they had) runs; and the kernels' bad calls raise clear exceptions. The
-bits of these ops against eager are tests/test_fused_norm_compile.py's,
-tests/test_fused_act_modules.py's and tests/test_fused_dh.py's (compiled vs eager).
+function (the bodies they had) runs; likewise a compiled te.ops linear step (quantize with
+stochastic rounding, dequantize, gemm, gemm_out) and FSDP2's gathered-weight ops; and the
+kernels' bad calls raise clear exceptions. The bits of these ops against eager are
+tests/test_fused_norm_compile.py's, tests/test_fused_act_modules.py's, tests/test_fused_dh.py's
+and tests/test_compile_ops.py's (compiled vs eager).
 """
 import sys
 
@@ -24,6 +27,7 @@ SCHEMA_FUNCTIONS = {
     "_compile_ops.py": {"linear_fwd_given", "linear_bwd_given"},
     "_dy_given.py": {"_linear_bwd_dy_given", "_linear_bwd_part"},
 }
+TE_OPS_FUNCTIONS = {"quantize_op", "dequantize_op", "gemm_op", "gemm_out_op", "transpose_codes"}
 # what a fwd+bwd step of the model below runs, per recipe
 EXPECTED = {
     "current": {"norm_fwd", "norm_bwd", "act_fwd", "act_bwd", "linear_fwd_given",
@@ -44,23 +48,27 @@ def _model(device):
                         device=device))
 
 
-def _python_frames(step):
-    """Names of the ops' schema functions that ran as Python frames during step()."""
+def _frames_in(files, fn):
+    """(the (file, function) pairs of tequant's `files` entered during fn(), fn's result)."""
     seen = set()
 
     def hook(frame, event, arg):
-        if event == "call":
-            code = frame.f_code
-            names = SCHEMA_FUNCTIONS.get(code.co_filename.rsplit("/", 1)[-1])
-            if names and code.co_name in names:
-                seen.add(code.co_name)
+        file = frame.f_code.co_filename.rsplit("/", 1)[-1]
+        if event == "call" and file in files and "/tequant/" in frame.f_code.co_filename:
+            seen.add((file, frame.f_code.co_name))
 
     sys.setprofile(hook)
     try:
-        step()
+        result = fn()
     finally:
         sys.setprofile(None)
-    return seen
+    return seen, result
+
+
+def _python_frames(step):
+    """Names of the ops' schema functions that ran as Python frames during step()."""
+    seen, _ = _frames_in(SCHEMA_FUNCTIONS, step)
+    return {name for file, name in seen if name in SCHEMA_FUNCTIONS[file]}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -162,23 +170,19 @@ def test_wgiven_kernels_give_linear_ops_bits(device):
                 for shape in ((48, 64), (32, 64), (48, 32)))
     q = te.ops.quantize(w, recipe, role="weight", rowwise=True, columnwise=True)
     ops = torch.ops.tequant
-    seen = set()
 
-    def hook(frame, event, arg):
-        if event == "call" and frame.f_code.co_filename.endswith("_compile_ops.py"):
-            seen.add(frame.f_code.co_name)
-
-    sys.setprofile(hook)
-    try:
+    def calls():
         y, x_buf = ops.linear_fwd_wgiven(x, [q.data, q.scale_inv, None, None, q.amax, None],
                                          torch.bfloat16, None, rid, 3, None)
         codes_t = ops.transpose_codes(q.data)  # the gathered W's columnwise codes
         dx, dw, db, amax = ops.linear_bwd_wgiven(
             dy, x_buf, [q.data, q.scale_inv, codes_t, None, q.amax, None], rid, 3, [48, 64],
             torch.bfloat16, torch.bfloat16, None, None)
-    finally:
-        sys.setprofile(None)
-    assert not seen & {"linear_fwd_wgiven", "linear_bwd_wgiven", "transpose_codes"}
+        return y, x_buf, codes_t, dx, dw, db, amax
+
+    seen, (y, x_buf, codes_t, dx, dw, db, amax) = _frames_in({"_compile_ops.py"}, calls)
+    assert not {name for _, name in seen} & {"linear_fwd_wgiven", "linear_bwd_wgiven",
+                                             "transpose_codes"}
     assert torch.equal(_bits(codes_t), _bits(q.data_t))
     ref = ops.linear_fwd(x, w, None, rid, 8 | 3, None)
     ref_dx, ref_dw = ops.linear_bwd(dy, ref[1], ref[2], rid, 3, [48, 64], torch.bfloat16,
@@ -189,3 +193,48 @@ def test_wgiven_kernels_give_linear_ops_bits(device):
     assert db.numel() == 0 and amax.numel() == 0
     with pytest.raises(ValueError, match="w_members must be W's six members"):
         ops.linear_fwd_wgiven(x, [None] * 6, torch.bfloat16, None, rid, 3, None)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_te_ops_step_runs_c_kernels(device):
+    """te.ops under torch.compile: NVFP4's stochastic rounding (drawn at run time by the kernel's
+    call into _rng.py, not an op body), the dequantization, a GEMM and an accumulating GEMM
+    into out= run their C kernels with no schema-function frame; the profiler sees the ops."""
+    from tequant.recipe import NVFP4BlockScaling
+    torch._dynamo.reset()
+    recipe = NVFP4BlockScaling(disable_rht=False, disable_stochastic_rounding=False)
+    g = torch.Generator().manual_seed(0)
+    x, w, dy = (torch.randn(shape, generator=g).to(torch.bfloat16).to(device)
+                for shape in ((64, 64), (32, 64), (64, 32)))
+    dw = torch.zeros(32, 64, device=device)
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def step(x, w, dy, dw):
+        qx = te.ops.quantize(x, recipe, "input", rowwise=True, columnwise=True)
+        qw = te.ops.quantize(w, recipe, "weight")
+        qdy = te.ops.quantize(dy, recipe, "grad_output", rowwise=True, columnwise=True)
+        te.ops.gemm(qdy, qx, transpose_a=True, out=dw, accumulate=True)
+        return te.ops.gemm(qx, qw, transpose_b=True), te.ops.dequantize(qdy)
+
+    step(x, w, dy, dw)
+    seen, _ = _frames_in({"_compile_ops.py"}, lambda: step(x, w, dy, dw))
+    assert not {name for _, name in seen} & TE_OPS_FUNCTIONS, seen
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step(x, w, dy, dw)
+    ran = {e.name for e in prof.events() if e.name.startswith("tequant::")}
+    assert {"tequant::quantize", "tequant::gemm", "tequant::gemm_out",
+            "tequant::dequantize"} <= ran, ran
+    torch._dynamo.reset()
+
+
+def test_te_ops_kernels_refuse_bad_calls():
+    rid = Float8CurrentScaling()._tequant_id
+    codes = torch.zeros(16, 16, dtype=torch.uint8)
+    with pytest.raises(TypeError, match="quantize_op takes 8 arguments"):
+        _C.quantize_op(codes)
+    with pytest.raises(ValueError, match="dequantize: dtype must be torch.float32"):
+        _C.dequantize_op([codes] + [None] * 5, rid, "input", 16, 16, 1, torch.int8)
+    with pytest.raises(ValueError, match="the six of a quantized tensor with its columnwise"):
+        _C.dequantize_op([codes] + [None] * 5, rid, "input", 16, 16, 2, torch.float32)
+    with pytest.raises(TypeError, match="gemm_out_op takes 15 arguments"):
+        _C.gemm_out_op()

@@ -48,7 +48,7 @@ static int operand_from_py(tqx_state *st, PyObject *spec, const char *name, tqx_
     return tqx_operand_set(st, &config, rows, cols, item[3], (uint32_t)usage, o);
 }
 
-/* Set by _gemm_workspace_per_call around the calls torch.compile's ops make: once the process
+/* Set by tqx_gemm_workspace_per_call around the calls torch.compile's ops make: once the process
  * has cudagraph trees their memory may come from a CUDA-graph pool (the trees warm up and record
  * in one), where a workspace kept past the call would be memory the graph does not track, and
  * where the tensors they return must be torch.empty's (torch_calls.c new_tensor). Per thread. */
@@ -256,7 +256,7 @@ done:
 /* _gemm(a, b, out, out_dtype, bias, flags) -> out [M, N]: out = alpha * A . B^T (+ bias)
  * (+ out with TQ_GEMM_ACCUMULATE). a, b: (config, rows, cols, members, usage) specs; out: a
  * tensor or None (then a new one of out_dtype); bias: a tensor of N elements or None. */
-static PyObject *py_gemm(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+PyObject *tqx_gemm_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 6) {
         PyErr_Format(PyExc_TypeError, "_gemm(a, b, out, out_dtype, bias, flags) takes 6 "
                      "arguments (%zd given)", nargs);
@@ -303,27 +303,16 @@ int tqx_gemm_workspace_per_call(int on) {
     return previous;
 }
 
-static PyObject *py_workspace_per_call(PyObject *module, PyObject *flag) {
-    (void)module;
-    const int on = PyObject_IsTrue(flag);
-    if (on < 0) return NULL;
-    return PyBool_FromLong(tqx_gemm_workspace_per_call(on));
-}
-
 static PyObject *py_cudagraph_trees_seen(PyObject *module, PyObject *unused) {
     (void)unused;
     return PyBool_FromLong(tqx_cudagraph_trees_seen(tqx_module_state(module)));
 }
 
 PyMethodDef tqx_gemm_methods[] = {
-    {"_gemm_workspace_per_call", py_workspace_per_call, METH_O,
-     "_gemm_workspace_per_call(flag) -> previous\n\nTrue (on this thread) around torch.compile's "
-     "ops: once the process has cudagraph trees, each GEMM then makes its own cuBLASLt workspace "
-     "and new tensors come from torch.empty (a CUDA-graph pool may be active)."},
     {"_cudagraph_trees_seen", py_cudagraph_trees_seen, METH_NOARGS,
      "_cudagraph_trees_seen() -> bool\n\nWhether torch.compile's cudagraph trees have existed in "
      "this process (sticky)."},
-    {"_gemm", (PyCFunction)(void (*)(void))py_gemm, METH_FASTCALL,
+    {"_gemm", (PyCFunction)(void (*)(void))tqx_gemm_call, METH_FASTCALL,
      "_gemm(a, b, out, out_dtype, bias, flags) -> out\n\nout[M, N] = alpha * A . B^T (+ bias) "
      "(+ out when flags has ACCUMULATE=1; FAST_ACCUM=2). a, b: (config, rows, cols, members, "
      "usage). See tequant.ops.gemm for the public API."},

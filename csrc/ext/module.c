@@ -26,7 +26,7 @@ static int tequant_exec(PyObject *module) {
                              tqx_linear_ops_methods,
                              tqx_autocast_methods, tqx_norm_methods, tqx_act_methods,
                              tqx_fused_ops_methods, tqx_given_ops_methods,
-                             tqx_dy_given_methods};
+                             tqx_dy_given_methods, tqx_functional_ops_methods};
     for (size_t i = 0; i < sizeof tables / sizeof tables[0]; i++)
         if (PyModule_AddFunctions(module, tables[i]) < 0) return -1;
     /* the bit values Python passes to the C calls, named once (here) for every Python module */
@@ -58,6 +58,8 @@ static int tequant_traverse(PyObject *module, visitproc visit, void *arg) {
     Py_VISIT(st->rng_state);
     Py_VISIT(st->linear_plans);
     Py_VISIT(st->linear_plan_of);
+    Py_VISIT(st->op_configs);
+    Py_VISIT(st->op_config_of);
     Py_VISIT(st->delayed_states);
     for (int i = 0; i < TQX_LINEAR_MODULE_SLOTS; i++) Py_VISIT(st->linear_module[i]);
     const int visited = tqx_torch_traverse(st, visit, arg);
@@ -84,6 +86,8 @@ static int tequant_clear(PyObject *module) {
     Py_CLEAR(st->rng_state);
     Py_CLEAR(st->linear_plans);
     Py_CLEAR(st->linear_plan_of);
+    Py_CLEAR(st->op_configs);
+    Py_CLEAR(st->op_config_of);
     Py_CLEAR(st->delayed_states);
     for (int i = 0; i < TQX_LINEAR_MODULE_SLOTS; i++) Py_CLEAR(st->linear_module[i]);
     Py_CLEAR(st->str_enabled);

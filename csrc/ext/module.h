@@ -146,6 +146,7 @@ typedef struct tqx_state {
     /* linear_ops.c: recipe id (str) -> linear plan tuple, filled through linear_plan_of (set by
      * tequant._compile_linear) on a miss */
     PyObject *linear_plans, *linear_plan_of;
+    PyObject *op_configs, *op_config_of; /* functional_ops.c: (recipe_id, role) -> config */
     /* linear_delayed.c: the in-place ops' DelayedScaling states kept per history buffer */
     PyObject *delayed_states;
     /* linear_module.c: the torch objects te.Linear.forward's C call uses (handed over by
@@ -311,6 +312,9 @@ static inline int tqx_member_used(const tq_tensor *t) {
 
 /* quantize.c */
 extern PyMethodDef tqx_quantize_methods[];
+/* _C._quantize / _C._dequantize (functional_ops.c's kernels call them too) */
+PyObject *tqx_quantize(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *tqx_dequantize(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 /* A QuantizerConfig object that quantizes in the core -> its config; -1 with an exception. */
 int tqx_config_from_py(tqx_state *st, PyObject *obj, tq_quant_config *out);
 /* A quantization laid out and allocated whose kernel is still to run: tqx_quantize_members /
@@ -383,6 +387,10 @@ void tqx_operand_of(const tq_quant_config *config, const tq_qtensor *q, uint32_t
 PyObject *tqx_gemm_run(tqx_state *st, tqx_operand *a, tqx_operand *b, PyObject *out_obj,
                        tq_dtype out_dtype, PyObject *bias_obj, uint32_t flags);
 extern PyMethodDef tqx_gemm_methods[];
+/* _C._gemm (functional_ops.c's kernels call it too) */
+PyObject *tqx_gemm_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+/* functional_ops.c: the kernels of te.ops' tequant:: ops */
+extern PyMethodDef tqx_functional_ops_methods[];
 
 /* packed.c: te.Linear's quantized operands in one uint8 buffer per part (members at offsets). */
 typedef enum tqx_part { /* the same bits as tq_usage: a quantization's usage is all its parts */

@@ -192,7 +192,7 @@ static int given_amax_from_py(tqx_state *st, PyObject *obj, tq_quantize_args *qa
  * one, or rowwise and columnwise) the per-tensor scale is computed from (given_amax_from_py).
  * dbias: None, or a [K] float tensor on x's device for x's column sums (tq_quantize_args.dbias;
  * its workspace is scratch of the call: linear_dbias.c). */
-static PyObject *py_quantize(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+PyObject *tqx_quantize(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 7 && nargs != 8) {
         PyErr_Format(PyExc_TypeError, "_quantize(x, config, usage, scale, amax, rng, amax_in"
                      "[, dbias]) takes 7 or 8 arguments (%zd given)", nargs);
@@ -261,7 +261,7 @@ int tqx_qtensor_from_py(tqx_state *st, const tq_quant_config *config, int64_t ro
 }
 
 /* _dequantize(config, rows, cols, members, usage, out): out = the values of one direction. */
-static PyObject *py_dequantize(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+PyObject *tqx_dequantize(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 6) {
         PyErr_Format(PyExc_TypeError, "_dequantize(config, rows, cols, members, usage, out) "
                      "takes 6 arguments (%zd given)", nargs);
@@ -372,7 +372,7 @@ PyMethodDef tqx_quantize_methods[] = {
     {"_quantize_layout", (PyCFunction)(void (*)(void))py_quantize_layout, METH_FASTCALL,
      "_quantize_layout(config, rows, cols, usage) -> 6-tuple of (rows, cols, dtype) or None\n\n"
      "The members _quantize allocates, as torch shapes and dtypes."},
-    {"_quantize", (PyCFunction)(void (*)(void))py_quantize, METH_FASTCALL,
+    {"_quantize", (PyCFunction)(void (*)(void))tqx_quantize, METH_FASTCALL,
      "_quantize(x, config, usage, scale, amax, rng, amax_in[, dbias]) -> (data, scale_inv, "
      "data_t, scale_inv_t, amax, amax_t)\n\nQuantizes x with a QuantizerConfig (and writes its "
      "column sums into dbias); see tequant.ops.quantize for the public API."},
@@ -380,7 +380,7 @@ PyMethodDef tqx_quantize_methods[] = {
      "_quantize_pair(x0, config0, x1, config1[, state0, state1]) -> (members0, members1)\n\n"
      "Both directions of two tensors, in one launch where the kernels allow it "
      "(tq_quantize_pair). state: DelayedScaling's (scale, amax slot), or None."},
-    {"_dequantize", (PyCFunction)(void (*)(void))py_dequantize, METH_FASTCALL,
+    {"_dequantize", (PyCFunction)(void (*)(void))tqx_dequantize, METH_FASTCALL,
      "_dequantize(config, rows, cols, members, usage, out)\n\nWrites one direction's values "
      "into out; see QuantizedTensor.dequantize."},
     {NULL, NULL, 0, NULL}};

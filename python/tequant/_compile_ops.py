@@ -39,7 +39,7 @@ from typing import Optional
 
 import torch
 
-from . import _C, _plan, _rng, delayed
+from . import _C, _plan, delayed
 from ._plan import COLUMNWISE, DEFER_UPDATE, NEED_DGRAD, NEED_WGRAD, PACKED, ROWWISE
 
 _CONFIGS = {}  # (recipe_id, role) -> QuantizerConfig
@@ -73,22 +73,6 @@ def fake(qualname):
     return torch.library.register_fake(qualname, lib=_LIB)
 
 
-class graph_safe_workspace:
-    """An op may run in a CUDA-graph memory pool (reduce-overhead warms up and records in one):
-    its GEMMs then keep no cached cuBLASLt workspace past the call. `with
-    graph_safe_workspace():` around the op's C calls. A class: a contextlib.contextmanager cost
-    6.3 us a use against this one's 0.2 (2-core CPU machine), and the ops of a fused block's
-    compiled step enter it ~12 times a layer."""
-
-    __slots__ = ("previous",)
-
-    def __enter__(self):
-        self.previous = _C._gemm_workspace_per_call(True)
-
-    def __exit__(self, *exc):
-        _C._gemm_workspace_per_call(self.previous)
-
-
 def config_of(recipe_id, role):
     """The QuantizerConfig of the recipe registered under `recipe_id` (a str) for `role`."""
     config = _CONFIGS.get((recipe_id, role))
@@ -110,25 +94,18 @@ def _rows_cols(shape):
     return rows, cols
 
 
-@op("tequant::quantize", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
+_C._set_op_config_of(config_of)
+
+
+@op("tequant::quantize", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,),
+    kernel=_C.quantize_op)
 def quantize_op(x: torch.Tensor, recipe_id: str, role: str, usage: int,
                 scale: Optional[torch.Tensor], rng: Optional[list[int]],
                 rng_state: Optional[torch.Tensor], draw_site: int) -> list[torch.Tensor]:
     """The members _C._quantize makes (the present ones, in order). Stochastic rounding's rng:
     (seed, offset), or an int64 [2] tensor read when the kernel runs, or neither to draw from
     the default generator of x's device now; draw_site only keeps such calls apart in the graph
-    (_compile_trace._draw_site)."""
-    config = config_of(recipe_id, role)
-    if rng_state is not None:
-        chosen = rng_state
-    elif rng is not None:
-        chosen = tuple(rng)
-    elif config.stochastic_rounding:
-        chosen = _rng.rng_state(x.device, None)
-    else:
-        chosen = None
-    members = _C._quantize(x, config, usage, scale, None, chosen, None)
-    return [m for m in members if m is not None]
+    (_compile_trace._draw_site). The kernel: csrc/ext/functional_ops.c."""
 
 
 @fake("tequant::quantize")
@@ -148,14 +125,11 @@ def _device_of(members, usage):
     return members[0 if usage == ROWWISE else 2].device
 
 
-@op("tequant::dequantize", mutates_args=())
+@op("tequant::dequantize", mutates_args=(), kernel=_C.dequantize_op)
 def dequantize_op(members: list[Optional[torch.Tensor]], recipe_id: str, role: str, rows: int,
                   cols: int, usage: int, dtype: torch.dtype) -> torch.Tensor:
-    """One direction's values, [rows, cols] rowwise or [cols, rows] columnwise."""
-    out = torch.empty(_dequantized_shape(rows, cols, usage), dtype=dtype,
-                      device=_device_of(members, usage))
-    _C._dequantize(config_of(recipe_id, role), rows, cols, tuple(members), usage, out)
-    return out
+    """One direction's values, [rows, cols] rowwise or [cols, rows] columnwise (the kernel:
+    csrc/ext/functional_ops.c)."""
 
 
 @fake("tequant::dequantize")
@@ -166,20 +140,13 @@ def _dequantize_fake(members, recipe_id, role, rows, cols, usage, dtype):
 
 # ---- gemm ------------------------------------------------------------------------------------
 
-def _spec(members, recipe_id, role, rows, cols, usage):
-    return (config_of(recipe_id, role), rows, cols, tuple(members), usage)
-
-
-@op("tequant::gemm", mutates_args=())
+@op("tequant::gemm", mutates_args=(), kernel=_C.gemm_op)
 def gemm_op(a: list[Optional[torch.Tensor]], a_recipe_id: str, a_role: str, a_rows: int,
             a_cols: int, a_usage: int, b: list[Optional[torch.Tensor]], b_recipe_id: str,
             b_role: str, b_rows: int, b_cols: int, b_usage: int, out_dtype: torch.dtype,
             bias: Optional[torch.Tensor], flags: int) -> torch.Tensor:
-    """_C._gemm into a new [M, N] tensor: a, b are one operand's members and key each."""
-    with graph_safe_workspace():
-        return _C._gemm(_spec(a, a_recipe_id, a_role, a_rows, a_cols, a_usage),
-                        _spec(b, b_recipe_id, b_role, b_rows, b_cols, b_usage),
-                        None, out_dtype, bias, flags)
+    """_C._gemm into a new [M, N] tensor: a, b are one operand's members and key each (the
+    kernel: csrc/ext/functional_ops.c)."""
 
 
 @fake("tequant::gemm")
@@ -190,16 +157,13 @@ def _gemm_fake(a, a_recipe_id, a_role, a_rows, a_cols, a_usage, b, b_recipe_id, 
     return torch.empty((m, n), dtype=out_dtype, device=_device_of(a, a_usage))
 
 
-@op("tequant::gemm_out", mutates_args=("out",))
+@op("tequant::gemm_out", mutates_args=("out",), kernel=_C.gemm_out_op)
 def gemm_out_op(a: list[Optional[torch.Tensor]], a_recipe_id: str, a_role: str, a_rows: int,
                 a_cols: int, a_usage: int, b: list[Optional[torch.Tensor]], b_recipe_id: str,
                 b_role: str, b_rows: int, b_cols: int, b_usage: int, out: torch.Tensor,
                 bias: Optional[torch.Tensor], flags: int) -> None:
-    """_C._gemm writing (or, with the ACCUMULATE flag, adding) into the caller's `out`."""
-    with graph_safe_workspace():
-        _C._gemm(_spec(a, a_recipe_id, a_role, a_rows, a_cols, a_usage),
-                 _spec(b, b_recipe_id, b_role, b_rows, b_cols, b_usage), out, out.dtype, bias,
-                 flags)
+    """_C._gemm writing (or, with the ACCUMULATE flag, adding) into the caller's `out` (the
+    kernel: csrc/ext/functional_ops.c)."""
 
 
 @fake("tequant::gemm_out")
