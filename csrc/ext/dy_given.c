@@ -2,7 +2,7 @@
  * eager and compiled code alike: te.LayerNormMLP's fc1 on the codes its activation's backward
  * wrote (_act_fn.GradOutput; eager python/tequant/linear.py, compiled the kernel of
  * tequant::linear_bwd_dy_given), and a compiled block-format te.Linear whose large grad_output
- * an op of its own quantized (tequant::linear_bwd_part; fused_ops.c has both kernels).
+ * an op of its own quantized (tequant::linear_bwd_part; given_ops.c has both kernels).
  *
  *   _given_dy_backward(c_args, saved, dy_q, needs, inp_shape, pending, blocks)
  *       -> (dx or None, dW or None): linear.c's backward on dy_q = (codes [padded, N],
@@ -12,8 +12,9 @@
  *       codes are the codes transposed here. linear.c takes a quantized grad_output of the
  *       forward's rows only where they are the padded rows, so the call is made for the padded
  *       rows (zero codes, which add nothing to dW) and dx keeps the first M rows of the
- *       [padded, K] dgrad, viewed as inp_shape: the bits of te.Linear's own padding. The caller
- *       takes dbias.
+ *       [padded, K] dgrad, viewed as inp_shape: the bits of te.Linear's own padding. saved's
+ *       rows (2) and N (4) are taken from dy's codes (padded rows, their N). The caller takes
+ *       dbias.
  * Tests: tests/test_fused_act_modules.py, tests/test_fused_dh.py, tests/test_compile_delayed.py,
  * tests/test_backward_memory.py, tests/test_fused_ops_c.py.
  */
@@ -79,9 +80,9 @@ PyObject *tqx_given_dy_backward(PyObject *module, PyObject *c_args, PyObject *sa
         goto done;
     }
     if (dy_members(st, q, needs, blocks, &members, &dy_shape) < 0) goto done;
-    PyObject *padded = PyTuple_GET_ITEM(dy_shape, 0); /* dy_shape: (padded, N) */
+    PyObject *padded = PyTuple_GET_ITEM(dy_shape, 0), *n = PyTuple_GET_ITEM(dy_shape, 1);
     PyObject *const *s = &PyTuple_GET_ITEM(saved, 0);
-    padded_saved = PyTuple_Pack(8, s[0], s[1], padded, s[3], s[4], s[5], s[6], s[7]);
+    padded_saved = PyTuple_Pack(8, s[0], s[1], padded, s[3], n, s[5], s[6], s[7]);
     dy = padded_saved ? PyTuple_Pack(3, members, dy_shape, s[6]) : NULL;
     out_shape = dy ? PyTuple_Pack(2, padded, s[5]) : NULL;
     needs_obj = out_shape ? PyLong_FromLong(needs) : NULL;

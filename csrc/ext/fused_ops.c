@@ -69,6 +69,35 @@ static PyObject *fixed_tuple(tqx_state *st, PyObject *outs, PyObject *skip, cons
     return tuple;
 }
 
+/* fn(call) under DelayedScaling on a te.Linear's forward buffers: call[at] the recipe's input
+ * config, call[at + 1] and call[at + 2] x's scale and amax slot (views of scale_fwd and
+ * hist_fwd: the kernel max-accumulates amax(y) into the slot); fn's outputs as the fixed tuple
+ * of n_wanted (the slot passed over). name: the op, for messages. */
+static PyObject *delayed_fixed(tqx_fastcall fn, PyObject *module, const char *name,
+                               PyObject *recipe_id, PyObject *hist, PyObject *scale,
+                               PyObject **call, Py_ssize_t n, Py_ssize_t at, const int *wanted,
+                               int n_wanted) {
+    tqx_state *st = tqx_module_state(module);
+    PyObject *entry, *outs = NULL, *result = NULL;
+    tqx_delayed_buffers c = TQX_DELAYED_BUFFERS_INIT;
+    if (config_of(st, recipe_id, TQX_PLAN_INPUT, &entry, &call[at]) < 0) return NULL;
+    if (entry == NULL) {
+        PyErr_Format(PyExc_ValueError, "%s: recipe_id must name a recipe", name);
+        return NULL;
+    }
+    if (tqx_op_module_states(st, entry, TQX_DELAYED_FORWARD, hist, scale, call[0], &c) == 0) {
+        PyObject *slot = PyTuple_GET_ITEM(c.states[0], 1);
+        call[at + 1] = PyTuple_GET_ITEM(c.states[0], 0);
+        call[at + 2] = slot;
+        if ((outs = tqx_in_op(fn, module, call, n)) != NULL)
+            result = fixed_tuple(st, outs, slot, wanted, n_wanted, call[0]);
+    }
+    Py_XDECREF(outs);
+    Py_DECREF(entry);
+    tqx_delayed_buffers_clear(&c);
+    return result;
+}
+
 /* ---- the norm ---- */
 
 static PyObject *norm_fwd_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
@@ -79,34 +108,18 @@ static PyObject *norm_fwd_op(PyObject *module, PyObject *const *args, Py_ssize_t
 }
 
 static PyObject *norm_fwd_delayed_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (tqx_op_arity("norm_fwd_delayed_op", nargs, 13, 13) < 0) return NULL;
-    tqx_state *st = tqx_module_state(module);
-    PyObject *entry, *config, *outs = NULL, *result = NULL;
-    tqx_delayed_buffers c = TQX_DELAYED_BUFFERS_INIT;
     int want_hp, want_stats, columnwise;
-    const char *norm = PyUnicode_AsUTF8(args[3]);
-    if (norm == NULL || tqx_flag_arg(args[6], &want_hp) < 0
-        || tqx_flag_arg(args[7], &want_stats) < 0 || tqx_flag_arg(args[11], &columnwise) < 0
-        || config_of(st, args[8], TQX_PLAN_INPUT, &entry, &config) < 0)
+    const char *norm = nargs == 13 ? PyUnicode_AsUTF8(args[3]) : "";
+    if (tqx_op_arity("norm_fwd_delayed_op", nargs, 13, 13) < 0 || norm == NULL
+        || tqx_flag_arg(args[6], &want_hp) < 0 || tqx_flag_arg(args[7], &want_stats) < 0
+        || tqx_flag_arg(args[11], &columnwise) < 0)
         return NULL;
-    if (entry == NULL) {
-        PyErr_SetString(PyExc_ValueError, "norm_fwd_delayed: recipe_id must name a recipe");
-        return NULL;
-    }
-    if (tqx_op_module_states(st, entry, TQX_DELAYED_FORWARD, args[12], args[9], args[0], &c) == 0) {
-        PyObject *x_state = c.states[0], *slot = PyTuple_GET_ITEM(x_state, 1);
-        PyObject *call[13] = {args[0], args[1], args[2], args[3], args[4], args[5], args[6],
-                              args[7], config, PyTuple_GET_ITEM(x_state, 0), slot, args[10],
-                              args[11]};
-        const int layer_norm = strcmp(norm, "LayerNorm") == 0;
-        const int wanted[6] = {want_hp, want_stats && layer_norm, want_stats, 1, 1, columnwise};
-        if ((outs = tqx_in_op(tqx_norm_fwd, module, call, 13)) != NULL)
-            result = fixed_tuple(st, outs, slot, wanted, 6, args[0]);
-    }
-    Py_XDECREF(outs);
-    Py_DECREF(entry);
-    tqx_delayed_buffers_clear(&c);
-    return result;
+    const int layer_norm = strcmp(norm, "LayerNorm") == 0;
+    const int wanted[6] = {want_hp, want_stats && layer_norm, want_stats, 1, 1, columnwise};
+    PyObject *call[13] = {args[0], args[1], args[2], args[3], args[4], args[5], args[6],
+                          args[7], NULL, NULL, NULL, args[10], args[11]};
+    return delayed_fixed(tqx_norm_fwd, module, "norm_fwd_delayed", args[8], args[12], args[9],
+                         call, 13, 8, wanted, 6);
 }
 
 static PyObject *norm_bwd_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
@@ -123,30 +136,14 @@ static PyObject *act_fwd_op(PyObject *module, PyObject *const *args, Py_ssize_t 
 }
 
 static PyObject *act_fwd_delayed_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (tqx_op_arity("act_fwd_delayed_op", nargs, 8, 8) < 0) return NULL;
-    tqx_state *st = tqx_module_state(module);
-    PyObject *entry, *config, *outs = NULL, *result = NULL;
-    tqx_delayed_buffers c = TQX_DELAYED_BUFFERS_INIT;
     int want_hp, columnwise;
-    if (tqx_flag_arg(args[2], &want_hp) < 0 || tqx_flag_arg(args[6], &columnwise) < 0
-        || config_of(st, args[3], TQX_PLAN_INPUT, &entry, &config) < 0)
+    if (tqx_op_arity("act_fwd_delayed_op", nargs, 8, 8) < 0 || tqx_flag_arg(args[2], &want_hp) < 0
+        || tqx_flag_arg(args[6], &columnwise) < 0)
         return NULL;
-    if (entry == NULL) {
-        PyErr_SetString(PyExc_ValueError, "act_fwd_delayed: recipe_id must name a recipe");
-        return NULL;
-    }
-    if (tqx_op_module_states(st, entry, TQX_DELAYED_FORWARD, args[7], args[4], args[0], &c) == 0) {
-        PyObject *x_state = c.states[0], *slot = PyTuple_GET_ITEM(x_state, 1);
-        PyObject *call[8] = {args[0], args[1], args[2], config, PyTuple_GET_ITEM(x_state, 0),
-                             slot, args[5], args[6]};
-        const int wanted[4] = {want_hp, 1, 1, columnwise};
-        if ((outs = tqx_in_op(tqx_act_fwd, module, call, 8)) != NULL)
-            result = fixed_tuple(st, outs, slot, wanted, 4, args[0]);
-    }
-    Py_XDECREF(outs);
-    Py_DECREF(entry);
-    tqx_delayed_buffers_clear(&c);
-    return result;
+    const int wanted[4] = {want_hp, 1, 1, columnwise};
+    PyObject *call[8] = {args[0], args[1], args[2], NULL, NULL, NULL, args[5], args[6]};
+    return delayed_fixed(tqx_act_fwd, module, "act_fwd_delayed", args[3], args[7], args[4], call,
+                         8, 3, wanted, 4);
 }
 
 static PyObject *act_bwd_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {

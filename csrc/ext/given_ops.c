@@ -246,7 +246,7 @@ static PyObject *given_dy_grads(PyObject *module, PyObject *entry, int delayed, 
     PyObject *q = PySequence_Fast(dy_q, "dy_q must be a sequence of tensors");
     tq_quant_config dy_config;
     int x_dtype, w_dtype;
-    long long rows, k, dims[2] = {0, 0};
+    long long rows, k;
     if (q == NULL || tqx_config_from_py(st, PyTuple_GET_ITEM(plan, TQX_PLAN_GRAD_OUTPUT),
                                         &dy_config) < 0
         || (x_dtype = tqx_op_float_dtype(st, dtypes[0], "x_dtype")) < 0
@@ -261,14 +261,11 @@ static PyObject *given_dy_grads(PyObject *module, PyObject *entry, int delayed, 
                      "tensors", blocks ? "" : " and amax", n_q);
         goto done;
     }
-    if (tqx_op_dims2(PySequence_Fast_GET_ITEM(q, 0), "dy's codes", dims) < 0) goto done;
-    /* N: the rowwise codes' columns, or the rows of the columnwise pair's data_t [N, M] */
-    const int columnwise_pair = blocks && n_q == 2 && !(needs & TQX_NEED_DGRAD);
     x_pair = PyTuple_Check(x_kept) ? Py_NewRef(x_kept) : PyTuple_Pack(2, x_kept, Py_None);
     PyObject *w_amax = delayed ? PySequence_Fast_GET_ITEM(q, 2) : Py_None;
+    /* N (0 here): tqx_given_dy_backward takes it from dy's codes */
     saved = x_pair ? Py_BuildValue("(O(OO)LLLLii)", x_pair, w_kept, w_amax, rows,
-                                   (rows + align - 1) / align * align,
-                                   columnwise_pair ? dims[0] : dims[1], k, x_dtype, w_dtype)
+                                   (rows + align - 1) / align * align, 0LL, k, x_dtype, w_dtype)
                    : NULL;
     if (saved == NULL) goto done;
     const int previous = tqx_gemm_workspace_per_call(1);
