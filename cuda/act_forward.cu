@@ -16,7 +16,7 @@
  * elements read act(x) from a per-CTA shared-memory table (act_table.cuh: the same bits, fewer
  * instructions: the arithmetic made these kernels compute-bound).
  * The amax run of those three (current scaling's first launch) reads h at memory speed with one
- * activation a thread (monotone_amax_kernel: they are monotone where amax is decided).
+ * activation a CTA (monotone_amax_kernel: they are monotone where amax is decided).
  * y_q_t (the codes transposed, wgrad's operand): colt_kernel writes both directions where
  * colt_fits (16-bit h, codes without y_hp, M % 32 == 0, N % 256 == 0); else tq_transpose_cuda
  * runs on y_q after the pass (same bits either way).
@@ -138,17 +138,25 @@ __global__ void __launch_bounds__(kTable ? tq_act_table::kThreads : kThreads)
 }
 
 /* The amax run (no y_hp, no codes) of gelu / silu / qgelu of bf16 h: these are non-negative and
- * non-decreasing over every non-negative bf16 x (+Inf included), and |act(x)| < kNegBound for
- * every negative one (-Inf and NaN give NaN, which amax ignores): checked over all 65536 values
- * by tests/test_act_amax.py. So where m, the largest x a thread reads, has act(m) >=
- * kNegBound, act(m) is that thread's max |act(x)| exactly, and the thread reads h at memory
- * speed with one activation. A thread whose act(m) is smaller (every x it reads below ~0.67)
- * reads its items again and computes each act(x). Same bits as act_forward_kernel's amax. */
-constexpr float kNegBound = 0.5f; /* |act(x)| over negative bf16 x: gelu 0.170, silu 0.279, qgelu 0.164 */
+ * non-decreasing over every non-negative bf16 x (+Inf included), and |act(x)| < neg_bound(act)
+ * for every negative one (-Inf and NaN give NaN, which amax ignores): checked over all 65536
+ * values by tests/test_act_amax.py. So where m, the largest x a CTA reads, has act(m) >=
+ * neg_bound, act(m) is that CTA's max |act(x)| exactly: every x >= 0 it reads has act(x) <=
+ * act(m), every negative one |act(x)| < act(m). The CTA reads h at memory speed and computes one
+ * activation. The decision is the CTA's, not each thread's: a thread's own few dozen elements
+ * are often all below the bound (h of a small GPT at initialization, std ~0.45: ~1% of threads
+ * at 62 elements each), and one slow thread holds its CTA; a CTA's ~16K elements are not. A CTA
+ * whose act(m) is smaller (every x it reads below ~0.3-0.5) reads its items again and computes
+ * each act(x). Same bits as act_forward_kernel's amax. */
+template <int kBase>
+__device__ __forceinline__ float neg_bound() { /* max |act(x)| over negative bf16 x, above */
+    return kBase == TQ_ACT_SILU ? 0.3125f : 0.1875f; /* silu 0.2785, gelu 0.1700, qgelu 0.1645 */
+}
 
 template <int kBase>
 __global__ void __launch_bounds__(kThreads) monotone_amax_kernel(const FwdParams p) {
     using T = tq_fp::Bf16;
+    __shared__ float warp_m[kThreads / 32];
     float m = 0.0f;
     const int64_t start = (int64_t)blockIdx.x * kThreads + threadIdx.x,
                   stride = (int64_t)gridDim.x * kThreads;
@@ -167,8 +175,13 @@ __global__ void __launch_bounds__(kThreads) monotone_amax_kernel(const FwdParams
             w.next();
         }
     }
-    float amax = tq_act_value(kBase, m);
-    if (!(amax >= kNegBound)) {
+    for (int offset = 16; offset > 0; offset >>= 1)
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+    if ((threadIdx.x & 31) == 0) warp_m[threadIdx.x >> 5] = m;
+    __syncthreads();
+    for (int w = 0; w < kThreads / 32; w++) m = fmaxf(m, warp_m[w]); /* the CTA's m, uniform */
+    float amax = threadIdx.x == 0 ? tq_act_value(kBase, m) : 0.0f;
+    if (!(tq_act_value(kBase, m) >= neg_bound<kBase>())) { /* uniform: every thread computes */
         amax = 0.0f;
         for (tq_chunk::Walk w(start, stride, p.nchunks); w.row < rows; w.next()) {
             Item<T, false> it;

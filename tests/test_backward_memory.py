@@ -1,11 +1,11 @@
-"""The compiled backward's memory: dh written over h (tequant::act_bwd_over_h,
-python/tequant/_act_fn.py) and a large grad_output quantized in an op of its own
+"""The compiled backward's memory: dh written over dy (tequant::act_bwd_over_dy) or, gated, over
+h (tequant::act_bwd_over_h, python/tequant/_act_fn.py) and a large grad_output quantized in an op of its own
 (_dy_given.split_dy_backward), so the compiled Llama-style block holds neither a second h nor the
 bf16 dh next to fc1's dx and dW.
 
 The kernels (cuda/act_backward.cu) and the C reference (csrc/ref/act_backward_ref.c) read each
-element of h before the same thread (the same loop step) writes it: in place they give the bits
-of a separate dh, for every activation, dtype and row layout (16-byte chunks, element paths,
+element of h (and of dy) before the same thread (the same loop step) writes it: in place over
+h, or over dy where dh has dy's shape (not gated), they give the bits of a separate dh, for every activation, dtype and row layout (16-byte chunks, element paths,
 the bf16 table path). The split backward gives the one-op backward's bits (CPU and CUDA,
 Float8BlockScaling and MXFP8BlockScaling, te.Linear and te.LayerNormMLP, the threshold lowered so
 small shapes split). GPU: the compiled MLP's backward allocates no buffer of h's size (dh is h's)
@@ -36,6 +36,13 @@ def _over_h(dy, h, act, layout):
     return h_in.contiguous()
 
 
+def _over_dy(dy, h, act, layout):
+    """dh computed over (a copy of) dy in `layout` (not gated); returned contiguous."""
+    dy_in = layout(dy.clone())
+    _C._act_backward(dy_in, h, act, dh=dy_in)
+    return dy_in.contiguous()
+
+
 def _separate(dy, h, act):
     dh = torch.full_like(h, float("nan"))
     _C._act_backward(dy, h, act, dh=dh)
@@ -55,6 +62,9 @@ def test_in_place_bits_equal_a_separate_dh(act, dtype, device):
         for layout in (lambda t: t, misaligned):
             got = _over_h(g, h, act, layout)
             assert torch.equal(bits(got), bits(want)), (act, dtype, m, k)
+            if act not in BASE:  # not gated: dh has dy's shape
+                got = _over_dy(g, h, act, layout)
+                assert torch.equal(bits(got), bits(want)), ("over dy", act, dtype, m, k)
 
 
 @gpu
@@ -64,7 +74,10 @@ def test_cuda_table_path_in_place(act):
     # bf16 over enough elements for the shared-memory tables (test_act_kernels' table case)
     h, dy, dy_g = make(2048, 8192, torch.bfloat16, seed=4, scale=3.0, device="cuda")
     g = grad_of(act, dy, dy_g)
-    assert torch.equal(bits(_over_h(g, h, act, lambda t: t)), bits(_separate(g, h, act)))
+    want = _separate(g, h, act)
+    assert torch.equal(bits(_over_h(g, h, act, lambda t: t)), bits(want))
+    if act not in BASE:
+        assert torch.equal(bits(_over_dy(g, h, act, lambda t: t)), bits(want))
 
 
 # ---- the compiled module -----------------------------------------------------------------------

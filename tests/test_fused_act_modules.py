@@ -345,11 +345,12 @@ def _assert_same(got, want):
 @pytest.mark.parametrize("act,name", [("gelu", "delayed"), ("swiglu", "delayed"),
                                       ("swiglu", "current"), ("srelu", "current"),
                                       ("swiglu", "block"), ("reglu", "block"),
-                                      ("swiglu", None), ("srelu", None)])
+                                      ("gelu", "block"), ("swiglu", None), ("srelu", None)])
 def test_compile_bit_identical(act, name, device, fresh_dynamo):
     """aot_eager, fullgraph, autocast inside, 21 tokens: eager's bits; the graphs call
     tequant::act_fwd (act_fwd_delayed under DelayedScaling) and, for the backward, act_bwd where it quantizes fc1's grad_output
-    (GradOutput), else act_bwd_over_h (dh written over the saved h); the fused recipes
+    (GradOutput), else act_bwd_over_dy (dh written over dy) or, gated, act_bwd_over_h (over the
+    saved h); the fused recipes
     linear_fwd_given twice: fc1 and fc2; block scaling once: fc2, whose blocks the activation
     writes, as in eager."""
     model = _mlp(act, device=device)
@@ -365,12 +366,35 @@ def test_compile_bit_identical(act, name, device, fresh_dynamo):
     _assert_same(_run(torch.compile(step, backend=recorder, fullgraph=True), twin, xs), want)
     ops = set(op_names(recorder.fw_graphs + recorder.bw_graphs))
     grad_output = name in ("delayed", "current")  # fc1 on the norm's codes asks for them
-    backward = "tequant.act_bwd.default" if grad_output else "tequant.act_bwd_over_h.default"
+    over = "over_h" if act in ("swiglu", "reglu", "geglu") else "over_dy"
+    backward = "tequant.act_bwd.default" if grad_output else f"tequant.act_bwd_{over}.default"
     act_fwd = "act_fwd_delayed" if name == "delayed" else "act_fwd"  # amax into fc2's history
     assert {f"tequant.{act_fwd}.default", backward} <= ops, ops
     if name == "block":
         assert op_names(recorder.fw_graphs).count("tequant.linear_fwd_given.default") == 1
     assert not any(a in op for op in ops for a in ("gelu", "silu", "relu", "sigmoid")), ops
+
+
+def test_inductor_writes_dh_over_dy_without_a_copy(fresh_dynamo):
+    """Inductor, block scaling, gelu: the compiled backward writes the plain dh over dy, fc2's
+    input gradient (an intermediate that Inductor reinplaces), with no copy kernel before it
+    (over the saved h, a graph input, Inductor copied h first: a [M, ffn] pass a layer); the
+    bits are eager's."""
+    from torch._inductor.utils import run_and_get_code
+    model = _mlp("gelu")
+    twin = copy.deepcopy(model)
+    xs = [(torch.randn(21, 64) * 2).to(torch.bfloat16) for _ in range(2)]
+
+    def step(m, x):
+        with te.autocast(recipe=RECIPES["block"]):
+            return m(x)
+    want = _run(step, model, xs)
+    compiled = torch.compile(step, backend="inductor", fullgraph=True)
+    got, codes = run_and_get_code(_run, compiled, twin, xs)
+    _assert_same(got, want)
+    backward = [c for c in codes if "act_bwd_over" in c]
+    assert backward and all("act_bwd_over_dy" in c for c in backward), codes
+    assert not any("clone" in c for c in backward), backward
 
 
 @pytest.mark.parametrize("name", ["delayed", "block", "mxfp8"])  # mxfp8: E8M0 members (ops)

@@ -23,7 +23,8 @@ from test_compile import DEVICES
 # the ops' schema functions (their former Python bodies), by file
 SCHEMA_FUNCTIONS = {
     "_norm_fn.py": {"_norm_fwd", "_norm_fwd_delayed", "_norm_bwd"},
-    "_act_fn.py": {"_act_fwd", "_act_fwd_delayed", "_act_bwd", "_act_bwd_over_h"},
+    "_act_fn.py": {"_act_fwd", "_act_fwd_delayed", "_act_bwd", "_act_bwd_over_h",
+                   "_act_bwd_over_dy"},
     "_compile_ops.py": {"linear_fwd_given", "linear_bwd_given"},
     "_dy_given.py": {"_linear_bwd_dy_given", "_linear_bwd_part"},
 }

@@ -132,7 +132,8 @@ def test_act_kernels():
     """Every instance of the fused activation kernels (tests/test_act_kernels.py checks their
     bits): each activation and dtype, forward with every output (delayed codes + amax, y_hp) and
     current scaling's two runs, backward with and without dbias (its column-sum launch; M = 40:
-    three row chunks), dh written over h (the compiled backward's act_bwd_over_h), 16-byte rows
+    three row chunks), dh written over dy and over h (the compiled backward's act_bwd_over_dy /
+    act_bwd_over_h), 16-byte rows
     and element paths (misaligned / strided rows, odd N of a gated h, odd K), M = 0 (scale_inv
     and the amax slot only)."""
     delayed = te.quantizer_config(DelayedScaling(), "input")
@@ -167,6 +168,9 @@ def test_act_kernels():
         torch.sum(dh_q, dtype=torch.int64)
         _C._act_backward(dy, h, act, dh=dh)  # no dbias: one row per item, no column sums
         _finite(dh)
+        if not gated:  # dh over dy: tequant::act_bwd_over_dy's call
+            _C._act_backward(dy, h, act, dh=dy)
+            _finite(dy)
         _C._act_backward(dy, h, act, dh=h)  # dh over h: tequant::act_bwd_over_h's call
         _finite(h)
 
@@ -222,7 +226,7 @@ def _act_inputs(act, m, n, dtype, seed, layout="contiguous"):
 def test_act_table_kernels():
     """act_forward_kernel / act_backward_kernel's table instances (bf16 gelu, silu, qgelu,
     geglu, swiglu): y_hp with DelayedScaling codes, dh with codes and dbias, plain dh, and dh
-    written over h (tequant::act_bwd_over_h's call)."""
+    written over dy and over h (tequant::act_bwd_over_dy's and act_bwd_over_h's calls)."""
     delayed = te.quantizer_config(DelayedScaling(), "input")
     for i, act in enumerate(TABLE_ACTS):
         h, dy = _act_inputs(act, TABLE_ROWS, TABLE_COLS, BF16, 300 + 2 * i)
@@ -240,6 +244,10 @@ def test_act_table_kernels():
         _finite(dh, dbias, amax)
         torch.sum(dh_q, dtype=torch.int64)
         _C._act_backward(dy, h, act, dh=dh)
+        if act not in ("geglu", "swiglu", "reglu"):
+            dy_in = dy.clone()
+            _C._act_backward(dy_in, h, act, dh=dy_in)
+            assert torch.equal(dy_in, dh), f"{act}: dh written over dy differs from a separate dh"
         _C._act_backward(dy, h, act, dh=h)
         assert torch.equal(h, dh), f"{act}: dh written over h differs from a separate dh"
 

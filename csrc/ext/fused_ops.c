@@ -14,6 +14,7 @@
  *                      hist_fwd) -> (y_hp, codes, scale_inv, codes_t)
  *   act_bwd_op(dy, h, activation, recipe_id, padded, scale, dbias_dtype[, columnwise]) -> list
  *   act_bwd_over_h_op(dy, h, activation) -> None (dh written over h)
+ *   act_bwd_over_dy_op(dy, h, activation) -> None (dh written over dy; not gated)
  * A recipe id resolves to its linear plan entry (linear_ops.c): the forward codes use its
  * "input" config, the activation's backward its "grad_output" one. A fixed tuple holds an empty
  * uint8 [0] tensor for each absent output. Allocations run as in any compiled op (tqx_in_op: a
@@ -153,15 +154,25 @@ static PyObject *act_bwd_op(PyObject *module, PyObject *const *args, Py_ssize_t 
     return with_config(tqx_act_bwd, module, args[3], TQX_PLAN_GRAD_OUTPUT, call, 3, 9);
 }
 
-/* dh written over h: the kernels read each element of h before they write it */
-static PyObject *act_bwd_over_h_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (tqx_op_arity("act_bwd_over_h_op", nargs, 3, 3) < 0) return NULL;
+/* dh written over args[over] (h, or dy where dh has dy's shape): the kernels read each element
+ * of dy and h before they write it, one thread an element */
+static PyObject *act_bwd_over(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
+                              const char *name, int over) {
+    if (tqx_op_arity(name, nargs, 3, 3) < 0) return NULL;
     PyObject *call = PyTuple_Pack(3, args[0], args[1], args[2]);
-    PyObject *kwargs = call ? Py_BuildValue("{sO}", "dh", args[1]) : NULL;
+    PyObject *kwargs = call ? Py_BuildValue("{sO}", "dh", args[over]) : NULL;
     PyObject *result = kwargs ? tqx_act_backward(module, call, kwargs) : NULL;
     Py_XDECREF(call);
     Py_XDECREF(kwargs);
     return result;
+}
+
+static PyObject *act_bwd_over_h_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    return act_bwd_over(module, args, nargs, "act_bwd_over_h_op", 1);
+}
+
+static PyObject *act_bwd_over_dy_op(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    return act_bwd_over(module, args, nargs, "act_bwd_over_dy_op", 0);
 }
 
 #define OP(name, doc) {#name, (PyCFunction)(void (*)(void))name, METH_FASTCALL, doc}
@@ -173,4 +184,5 @@ PyMethodDef tqx_fused_ops_methods[] = {
     OP(act_fwd_delayed_op, "The kernel of tequant::act_fwd_delayed: y's amax into hist_fwd."),
     OP(act_bwd_op, "The kernel of tequant::act_bwd."),
     OP(act_bwd_over_h_op, "The kernel of tequant::act_bwd_over_h: dh written over h."),
+    OP(act_bwd_over_dy_op, "The kernel of tequant::act_bwd_over_dy: dh written over dy."),
     {NULL, NULL, 0, NULL}};

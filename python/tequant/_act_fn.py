@@ -28,7 +28,10 @@ fused block-format casts), the bits te.Linear's own quantization of the kernel's
 where fc1 (on the norm's output, its bias not learning, eager) asked through its GradOutput, the
 backward writes fc1's grad_output blocks in both directions from dh rounded to h's dtype (the
 bits of fc1's own quantization of dh; _plan.Plan.dy_blocks), else it returns dh.
-Compiled, a plain dh is written over the saved h (tequant::act_bwd_over_h). fc1's backward on
+Compiled, a plain dh is written over dy (tequant::act_bwd_over_dy: dy is the graph's own
+intermediate, fc2's input gradient, which Inductor's reinplacing writes in place), or for the
+gated activations (dh twice dy's width) over the saved h (tequant::act_bwd_over_h: a graph
+input of the backward, which Inductor copies first: one [M, K] pass). fc1's backward on
 the grad_output the activation quantized is _dy_given.py's.
 Tests: tests/test_fused_act_modules.py, tests/test_fused_dh.py, tests/test_compile_delayed.py,
 tests/test_act_block.py, tests/test_act_mxfp8.py, tests/test_backward_memory.py.
@@ -244,15 +247,31 @@ def _act_bwd_fake(dy, h, activation, recipe_id, padded, scale, dbias_dtype, colu
 @op("tequant::act_bwd_over_h", mutates_args=("h",), kernel=_C.act_bwd_over_h_op)
 def _act_bwd_over_h(dy: torch.Tensor, h: torch.Tensor, activation: str) -> None:
     """dh written over h (the kernels read each element of h before they write it: the same
-    bits as act_bwd's fresh dh). The compiled backward's plain dh: its saved h is dead after
-    the activation's backward, so the graph holds one [M, K] buffer there instead of two (the
-    compiled Llama block's peak, docs/results/NOTES.md, twenty-seventh session). Compiled code
-    only: there the graph sees every use of h (functionalization copies it if any remains).
-    The kernel: csrc/ext/fused_ops.c."""
+    bits as act_bwd's fresh dh), for the gated activations, whose dh does not fit in dy. The
+    compiled backward's plain dh: its saved h is dead after the activation's backward, so the
+    graph holds one [M, K] buffer there instead of two (the compiled Llama block's peak,
+    docs/results/NOTES.md, twenty-seventh session). h is a graph input of the backward, which
+    Inductor does not write in place: it copies h first (into h's own buffer where h is dead).
+    Compiled code only. The kernel: csrc/ext/fused_ops.c."""
 
 
 @fake("tequant::act_bwd_over_h")
 def _act_bwd_over_h_fake(dy, h, activation):
+    return None
+
+
+@op("tequant::act_bwd_over_dy", mutates_args=("dy",), kernel=_C.act_bwd_over_dy_op)
+def _act_bwd_over_dy(dy: torch.Tensor, h: torch.Tensor, activation: str) -> None:
+    """dh written over dy (not gated: dh has dy's shape; the kernels read each element of dy
+    and h before they write it, one thread an element: act_bwd's bits). dy is fc2's input
+    gradient, an intermediate of the compiled backward that is dead after this op, so
+    Inductor's reinplacing lets the kernel write it in place (no copy, no new buffer); where dy
+    is used again or is a graph input, functionalization copies it first. Compiled code only.
+    The kernel: csrc/ext/fused_ops.c."""
+
+
+@fake("tequant::act_bwd_over_dy")
+def _act_bwd_over_dy_fake(dy, h, activation):
     return None
 
 
@@ -320,9 +339,12 @@ class ActFunction(torch.autograd.Function):
             (None, 0, False), None, None, None)
         args = (dy2d, h2d, ctx.activation, recipe_id, padded, scale, dbias_dtype)
         compiling = torch.compiler.is_compiling()
-        if dh is None and compiling:  # dh over the dead h: one buffer less
-            torch.ops.tequant.act_bwd_over_h(dy2d, h2d, ctx.activation)
-            return (h2d.view(ctx.shape),) + _NONE_ARGS
+        if dh is None and compiling:  # dh over a dead buffer: one buffer less
+            if ctx.activation in GATED:
+                torch.ops.tequant.act_bwd_over_h(dy2d, h2d, ctx.activation)
+                return (h2d.view(ctx.shape),) + _NONE_ARGS
+            torch.ops.tequant.act_bwd_over_dy(dy2d, h2d, ctx.activation)
+            return (dy2d.view(ctx.shape),) + _NONE_ARGS
         if compiling:
             outs = torch.ops.tequant.act_bwd(*args, columnwise)
         else:
