@@ -397,6 +397,42 @@ def test_inductor_writes_dh_over_dy_without_a_copy(fresh_dynamo):
     assert not any("clone" in c for c in backward), backward
 
 
+def _hook_fc2(model, graph_break):
+    """A forward pre-hook on fc2 (fc2 then takes the activation's high-precision output), that
+    breaks Dynamo's graph there or does nothing."""
+    def hook(module, args):
+        if graph_break:
+            torch._dynamo.graph_break()
+    model.fc2.register_forward_pre_hook(hook)
+    return model
+
+
+@pytest.mark.parametrize("act", ["gelu", "silu", "relu", "swiglu"])
+@pytest.mark.parametrize("name", FUSED)
+@pytest.mark.parametrize("graph_break", [False, True])
+def test_compiled_hooked_fc2_gives_eager_gradients(act, name, graph_break, fresh_dynamo):
+    """With a hook on fc2 (fc2 then takes the activation's high-precision output) fc1 quantizes
+    its own grad_output. It used to ask the activation's backward for it (GradOutput) there
+    too; gelu and silu then ran torch's activation, whose backward delivers no tokens, and
+    compiled, fc1's backward read zeros (zero gradients for fc1 and the input); with a graph
+    break at the hook every activation failed to compile (delayed) or summed FP8 tokens
+    (current). Now compiled (a whole graph, or a graph break at the hook) gives eager's bits,
+    and the gradients are not zero."""
+    model = _hook_fc2(_mlp(act), graph_break)
+    twin = _hook_fc2(copy.deepcopy(_mlp(act)), graph_break)
+    xs = [(torch.randn(21, 64) * 2).to(torch.bfloat16) for _ in range(2)]
+
+    def step(m, x):
+        with te.autocast(recipe=RECIPES[name]):
+            return m(x)
+    want = _run(step, model, xs)
+    got = _run(torch.compile(step, backend="aot_eager", fullgraph=not graph_break), twin, xs)
+    _assert_same(got, want)
+    n_params = sum(1 for _ in model.parameters())
+    first_grads = got[1:2 + n_params]  # the first step's input and parameter gradients
+    assert all(float(t.float().abs().max()) > 0 for t in first_grads)
+
+
 @pytest.mark.parametrize("name", ["delayed", "block", "mxfp8"])  # mxfp8: E8M0 members (ops)
 def test_inductor_bit_identical(name, fresh_dynamo):
     model = _mlp("geglu")

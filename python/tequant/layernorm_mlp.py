@@ -21,7 +21,8 @@ Float8CurrentScaling; no tensor parallelism over several ranks, no backward_over
 activation kernel writes fc2's input codes itself (of the FP32 activation: with bfloat16 /
 float16 h a code can differ by one from te.Linear's codes of the activation rounded to h's dtype;
 float32: the same bits); DelayedScaling records its amax in fc2's input history slot. Where fc1
-also multiplies the norm's codes, the activation's backward writes fc1's grad_output codes (of
+also multiplies the norm's codes and fc2 is plain (no hook: fc2 takes the ActInput), the
+activation's backward writes fc1's grad_output codes (of
 the FP32 dh with fc1's grad_output quantizer: E5M2 for HYBRID; its DelayedScaling scale, the amax
 max-accumulated into fc1's grad_output history slot), and fc1's bias gradient is the kernel's
 fixed-order FP32 column sum of dh (then the bias dtype), in the same pass; fc1's backward
@@ -142,11 +143,15 @@ class LayerNormMLP(torch.nn.Module):
 
     def forward(self, inp, is_first_microbatch=None):
         x = norm.module_input(self, inp, self.hidden_size)
-        # fc1's dy: quantized by the activation (h has the input's dtype where it is)
-        dh = x.grad_output = _act_fn.GradOutput(self.activation, inp.dtype)
+        fc2_plain = _plain(self.fc2)
+        # fc1's dy: quantized by the activation's backward (h has the input's dtype where it
+        # is), where fc2 takes the ActInput; behind a hook on fc2 (a graph break, FSDP2) fc1
+        # quantizes its own dy: tokens that cross a hook reached fc1 compiled as zeros
+        dh = _act_fn.GradOutput(self.activation, inp.dtype) if fc2_plain else None
+        x.grad_output = dh
         h = self.fc1(x if _plain(self.fc1) else x.high_precision(), is_first_microbatch)
         a = _act_fn.ActInput(h, self.activation, dh)  # fc2 activates h (fused codes where it can)
-        out = self.fc2(a if _plain(self.fc2) else a.high_precision(), is_first_microbatch)
+        out = self.fc2(a if fc2_plain else a.high_precision(), is_first_microbatch)
         if not self.return_layernorm_output:
             return out
         return (*out, x.output) if self.return_bias else (out, x.output)
