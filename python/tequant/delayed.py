@@ -41,10 +41,10 @@ def _kept(module, name, hist, scale, extra, make):
     the same tensors on the same storage (to(), ensure() and load_state_dict(assign=True) replace
     them; `.data =` swaps the storage) and extra is the same object. Views of the buffers cost
     ~2.5 us each on the H200 host, and te.Linear wants four per forward and per update."""
-    # a _CompiledEntry (__slots__) has no __dict__: made each time. Not getattr(module,
-    # "__dict__", None): Dynamo of torch 2.11 raises on it for a slots object (a graph break
-    # inside te.autocast traces the exit's update over the registered entries)
-    attrs = None if type(module) is _CompiledEntry else module.__dict__
+    # kept on modules; _CompiledEntry / _PendingBackward (__slots__) have no __dict__: made each
+    # time. Not getattr(module, "__dict__", None): Dynamo of torch 2.11 raises on it for a slots
+    # object (a graph break inside te.autocast traces the exit's update over the entries)
+    attrs = module.__dict__ if isinstance(module, torch.nn.Module) else None
     kept = attrs.get(name) if attrs is not None else None
     if (kept is not None and kept[0] is hist and kept[1] is scale and kept[2] is extra
             and kept[3] == hist.data_ptr() and kept[4] == scale.data_ptr()):
