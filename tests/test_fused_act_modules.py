@@ -408,7 +408,7 @@ def _hook_fc2(model, graph_break):
 
 
 @pytest.mark.parametrize("act", ["gelu", "silu", "relu", "swiglu"])
-@pytest.mark.parametrize("name", FUSED)
+@pytest.mark.parametrize("name", FUSED + ("block", "mxfp8"))  # block formats: relu's blocks dh
 @pytest.mark.parametrize("graph_break", [False, True])
 def test_compiled_hooked_fc2_gives_eager_gradients(act, name, graph_break, fresh_dynamo):
     """With a hook on fc2 (fc2 then takes the activation's high-precision output) fc1 quantizes
