@@ -22,9 +22,9 @@ activation kernel writes fc2's input codes itself (of the FP32 activation: with 
 float16 h a code can differ by one from te.Linear's codes of the activation rounded to h's dtype;
 float32: the same bits); DelayedScaling records its amax in fc2's input history slot. Where fc1
 also multiplies the norm's codes and fc2 is plain (no hook: fc2 takes the ActInput), the
-activation's backward writes fc1's grad_output codes (of
-the FP32 dh with fc1's grad_output quantizer: E5M2 for HYBRID; its DelayedScaling scale, the amax
-max-accumulated into fc1's grad_output history slot), and fc1's bias gradient is the kernel's
+activation's backward writes fc1's grad_output codes (of the FP32 dh with fc1's grad_output
+quantizer: E5M2 for HYBRID; its DelayedScaling scale, the amax max-accumulated into fc1's
+grad_output history slot), and fc1's bias gradient is the kernel's
 fixed-order FP32 column sum of dh (then the bias dtype), in the same pass; fc1's backward
 multiplies those codes (float32: te.Linear's bits but for dbias's summation order). Under
 Float8BlockScaling (1x128 E4M3 input blocks; eager and compiled alike)
