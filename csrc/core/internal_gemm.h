@@ -63,6 +63,35 @@ tq_status tq_gemm_values_nvfp4_cuda(const tq_tensor *data_a, const tq_tensor *sc
                                     const float *amax_a, const float *amax_b, float beta,
                                     float *alpha_beta, struct CUstream_st *stream);
 
+/* A Float8BlockScaling GEMM for cuda/gemm_fp8_block.cu (Hopper, no cuBLASLt): row-major
+ * out[M, N] = A[M, K] . B[N, K]^T, E4M3 codes (K-major, ld in bytes) with per-side scales:
+ * per_row (1x128) scale_inv[kb * scale_ld + row], scale_ld = pad4(rows); else (128x128)
+ * scale_inv[(row / 128) * scale_ld + kb]. out BF16 / FP16 / FP32 (ld ldo elements), plus out's
+ * old values when accumulate, plus a bias of N elements (bias_dtype) when bias is not NULL. */
+typedef struct tq_block_gemm_side {
+    const void *data;
+    int64_t rows, ld;
+    const float *scale_inv;
+    int64_t scale_ld;
+    int per_row;
+} tq_block_gemm_side;
+
+typedef struct tq_block_gemm {
+    int device;
+    tq_block_gemm_side a, b;
+    int64_t k;
+    void *out;
+    int64_t ldo;
+    int out_dtype;
+    const void *bias;
+    int bias_dtype;
+    int accumulate;
+} tq_block_gemm;
+
+/* 1 where the kernel runs this GEMM (an sm_90 device, aligned operands), else 0: cuBLASLt. */
+int tq_gemm_fp8_block_runs(const tq_block_gemm *g);
+tq_status tq_gemm_fp8_block_cuda(const tq_block_gemm *g, struct CUstream_st *stream);
+
 #ifdef __cplusplus
 }
 #endif
