@@ -1,7 +1,7 @@
 /* gemm_fp8_block.cu: Float8BlockScaling's GEMMs on Hopper without cuBLASLt,
- * out[M, N] = sum over k blocks of (A[M, kb] B[N, kb]^T) * sa * sb (+ out) (+ bias), E4M3 codes,
+ * out[M, N] = sum over k blocks of (A[M, kb] B[N, kb]^T) * sa * sb (+ out) (+ bias), FP8 codes,
  * 1x128 scales (one per row and 128 of K) or 128x128 scales (one per 128 rows and 128 of K) on
- * either side, FP32 accumulation, BF16 / FP16 / FP32 output. Not a general GEMM: K-major codes
+ * either side, E4M3 or E5M2 codes on either side, FP32 accumulation, BF16 / FP16 / FP32 output. Not a general GEMM: K-major codes
  * only (tequant's TN layout), sm_90a only (csrc/core/gemm.c falls back to cuBLASLt elsewhere).
  *
  * Why: cuBLASLt's block-scaled kernels on Hopper run 10-45% longer than its per-tensor FP8 ones
@@ -28,15 +28,19 @@
 
 namespace {
 
-constexpr int kBM = 128, kBN = 128, kBK = 128; /* tile of out; k block = one scale block */
-constexpr int kStages = 6;
+constexpr int kBM = 128, kBN = 256, kBK = 128; /* tile of out; k block = one scale block */
+constexpr int kHalfN = 128; /* columns one wgmma chain covers; B rows each CTA of a pair loads */
+constexpr int kStages = 3;
 constexpr int kThreads = 384;                  /* warpgroup 0 produces, 1 and 2 consume */
-constexpr int kTileBytes = kBM * kBK;          /* one E4M3 code tile, 16 KiB */
+constexpr int kBytesA = kBM * kBK, kBytesB = kBN * kBK; /* code tiles, 16 and 32 KiB */
+constexpr int kOutLd = 128 + 4; /* the epilogue's FP32 rows of one 128-column half (+4: banks) */
 
 struct Smem {
-    uint8_t a[kStages][kTileBytes]; /* 1024-byte aligned: the 128-byte swizzle's period */
-    uint8_t b[kStages][kTileBytes];
-    float sa[kStages][kBM];         /* 1x128 scale vectors of the stage's k block */
+    uint8_t a[kStages][kBytesA]; /* 1024-byte aligned: the 128-byte swizzle's period */
+    uint8_t b[kStages][kBytesB];
+    float out[kBM][kOutLd];      /* the epilogue's tile, apart from the stages: the producer loads
+                                    the next tile's first k blocks while the consumers store */
+    float sa[kStages][kBM];      /* 1x128 scale vectors of the stage's k block */
     float sb[kStages][kBN];
     uint64_t full[kStages], empty[kStages];
 };
@@ -61,7 +65,7 @@ struct Params {
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-constexpr int kGroupM = 8; /* tile rows walked together (L2 reuse of B) */
+constexpr int kGroupM = 8;   /* tile rows walked together (L2 reuse of B) */
 
 __device__ __forceinline__ uint32_t smem_addr(const void *p) {
     return (uint32_t)__cvta_generic_to_shared(p);
@@ -74,10 +78,6 @@ __device__ __forceinline__ void bar_init(uint64_t *bar, int count) {
 __device__ __forceinline__ void bar_expect_tx(uint64_t *bar, uint32_t bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
                  : "memory");
-}
-
-__device__ __forceinline__ void bar_arrive(uint64_t *bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
 }
 
 /* Returns once the barrier's phase of this parity has completed. */
@@ -101,6 +101,38 @@ __device__ __forceinline__ void tma_tile(void *dst, const CUtensorMap *map, int 
         : "memory");
 }
 
+/* The same box into this and the other CTA of the pair (same shared offsets), each CTA's own
+ * barrier at `bar`'s offset counting its bytes. */
+__device__ __forceinline__ void tma_tile_both(void *dst, const CUtensorMap *map, int c, int r, uint64_t *bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+        " [%0], [%1, {%2, %3}], [%4], %5;"
+        ::"r"(smem_addr(dst)), "l"(map), "r"(c), "r"(r), "r"(smem_addr(bar)), "h"((uint16_t)3)
+        : "memory");
+}
+
+/* Arrives on the barrier at `bar`'s offset in CTA `rank` of the cluster. */
+__device__ __forceinline__ void bar_arrive_in(uint64_t *bar, uint32_t rank) {
+    asm volatile(
+        "{\n"
+        ".reg .b32 remote;\n"
+        "mapa.shared::cluster.u32 remote, %0, %1;\n"
+        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n"
+        "}\n" ::"r"(smem_addr(bar)), "r"(rank)
+        : "memory");
+}
+
+__device__ __forceinline__ uint32_t cluster_rank() {
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+
+/* Every thread of both CTAs (threads may diverge: not .aligned). */
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
+}
+
 __device__ __forceinline__ void bulk_copy(void *dst, const void *src, uint32_t bytes, uint64_t *bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar))
@@ -117,21 +149,36 @@ __device__ __forceinline__ uint64_t tile_desc(const void *p) {
 #define TQ_D4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
 #define TQ_D16(i) TQ_D4(i), TQ_D4(i + 4), TQ_D4(i + 8), TQ_D4(i + 12)
 
-/* d[64] (+)= A(64 x 32 codes) B(128 x 32 codes)^T; zero_d starts from 0 instead of d. */
-__device__ __forceinline__ void wgmma_64x128x32(float *d, uint64_t desc_a, uint64_t desc_b, int zero_d) {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.eq.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "%64, %65, p, 1, 1;\n"
-        "}\n"
-        : TQ_D16(0), TQ_D16(16), TQ_D16(32), TQ_D16(48)
-        : "l"(desc_a), "l"(desc_b), "r"(zero_d));
+/* d[64] = A(64 x 32 codes) B(128 x 32 codes)^T, plus d where add_d is nonzero; one function per
+ * pair of code formats (E4M3 / E5M2: Float8BlockScaling's HYBRID gradients). */
+#define TQ_WGMMA_FP8(name, types)                                                                   \
+    __device__ __forceinline__ void name(float *d, uint64_t desc_a, uint64_t desc_b, int add_d) {  \
+        asm volatile(                                                                               \
+            "{\n"                                                                                   \
+            ".reg .pred p;\n"                                                                       \
+            "setp.ne.b32 p, %66, 0;\n"                                                              \
+            "wgmma.mma_async.sync.aligned.m64n128k32.f32" types " "                                 \
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "               \
+            "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "      \
+            "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "      \
+            "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "     \
+            "%64, %65, p, 1, 1;\n"                                                                  \
+            "}\n"                                                                                   \
+            : TQ_D16(0), TQ_D16(16), TQ_D16(32), TQ_D16(48)                                         \
+            : "l"(desc_a), "l"(desc_b), "r"(add_d));                                                \
+    }
+TQ_WGMMA_FP8(wgmma_e4m3_e4m3, ".e4m3.e4m3")
+TQ_WGMMA_FP8(wgmma_e4m3_e5m2, ".e4m3.e5m2")
+TQ_WGMMA_FP8(wgmma_e5m2_e4m3, ".e5m2.e4m3")
+TQ_WGMMA_FP8(wgmma_e5m2_e5m2, ".e5m2.e5m2")
+
+/* kPair: bit 0 set where A holds E5M2 codes, bit 1 where B does. */
+template <int kPair>
+__device__ __forceinline__ void wgmma_64x128x32(float *d, uint64_t desc_a, uint64_t desc_b, int add_d) {
+    if constexpr (kPair == 0) wgmma_e4m3_e4m3(d, desc_a, desc_b, add_d);
+    else if constexpr (kPair == 1) wgmma_e5m2_e4m3(d, desc_a, desc_b, add_d);
+    else if constexpr (kPair == 2) wgmma_e4m3_e5m2(d, desc_a, desc_b, add_d);
+    else wgmma_e5m2_e5m2(d, desc_a, desc_b, add_d);
 }
 
 /* Keeps the compiler from moving reads of d across the wgmma wait. */
@@ -140,140 +187,226 @@ __device__ __forceinline__ void pin(float *d) {
     for (int i = 0; i < 64; i++) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-__device__ __forceinline__ float load_bias(const void *bias, int dtype, int64_t c) {
-    if (dtype == TQ_DTYPE_BFLOAT16) return __bfloat162float(((const __nv_bfloat16 *)bias)[c]);
-    if (dtype == TQ_DTYPE_FLOAT16) return __half2float(((const __half *)bias)[c]);
-    return ((const float *)bias)[c];
+__device__ __forceinline__ float load_out(const void *out, int dtype, int64_t at) {
+    if (dtype == TQ_DTYPE_BFLOAT16) return __bfloat162float(((const __nv_bfloat16 *)out)[at]);
+    if (dtype == TQ_DTYPE_FLOAT16) return __half2float(((const __half *)out)[at]);
+    return ((const float *)out)[at];
 }
 
-/* out[r][c], out[r][c + 1] = v0, v1 (+ what is there) (+ bias), those inside out. */
-__device__ __forceinline__ void store_pair(const Params &p, int64_t r, int64_t c, float v0, float v1) {
-    if (r >= p.m || c >= p.n) return;
-    const bool pair = c + 1 < p.n;
-    if (p.bias_dtype >= 0) {
-        v0 += load_bias(p.bias, p.bias_dtype, c);
-        if (pair) v1 += load_bias(p.bias, p.bias_dtype, c + 1);
-    }
+__device__ __forceinline__ void store_out(void *out, int dtype, int64_t at, float v) {
+    if (dtype == TQ_DTYPE_BFLOAT16) ((__nv_bfloat16 *)out)[at] = __float2bfloat16_rn(v);
+    else if (dtype == TQ_DTYPE_FLOAT16) ((__half *)out)[at] = __float2half_rn(v);
+    else ((float *)out)[at] = v;
+}
+
+/* out[r][c .. c + 7] = v (+ bias) (+ what is there): 16- or 32-byte accesses where `wide`. */
+__device__ __forceinline__ void store_row8(const Params &p, int64_t r, int64_t c, float *v, const float *bias,
+                                           bool wide) {
     const int64_t at = r * p.ldo + c;
-    if (p.out_dtype == TQ_DTYPE_FLOAT32) {
-        float *o = (float *)p.out + at;
-        if (p.accumulate) v0 += o[0], v1 += pair ? o[1] : 0.0f;
-        o[0] = v0;
-        if (pair) o[1] = v1;
-    } else if (p.out_dtype == TQ_DTYPE_BFLOAT16) {
-        __nv_bfloat16 *o = (__nv_bfloat16 *)p.out + at;
-        if (p.accumulate) v0 += __bfloat162float(o[0]), v1 += pair ? __bfloat162float(o[1]) : 0.0f;
-        if (pair && (at & 1) == 0) *(__nv_bfloat162 *)o = __floats2bfloat162_rn(v0, v1);
-        else {
-            o[0] = __float2bfloat16_rn(v0);
-            if (pair) o[1] = __float2bfloat16_rn(v1);
+    const int n = (int)min((int64_t)8, p.n - c);
+#pragma unroll
+    for (int i = 0; i < 8; i++) v[i] += bias[i];
+    if (wide && n == 8 && p.out_dtype != TQ_DTYPE_FLOAT32) {
+        uint4 *o = (uint4 *)((uint16_t *)p.out + at);
+        const bool bf16 = p.out_dtype == TQ_DTYPE_BFLOAT16;
+        if (p.accumulate) {
+            const uint4 old = *o;
+            const uint16_t *h = (const uint16_t *)&old;
+#pragma unroll
+            for (int i = 0; i < 8; i++)
+                v[i] += bf16 ? __bfloat162float(__ushort_as_bfloat16(h[i])) : __half2float(__ushort_as_half(h[i]));
         }
-    } else {
-        __half *o = (__half *)p.out + at;
-        if (p.accumulate) v0 += __half2float(o[0]), v1 += pair ? __half2float(o[1]) : 0.0f;
-        if (pair && (at & 1) == 0) *(__half2 *)o = __floats2half2_rn(v0, v1);
-        else {
-            o[0] = __float2half_rn(v0);
-            if (pair) o[1] = __float2half_rn(v1);
+        uint4 packed;
+        uint16_t *h = (uint16_t *)&packed;
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            h[i] = bf16 ? __bfloat16_as_ushort(__float2bfloat16_rn(v[i])) : __half_as_ushort(__float2half_rn(v[i]));
+        *o = packed;
+        return;
+    }
+    if (wide && n == 8) {
+        float4 *o = (float4 *)((float *)p.out + at);
+        if (p.accumulate) {
+            const float4 o0 = o[0], o1 = o[1];
+            v[0] += o0.x, v[1] += o0.y, v[2] += o0.z, v[3] += o0.w;
+            v[4] += o1.x, v[5] += o1.y, v[6] += o1.z, v[7] += o1.w;
+        }
+        o[0] = make_float4(v[0], v[1], v[2], v[3]);
+        o[1] = make_float4(v[4], v[5], v[6], v[7]);
+        return;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; i++)
+        if (i < n)
+            store_out(p.out, p.out_dtype, at + i, v[i] + (p.accumulate ? load_out(p.out, p.out_dtype, at + i) : 0.0f));
+}
+
+/* The consumers' epilogue, one 128-column half at a time: their FP32 fragments into shared
+ * memory, then each row written by 16 threads of 8 consecutive columns (16 or 32 bytes each). */
+__device__ __forceinline__ void write_tile(Smem &s, const Params &p, int64_t m0, int64_t n0,
+                                           const float (*acc)[64], int row0, int col0) {
+    const int t = threadIdx.x - 128, cg = 8 * (t % 16);
+    const int elem = p.out_dtype == TQ_DTYPE_FLOAT32 ? 4 : 2;
+    const bool wide = ((uintptr_t)p.out % 16) == 0 && (p.ldo * elem) % 16 == 0;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        asm volatile("bar.sync 1, 256;" ::: "memory"); /* the last readers of s.out are done */
+#pragma unroll
+        for (int j = 0; j < 16; j++) {
+            const int c = 8 * j + col0;
+            *(float2 *)&s.out[row0][c] = make_float2(acc[h][4 * j], acc[h][4 * j + 1]);
+            *(float2 *)&s.out[row0 + 8][c] = make_float2(acc[h][4 * j + 2], acc[h][4 * j + 3]);
+        }
+        asm volatile("bar.sync 1, 256;" ::: "memory");
+        const int64_t c = n0 + h * kHalfN + cg;
+        if (c >= p.n) continue;
+        float bias[8];
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            bias[i] = p.bias_dtype >= 0 && c + i < p.n ? load_out(p.bias, p.bias_dtype, c + i) : 0.0f;
+#pragma unroll 1
+        for (int r = t / 16; r < kBM && m0 + r < p.m; r += 16) {
+            float v[8];
+            const float4 lo = *(const float4 *)&s.out[r][cg], hi = *(const float4 *)&s.out[r][cg + 4];
+            v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
+            store_row8(p, m0 + r, c, v, bias, wide);
         }
     }
 }
 
+/* The CTA pair's tile `pair` (two tile rows, one tile column) in groups of kGroupM tile rows,
+ * column by column: the pairs working at one time share B tiles (and A's rows) in L2. This CTA
+ * takes the pair's tile row `rank` (which may lie past M: its rows are then TMA's zeros). */
+__device__ __forceinline__ void tile_origin(const Params &p, int pair, uint32_t rank, int64_t *m0, int64_t *n0) {
+    const int pair_rows = (p.tiles_m + 1) / 2, group_rows = kGroupM / 2;
+    const int per_group = group_rows * p.tiles_n, group = pair / per_group;
+    const int first = group * group_rows, rows_here = min(pair_rows - first, group_rows);
+    *m0 = (int64_t)(2 * (first + (pair % per_group) % rows_here) + (int)rank) * kBM;
+    *n0 = (int64_t)((pair % per_group) / rows_here) * kBN;
+}
+
+__device__ __forceinline__ int pairs_of(const Params &p) { return (p.tiles_m + 1) / 2 * p.tiles_n; }
+
+/* The producer thread: every k block of every tile this CTA owns, through the stage ring; A
+ * its own, B's half `rank` for both CTAs of the pair (TMA multicast: B read once per pair). */
 __device__ __forceinline__ void produce(Smem &s, const CUtensorMap *map_a, const CUtensorMap *map_b,
-                                        const Params &p, int64_t m0, int64_t n0, int nkb) {
-    const uint32_t sa_bytes = p.a.per_row ? (uint32_t)min((int64_t)kBM, p.a.scale_rows - m0) * 4u : 0u;
-    const uint32_t sb_bytes = p.b.per_row ? (uint32_t)min((int64_t)kBN, p.b.scale_rows - n0) * 4u : 0u;
-    for (int kb = 0; kb < nkb; kb++) {
-        const int st = kb % kStages;
-        if (kb >= kStages) bar_wait(&s.empty[st], ((kb / kStages) - 1) & 1);
-        bar_expect_tx(&s.full[st], 2u * kTileBytes + sa_bytes + sb_bytes);
-        tma_tile(s.a[st], map_a, kb * kBK, (int)m0, &s.full[st]);
-        tma_tile(s.b[st], map_b, kb * kBK, (int)n0, &s.full[st]);
-        if (sa_bytes) bulk_copy(s.sa[st], p.a.scale + kb * p.a.scale_ld + m0, sa_bytes, &s.full[st]);
-        if (sb_bytes) bulk_copy(s.sb[st], p.b.scale + kb * p.b.scale_ld + n0, sb_bytes, &s.full[st]);
+                                        const Params &p, int nkb, uint32_t rank) {
+    int it = 0; /* k blocks loaded so far: stage it % kStages, its use it / kStages */
+    for (int pair = blockIdx.x / 2; pair < pairs_of(p); pair += gridDim.x / 2) {
+        int64_t m0, n0;
+        tile_origin(p, pair, rank, &m0, &n0);
+        const uint32_t sa_bytes = p.a.per_row ? (uint32_t)max((int64_t)0, min((int64_t)kBM, p.a.scale_rows - m0)) * 4u : 0u;
+        const uint32_t sb_bytes = p.b.per_row ? (uint32_t)min((int64_t)kBN, p.b.scale_rows - n0) * 4u : 0u;
+        for (int kb = 0; kb < nkb; kb++, it++) {
+            const int st = it % kStages;
+            /* both CTAs' consumers have released the stage: the multicast writes into both */
+            if (it >= kStages) bar_wait(&s.empty[st], ((it / kStages) - 1) & 1);
+            bar_expect_tx(&s.full[st], (uint32_t)(kBytesA + kBytesB) + sa_bytes + sb_bytes);
+            tma_tile(s.a[st], map_a, kb * kBK, (int)m0, &s.full[st]);
+            tma_tile_both(s.b[st] + rank * kHalfN * kBK, map_b, kb * kBK, (int)(n0 + rank * kHalfN), &s.full[st]);
+            if (sa_bytes) bulk_copy(s.sa[st], p.a.scale + kb * p.a.scale_ld + m0, sa_bytes, &s.full[st]);
+            if (sb_bytes) bulk_copy(s.sb[st], p.b.scale + kb * p.b.scale_ld + n0, sb_bytes, &s.full[st]);
+        }
     }
 }
 
-/* One consumer warpgroup: rows m0 + 64 * half onward, all kBN columns. */
-__device__ __forceinline__ void consume(Smem &s, const Params &p, int64_t m0, int64_t n0, int nkb, int half) {
-    const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
-    const int row0 = 64 * half + 16 * warp + lane / 4; /* this thread's rows: row0, row0 + 8 */
-    const int col0 = 2 * (lane % 4);                   /* columns col0 + 8 j + {0, 1} */
-    float acc[64], part[64];
+/* acc += part * the k block's scales, for one kHalfN-column half: f0 / f1 the row scales of rows
+ * row0 / row0 + 8 times the half's 128x128 B scale, or (sb != NULL) times B's 1x128 scales. */
+__device__ __forceinline__ void promote(float *acc, const float *part, float f0, float f1, const float *sb,
+                                        int col0) {
+    if (sb == nullptr) {
 #pragma unroll
-    for (int i = 0; i < 64; i++) acc[i] = 0.0f;
-    const float *block_a = p.a.per_row ? nullptr : p.a.scale + (m0 / kBM) * p.a.scale_ld;
-    const float *block_b = p.b.per_row ? nullptr : p.b.scale + (n0 / kBN) * p.b.scale_ld;
-    for (int kb = 0; kb < nkb; kb++) {
-        const int st = kb % kStages;
-        const float blk_a = block_a ? __ldg(block_a + kb) : 0.0f;
-        const float blk_b = block_b ? __ldg(block_b + kb) : 0.0f;
-        bar_wait(&s.full[st], (kb / kStages) & 1);
-        const uint64_t da = tile_desc(s.a[st] + 64 * half * kBK), db = tile_desc(s.b[st]);
-        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-#pragma unroll
-        for (int kk = 0; kk < kBK / 32; kk++) wgmma_64x128x32(part, da + 2 * kk, db + 2 * kk, kk);
-        asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-        pin(part);
-        const float sa0 = block_a ? blk_a : s.sa[st][row0], sa1 = block_a ? blk_a : s.sa[st][row0 + 8];
-        if (block_b) {
-            const float f0 = sa0 * blk_b, f1 = sa1 * blk_b;
-#pragma unroll
-            for (int j = 0; j < 16; j++) {
-                acc[4 * j] = __fmaf_rn(part[4 * j], f0, acc[4 * j]);
-                acc[4 * j + 1] = __fmaf_rn(part[4 * j + 1], f0, acc[4 * j + 1]);
-                acc[4 * j + 2] = __fmaf_rn(part[4 * j + 2], f1, acc[4 * j + 2]);
-                acc[4 * j + 3] = __fmaf_rn(part[4 * j + 3], f1, acc[4 * j + 3]);
-            }
-        } else {
-#pragma unroll
-            for (int j = 0; j < 16; j++) {
-                const float2 sb = *(const float2 *)&s.sb[st][col0 + 8 * j];
-                acc[4 * j] = __fmaf_rn(part[4 * j], __fmul_rn(sa0, sb.x), acc[4 * j]);
-                acc[4 * j + 1] = __fmaf_rn(part[4 * j + 1], __fmul_rn(sa0, sb.y), acc[4 * j + 1]);
-                acc[4 * j + 2] = __fmaf_rn(part[4 * j + 2], __fmul_rn(sa1, sb.x), acc[4 * j + 2]);
-                acc[4 * j + 3] = __fmaf_rn(part[4 * j + 3], __fmul_rn(sa1, sb.y), acc[4 * j + 3]);
-            }
+        for (int j = 0; j < 16; j++) {
+            acc[4 * j] = __fmaf_rn(part[4 * j], f0, acc[4 * j]);
+            acc[4 * j + 1] = __fmaf_rn(part[4 * j + 1], f0, acc[4 * j + 1]);
+            acc[4 * j + 2] = __fmaf_rn(part[4 * j + 2], f1, acc[4 * j + 2]);
+            acc[4 * j + 3] = __fmaf_rn(part[4 * j + 3], f1, acc[4 * j + 3]);
         }
-        __syncwarp();
-        if (lane == 0) bar_arrive(&s.empty[st]);
+        return;
     }
 #pragma unroll
     for (int j = 0; j < 16; j++) {
-        const int64_t c = n0 + col0 + 8 * j;
-        store_pair(p, m0 + row0, c, acc[4 * j], acc[4 * j + 1]);
-        store_pair(p, m0 + row0 + 8, c, acc[4 * j + 2], acc[4 * j + 3]);
+        const float2 b = *(const float2 *)&sb[col0 + 8 * j];
+        acc[4 * j] = __fmaf_rn(part[4 * j], __fmul_rn(f0, b.x), acc[4 * j]);
+        acc[4 * j + 1] = __fmaf_rn(part[4 * j + 1], __fmul_rn(f0, b.y), acc[4 * j + 1]);
+        acc[4 * j + 2] = __fmaf_rn(part[4 * j + 2], __fmul_rn(f1, b.x), acc[4 * j + 2]);
+        acc[4 * j + 3] = __fmaf_rn(part[4 * j + 3], __fmul_rn(f1, b.y), acc[4 * j + 3]);
+    }
+}
+
+/* One consumer warpgroup: rows m0 + 64 * half onward, all kBN columns, as two kHalfN-column
+ * wgmma chains into one FP32 tile `part` (each promoted before the next starts: registers). */
+template <int kPair>
+__device__ __forceinline__ void consume(Smem &s, const Params &p, int nkb, int half) {
+    const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
+    const int row0 = 64 * half + 16 * warp + lane / 4; /* this thread's rows: row0, row0 + 8 */
+    const int col0 = 2 * (lane % 4);                   /* columns col0 + 8 j + {0, 1} of each half */
+    float acc[2][64], part[64];
+    int it = 0; /* as the producer counts */
+    const uint32_t rank = cluster_rank();
+    for (int pair = blockIdx.x / 2; pair < pairs_of(p); pair += gridDim.x / 2) {
+        int64_t m0, n0;
+        tile_origin(p, pair, rank, &m0, &n0);
+#pragma unroll
+        for (int i = 0; i < 64; i++) acc[0][i] = acc[1][i] = 0.0f;
+        /* (a tile past M reads no scales: its rows are zeros and never stored) */
+        const float *block_a = p.a.per_row || m0 >= p.m ? nullptr : p.a.scale + (m0 / kBM) * p.a.scale_ld;
+        const float *block_b = p.b.per_row ? nullptr : p.b.scale + (n0 / kHalfN) * p.b.scale_ld;
+        const bool second_block_b = n0 + kHalfN < p.n; /* B's second half holds rows */
+        for (int kb = 0; kb < nkb; kb++, it++) {
+            const int st = it % kStages;
+            const float blk_a = block_a ? __ldg(block_a + kb) : 1.0f;
+            const float blk_b0 = block_b ? __ldg(block_b + kb) : 1.0f;
+            const float blk_b1 = block_b && second_block_b ? __ldg(block_b + p.b.scale_ld + kb) : 1.0f;
+            bar_wait(&s.full[st], (it / kStages) & 1);
+            const bool row_scales = p.a.per_row;
+            const float sa0 = row_scales ? s.sa[st][row0] : blk_a, sa1 = row_scales ? s.sa[st][row0 + 8] : blk_a;
+            const uint64_t da = tile_desc(s.a[st] + 64 * half * kBK);
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const uint64_t db = tile_desc(s.b[st] + h * kHalfN * kBK);
+                asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+                for (int kk = 0; kk < kBK / 32; kk++) wgmma_64x128x32<kPair>(part, da + 2 * kk, db + 2 * kk, kk);
+                asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+                asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+                pin(part);
+                const float fb = h == 0 ? blk_b0 : blk_b1;
+                promote(acc[h], part, sa0 * fb, sa1 * fb, block_b ? nullptr : s.sb[st] + h * kHalfN, col0);
+            }
+            __syncwarp();
+            if (lane == 0) bar_arrive_in(&s.empty[st], 0), bar_arrive_in(&s.empty[st], 1);
+        }
+        write_tile(s, p, m0, n0, acc, row0, col0);
     }
 }
 
 #endif /* __CUDA_ARCH_FEAT_SM90_ALL */
 
+template <int kPair>
 __global__ void __launch_bounds__(kThreads, 1)
     block_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                       const Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ uint8_t smem_raw[];
     Smem &s = *(Smem *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
-    /* tiles in groups of kGroupM tile rows, column by column: consecutive CTAs share B tiles */
-    const int tile = blockIdx.x, per_group = kGroupM * p.tiles_n, group = tile / per_group;
-    const int first_m = group * kGroupM, rows_here = min(p.tiles_m - first_m, kGroupM);
-    const int tm = first_m + (tile % per_group) % rows_here, tn = (tile % per_group) / rows_here;
-    const int64_t m0 = (int64_t)tm * kBM, n0 = (int64_t)tn * kBN;
     const int nkb = (int)((p.k + kBK - 1) / kBK);
     if (threadIdx.x == 0) {
         for (int i = 0; i < kStages; i++) {
             bar_init(&s.full[i], 1);
-            bar_init(&s.empty[i], 8); /* one arrival per consumer warp */
+            bar_init(&s.empty[i], 16); /* one arrival per consumer warp of both CTAs */
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
-    __syncthreads();
+    cluster_sync(); /* both CTAs' barriers exist before either loads or arrives */
     if (threadIdx.x < 128) {
-        if (threadIdx.x == 0) produce(s, &map_a, &map_b, p, m0, n0, nkb);
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        if (threadIdx.x == 0) produce(s, &map_a, &map_b, p, nkb, cluster_rank());
     } else {
-        consume(s, p, m0, n0, nkb, threadIdx.x / 128 - 1);
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+        consume<kPair>(s, p, nkb, threadIdx.x / 128 - 1);
     }
+    cluster_sync(); /* the other CTA's arrivals on this CTA's barriers are over */
 #endif
 }
 
@@ -293,12 +426,12 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
     return f;
 }
 
-bool code_map(CUtensorMap *map, const tq_block_gemm_side *side, int64_t k) {
+bool code_map(CUtensorMap *map, const tq_block_gemm_side *side, int64_t k, int box_rows) {
     const PFN_cuTensorMapEncodeTiled_v12000 encode = encode_fn();
     if (encode == nullptr) return false;
     const cuuint64_t dims[2] = {(cuuint64_t)k, (cuuint64_t)side->rows};
     const cuuint64_t strides[1] = {(cuuint64_t)side->ld};
-    const cuuint32_t box[2] = {kBK, kBM}, unit[2] = {1, 1};
+    const cuuint32_t box[2] = {kBK, (cuuint32_t)box_rows}, unit[2] = {1, 1};
     return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, (void *)side->data, dims, strides, box, unit,
                   CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
@@ -315,28 +448,52 @@ Side side_of(const tq_block_gemm_side *g) {
 
 std::atomic<int> smem_set[64];
 
+/* The SMs of `device` (asked once; 132 if the runtime will not say). */
+int sm_count(int device) {
+    static std::atomic<int> known[64];
+    int v = known[device].load(std::memory_order_relaxed);
+    if (v == 0) {
+        if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || v <= 0) v = 132;
+        known[device].store(v, std::memory_order_relaxed);
+    }
+    return v;
+}
+
+/* Whether `device` is an sm_90 GPU, asked once per device (0 unknown, 1 yes, 2 no). */
+bool hopper(int device) {
+    static std::atomic<int> known[64];
+    if (device < 0 || device >= 64) return false;
+    int v = known[device].load(std::memory_order_relaxed);
+    if (v == 0) {
+        int major = 0, minor = 0;
+        const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess
+                        && cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess;
+        if (!ok) return false;
+        v = major == 9 && minor == 0 ? 1 : 2;
+        known[device].store(v, std::memory_order_relaxed);
+    }
+    return v == 1;
+}
+
 }  // namespace
 
 extern "C" int tq_gemm_fp8_block_runs(const tq_block_gemm *g) {
-    int major = 0, minor = 0;
-    if (g->device < 0 || g->device >= 64
-        || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, g->device) != cudaSuccess
-        || cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, g->device) != cudaSuccess)
-        return 0;
+    if (!hopper(g->device)) return 0;
     const tq_block_gemm_side *sides[2] = {&g->a, &g->b};
     for (const tq_block_gemm_side *s : sides) {
         /* TMA: 16-byte aligned base and row pitch; bulk copies: 16-byte aligned scale vectors */
         if (((uintptr_t)s->data & 15) != 0 || (s->ld & 15) != 0 || s->rows > INT32_MAX) return 0;
         if (s->per_row && (((uintptr_t)s->scale_inv & 15) != 0 || (s->scale_ld & 3) != 0)) return 0;
     }
-    return major == 9 && minor == 0 && g->k > 0 && g->k <= INT32_MAX && encode_fn() != nullptr;
+    const int64_t tiles = ((g->a.rows + kBM - 1) / kBM) * ((g->b.rows + kBN - 1) / kBN);
+    return g->k > 0 && g->k <= INT32_MAX && tiles <= INT32_MAX && encode_fn() != nullptr;
 }
 
 extern "C" tq_status tq_gemm_fp8_block_cuda(const tq_block_gemm *g, struct CUstream_st *stream) {
     tq_cuda::DeviceGuard guard(g->device);
     if (guard.status != cudaSuccess) return tq_cuda::cuda_failed("cudaSetDevice", guard.status);
     CUtensorMap map_a, map_b;
-    if (!code_map(&map_a, &g->a, g->k) || !code_map(&map_b, &g->b, g->k))
+    if (!code_map(&map_a, &g->a, g->k, kBM) || !code_map(&map_b, &g->b, g->k, kHalfN))
         return tq_fail(TQ_ERROR_CUDA, "block-scaled GEMM: cuTensorMapEncodeTiled refused the codes "
                        "(A [%lld, %lld] ld %lld, B [%lld, %lld] ld %lld)", (long long)g->a.rows,
                        (long long)g->k, (long long)g->a.ld, (long long)g->b.rows, (long long)g->k,
@@ -349,13 +506,30 @@ extern "C" tq_status tq_gemm_fp8_block_cuda(const tq_block_gemm *g, struct CUstr
     p.accumulate = g->accumulate;
     p.tiles_m = (int)((p.m + kBM - 1) / kBM), p.tiles_n = (int)((p.n + kBN - 1) / kBN);
     if (p.m == 0 || p.n == 0) return TQ_SUCCESS;
-    if (smem_set[g->device].load(std::memory_order_relaxed) == 0) {
-        if (cudaFuncSetAttribute(block_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    const int types = (g->a.e5m2 ? 1 : 0) | (g->b.e5m2 ? 2 : 0);
+    void (*const kernels[4])(const CUtensorMap, const CUtensorMap, const Params) = {
+        block_gemm_kernel<0>, block_gemm_kernel<1>, block_gemm_kernel<2>, block_gemm_kernel<3>};
+    const int bit = 1 << types;
+    if ((smem_set[g->device].load(std::memory_order_relaxed) & bit) == 0) {
+        if (cudaFuncSetAttribute(kernels[types], cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  (int)kSmemBytes) != cudaSuccess)
             return tq_cuda::launch_failed("cudaFuncSetAttribute(block_gemm_kernel)");
-        smem_set[g->device].store(1, std::memory_order_relaxed);
+        smem_set[g->device].fetch_or(bit, std::memory_order_relaxed);
     }
-    const unsigned tiles = (unsigned)p.tiles_m * (unsigned)p.tiles_n;
-    block_gemm_kernel<<<tiles, kThreads, kSmemBytes, stream>>>(map_a, map_b, p);
-    return tq_cuda::launch_failed("block_gemm_kernel");
+    /* persistent: CTA pairs (clusters of 2, one CTA per SM), each pair walking tile pairs a grid
+     * apart */
+    const int64_t pairs = (int64_t)((p.tiles_m + 1) / 2) * p.tiles_n, most = sm_count(g->device) / 2;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3((unsigned)(2 * (pairs < most ? pairs : most)));
+    config.blockDim = dim3(kThreads);
+    config.dynamicSmemBytes = kSmemBytes;
+    config.stream = stream;
+    cudaLaunchAttribute cluster;
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = 2, cluster.val.clusterDim.y = 1, cluster.val.clusterDim.z = 1;
+    config.attrs = &cluster, config.numAttrs = 1;
+    const cudaError_t err = cudaLaunchKernelEx(&config, kernels[types], map_a, map_b, p);
+    if (err != cudaSuccess) return tq_cuda::cuda_failed("block_gemm_kernel launch", err);
+    if (cudaPeekAtLastError() != cudaSuccess) return tq_cuda::launch_failed("block_gemm_kernel launch");
+    return TQ_SUCCESS;
 }

@@ -510,6 +510,11 @@ def test_plan_cache(name):
     assert s0["plans"] == 0
     y1 = gemm(qa, qb, "fprop", out_dtype=torch.float32)
     s1 = plan_stats()
+    if name == "block" and s1 == s0:
+        # Hopper's block pairs on cuda/gemm_fp8_block.cu: no cuBLASLt plan (test_gemm_fp8_block.py)
+        assert torch.cuda.get_device_capability() == (9, 0)
+        assert torch.equal(gemm(qa, qb, "fprop", out_dtype=torch.float32), y1)
+        return
     assert s1["heuristic_queries"] == s0["heuristic_queries"] + 1
     assert s1["plans"] == 1
     y2 = gemm(qa, qb, "fprop", out_dtype=torch.float32)

@@ -9,10 +9,12 @@
  * factor as the device alpha) and a BF16 GEMM runs on them; a tall A goes in row chunks of
  * max(128, N, 32 MiB / 2K) rows (run_emulated), which bounds the scratch near twice B's values
  * (or 32 MiB more).
- * Block FP8 with M % 8 != 0 (cuBLASLt wants n % 8 == 0 with 1x128 scales) runs on a zero-padded
- * copy of A in scratch. Tests: tests/test_gemm.py.
+ * Block FP8 runs cuda/gemm_fp8_block.cu's kernel on sm_90 where own_block_gemm() says so
+ * (any M); elsewhere cuBLASLt, where M % 8 != 0 (cuBLASLt wants n % 8 == 0 with 1x128 scales) runs on a zero-padded copy of
+ * A in scratch. Tests: tests/test_gemm.py, tests/test_gemm_fp8_block.py.
  */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "internal_gemm.h"
@@ -410,6 +412,36 @@ static tq_status run_emulated(tq_lt_call *call, family f, const tq_gemm_operand 
     return TQ_SUCCESS;
 }
 
+/* Which block-scaled GEMM runs on Hopper: TEQUANT_BLOCK_GEMM=tequant (cuda/gemm_fp8_block.cu)
+ * or =cublaslt; unset, TQ_BLOCK_GEMM_DEFAULT. Read at every call (~0.1 us) so that a process
+ * (a test, a benchmark's A/B) can switch. */
+#define TQ_BLOCK_GEMM_DEFAULT 0 /* 1: ours */
+static int own_block_gemm(void) {
+    const char *v = getenv("TEQUANT_BLOCK_GEMM");
+    if (v == NULL || *v == 0) return TQ_BLOCK_GEMM_DEFAULT;
+    return strcmp(v, "cublaslt") != 0;
+}
+
+static tq_block_gemm_side block_side(const direction *d, const tq_quant_config *c) {
+    tq_block_gemm_side s;
+    s.data = d->data->data, s.rows = d->rows, s.ld = d->data->ld;
+    s.scale_inv = (const float *)d->scale_inv->data, s.scale_ld = d->scale_inv->ld;
+    s.per_row = !two_d(c);
+    s.e5m2 = c->elem_dtype == TQ_DTYPE_FLOAT8_E5M2;
+    return s;
+}
+
+static void block_gemm_of(tq_block_gemm *g, const direction *da, const tq_quant_config *ca,
+                          const direction *db, const tq_quant_config *cb, const tq_gemm_args *args,
+                          tq_tensor *out) {
+    g->device = out->device;
+    g->a = block_side(da, ca), g->b = block_side(db, cb);
+    g->k = da->k;
+    g->out = out->data, g->ldo = out->ld, g->out_dtype = out->dtype;
+    g->bias = args->bias.data, g->bias_dtype = args->bias.data != NULL ? (int)args->bias.dtype : -1;
+    g->accumulate = (args->flags & TQ_GEMM_ACCUMULATE) != 0;
+}
+
 static tq_status gemm_cuda(const tq_gemm_operand *a, const tq_gemm_operand *b,
                            const tq_gemm_args *args, const tq_gemm_info *info, tq_tensor *out,
                            struct CUstream_st *stream) {
@@ -445,6 +477,9 @@ static tq_status gemm_cuda(const tq_gemm_operand *a, const tq_gemm_operand *b,
         call.a_scale_mode = call.b_scale_mode = CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
         call.fast_accum = (args->flags & TQ_GEMM_FAST_ACCUM) != 0;
     } else { /* block scaling always accumulates in full FP32 (TE forces split accumulation) */
+        tq_block_gemm bg;
+        block_gemm_of(&bg, &da, a->config, &db, b->config, args, out);
+        if (own_block_gemm() && tq_gemm_fp8_block_runs(&bg)) return tq_gemm_fp8_block_cuda(&bg, stream);
         call.a_scale_mode = two_d(b->config) ? CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F
                                              : CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
         call.b_scale_mode = two_d(a->config) ? CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F

@@ -64,7 +64,7 @@ tq_status tq_gemm_values_nvfp4_cuda(const tq_tensor *data_a, const tq_tensor *sc
                                     float *alpha_beta, struct CUstream_st *stream);
 
 /* A Float8BlockScaling GEMM for cuda/gemm_fp8_block.cu (Hopper, no cuBLASLt): row-major
- * out[M, N] = A[M, K] . B[N, K]^T, E4M3 codes (K-major, ld in bytes) with per-side scales:
+ * out[M, N] = A[M, K] . B[N, K]^T, E4M3 / E5M2 codes (K-major, ld in bytes) with per-side scales:
  * per_row (1x128) scale_inv[kb * scale_ld + row], scale_ld = pad4(rows); else (128x128)
  * scale_inv[(row / 128) * scale_ld + kb]. out BF16 / FP16 / FP32 (ld ldo elements), plus out's
  * old values when accumulate, plus a bias of N elements (bias_dtype) when bias is not NULL. */
@@ -74,6 +74,7 @@ typedef struct tq_block_gemm_side {
     const float *scale_inv;
     int64_t scale_ld;
     int per_row;
+    int e5m2; /* codes are E5M2 (else E4M3) */
 } tq_block_gemm_side;
 
 typedef struct tq_block_gemm {
@@ -91,6 +92,8 @@ typedef struct tq_block_gemm {
 /* 1 where the kernel runs this GEMM (an sm_90 device, aligned operands), else 0: cuBLASLt. */
 int tq_gemm_fp8_block_runs(const tq_block_gemm *g);
 tq_status tq_gemm_fp8_block_cuda(const tq_block_gemm *g, struct CUstream_st *stream);
+/* The same on host memory (csrc/ref/gemm_fp8_block_ref.c), in the kernel's order. */
+tq_status tq_gemm_fp8_block_ref(const tq_block_gemm *g, struct CUstream_st *stream);
 
 #ifdef __cplusplus
 }

@@ -14,7 +14,7 @@
 
 static int passed, failed;
 
-static void check_at(int ok, const char *what, const char *file, int line) {
+static inline void check_at(int ok, const char *what, const char *file, int line) {
     if (ok) {
         passed++;
     } else {
@@ -25,7 +25,7 @@ static void check_at(int ok, const char *what, const char *file, int line) {
 #define CHECK(cond) check_at((cond) ? 1 : 0, #cond, __FILE__, __LINE__)
 
 /* Checks that the call returned `want` and that tq_last_error() holds every given fragment. */
-static void expect_error_at(tq_status got, tq_status want, const char *const *frags,
+static inline void expect_error_at(tq_status got, tq_status want, const char *const *frags,
                             const char *what, const char *file, int line) {
     char buf[1400];
     if (got != want) {
@@ -50,7 +50,7 @@ static void expect_error_at(tq_status got, tq_status want, const char *const *fr
         expect_error_at((call), (want), frags_, #call, __FILE__, __LINE__);                     \
     } while (0)
 
-static void expect_ok_at(tq_status got, const char *what, const char *file, int line) {
+static inline void expect_ok_at(tq_status got, const char *what, const char *file, int line) {
     char buf[1400];
     snprintf(buf, sizeof buf, "%s: status %s, expected TQ_SUCCESS (last error: \"%s\")", what,
              tq_status_string(got), tq_last_error());
@@ -60,7 +60,7 @@ static void expect_ok_at(tq_status got, const char *what, const char *file, int 
 
 
 /* A valid FP8 config of `scaling` (DELAYED: a 1024-entry history) with elements `elem`. */
-static tq_quant_config fp8_config(tq_scaling scaling, tq_dtype elem) {
+static inline tq_quant_config fp8_config(tq_scaling scaling, tq_dtype elem) {
     tq_quant_config c = TQ_QUANT_CONFIG_INIT;
     c.scaling = scaling;
     c.elem_dtype = elem;
