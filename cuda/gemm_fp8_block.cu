@@ -517,10 +517,8 @@ extern "C" tq_status tq_gemm_fp8_block_cuda(const tq_block_gemm *g, struct CUstr
         smem_set[g->device].fetch_or(bit, std::memory_order_relaxed);
     }
     /* persistent: CTA pairs (clusters of 2, one CTA per SM), each pair walking tile pairs a grid
-     * apart */
-    const int64_t pairs = (int64_t)((p.tiles_m + 1) / 2) * p.tiles_n, most = sm_count(g->device) / 2;
+     * apart; as many pairs as fit at once (a GPC with an odd SM count leaves one SM out) */
     cudaLaunchConfig_t config = {};
-    config.gridDim = dim3((unsigned)(2 * (pairs < most ? pairs : most)));
     config.blockDim = dim3(kThreads);
     config.dynamicSmemBytes = kSmemBytes;
     config.stream = stream;
@@ -528,6 +526,18 @@ extern "C" tq_status tq_gemm_fp8_block_cuda(const tq_block_gemm *g, struct CUstr
     cluster.id = cudaLaunchAttributeClusterDimension;
     cluster.val.clusterDim.x = 2, cluster.val.clusterDim.y = 1, cluster.val.clusterDim.z = 1;
     config.attrs = &cluster, config.numAttrs = 1;
+    config.gridDim = dim3((unsigned)sm_count(g->device));
+    static std::atomic<int> fit[64];
+    int most = fit[g->device].load(std::memory_order_relaxed);
+    if (most == 0) {
+        if (cudaOccupancyMaxActiveClusters(&most, kernels[types], &config) != cudaSuccess || most <= 0) {
+            (void)cudaGetLastError();
+            most = sm_count(g->device) / 2;
+        }
+        fit[g->device].store(most, std::memory_order_relaxed);
+    }
+    const int64_t pairs = (int64_t)((p.tiles_m + 1) / 2) * p.tiles_n;
+    config.gridDim = dim3((unsigned)(2 * (pairs < most ? pairs : most)));
     const cudaError_t err = cudaLaunchKernelEx(&config, kernels[types], map_a, map_b, p);
     if (err != cudaSuccess) return tq_cuda::cuda_failed("block_gemm_kernel launch", err);
     if (cudaPeekAtLastError() != cudaSuccess) return tq_cuda::launch_failed("block_gemm_kernel launch");
