@@ -23,15 +23,11 @@
 #include <cstring>
 #include <vector>
 
+#include "probe_check.cuh"
+
 namespace {
 
 constexpr int kAlgos = 16, kWarm = 3, kReps = 20;
-constexpr size_t kWorkspace = 32u << 20;
-
-#define CHECK_CUDA(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { \
-    std::printf("%s: %s\n", #x, cudaGetErrorString(e_)); std::exit(1); } } while (0)
-#define CHECK_LT(x) do { cublasStatus_t s_ = (x); if (s_ != CUBLAS_STATUS_SUCCESS) { \
-    std::printf("%s: status %d\n", #x, (int)s_); std::exit(1); } } while (0)
 
 // One GEMM in cuBLAS terms (column-major D[m, n] = op(A)[m, k] op(B)[k, n], A transposed):
 // tequant's te.Linear GEMMs with m = the output features (fprop), n = the tokens, and so on.

@@ -24,16 +24,11 @@
 #include <vector>
 
 #include "internal_gemm.h"
+#include "probe_check.cuh"
 
 namespace {
 
 constexpr int kWarm = 3, kReps = 20;
-constexpr size_t kWorkspace = 32u << 20;
-
-#define CHECK_CUDA(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { \
-    std::printf("%s: %s\n", #x, cudaGetErrorString(e_)); std::exit(1); } } while (0)
-#define CHECK_LT(x) do { cublasStatus_t s_ = (x); if (s_ != CUBLAS_STATUS_SUCCESS) { \
-    std::printf("%s: status %d\n", #x, (int)s_); std::exit(1); } } while (0)
 
 // tequant's terms: out[m, n] = A[m, k] B[n, k]^T; a side is 1x128 (per row) or 128x128.
 struct Shape {

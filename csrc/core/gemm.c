@@ -10,8 +10,9 @@
  * max(128, N, 32 MiB / 2K) rows (run_emulated), which bounds the scratch near twice B's values
  * (or 32 MiB more).
  * Block FP8 runs cuda/gemm_fp8_block.cu's kernel on sm_90 where own_block_gemm() says so
- * (any M); elsewhere cuBLASLt, where M % 8 != 0 (cuBLASLt wants n % 8 == 0 with 1x128 scales) runs on a zero-padded copy of
- * A in scratch. Tests: tests/test_gemm.py, tests/test_gemm_fp8_block.py.
+ * (any M); elsewhere cuBLASLt, where M % 8 != 0 (cuBLASLt wants n % 8 == 0 with 1x128
+ * scales) runs on a zero-padded copy of A in scratch.
+ * Tests: tests/test_gemm.py, tests/test_gemm_fp8_block.py.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -477,9 +478,11 @@ static tq_status gemm_cuda(const tq_gemm_operand *a, const tq_gemm_operand *b,
         call.a_scale_mode = call.b_scale_mode = CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
         call.fast_accum = (args->flags & TQ_GEMM_FAST_ACCUM) != 0;
     } else { /* block scaling always accumulates in full FP32 (TE forces split accumulation) */
-        tq_block_gemm bg;
-        block_gemm_of(&bg, &da, a->config, &db, b->config, args, out);
-        if (own_block_gemm() && tq_gemm_fp8_block_runs(&bg)) return tq_gemm_fp8_block_cuda(&bg, stream);
+        if (own_block_gemm()) {
+            tq_block_gemm bg;
+            block_gemm_of(&bg, &da, a->config, &db, b->config, args, out);
+            if (tq_gemm_fp8_block_runs(&bg)) return tq_gemm_fp8_block_cuda(&bg, stream);
+        }
         call.a_scale_mode = two_d(b->config) ? CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F
                                              : CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
         call.b_scale_mode = two_d(a->config) ? CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F
