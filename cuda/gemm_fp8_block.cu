@@ -1,16 +1,20 @@
 /* gemm_fp8_block.cu: Float8BlockScaling's GEMMs on Hopper without cuBLASLt,
  * out[M, N] = sum over k blocks of (A[M, kb] B[N, kb]^T) * sa * sb (+ out) (+ bias), FP8 codes,
  * 1x128 scales (one per row and 128 of K) or 128x128 scales (one per 128 rows and 128 of K) on
- * either side, E4M3 or E5M2 codes on either side, FP32 accumulation, BF16 / FP16 / FP32 output. Not a general GEMM: K-major codes
- * only (tequant's TN layout), sm_90a only (csrc/core/gemm.c falls back to cuBLASLt elsewhere).
+ * either side, E4M3 or E5M2 codes on either side, FP32 accumulation, BF16 / FP16 / FP32 output.
+ * Not a general GEMM: K-major codes only (tequant's TN layout), sm_90a only (csrc/core/gemm.c
+ * runs it where TEQUANT_BLOCK_GEMM=tequant and falls back to cuBLASLt elsewhere).
  *
  * Why: cuBLASLt's block-scaled kernels on Hopper run 10-45% longer than its per-tensor FP8 ones
- * (the wgrad's 1x128 x 1x128 the most; docs/results/NOTES.md, forty-third session). Here a CTA
- * owns a 128x128 tile of out: one producer warp streams 128x128 code tiles of A and B with TMA
- * (128-byte swizzle) and the 1x128 scale vectors with bulk copies into a ring of shared-memory
- * stages; two consumer warpgroups each multiply 64 rows by the 128 columns with wgmma
- * (m64n128k32, four per k block) into a fresh FP32 tile, then add it times the k block's scales
- * into their running FP32 accumulators (what cuBLASLt's "split accumulation" does per block).
+ * (docs/results/NOTES.md, forty-third session). Design: persistent CTA pairs (clusters of 2
+ * along M), each CTA a 128 x 256 tile of out at a time; one producer thread streams 128-deep k
+ * blocks of A (its own rows) and B (half the pair's B rows, TMA-multicast into both CTAs) with
+ * 128-byte swizzle, plus the 1x128 scale vectors, into a 4-stage ring; two consumer warpgroups
+ * each multiply 64 rows by two 128-column halves with wgmma (m64n128k32, four per k block and
+ * half) into a fresh FP32 tile, then add it times the k block's scales into their running FP32
+ * accumulators (what cuBLASLt's "split accumulation" does per block); each warp stores its rows
+ * through a small shared slab while the producer already loads the next tile. Measured (H200)
+ * at 0.74x of cuBLASLt's block-scaled speed on the GPT block's GEMMs, hence opt-in.
  * Reference: csrc/ref/gemm_fp8_block_ref.c (same order: per k block an FP32 sum, then scaled).
  * Tests: tests/test_gemm_fp8_block.py; timings: benchmarks/gemm_block_probe.cu.
  */
@@ -28,17 +32,19 @@
 
 namespace {
 
+/* 128 x 256 tiles, 4 stages: the fastest of the forms measured (docs/results/NOTES.md, forty-fifth
+ * session: 128 x 128 tiles with two k blocks in flight per warpgroup and 6 stages ran 12% longer) */
 constexpr int kBM = 128, kBN = 256, kBK = 128; /* tile of out; k block = one scale block */
-constexpr int kHalfN = 128; /* columns one wgmma chain covers; B rows each CTA of a pair loads */
-constexpr int kStages = 3;
+constexpr int kShareRows = kBN / 2;   /* B rows each CTA of a pair loads for both */
+constexpr int kStages = 4;            /* as many as fit beside the epilogue's slabs */
 constexpr int kThreads = 384;                  /* warpgroup 0 produces, 1 and 2 consume */
 constexpr int kBytesA = kBM * kBK, kBytesB = kBN * kBK; /* code tiles, 16 and 32 KiB */
-constexpr int kOutLd = 128 + 4; /* the epilogue's FP32 rows of one 128-column half (+4: banks) */
+constexpr int kSlabLd = 32 + 4; /* a warp's epilogue slab: 16 rows of 32 FP32 (+4: banks) */
 
 struct Smem {
     uint8_t a[kStages][kBytesA]; /* 1024-byte aligned: the 128-byte swizzle's period */
     uint8_t b[kStages][kBytesB];
-    float out[kBM][kOutLd];      /* the epilogue's tile, apart from the stages: the producer loads
+    float slab[8][16][kSlabLd];  /* per consumer warp, apart from the stages: the producer loads
                                     the next tile's first k blocks while the consumers store */
     float sa[kStages][kBM];      /* 1x128 scale vectors of the stage's k block */
     float sb[kStages][kBN];
@@ -65,6 +71,8 @@ struct Params {
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
+constexpr int kHalfN = 128;           /* columns one wgmma chain covers */
+constexpr int kChains = kBN / kHalfN; /* chains per k block, one after the other (registers) */
 constexpr int kGroupM = 8;   /* tile rows walked together (L2 reuse of B) */
 
 __device__ __forceinline__ uint32_t smem_addr(const void *p) {
@@ -111,13 +119,16 @@ __device__ __forceinline__ void tma_tile_both(void *dst, const CUtensorMap *map,
         : "memory");
 }
 
-/* Arrives on the barrier at `bar`'s offset in CTA `rank` of the cluster. */
+/* Arrives on the barrier at `bar`'s offset in CTA `rank` of the cluster. The default (CTA-scope)
+ * release: what it orders are this warp's wgmma reads of the stage, already complete (their
+ * wait_group returned); a cluster-scope release compiled to a fence per arrival that cost 28% of
+ * the consumers' stall samples (ncu, forty-fifth session). */
 __device__ __forceinline__ void bar_arrive_in(uint64_t *bar, uint32_t rank) {
     asm volatile(
         "{\n"
         ".reg .b32 remote;\n"
         "mapa.shared::cluster.u32 remote, %0, %1;\n"
-        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n"
+        "mbarrier.arrive.shared::cluster.b64 _, [remote];\n"
         "}\n" ::"r"(smem_addr(bar)), "r"(rank)
         : "memory");
 }
@@ -199,14 +210,29 @@ __device__ __forceinline__ void store_out(void *out, int dtype, int64_t at, floa
     else ((float *)out)[at] = v;
 }
 
-/* out[r][c .. c + 7] = v (+ bias) (+ what is there): 16- or 32-byte accesses where `wide`. */
-__device__ __forceinline__ void store_row8(const Params &p, int64_t r, int64_t c, float *v, const float *bias,
-                                           bool wide) {
+struct F8 {
+    float v[8];
+};
+
+/* out[at .. at + n - 1] = v (+ what is there), element by element: row ends, odd pitches. Not
+ * a call: it would save the live accumulators around it. */
+__device__ __forceinline__ void store_slow(const Params &p, int64_t at, int n, F8 v) {
+#pragma unroll
+    for (int i = 0; i < 8; i++)
+        if (i < n)
+            store_out(p.out, p.out_dtype, at + i, v.v[i] + (p.accumulate ? load_out(p.out, p.out_dtype, at + i) : 0.0f));
+}
+
+/* out[r][c .. c + 7] = v (+ what is there): one 16-byte (BF16 / FP16) or two (FP32) accesses
+ * where `wide` and the 8 columns lie inside N. */
+__device__ __forceinline__ void store_row8(const Params &p, int64_t r, int64_t c, F8 v, bool wide) {
     const int64_t at = r * p.ldo + c;
     const int n = (int)min((int64_t)8, p.n - c);
-#pragma unroll
-    for (int i = 0; i < 8; i++) v[i] += bias[i];
-    if (wide && n == 8 && p.out_dtype != TQ_DTYPE_FLOAT32) {
+    if (!wide || n < 8) {
+        store_slow(p, at, n, v);
+        return;
+    }
+    if (p.out_dtype != TQ_DTYPE_FLOAT32) {
         uint4 *o = (uint4 *)((uint16_t *)p.out + at);
         const bool bf16 = p.out_dtype == TQ_DTYPE_BFLOAT16;
         if (p.accumulate) {
@@ -214,62 +240,68 @@ __device__ __forceinline__ void store_row8(const Params &p, int64_t r, int64_t c
             const uint16_t *h = (const uint16_t *)&old;
 #pragma unroll
             for (int i = 0; i < 8; i++)
-                v[i] += bf16 ? __bfloat162float(__ushort_as_bfloat16(h[i])) : __half2float(__ushort_as_half(h[i]));
+                v.v[i] += bf16 ? __bfloat162float(__ushort_as_bfloat16(h[i])) : __half2float(__ushort_as_half(h[i]));
         }
         uint4 packed;
         uint16_t *h = (uint16_t *)&packed;
 #pragma unroll
         for (int i = 0; i < 8; i++)
-            h[i] = bf16 ? __bfloat16_as_ushort(__float2bfloat16_rn(v[i])) : __half_as_ushort(__float2half_rn(v[i]));
+            h[i] = bf16 ? __bfloat16_as_ushort(__float2bfloat16_rn(v.v[i])) : __half_as_ushort(__float2half_rn(v.v[i]));
         *o = packed;
         return;
     }
-    if (wide && n == 8) {
-        float4 *o = (float4 *)((float *)p.out + at);
-        if (p.accumulate) {
-            const float4 o0 = o[0], o1 = o[1];
-            v[0] += o0.x, v[1] += o0.y, v[2] += o0.z, v[3] += o0.w;
-            v[4] += o1.x, v[5] += o1.y, v[6] += o1.z, v[7] += o1.w;
-        }
-        o[0] = make_float4(v[0], v[1], v[2], v[3]);
-        o[1] = make_float4(v[4], v[5], v[6], v[7]);
-        return;
+    float4 *o = (float4 *)((float *)p.out + at);
+    if (p.accumulate) {
+        const float4 o0 = o[0], o1 = o[1];
+        v.v[0] += o0.x, v.v[1] += o0.y, v.v[2] += o0.z, v.v[3] += o0.w;
+        v.v[4] += o1.x, v.v[5] += o1.y, v.v[6] += o1.z, v.v[7] += o1.w;
     }
-#pragma unroll
-    for (int i = 0; i < 8; i++)
-        if (i < n)
-            store_out(p.out, p.out_dtype, at + i, v[i] + (p.accumulate ? load_out(p.out, p.out_dtype, at + i) : 0.0f));
+    o[0] = make_float4(v.v[0], v.v[1], v.v[2], v.v[3]);
+    o[1] = make_float4(v.v[4], v.v[5], v.v[6], v.v[7]);
 }
 
-/* The consumers' epilogue, one 128-column half at a time: their FP32 fragments into shared
- * memory, then each row written by 16 threads of 8 consecutive columns (16 or 32 bytes each). */
+/* The epilogue, warp by warp (no block barrier): the warp's 16 rows in chunks of 32 columns
+ * through its slab, its fragments (rows lane / 4 and + 8, columns 2 (lane % 4) + 8 j + {0, 1})
+ * in, then each lane half a row out: 16 consecutive columns, two 16- or 32-byte stores. */
 __device__ __forceinline__ void write_tile(Smem &s, const Params &p, int64_t m0, int64_t n0,
-                                           const float (*acc)[64], int row0, int col0) {
-    const int t = threadIdx.x - 128, cg = 8 * (t % 16);
+                                           const float (*acc)[64], int half) {
+    const int warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+    float(*slab)[kSlabLd] = s.slab[4 * half + warp];
+    const int wr = lane / 4, wc = 2 * (lane % 4); /* fragment position in the slab */
+    const int rr = lane / 2, cc = 16 * (lane % 2); /* what this lane stores */
+    const int64_t row = m0 + 64 * half + 16 * warp + rr;
     const int elem = p.out_dtype == TQ_DTYPE_FLOAT32 ? 4 : 2;
     const bool wide = ((uintptr_t)p.out % 16) == 0 && (p.ldo * elem) % 16 == 0;
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        asm volatile("bar.sync 1, 256;" ::: "memory"); /* the last readers of s.out are done */
-#pragma unroll
-        for (int j = 0; j < 16; j++) {
-            const int c = 8 * j + col0;
-            *(float2 *)&s.out[row0][c] = make_float2(acc[h][4 * j], acc[h][4 * j + 1]);
-            *(float2 *)&s.out[row0 + 8][c] = make_float2(acc[h][4 * j + 2], acc[h][4 * j + 3]);
-        }
-        asm volatile("bar.sync 1, 256;" ::: "memory");
-        const int64_t c = n0 + h * kHalfN + cg;
-        if (c >= p.n) continue;
-        float bias[8];
-#pragma unroll
-        for (int i = 0; i < 8; i++)
-            bias[i] = p.bias_dtype >= 0 && c + i < p.n ? load_out(p.bias, p.bias_dtype, c + i) : 0.0f;
+    /* a runtime loop over the chunks (the stores once in the code, not once per chunk: the
+     * instruction cache), each chunk's fragments picked by a compile-time index */
 #pragma unroll 1
-        for (int r = t / 16; r < kBM && m0 + r < p.m; r += 16) {
-            float v[8];
-            const float4 lo = *(const float4 *)&s.out[r][cg], hi = *(const float4 *)&s.out[r][cg + 4];
-            v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
-            store_row8(p, m0 + r, c, v, bias, wide);
+    for (int chunk = 0; chunk < 4 * kChains; chunk++) {
+        __syncwarp();
+#pragma unroll
+        for (int k = 0; k < 4 * kChains; k++) {
+            if (k != chunk) continue;
+#pragma unroll
+            for (int jj = 0; jj < 4; jj++) {
+                const int h = k / 4, j = 4 * (k % 4) + jj;
+                *(float2 *)&slab[wr][8 * jj + wc] = make_float2(acc[h][4 * j], acc[h][4 * j + 1]);
+                *(float2 *)&slab[wr + 8][8 * jj + wc] = make_float2(acc[h][4 * j + 2], acc[h][4 * j + 3]);
+            }
+        }
+        __syncwarp();
+        const int64_t col = n0 + 32 * chunk + cc; /* chunk 4 h + q: columns 128 h + 32 q onward */
+        if (row >= p.m || col >= p.n) continue;
+#pragma unroll 1
+        for (int e = 0; e < 2 && col + 8 * e < p.n; e++) {
+            F8 v;
+            const float4 lo = *(const float4 *)&slab[rr][cc + 8 * e], hi = *(const float4 *)&slab[rr][cc + 8 * e + 4];
+            v.v[0] = lo.x, v.v[1] = lo.y, v.v[2] = lo.z, v.v[3] = lo.w;
+            v.v[4] = hi.x, v.v[5] = hi.y, v.v[6] = hi.z, v.v[7] = hi.w;
+            const int64_t c = col + 8 * e;
+            if (p.bias_dtype >= 0) {
+#pragma unroll
+                for (int i = 0; i < 8; i++) v.v[i] += c + i < p.n ? load_out(p.bias, p.bias_dtype, c + i) : 0.0f;
+            }
+            store_row8(p, row, c, v, wide);
         }
     }
 }
@@ -303,7 +335,8 @@ __device__ __forceinline__ void produce(Smem &s, const CUtensorMap *map_a, const
             if (it >= kStages) bar_wait(&s.empty[st], ((it / kStages) - 1) & 1);
             bar_expect_tx(&s.full[st], (uint32_t)(kBytesA + kBytesB) + sa_bytes + sb_bytes);
             tma_tile(s.a[st], map_a, kb * kBK, (int)m0, &s.full[st]);
-            tma_tile_both(s.b[st] + rank * kHalfN * kBK, map_b, kb * kBK, (int)(n0 + rank * kHalfN), &s.full[st]);
+            tma_tile_both(s.b[st] + rank * kShareRows * kBK, map_b, kb * kBK, (int)(n0 + rank * kShareRows),
+                          &s.full[st]);
             if (sa_bytes) bulk_copy(s.sa[st], p.a.scale + kb * p.a.scale_ld + m0, sa_bytes, &s.full[st]);
             if (sb_bytes) bulk_copy(s.sb[st], p.b.scale + kb * p.b.scale_ld + n0, sb_bytes, &s.full[st]);
         }
@@ -341,18 +374,20 @@ __device__ __forceinline__ void consume(Smem &s, const Params &p, int nkb, int h
     const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
     const int row0 = 64 * half + 16 * warp + lane / 4; /* this thread's rows: row0, row0 + 8 */
     const int col0 = 2 * (lane % 4);                   /* columns col0 + 8 j + {0, 1} of each half */
-    float acc[2][64], part[64];
+    float acc[kChains][64], part[64];
     int it = 0; /* as the producer counts */
     const uint32_t rank = cluster_rank();
     for (int pair = blockIdx.x / 2; pair < pairs_of(p); pair += gridDim.x / 2) {
         int64_t m0, n0;
         tile_origin(p, pair, rank, &m0, &n0);
 #pragma unroll
-        for (int i = 0; i < 64; i++) acc[0][i] = acc[1][i] = 0.0f;
+        for (int i = 0; i < 64; i++)
+#pragma unroll
+            for (int h = 0; h < kChains; h++) acc[h][i] = 0.0f;
         /* (a tile past M reads no scales: its rows are zeros and never stored) */
         const float *block_a = p.a.per_row || m0 >= p.m ? nullptr : p.a.scale + (m0 / kBM) * p.a.scale_ld;
         const float *block_b = p.b.per_row ? nullptr : p.b.scale + (n0 / kHalfN) * p.b.scale_ld;
-        const bool second_block_b = n0 + kHalfN < p.n; /* B's second half holds rows */
+        const bool second_block_b = kChains > 1 && n0 + kHalfN < p.n; /* B's second half holds rows */
         for (int kb = 0; kb < nkb; kb++, it++) {
             const int st = it % kStages;
             const float blk_a = block_a ? __ldg(block_a + kb) : 1.0f;
@@ -363,7 +398,7 @@ __device__ __forceinline__ void consume(Smem &s, const Params &p, int nkb, int h
             const float sa0 = row_scales ? s.sa[st][row0] : blk_a, sa1 = row_scales ? s.sa[st][row0 + 8] : blk_a;
             const uint64_t da = tile_desc(s.a[st] + 64 * half * kBK);
 #pragma unroll
-            for (int h = 0; h < 2; h++) {
+            for (int h = 0; h < kChains; h++) {
                 const uint64_t db = tile_desc(s.b[st] + h * kHalfN * kBK);
                 asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
@@ -375,9 +410,9 @@ __device__ __forceinline__ void consume(Smem &s, const Params &p, int nkb, int h
                 promote(acc[h], part, sa0 * fb, sa1 * fb, block_b ? nullptr : s.sb[st] + h * kHalfN, col0);
             }
             __syncwarp();
-            if (lane == 0) bar_arrive_in(&s.empty[st], 0), bar_arrive_in(&s.empty[st], 1);
+            if (lane < 2) bar_arrive_in(&s.empty[st], (uint32_t)lane); /* both CTAs, at once */
         }
-        write_tile(s, p, m0, n0, acc, row0, col0);
+        write_tile(s, p, m0, n0, acc, half);
     }
 }
 
@@ -493,7 +528,7 @@ extern "C" tq_status tq_gemm_fp8_block_cuda(const tq_block_gemm *g, struct CUstr
     tq_cuda::DeviceGuard guard(g->device);
     if (guard.status != cudaSuccess) return tq_cuda::cuda_failed("cudaSetDevice", guard.status);
     CUtensorMap map_a, map_b;
-    if (!code_map(&map_a, &g->a, g->k, kBM) || !code_map(&map_b, &g->b, g->k, kHalfN))
+    if (!code_map(&map_a, &g->a, g->k, kBM) || !code_map(&map_b, &g->b, g->k, kShareRows))
         return tq_fail(TQ_ERROR_CUDA, "block-scaled GEMM: cuTensorMapEncodeTiled refused the codes "
                        "(A [%lld, %lld] ld %lld, B [%lld, %lld] ld %lld)", (long long)g->a.rows,
                        (long long)g->k, (long long)g->a.ld, (long long)g->b.rows, (long long)g->k,
