@@ -1,8 +1,9 @@
 // gemm_block_probe.cu: tequant's Hopper block-scaled FP8 GEMM (cuda/gemm_fp8_block.cu) against
 // cuBLASLt's (VEC128 / BLK128x128 scale modes, its first heuristic algorithm, what tequant ran
 // before) and cuBLASLt's per-tensor FP8 GEMM (the speed to reach), on the twelve GEMMs of
-// bench_block.py's GPT block (8192 tokens, d = 4096, ffn = 16384), plus odd shapes checked
-// against a plain FP64-free reference kernel (per k block an FP32 sum, then scaled).
+// bench_block.py's GPT block (8192 tokens, d = 4096, ffn = 16384) and at d = 512 (ffn 2048), plus
+// odd shapes checked against a plain FP64-free reference kernel (per k block an FP32 sum, then
+// scaled).
 // Random E4M3 codes (|x| <= 1.875) and power-of-two scales; outputs compared as relative
 // Frobenius differences. Tests of the library path: tests/test_gemm_fp8_block.py.
 //
@@ -167,6 +168,18 @@ void lt_run(Lt &lt, const tq_block_gemm &g, bool per_tensor, void *out, int reps
     cublasLtMatmulDescDestroy(desc);
 }
 
+// The twelve GEMMs of a GPT block (T tokens, width D, ffn F): fprop, dgrad, wgrad of each Linear.
+std::vector<Shape> block_shapes(int64_t T, int64_t D, int64_t F) {
+    return {
+        {"qkv fprop", T, 3 * D, D, true, false}, {"proj fprop", T, D, D, true, false},
+        {"fc1 fprop", T, F, D, true, false},     {"fc2 fprop", T, D, F, true, false},
+        {"qkv dgrad", T, D, 3 * D, true, false}, {"proj dgrad", T, D, D, true, false},
+        {"fc1 dgrad", T, D, F, true, false},     {"fc2 dgrad", T, F, D, true, false},
+        {"qkv wgrad", 3 * D, D, T, true, true},  {"proj wgrad", D, D, T, true, true},
+        {"fc1 wgrad", F, D, T, true, true},      {"fc2 wgrad", D, F, T, true, true},
+    };
+}
+
 float ours(const tq_block_gemm &g, int reps, cudaEvent_t e0, cudaEvent_t e1) {
     if (!tq_gemm_fp8_block_runs(&g)) { std::printf("the kernel refuses this GEMM\n"); std::exit(1); }
     for (int i = 0; i < reps; i++) {
@@ -191,14 +204,7 @@ int main(int argc, char **argv) {
     const bool check_big = argc > 1 && std::string(argv[1]) == "check";
     const bool profile = argc > 1 && std::string(argv[1]) == "profile";
     const int64_t T = 8192, D = 4096, F = 16384;
-    const std::vector<Shape> shapes = {
-        {"qkv fprop", T, 3 * D, D, true, false}, {"proj fprop", T, D, D, true, false},
-        {"fc1 fprop", T, F, D, true, false},     {"fc2 fprop", T, D, F, true, false},
-        {"qkv dgrad", T, D, 3 * D, true, false}, {"proj dgrad", T, D, D, true, false},
-        {"fc1 dgrad", T, D, F, true, false},     {"fc2 dgrad", T, F, D, true, false},
-        {"qkv wgrad", 3 * D, D, T, true, true},  {"proj wgrad", D, D, T, true, true},
-        {"fc1 wgrad", F, D, T, true, true},      {"fc2 wgrad", D, F, T, true, true},
-    };
+    const std::vector<Shape> shapes = block_shapes(T, D, F), small = block_shapes(T, 512, 2048);
     const std::vector<Shape> odd = {
         {"odd 1x128 x 128x128", 1000, 376, 400, true, false}, {"odd 1x128 x 1x128", 260, 136, 1040, true, true},
         {"odd 128x128 x 1x128", 136, 1000, 272, false, true}, {"tiny", 8, 16, 16, true, true},
@@ -261,39 +267,43 @@ int main(int argc, char **argv) {
                         (long long)s.n, (long long)s.k, dt ? "BF16" : "FP32", rd, pass ? "ok" : "FAIL");
         }
     }
-    std::printf("\n| GEMM | m | n | k | scales | tequant (us) | cuBLASLt block (us) | cuBLASLt per-tensor (us) | "
-                "block / tequant | tequant / per-tensor | rel. diff vs cuBLASLt |\n");
-    std::printf("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|\n");
-    double sum_ours = 0, sum_lt = 0, sum_pt = 0;
-    for (const Shape &s : shapes) {
-        tq_block_gemm g = {};
-        g.device = dev, g.k = s.k, g.out = out, g.ldo = s.n, g.bias = nullptr, g.bias_dtype = -1;
-        g.out_dtype = TQ_DTYPE_BFLOAT16;
-        g.a = side(a, s.m, s.k, sa, s.a_per_row), g.b = side(b, s.n, s.k, sb, s.b_per_row);
-        const float t_ours = ours(g, kWarm + kReps, e0, e1);
-        float t_lt = 0, t_pt = 0;
-        lt_run(lt, g, false, out_lt, kWarm + kReps, e0, e1, &t_lt);
-        const double rd = rel_diff(out, true, out_lt, true, s.m * s.n, sums);
-        ok = ok && rd < 8e-3;
-        if (check_big) {
-            g.out = ref, g.out_dtype = TQ_DTYPE_FLOAT32;
-            ours(g, 1, e0, e1);
-            reference<<<dim3((unsigned)((s.n + 127) / 128), (unsigned)s.m), 128>>>(g, (float *)out_lt);
-            CHECK_CUDA(cudaDeviceSynchronize());
-            std::printf("%s FP32 vs reference: %.2e\n", s.name, rel_diff(ref, false, out_lt, false, s.m * s.n, sums));
-            g.out = out, g.out_dtype = TQ_DTYPE_BFLOAT16;
+    for (const std::vector<Shape> *set : {&shapes, &small}) {
+        const int64_t width = (*set)[1].n; /* proj fprop: D */
+        std::printf("\nd = %lld\n| GEMM | m | n | k | scales | tequant (us) | cuBLASLt block (us) | cuBLASLt per-tensor (us) | "
+                    "block / tequant | tequant / per-tensor | rel. diff vs cuBLASLt |\n", (long long)width);
+        std::printf("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|\n");
+        double sum_ours = 0, sum_lt = 0, sum_pt = 0;
+        for (const Shape &s : *set) {
+            tq_block_gemm g = {};
+            g.device = dev, g.k = s.k, g.out = out, g.ldo = s.n, g.bias = nullptr, g.bias_dtype = -1;
+            g.out_dtype = TQ_DTYPE_BFLOAT16;
+            g.a = side(a, s.m, s.k, sa, s.a_per_row), g.b = side(b, s.n, s.k, sb, s.b_per_row);
+            const float t_ours = ours(g, kWarm + kReps, e0, e1);
+            float t_lt = 0, t_pt = 0;
+            lt_run(lt, g, false, out_lt, kWarm + kReps, e0, e1, &t_lt);
+            const double rd = rel_diff(out, true, out_lt, true, s.m * s.n, sums);
+            ok = ok && rd < 8e-3;
+            if (check_big) {
+                g.out = ref, g.out_dtype = TQ_DTYPE_FLOAT32;
+                ours(g, 1, e0, e1);
+                reference<<<dim3((unsigned)((s.n + 127) / 128), (unsigned)s.m), 128>>>(g, (float *)out_lt);
+                CHECK_CUDA(cudaDeviceSynchronize());
+                std::printf("%s FP32 vs reference: %.2e\n", s.name, rel_diff(ref, false, out_lt, false, s.m * s.n, sums));
+                g.out = out, g.out_dtype = TQ_DTYPE_BFLOAT16;
+            }
+            tq_block_gemm pt = g;
+            pt.a.scale_inv = sa, pt.b.scale_inv = sb;
+            lt_run(lt, pt, true, out_lt, kWarm + kReps, e0, e1, &t_pt);
+            sum_ours += t_ours, sum_lt += t_lt, sum_pt += t_pt;
+            std::printf("| %s | %lld | %lld | %lld | %s | %.1f | %.1f | %.1f | %.3f | %.3f | %.1e |\n", s.name,
+                        (long long)s.m, (long long)s.n, (long long)s.k,
+                        s.b_per_row ? "1x128 x 1x128" : "1x128 x 128x128", t_ours, t_lt, t_pt, t_lt / t_ours,
+                        t_ours / t_pt, rd);
         }
-        tq_block_gemm pt = g;
-        pt.a.scale_inv = sa, pt.b.scale_inv = sb;
-        lt_run(lt, pt, true, out_lt, kWarm + kReps, e0, e1, &t_pt);
-        sum_ours += t_ours, sum_lt += t_lt, sum_pt += t_pt;
-        std::printf("| %s | %lld | %lld | %lld | %s | %.1f | %.1f | %.1f | %.3f | %.3f | %.1e |\n", s.name,
-                    (long long)s.m, (long long)s.n, (long long)s.k,
-                    s.b_per_row ? "1x128 x 1x128" : "1x128 x 128x128", t_ours, t_lt, t_pt, t_lt / t_ours,
-                    t_ours / t_pt, rd);
+        std::printf("\nThe twelve GEMMs (d = %lld): tequant %.1f us, cuBLASLt block %.1f us (%.3fx), cuBLASLt "
+                    "per-tensor %.1f us (tequant at %.3fx of it)\n", (long long)width, sum_ours, sum_lt,
+                    sum_lt / sum_ours, sum_pt, sum_ours / sum_pt);
     }
-    std::printf("\nThe twelve GEMMs: tequant %.1f us, cuBLASLt block %.1f us (%.3fx), cuBLASLt per-tensor %.1f us "
-                "(tequant at %.3fx of it)\n%s\n", sum_ours, sum_lt, sum_lt / sum_ours, sum_pt, sum_ours / sum_pt,
-                ok ? "all checks passed" : "CHECKS FAILED");
+    std::printf("%s\n", ok ? "all checks passed" : "CHECKS FAILED");
     return ok ? 0 : 1;
 }
