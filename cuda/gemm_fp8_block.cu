@@ -14,7 +14,8 @@
  * half) into a fresh FP32 tile, then add it times the k block's scales into their running FP32
  * accumulators (what cuBLASLt's "split accumulation" does per block); each warp stores its rows
  * through a small shared slab while the producer already loads the next tile. Measured (H200)
- * at 0.74x of cuBLASLt's block-scaled speed on the GPT block's GEMMs, hence opt-in.
+ * at 0.75x of cuBLASLt's block-scaled speed on the GPT block's GEMMs, hence opt-in: the promotion
+ * costs it ~45% (without it the same pipeline runs at cuBLASLt's per-tensor speed).
  * Reference: csrc/ref/gemm_fp8_block_ref.c (same order: per k block an FP32 sum, then scaled).
  * Tests: tests/test_gemm_fp8_block.py; timings: benchmarks/gemm_block_probe.cu.
  */
@@ -377,6 +378,9 @@ __device__ __forceinline__ void consume(Smem &s, const Params &p, int nkb, int h
     float acc[kChains][64], part[64];
     int it = 0; /* as the producer counts */
     const uint32_t rank = cluster_rank();
+    /* stage 0's descriptors; a stage's are these plus its offset in 16-byte units (the start
+     * address field holds any shared address, under 256 KiB) */
+    const uint64_t desc_a0 = tile_desc(s.a[0] + 64 * half * kBK), desc_b0 = tile_desc(s.b[0]);
     for (int pair = blockIdx.x / 2; pair < pairs_of(p); pair += gridDim.x / 2) {
         int64_t m0, n0;
         tile_origin(p, pair, rank, &m0, &n0);
@@ -396,10 +400,10 @@ __device__ __forceinline__ void consume(Smem &s, const Params &p, int nkb, int h
             bar_wait(&s.full[st], (it / kStages) & 1);
             const bool row_scales = p.a.per_row;
             const float sa0 = row_scales ? s.sa[st][row0] : blk_a, sa1 = row_scales ? s.sa[st][row0 + 8] : blk_a;
-            const uint64_t da = tile_desc(s.a[st] + 64 * half * kBK);
+            const uint64_t da = desc_a0 + (uint64_t)(st * (kBytesA >> 4));
 #pragma unroll
             for (int h = 0; h < kChains; h++) {
-                const uint64_t db = tile_desc(s.b[st] + h * kHalfN * kBK);
+                const uint64_t db = desc_b0 + (uint64_t)((st * kBytesB + h * kHalfN * kBK) >> 4);
                 asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
                 for (int kk = 0; kk < kBK / 32; kk++) wgmma_64x128x32<kPair>(part, da + 2 * kk, db + 2 * kk, kk);
@@ -424,7 +428,9 @@ __global__ void __launch_bounds__(kThreads, 1)
                       const Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ uint8_t smem_raw[];
-    Smem &s = *(Smem *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
+    /* 1024-byte aligned by an offset into the shared array (a pointer through an integer would
+     * lose the address space: generic loads and stores for every shared access) */
+    Smem &s = *(Smem *)(smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u));
     const int nkb = (int)((p.k + kBK - 1) / kBK);
     if (threadIdx.x == 0) {
         for (int i = 0; i < kStages; i++) {
