@@ -11,12 +11,14 @@
 //   gcc -std=c11 -O2 -Icsrc/include -c csrc/core/status.c -o /tmp/status.o
 //   nvcc -O3 -std=c++17 -arch=sm_90a -Icsrc/include -Icsrc/core benchmarks/gemm_block_probe.cu \
 //        cuda/gemm_fp8_block.cu /tmp/status.o -o /tmp/gemm_block_probe -lcublasLt
-//   /tmp/gemm_block_probe
+//   /tmp/gemm_block_probe            (checks, then the tables)
+//   /tmp/gemm_block_probe host       (host time per call at a host-bound size)
 // Results: docs/results/bench_gemm.md ("tequant's Hopper block-scaled GEMM").
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -168,6 +170,50 @@ void lt_run(Lt &lt, const tq_block_gemm &g, bool per_tensor, void *out, int reps
     cublasLtMatmulDescDestroy(desc);
 }
 
+// Host time per call (us) of cuBLASLt's matmul with a plan made once (what the library's plan
+// cache does), over n calls after warm-up: the launch cost a host-bound layer pays per GEMM.
+double lt_host_us(Lt &lt, const tq_block_gemm &g, bool per_tensor, void *out, int n) {
+    cublasLtMatrixLayout_t l[3];
+    cublasLtMatmulDesc_t desc = lt_desc(g, per_tensor, l);
+    cublasLtMatmulPreference_t pref;
+    CHECK_LT(cublasLtMatmulPreferenceCreate(&pref));
+    const uint64_t wsb = kWorkspace;
+    CHECK_LT(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb, sizeof wsb));
+    cublasLtMatmulHeuristicResult_t r;
+    int found = 0;
+    CHECK_LT(cublasLtMatmulAlgoGetHeuristic(lt.h, desc, l[0], l[1], l[2], l[2], pref, 1, &r, &found));
+    if (found == 0) { std::printf("cuBLASLt: no algorithm\n"); std::exit(1); }
+    const float one = 1.0f, zero = 0.0f;
+    double us = 0;
+    for (int round = 0; round < 2; round++) { /* the first round warms up */
+        CHECK_CUDA(cudaDeviceSynchronize());
+        const auto t0 = std::chrono::steady_clock::now();
+        for (int i = 0; i < n; i++)
+            CHECK_LT(cublasLtMatmul(lt.h, desc, &one, g.b.data, l[0], g.a.data, l[1], &zero, out, l[2], out, l[2],
+                                    &r.algo, lt.ws, kWorkspace, 0));
+        us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / n;
+    }
+    CHECK_CUDA(cudaDeviceSynchronize());
+    cublasLtMatmulPreferenceDestroy(pref);
+    for (auto x : l) cublasLtMatrixLayoutDestroy(x);
+    cublasLtMatmulDescDestroy(desc);
+    return us;
+}
+
+// The same for tequant's kernel (tensor maps encoded and the kernel launched at every call).
+double ours_host_us(const tq_block_gemm &g, int n) {
+    double us = 0;
+    for (int round = 0; round < 2; round++) {
+        CHECK_CUDA(cudaDeviceSynchronize());
+        const auto t0 = std::chrono::steady_clock::now();
+        for (int i = 0; i < n; i++)
+            if (tq_gemm_fp8_block_cuda(&g, 0) != TQ_SUCCESS) { std::printf("%s\n", tq_last_error()); std::exit(1); }
+        us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / n;
+    }
+    CHECK_CUDA(cudaDeviceSynchronize());
+    return us;
+}
+
 // The twelve GEMMs of a GPT block (T tokens, width D, ffn F): fprop, dgrad, wgrad of each Linear.
 std::vector<Shape> block_shapes(int64_t T, int64_t D, int64_t F) {
     return {
@@ -200,9 +246,11 @@ float ours(const tq_block_gemm &g, int reps, cudaEvent_t e0, cudaEvent_t e1) {
 }  // namespace
 
 int main(int argc, char **argv) {
-    // "check": the reference kernel on the big shapes too; "profile": one GEMM of ours (for ncu)
+    // "check": the reference kernel on the big shapes too; "profile": one GEMM of ours (for ncu);
+    // "host": host time per call at a host-bound size (te.Linear 256 -> 256 on 128 tokens)
     const bool check_big = argc > 1 && std::string(argv[1]) == "check";
     const bool profile = argc > 1 && std::string(argv[1]) == "profile";
+    const bool host = argc > 1 && std::string(argv[1]) == "host";
     const int64_t T = 8192, D = 4096, F = 16384;
     const std::vector<Shape> shapes = block_shapes(T, D, F), small = block_shapes(T, 512, 2048);
     const std::vector<Shape> odd = {
@@ -246,6 +294,20 @@ int main(int argc, char **argv) {
         g.out_dtype = TQ_DTYPE_BFLOAT16;
         g.a = side(a, s.m, s.k, sa, s.a_per_row), g.b = side(b, s.n, s.k, sb, s.b_per_row);
         std::printf("%s: %.1f us\n", s.name, ours(g, kWarm + 2, e0, e1));
+        return 0;
+    }
+    if (host) {
+        const Shape s = {"fprop 128 tokens, 256 -> 256", 128, 256, 256, true, false};
+        tq_block_gemm g = {};
+        g.device = dev, g.k = s.k, g.out = out, g.ldo = s.n, g.bias = nullptr, g.bias_dtype = -1;
+        g.out_dtype = TQ_DTYPE_BFLOAT16;
+        g.a = side(a, s.m, s.k, sa, s.a_per_row), g.b = side(b, s.n, s.k, sb, s.b_per_row);
+        tq_block_gemm pt = g;
+        const int n = 4000;
+        std::printf("%s, host us per call (mean of %d calls after as many):\n", s.name, n);
+        std::printf("  tequant block kernel %.2f\n", ours_host_us(g, n));
+        std::printf("  cuBLASLt block-scaled %.2f\n", lt_host_us(lt, g, false, out_lt, n));
+        std::printf("  cuBLASLt per-tensor %.2f\n", lt_host_us(lt, pt, true, out_lt, n));
         return 0;
     }
     bool ok = true;
