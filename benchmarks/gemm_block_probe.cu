@@ -142,72 +142,59 @@ cublasLtMatmulDesc_t lt_desc(const tq_block_gemm &g, bool per_tensor, cublasLtMa
     return desc;
 }
 
-void lt_run(Lt &lt, const tq_block_gemm &g, bool per_tensor, void *out, int reps, cudaEvent_t e0, cudaEvent_t e1,
-            float *us) {
+// A cuBLASLt matmul made once (descriptor, layouts, the heuristic's first algorithm), as the
+// library's plan cache keeps it; run() launches it on g's operands into out.
+struct LtPlan {
+    Lt &lt;
+    const tq_block_gemm &g;
     cublasLtMatrixLayout_t l[3];
-    cublasLtMatmulDesc_t desc = lt_desc(g, per_tensor, l);
-    cublasLtMatmulPreference_t pref;
-    CHECK_LT(cublasLtMatmulPreferenceCreate(&pref));
-    const uint64_t wsb = kWorkspace;
-    CHECK_LT(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb, sizeof wsb));
+    cublasLtMatmulDesc_t desc;
     cublasLtMatmulHeuristicResult_t r;
-    int found = 0;
-    CHECK_LT(cublasLtMatmulAlgoGetHeuristic(lt.h, desc, l[0], l[1], l[2], l[2], pref, 1, &r, &found));
-    if (found == 0) { std::printf("cuBLASLt: no algorithm\n"); std::exit(1); }
-    const float one = 1.0f, zero = 0.0f;
-    for (int i = 0; i < reps; i++) {
-        if (i == kWarm) CHECK_CUDA(cudaEventRecord(e0));
+    LtPlan(Lt &lt_, const tq_block_gemm &g_, bool per_tensor) : lt(lt_), g(g_) {
+        desc = lt_desc(g, per_tensor, l);
+        cublasLtMatmulPreference_t pref;
+        CHECK_LT(cublasLtMatmulPreferenceCreate(&pref));
+        const uint64_t wsb = kWorkspace;
+        CHECK_LT(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb, sizeof wsb));
+        int found = 0;
+        CHECK_LT(cublasLtMatmulAlgoGetHeuristic(lt.h, desc, l[0], l[1], l[2], l[2], pref, 1, &r, &found));
+        if (found == 0) { std::printf("cuBLASLt: no algorithm\n"); std::exit(1); }
+        cublasLtMatmulPreferenceDestroy(pref);
+    }
+    ~LtPlan() {
+        for (auto x : l) cublasLtMatrixLayoutDestroy(x);
+        cublasLtMatmulDescDestroy(desc);
+    }
+    void run(void *out) {
+        const float one = 1.0f, zero = 0.0f;
         CHECK_LT(cublasLtMatmul(lt.h, desc, &one, g.b.data, l[0], g.a.data, l[1], &zero, out, l[2], out, l[2],
                                 &r.algo, lt.ws, kWorkspace, 0));
+    }
+};
+
+void lt_run(Lt &lt, const tq_block_gemm &g, bool per_tensor, void *out, int reps, cudaEvent_t e0, cudaEvent_t e1,
+            float *us) {
+    LtPlan plan(lt, g, per_tensor);
+    for (int i = 0; i < reps; i++) {
+        if (i == kWarm) CHECK_CUDA(cudaEventRecord(e0));
+        plan.run(out);
     }
     CHECK_CUDA(cudaEventRecord(e1));
     CHECK_CUDA(cudaEventSynchronize(e1));
     float ms = 0;
     CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
     *us = reps > kWarm ? ms * 1000.0f / (reps - kWarm) : 0.0f;
-    cublasLtMatmulPreferenceDestroy(pref);
-    for (auto x : l) cublasLtMatrixLayoutDestroy(x);
-    cublasLtMatmulDescDestroy(desc);
 }
 
-// Host time per call (us) of cuBLASLt's matmul with a plan made once (what the library's plan
-// cache does), over n calls after warm-up: the launch cost a host-bound layer pays per GEMM.
-double lt_host_us(Lt &lt, const tq_block_gemm &g, bool per_tensor, void *out, int n) {
-    cublasLtMatrixLayout_t l[3];
-    cublasLtMatmulDesc_t desc = lt_desc(g, per_tensor, l);
-    cublasLtMatmulPreference_t pref;
-    CHECK_LT(cublasLtMatmulPreferenceCreate(&pref));
-    const uint64_t wsb = kWorkspace;
-    CHECK_LT(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb, sizeof wsb));
-    cublasLtMatmulHeuristicResult_t r;
-    int found = 0;
-    CHECK_LT(cublasLtMatmulAlgoGetHeuristic(lt.h, desc, l[0], l[1], l[2], l[2], pref, 1, &r, &found));
-    if (found == 0) { std::printf("cuBLASLt: no algorithm\n"); std::exit(1); }
-    const float one = 1.0f, zero = 0.0f;
-    double us = 0;
-    for (int round = 0; round < 2; round++) { /* the first round warms up */
-        CHECK_CUDA(cudaDeviceSynchronize());
-        const auto t0 = std::chrono::steady_clock::now();
-        for (int i = 0; i < n; i++)
-            CHECK_LT(cublasLtMatmul(lt.h, desc, &one, g.b.data, l[0], g.a.data, l[1], &zero, out, l[2], out, l[2],
-                                    &r.algo, lt.ws, kWorkspace, 0));
-        us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / n;
-    }
-    CHECK_CUDA(cudaDeviceSynchronize());
-    cublasLtMatmulPreferenceDestroy(pref);
-    for (auto x : l) cublasLtMatrixLayoutDestroy(x);
-    cublasLtMatmulDescDestroy(desc);
-    return us;
-}
-
-// The same for tequant's kernel (tensor maps encoded and the kernel launched at every call).
-double ours_host_us(const tq_block_gemm &g, int n) {
+// Host time per call (us) of `call` over n calls, after a first round of n to warm up: the
+// launch cost a host-bound layer pays per GEMM.
+template <typename F>
+double host_us(F call, int n) {
     double us = 0;
     for (int round = 0; round < 2; round++) {
         CHECK_CUDA(cudaDeviceSynchronize());
         const auto t0 = std::chrono::steady_clock::now();
-        for (int i = 0; i < n; i++)
-            if (tq_gemm_fp8_block_cuda(&g, 0) != TQ_SUCCESS) { std::printf("%s\n", tq_last_error()); std::exit(1); }
+        for (int i = 0; i < n; i++) call();
         us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / n;
     }
     CHECK_CUDA(cudaDeviceSynchronize());
@@ -305,9 +292,13 @@ int main(int argc, char **argv) {
         tq_block_gemm pt = g;
         const int n = 4000;
         std::printf("%s, host us per call (mean of %d calls after as many):\n", s.name, n);
-        std::printf("  tequant block kernel %.2f\n", ours_host_us(g, n));
-        std::printf("  cuBLASLt block-scaled %.2f\n", lt_host_us(lt, g, false, out_lt, n));
-        std::printf("  cuBLASLt per-tensor %.2f\n", lt_host_us(lt, pt, true, out_lt, n));
+        LtPlan block(lt, g, false), per_tensor(lt, pt, true);
+        /* tequant's kernel encodes its two tensor maps and launches at every call */
+        std::printf("  tequant block kernel %.2f\n", host_us([&] {
+            if (tq_gemm_fp8_block_cuda(&g, 0) != TQ_SUCCESS) { std::printf("%s\n", tq_last_error()); std::exit(1); }
+        }, n));
+        std::printf("  cuBLASLt block-scaled %.2f\n", host_us([&] { block.run(out_lt); }, n));
+        std::printf("  cuBLASLt per-tensor %.2f\n", host_us([&] { per_tensor.run(out_lt); }, n));
         return 0;
     }
     bool ok = true;
