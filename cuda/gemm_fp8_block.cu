@@ -391,7 +391,7 @@ __device__ __forceinline__ void consume(Smem &s, const Params &p, int nkb, int h
         /* (a tile past M reads no scales: its rows are zeros and never stored) */
         const float *block_a = p.a.per_row || m0 >= p.m ? nullptr : p.a.scale + (m0 / kBM) * p.a.scale_ld;
         const float *block_b = p.b.per_row ? nullptr : p.b.scale + (n0 / kHalfN) * p.b.scale_ld;
-        const bool second_block_b = kChains > 1 && n0 + kHalfN < p.n; /* B's second half holds rows */
+        const bool second_block_b = n0 + kHalfN < p.n; /* B's second half holds rows */
         for (int kb = 0; kb < nkb; kb++, it++) {
             const int st = it % kStages;
             const float blk_a = block_a ? __ldg(block_a + kb) : 1.0f;
