@@ -323,6 +323,7 @@ PyObject *tqx_linear_forward(PyObject *module, PyObject *const *args, Py_ssize_t
     tq_tensor w = {0};
     tqx_tensor_info w_info = {0};
     PyObject *w_given = NULL; /* an already quantized W: its kept form */
+    PyObject *w_dense = NULL; /* a strided W's contiguous copy */
     if (PyTuple_Check(weight)) {
         long long rows, cols;
         int dtype;
@@ -336,7 +337,15 @@ PyObject *tqx_linear_forward(PyObject *module, PyObject *const *args, Py_ssize_t
         }
         w.rows = rows, w.cols = w.ld = cols, w.dtype = (tq_dtype)dtype;
     } else if (tqx_tensor_from_py(st, weight, "weight", TQX_FLOAT_DTYPES, &w, &w_info) < 0) {
-        return NULL;
+        /* a strided W (a transposed Parameter): quantized from its contiguous copy */
+        if (!PyErr_ExceptionMatches(PyExc_ValueError)) return NULL;
+        PyErr_Clear();
+        if ((w_dense = PyObject_CallMethod(weight, "contiguous", NULL)) == NULL) return NULL;
+        if (tqx_tensor_from_py(st, w_dense, "weight", TQX_FLOAT_DTYPES, &w, &w_info) < 0) {
+            Py_DECREF(w_dense);
+            return NULL;
+        }
+        weight = w_dense;
     }
     const int64_t n = w.rows, k = w.cols;
     PyObject *device = NULL, *qw = NULL, *shape = NULL, *out = NULL, *x_shape = NULL;
@@ -437,6 +446,7 @@ done:
     Py_XDECREF(qw);
     Py_XDECREF(shape);
     Py_XDECREF(out);
+    Py_XDECREF(w_dense);
     return result;
 }
 

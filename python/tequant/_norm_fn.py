@@ -49,6 +49,8 @@ def refusal(x, weight, bias):
             return f"the {name} is {t.dtype}; the kernels read float32, bfloat16 and float16"
         if t.device != x.device:  # torch's norm raises its own error
             return f"the {name} is on {t.device}, the input on {x.device}"
+        if t is not x and not t.is_contiguous():  # (x is made contiguous; gamma and beta not)
+            return f"the {name} is not contiguous"
     if bias is not None and bias.dtype != weight.dtype:
         return f"bias is {bias.dtype} and weight {weight.dtype}; the kernels read one dtype"
     device = x.device.type

@@ -20,6 +20,8 @@ from . import _C
 
 FORWARD, BACKWARD = "fwd", "bwd"
 COLUMNS = {FORWARD: ("x", "w"), BACKWARD: ("dy",)}  # each direction's roles, in column order
+BUFFERS = tuple(f"delayed_{kind}_{direction}" for direction in (FORWARD, BACKWARD)
+                for kind in ("amax_history", "scale"))
 
 
 def ensure(module, length):
@@ -34,6 +36,20 @@ def ensure(module, length):
                                torch.zeros(length, n, dtype=torch.float32, device=device))
         module.register_buffer(f"delayed_scale_{direction}",
                                torch.ones(n, dtype=torch.float32, device=device))
+
+
+def keeping_float32(module, apply):
+    """apply() (the module's nn.Module._apply) with its DelayedScaling buffers following a device
+    move only: a model's .half(), .bfloat16() or .to(dtype) leaves them float32 (as TE's
+    fp8_meta): the kernels read float32, and a float16 scale overflows past 65504."""
+    buffers = module._buffers
+    before = [(name, buffers.get(name)) for name in BUFFERS]
+    out = apply()
+    for name, old in before:
+        new = buffers.get(name)
+        if old is not None and new is not None and new.dtype != old.dtype:
+            buffers[name] = old.to(new.device)
+    return out
 
 
 def _kept(module, name, hist, scale, extra, make):

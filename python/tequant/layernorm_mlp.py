@@ -72,6 +72,7 @@ def _to_te_names(module, state_dict, prefix, local_metadata):
 
 
 def _from_te_names(state_dict, prefix, *args):
+    state_dict.pop(prefix + "_extra_state", None)  # TE's FP8 metadata: accepted, unused
     for te_name, name in _TE_NAMES.items():
         if prefix + te_name in state_dict:
             state_dict[prefix + name] = state_dict.pop(prefix + te_name)

@@ -346,9 +346,10 @@ class Linear(torch.nn.Linear):
     def _plan(self, recipe):
         key = _C.recipe_key(recipe)
         plan = self._plans.get(key)
-        if plan is None:
-            plan = self._plans[key] = _plan.Plan(recipe)
+        if plan is None:  # checked before it is kept: a kept plan skips the check (C path)
+            plan = _plan.Plan(recipe)
             self._check_plan(plan)
+            self._plans[key] = plan
         return plan
 
     def _check_plan(self, plan, shape=None):
@@ -462,6 +463,9 @@ class Linear(torch.nn.Linear):
             return F.linear(inp, weight, bias)
         if record is not None:
             record.recipe = recipe
+        if not inp.shape:  # (inp: a tensor, a NormInput or an ActInput)
+            raise ValueError(f"input is a 0-dim tensor; this Linear takes [..., "
+                             f"{weight.shape[1]}]")
         if inp.shape[-1] != weight.shape[1]:
             raise ValueError(f"input has {inp.shape[-1]} features in its last dim; this "
                              f"Linear takes {weight.shape[1]}")
@@ -538,7 +542,14 @@ class Linear(torch.nn.Linear):
                                                     _operands.TQ_DTYPE[inp.dtype])
         return _forward(x, weight, bias, self, plan, is_first_microbatch, _PACKED, states)[0]
 
+    def _apply(self, fn, recurse=True):
+        # .half(), .bfloat16(), .to(dtype) cast parameters; DelayedScaling's state stays float32
+        return delayed.keeping_float32(self, lambda: super(Linear, self)._apply(fn, recurse))
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # TransformerEngine's modules save their FP8 metadata as `_extra_state`: accepted, unused
+        # (DelayedScaling's history starts afresh, as in a new module)
+        state_dict.pop(prefix + "_extra_state", None)
         # DelayedScaling buffers exist once a module quantized with it: create them from a
         # checkpoint that has them, so a fresh module restores the state exactly.
         for direction in (delayed.FORWARD, delayed.BACKWARD):

@@ -107,6 +107,10 @@ class _Norm(torch.nn.Module):
     def reset_parameters(self):
         reset_norm_parameters(self.weight, self.bias, self.zero_centered_gamma)
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        state_dict.pop(prefix + "_extra_state", None)  # TE's operation metadata: accepted, unused
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def forward(self, inp):
         if not isinstance(inp, torch.Tensor):
             raise TypeError(f"{type(self).__name__}: inp must be a torch.Tensor, got "
