@@ -176,6 +176,16 @@ tq_status tq_gemm_query(const tq_gemm_operand *a, const tq_gemm_operand *b, tq_d
         return tq_fail(TQ_ERROR_NOT_SUPPORTED, "GEMM of %s x %s: E5M2 x E5M2 has no cuBLASLt "
                        "kernel; one operand must be E4M3 (HYBRID pairs E5M2 grads with E4M3)", na, nb);
     }
+    /* the RHT cancels in a product (R R^T = I) only where both contracted directions carry it:
+     * te.Linear's wgrad reads x and dy columnwise, both transformed */
+    const int rht_a = f == FAMILY_NVFP4 && (ca->flags & TQ_QUANT_RHT) && a->usage == TQ_USAGE_COLUMNWISE;
+    const int rht_b = f == FAMILY_NVFP4 && (cb->flags & TQ_QUANT_RHT) && b->usage == TQ_USAGE_COLUMNWISE;
+    if (rht_a != rht_b)
+        return tq_fail(TQ_ERROR_NOT_SUPPORTED, "NVFP4 GEMM of a Hadamard-transformed operand (%s, "
+                       "read columnwise with RHT) and a plain one (%s): the transform cancels only "
+                       "when both operands carry it (quantize both with the input / grad_output "
+                       "roles and read both columnwise, as wgrad does)", rht_a ? "A" : "B",
+                       rht_a ? "B" : "A");
     if (f == FAMILY_BLOCK && two_d(ca) && two_d(cb)) {
         describe(ca, na, sizeof na), describe(cb, nb, sizeof nb);
         return tq_fail(TQ_ERROR_NOT_SUPPORTED, "GEMM of %s x %s: cuBLASLt on Hopper has no "

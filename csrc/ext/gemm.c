@@ -233,12 +233,14 @@ PyObject *tqx_gemm_run(tqx_state *st, tqx_operand *a, tqx_operand *b, PyObject *
                                          NULL) < 0) {
             goto done;
         }
-        if (gargs.bias.rows * gargs.bias.cols != info.n || gargs.bias.device != info.device) {
+        /* one row of N: [N] or [1, N] (an [N, 1] bias would broadcast down the columns) */
+        if (gargs.bias.rows != 1 || gargs.bias.cols != info.n || gargs.bias.device != info.device) {
             char got[32], want[32];
-            PyErr_Format(PyExc_ValueError, "bias has %lld elements on %s; the product has N=%lld "
-                         "columns on %s", (long long)(gargs.bias.rows * gargs.bias.cols),
-                         tqx_device_name(gargs.bias.device, got, sizeof got), (long long)info.n,
-                         tqx_device_name(info.device, want, sizeof want));
+            PyErr_Format(PyExc_ValueError, "bias is [%lld rows, %lld columns] on %s; the product "
+                         "takes a bias of shape [N] = [%lld] on %s", (long long)gargs.bias.rows,
+                         (long long)gargs.bias.cols, tqx_device_name(gargs.bias.device, got,
+                                                                     sizeof got),
+                         (long long)info.n, tqx_device_name(info.device, want, sizeof want));
             goto done;
         }
     }

@@ -184,6 +184,32 @@ static int given_amax_from_py(tqx_state *st, PyObject *obj, tq_quantize_args *qa
     return 0;
 }
 
+/* A usage argument: 1 rowwise, 2 columnwise, 3 both (ValueError otherwise). */
+static int usage_from_py(PyObject *obj, uint32_t *usage) {
+    const long v = PyLong_AsLong(obj);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    if (v < 1 || v > 3) {
+        PyErr_Format(PyExc_ValueError, "usage must be 1 (rowwise), 2 (columnwise) or 3 (both); "
+                     "got %ld", v);
+        return -1;
+    }
+    *usage = (uint32_t)v;
+    return 0;
+}
+
+/* A logical shape (rows, cols): non-negative ints (ValueError otherwise). */
+static int shape_from_py(PyObject *r, PyObject *c, int64_t *rows, int64_t *cols) {
+    *rows = PyLong_AsLongLong(r);
+    *cols = PyLong_AsLongLong(c);
+    if (PyErr_Occurred()) return -1;
+    if (*rows < 0 || *cols < 0) {
+        PyErr_Format(PyExc_ValueError, "a quantized tensor's shape must be non-negative; got "
+                     "[%lld, %lld]", (long long)*rows, (long long)*cols);
+        return -1;
+    }
+    return 0;
+}
+
 /* _quantize(x, config, usage, scale, amax, rng, amax_in[, dbias]) -> 6-tuple of tensors/None.
  * usage: 1 rowwise, 2 columnwise, 3 both. scale (delayed only): float32 [1] or None (= 1).
  * amax (delayed only): a float32 [1] history slot to max-accumulate into, or None (fresh).
@@ -206,9 +232,7 @@ PyObject *tqx_quantize(PyObject *module, PyObject *const *args, Py_ssize_t nargs
         || tqx_tensor_from_py(st, args[0], "x", TQX_FLOAT_DTYPES, &x, &info) < 0)
         return NULL;
     tq_quantize_args qargs = TQ_QUANTIZE_ARGS_INIT;
-    long usage = PyLong_AsLong(args[2]);
-    if (usage == -1 && PyErr_Occurred()) return NULL;
-    qargs.usage = (uint32_t)usage;
+    if (usage_from_py(args[2], &qargs.usage) < 0) return NULL;
     if (tqx_rng_from_py(st, args[5], &qargs) < 0 || given_amax_from_py(st, args[6], &qargs) < 0)
         return NULL;
     tqx_scratch ws = TQX_SCRATCH_INIT;
@@ -271,17 +295,17 @@ PyObject *tqx_dequantize(PyObject *module, PyObject *const *args, Py_ssize_t nar
     tq_quant_config config;
     if (tqx_config_from_py(st, args[0], &config) < 0) return NULL;
     tq_qtensor q;
-    const int64_t rows = PyLong_AsLongLong(args[1]), cols = PyLong_AsLongLong(args[2]);
-    long usage = PyLong_AsLong(args[4]);
-    if (PyErr_Occurred()) return NULL;
-    if (tqx_qtensor_from_py(st, &config, rows, cols, args[3], (uint32_t)usage, &q) < 0)
+    int64_t rows, cols;
+    uint32_t usage;
+    if (shape_from_py(args[1], args[2], &rows, &cols) < 0 || usage_from_py(args[4], &usage) < 0
+        || tqx_qtensor_from_py(st, &config, rows, cols, args[3], usage, &q) < 0)
         return NULL;
     tq_tensor out;
     tqx_tensor_info info;
     if (tqx_tensor_from_py(st, args[5], "out", TQX_FLOAT_DTYPES, &out, &info) < 0) return NULL;
     tq_status s;
     Py_BEGIN_ALLOW_THREADS
-    s = tq_dequantize(&config, &q, (uint32_t)usage, &out, (struct CUstream_st *)info.stream);
+    s = tq_dequantize(&config, &q, usage, &out, (struct CUstream_st *)info.stream);
     Py_END_ALLOW_THREADS
     if (s != TQ_SUCCESS) return tqx_raise_status(st, s);
     Py_RETURN_NONE;
@@ -299,11 +323,12 @@ static PyObject *py_quantize_layout(PyObject *module, PyObject *const *args, Py_
     tqx_state *st = tqx_module_state(module);
     tq_quant_config config;
     if (tqx_config_from_py(st, args[0], &config) < 0 || tqx_torch_import(st) < 0) return NULL;
-    const int64_t rows = PyLong_AsLongLong(args[1]), cols = PyLong_AsLongLong(args[2]);
-    const long usage = PyLong_AsLong(args[3]);
-    if (PyErr_Occurred()) return NULL;
+    int64_t rows, cols;
+    uint32_t usage;
+    if (shape_from_py(args[1], args[2], &rows, &cols) < 0 || usage_from_py(args[3], &usage) < 0)
+        return NULL;
     tq_qtensor q = TQ_QTENSOR_INIT;
-    tq_status s = tq_quantize_layout(&config, rows, cols, (uint32_t)usage, &q);
+    tq_status s = tq_quantize_layout(&config, rows, cols, usage, &q);
     if (s != TQ_SUCCESS) return tqx_raise_status(st, s);
     PyObject *result = PyTuple_New(TQX_N_MEMBERS);
     for (int i = 0; result != NULL && i < TQX_N_MEMBERS; i++) {

@@ -61,6 +61,8 @@ def quantize(x, recipe=None, role="input", rowwise=True, columnwise=False, *, sc
                          "x.reshape(1) for a scalar")
     if not (rowwise or columnwise):
         raise ValueError("rowwise and columnwise are both False: ask for at least one direction")
+    if x.is_neg():  # a lazy negation (z.conj().imag): DLPack hands C the unnegated memory
+        x = x.resolve_neg()
     usage = (ROWWISE if rowwise else 0) | (COLUMNWISE if columnwise else 0)
     compiling = torch.compiler.is_compiling()
     if compiling:  # the config is a C object: trace with its key and facts instead
@@ -101,6 +103,8 @@ def quantize(x, recipe=None, role="input", rowwise=True, columnwise=False, *, sc
                    else type(t).__name__)
             raise ValueError(f"{name} must be a float32 tensor of one element on x's device "
                              f"({x.device}), e.g. a view history[0, i:i+1]; got {got}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     if generator is not None and generator.device.type != x.device.type:
         raise ValueError(f"generator is on {generator.device}, x on {x.device}: stochastic "
                          "rounding draws from a generator of x's device")
@@ -183,13 +187,15 @@ def gemm(a, b, *, transpose_a=False, transpose_b=False, out_dtype=None, bias=Non
     compiling = torch.compiler.is_compiling()
     spec_a = _operand(a, usage_a, "a", compiling)
     spec_b = _operand(b, usage_b, "b", compiling)
+    if out is not None and not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
     if out_dtype is None:
         out_dtype = out.dtype if out is not None else a.dtype
     elif out is not None and out.dtype != out_dtype:
         raise ValueError(f"out has dtype {out.dtype} but out_dtype is {out_dtype}")
     if accumulate and out is None:
         raise ValueError("accumulate=True adds the product into out: pass out=")
-    lead = a.shape[:-1] if not transpose_a and len(a.shape) > 2 else None
+    lead = a.shape[:-1] if not transpose_a and len(a.shape) != 2 else None  # 1-D a: [N] out
     out_2d = out
     if out is not None and lead is not None:
         if out.shape[:-1] != lead:

@@ -136,7 +136,7 @@ class QuantizedTensor:
         bits = data.view(torch.uint8)
         if self._fields()[0] != "E2M1":
             return bits
-        return torch.stack((bits & 0xF, bits >> 4), dim=-1).reshape(bits.shape[0], -1)
+        return torch.stack((bits & 0xF, bits >> 4), dim=-1).reshape(bits.shape[0], 2 * bits.shape[1])
 
     def scales(self, direction="rowwise"):
         """The scales of one direction in a compact [rows, blocks] form of that direction, in
