@@ -107,6 +107,7 @@ static PyObject *autocast_make(PyTypeObject *type, PyObject *const *args, Py_ssi
     self->depth = 0;
     self->root = NULL;
     self->pending = NULL;
+    self->pending_owned = 0;
     self->active = 0;
     self->token = NULL;
     return (PyObject *)self;
@@ -156,6 +157,7 @@ static AutocastObject *autocast_clone(AutocastObject *self) {
     c->depth = 0;
     c->root = NULL;
     c->pending = NULL;
+    c->pending_owned = 0;
     c->token = NULL;
     return c;
 }
@@ -181,6 +183,7 @@ static PyObject *autocast_enter(AutocastObject *self, PyObject *unused) {
     frame->root = outer ? (AutocastObject *)Py_NewRef(tqx_frame_root(outer)) : NULL;
     frame->first_module = outer == NULL;
     Py_CLEAR(frame->pending);
+    frame->pending_owned = 0;
     frame->published = 1;
     Py_DECREF(outer_obj);
     PyObject *token = PyContextVar_Set(st->context_var, (PyObject *)frame);

@@ -25,6 +25,8 @@ typedef struct AutocastObject {
     struct AutocastObject *root; /* strong: the outermost frame; NULL when this is the root */
     PyObject *pending;  /* on a root frame: list of the DelayedScaling modules that quantized in
                            it (state.c _delayed_register), handed to the update at its exit */
+    char pending_owned; /* on a root frame: an eager module was handed `pending` (its backward
+                           runs the backward update); compiled entries never are */
     /* instance fields */
     char active;        /* between __enter__ and __exit__ */
     PyObject *token;    /* strong while active: restores the outer state */
@@ -37,8 +39,8 @@ static inline AutocastObject *tqx_frame_root(AutocastObject *frame) {
 /* state.c: the innermost active autocast of this thread / context (borrowed), or NULL (*error
  * set on a failed read, else none is active) */
 AutocastObject *tqx_autocast_innermost(tqx_state *st, int *error);
-/* state.c: appends obj to the outermost autocast's list of DelayedScaling modules; *first: this
- * call created the list (that module runs the backward update). -1 with an exception. */
+/* state.c: appends the eager module obj to the outermost autocast's list of DelayedScaling
+ * modules; *first: the first eager module (it runs the backward update). -1 with an exception. */
 int tqx_delayed_register(AutocastObject *ac, PyObject *obj, int *first);
 
 #endif /* TEQUANT_EXT_AUTOCAST_H_ */

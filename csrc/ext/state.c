@@ -71,24 +71,40 @@ static PyObject *is_first_fp8_module(PyObject *module, PyObject *unused) {
     return PyBool_FromLong(first);
 }
 
-/* Appends obj to the outermost autocast's list of DelayedScaling modules; returns (list, first):
- * first is True for the call that created the list (that module runs the backward update). */
-int tqx_delayed_register(AutocastObject *ac, PyObject *obj, int *first) {
+/* Appends obj to the outermost autocast's list of DelayedScaling modules. An eager module
+ * (claims) learns whether it is the first eager one: that module's backward, the last of the
+ * eager ones, runs the backward update. A compiled module's entry (delayed.register_compiled,
+ * after its graph ran) claims nothing: its backward op updates itself, and an entry ahead of
+ * the eager modules must not leave them without an owner of the update. */
+static int register_pending(AutocastObject *ac, PyObject *obj, int claims, int *first) {
     AutocastObject *root = tqx_frame_root(ac);
-    *first = root->pending == NULL;
-    if (*first && (root->pending = PyList_New(0)) == NULL) return -1;
+    if (root->pending == NULL && (root->pending = PyList_New(0)) == NULL) return -1;
+    *first = claims && !root->pending_owned;
+    if (claims) root->pending_owned = 1;
     return PyList_Append(root->pending, obj);
 }
 
-static PyObject *delayed_register(PyObject *module, PyObject *obj) {
+int tqx_delayed_register(AutocastObject *ac, PyObject *obj, int *first) {
+    return register_pending(ac, obj, 1, first);
+}
+
+static PyObject *delayed_register_as(PyObject *module, PyObject *obj, int claims) {
     READ_STATE(module, ac);
     if (ac == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "_delayed_register outside te.autocast");
         return NULL;
     }
     int first;
-    if (tqx_delayed_register(ac, obj, &first) < 0) return NULL;
+    if (register_pending(ac, obj, claims, &first) < 0) return NULL;
     return Py_BuildValue("(OO)", tqx_frame_root(ac)->pending, first ? Py_True : Py_False);
+}
+
+static PyObject *delayed_register(PyObject *module, PyObject *obj) {
+    return delayed_register_as(module, obj, 1);
+}
+
+static PyObject *delayed_register_compiled(PyObject *module, PyObject *obj) {
+    return delayed_register_as(module, obj, 0);
 }
 
 /* _C._live: one object whose attributes read the calling thread's / context's autocast state
@@ -222,7 +238,12 @@ static PyObject *set_delayed_update(PyObject *module, PyObject *const *args, Py_
 PyMethodDef tqx_state_methods[] = {
     {"_delayed_register", delayed_register, METH_O,
      "_delayed_register(module) -> (list, first)\n\nRecords a DelayedScaling module in the "
-     "outermost autocast; its forward update runs at that autocast's exit."},
+     "outermost autocast; its forward update runs at that autocast's exit; first: the first "
+     "eager module (its backward runs the backward update)."},
+    {"_delayed_register_compiled", delayed_register_compiled, METH_O,
+     "_delayed_register_compiled(entry) -> (list, False)\n\nRecords a compiled module's "
+     "forward buffers in the outermost autocast (its forward update at the exit); claims no "
+     "backward update (the compiled backward op updates itself)."},
     {"_set_delayed_update", (PyCFunction)(void (*)(void))set_delayed_update, METH_FASTCALL,
      "_set_delayed_update(forward_fn, backward_fn): forward_fn(modules) runs at the outermost "
      "autocast's exit, backward_fn(modules) at the end of linear_backward of the module that "

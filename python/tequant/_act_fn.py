@@ -189,7 +189,7 @@ def _act_fwd_fake(h, activation, want_hp, recipe_id, scale, padded, columnwise=F
     m, k = h.shape
     n = _cols(activation, k)
     outs = [h.new_empty((m, n))] if want_hp else []
-    if recipe_id is not None and _plan.of_id(recipe_id).x.scaling in _plan.BLOCK_FORMATS:
+    if recipe_id is not None and _plan.blocks_of(recipe_id)[0]:
         usage = _plan.ROWWISE | (_plan.COLUMNWISE if columnwise else 0)
         layout = _C._quantize_layout(config_of(recipe_id, "input"), int(padded), int(n), usage)
         return outs + [h.new_empty((r, c), dtype=dtype) for r, c, dtype in
@@ -237,7 +237,7 @@ def _act_bwd_fake(dy, h, activation, recipe_id, padded, scale, dbias_dtype, colu
     if recipe_id is None:
         return [torch.empty_like(h)]
     k = h.shape[1]
-    if _plan.of_id(recipe_id).dy.scaling in _plan.BLOCK_FORMATS:
+    if _plan.blocks_of(recipe_id)[1]:
         return [h.new_empty(shape, dtype=dtype)
                 for shape, dtype in _block_shapes(recipe_id, padded, k, columnwise)]
     outs = fake_fp8_outputs(h, recipe_id, "grad_output", padded, k, columnwise)
@@ -320,7 +320,7 @@ class ActFunction(torch.autograd.Function):
         # the codes have no gradient: autograd must not make (and fill) zeros of their shape
         ctx.set_materialize_grads(False)
         ctx.n_tokens = len(dh_tokens)
-        if _plan.of_id(recipe_id).x.scaling in _plan.BLOCK_FORMATS:  # the members, no amax
+        if _plan.blocks_of(recipe_id)[0]:  # the members, no amax
             members = tuple(it)
             ctx.mark_non_differentiable(*members)
             return (y,) + members
@@ -408,7 +408,7 @@ class ActInput:
         written by the activation's pass."""
         h = self.h
         rows = h.numel() // h.shape[-1]
-        block = _plan.of_id(recipe_id).x.scaling in _plan.BLOCK_FORMATS
+        block = _plan.blocks_of(recipe_id)[0]
         outs = _act_apply(
             h, scale, amax, self.activation, False, recipe_id, _plan.padded(rows, align),
             columnwise, *_dh_args(self.dh))
@@ -454,7 +454,7 @@ class GradOutput:
         formats but for BLOCK_DH)."""
         if not delayed and not beats_torch(self.activation, self.dtype):
             return None
-        if (_plan.of_id(recipe_id).dy.scaling in _plan.BLOCK_FORMATS
+        if (_plan.blocks_of(recipe_id)[1]
                 and self.activation not in BLOCK_DH):
             return None
         self.spec = (recipe_id, padded, columnwise)
@@ -470,7 +470,7 @@ class GradOutput:
 def _dbias_dtype(spec, tokens):
     """The dbias dtype of a GradOutput's tokens (the last per-tensor token, after codes,
     scale_inv, amax and, with columnwise, codes_t), or None."""
-    if (_plan.of_id(spec[0]).dy.scaling in _plan.BLOCK_FORMATS
+    if (_plan.blocks_of(spec[0])[1]
             or len(tokens) != 4 + bool(spec[2])):
         return None
     return tokens[-1].dtype
@@ -504,7 +504,7 @@ def placeholders(like, spec, n, dbias_dtype):
     dbias_dtype (fc1's bias dtype, where its bias learns; None: no dbias); block formats: their
     members (_block_shapes), no dbias."""
     recipe_id, padded, columnwise = spec
-    if _plan.of_id(recipe_id).dy.scaling in _plan.BLOCK_FORMATS:
+    if _plan.blocks_of(recipe_id)[1]:
         if dbias_dtype is not None:
             raise ValueError("a block-format grad_output from the activation has no dbias")
         shapes = _block_shapes(recipe_id, padded, n, columnwise)

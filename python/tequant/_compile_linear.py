@@ -458,7 +458,7 @@ def _local(module, inp, weight, bias, is_first_microbatch):
         else:
             inp = inp.high_precision()
     if not state.enabled:
-        if state.calibrating and info(recipe_id, 0)[2]:
+        if state.calibrating and not state.recipe.custom() and info(recipe_id, 0)[2]:
             delayed.calibrate(module, info(recipe_id, 0)[4], inp)
         return F.linear(inp, weight, bias)
     if is_first_microbatch is not None:
@@ -487,6 +487,8 @@ def _local(module, inp, weight, bias, is_first_microbatch):
         return _custom_linear.apply(inp, weight, bias,
                                     _custom_linear.quantizers(module, state.recipe))
     scaling, align, is_delayed, _, history_len, _, _, _ = info(recipe_id, 0)
+    if is_delayed and _checkpoint.REPLAYING:  # a DelayedScaling autocast inside the region
+        raise RuntimeError(_checkpoint.STATEFUL_REPLAY_ERROR)
     for name, dim, local in (("in_features", module.in_features, k),
                              ("out_features", module.out_features, n)):
         if local % align:

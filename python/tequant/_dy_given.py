@@ -57,7 +57,7 @@ def _dy_cols(dy_q, needs, recipe_id):
     """N of the grad_output the given-dy backward multiplies: its rowwise codes' columns, or the
     rows of the columnwise pair's data_t [N, M] (split_dy_backward's wgrad)."""
     columnwise_pair = (len(dy_q) == 2 and not needs & _plan.NEED_DGRAD
-                       and _plan.of_id(recipe_id).dy.scaling in _plan.BLOCK_FORMATS)
+                       and _plan.blocks_of(recipe_id)[1])
     return dy_q[0].shape[0] if columnwise_pair else dy_q[0].shape[1]
 
 
@@ -72,12 +72,12 @@ def splits_dy(recipe_id, dy, needs, bias_dtype, is_delayed):
     elements, rows already the format's multiple. Then the graph frees dy (the gated
     activation's dh, written over h) once its codes exist, before dx and dW are allocated: the
     compiled Llama block's peak (docs/results/NOTES.md, twenty-seventh session)."""
-    plan = _plan.of_id(recipe_id)
+    _, dy_blocks, align = _plan.blocks_of(recipe_id)
     rows, n = _rows_cols(dy.shape)
     both = _plan.NEED_DGRAD | _plan.NEED_WGRAD
-    return (plan.dy.scaling in _plan.BLOCK_FORMATS and not is_delayed and bias_dtype is None
+    return (dy_blocks and not is_delayed and bias_dtype is None
             and needs & both == both and rows * n > SPLIT_DY_ELEMENTS
-            and rows == _plan.padded(rows, plan.align))
+            and rows == _plan.padded(rows, align))
 
 
 def split_dy_backward(dy, x_kept, w_kept, recipe_id, inp_shape, x_dtype, w_dtype):

@@ -4,9 +4,10 @@ compiled path (_compile_linear.py) and the ops' fake kernels (_compile_ops.py).
 A plan is looked up once per recipe: the three quantizer configs, the feature alignment, the GEMM
 flags and the tuple the C calls take (csrc/ext/linear.c). The `needs` bits and the layout facts
 (which quantized members linear_forward keeps) mirror linear.c. This module imports only the C
-extension, so every te.Linear path imports it, and it imports none of them. Tests: tests/test_linear.py, tests/test_compile.py.
+extension and _compile (which imports no other tequant module), so every te.Linear path imports
+it, and it imports none of them. Tests: tests/test_linear.py, tests/test_compile.py.
 """
-from . import _C
+from . import _C, _compile
 
 ROWWISE, COLUMNWISE = _C.USAGE_ROWWISE, _C.USAGE_COLUMNWISE
 
@@ -64,6 +65,16 @@ def of_id(recipe_id):
     if plan is None:
         plan = _BY_ID[recipe_id] = Plan(_C._recipe_of_key(int(recipe_id)))
     return plan
+
+
+@_compile.constant
+def blocks_of(recipe_id):
+    """(x quantized in a block format, grad_output in a block format, the feature alignment) of
+    the recipe registered under recipe_id: literals, which traced code asks for (a constant
+    under Dynamo) instead of reading _BY_ID, of which Dynamo keeps the snapshot it first read
+    (a second recipe's plan added since would then be traced as a new Plan)."""
+    plan = of_id(recipe_id)
+    return plan.x.scaling in BLOCK_FORMATS, plan.dy.scaling in BLOCK_FORMATS, plan.align
 
 
 def padded(rows, align):

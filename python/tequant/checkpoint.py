@@ -43,6 +43,11 @@ REGIONS = contextvars.ContextVar("tequant_checkpoint_regions", default=None)
 # it (Dynamo guards on it, so a graph traced outside a recompute is not reused inside one) and
 # refuses: its forward left no record of the scales it used (_compile_linear._local).
 STATEFUL_REPLAY = False
+# True while an eagerly checkpointed non-reentrant region is recomputed: compiled te.Linear
+# code under a DelayedScaling autocast entered inside the region refuses as well (the region's
+# own record says nothing of it; eager calls replay their Calls). Read only on compiled
+# DelayedScaling paths, so other graphs do not guard on it.
+REPLAYING = False
 STATEFUL_REPLAY_ERROR = (
     "te.Linear compiled with torch.compile inside an eager torch.utils.checkpoint region that "
     "ran under DelayedScaling: its recompute cannot quantize as the forward did (the "
@@ -71,15 +76,18 @@ class _Tape:
     (recipe, amax_reduction_group) of the te.autocast live around the region when its recipe
     keeps no state between steps (all but DelayedScaling), else None: the recompute enters it
     again for te.Linear code compiled with torch.compile inside the region, which reads the
-    live autocast (its graph was traced and guarded under it) and not the tape."""
+    live autocast (its graph was traced and guarded under it) and not the tape. high_precision:
+    no enabled te.autocast was live (none, disabled or calibrating): the recompute runs in a
+    disabled one, whatever is live in backward."""
 
-    __slots__ = ("calls", "trains", "autocast", "stateful")
+    __slots__ = ("calls", "trains", "autocast", "stateful", "high_precision")
 
     def __init__(self, trains):
         self.calls = []
         self.trains = trains
         live = _C._live
         recipe = live.recipe if live.enabled and not live.calibrating else None
+        self.high_precision = recipe is None
         self.stateful = recipe is not None and recipe.delayed()
         self.autocast = None if recipe is None or self.stateful else \
             (recipe, live.amax_reduction_group)
@@ -103,7 +111,9 @@ class _Replay:
                         f"where the forward made {ran}")
             # Under DelayedScaling a compiled te.Linear's frame, run eagerly in the recompute
             # (_compile_linear._local refuses while tracing), lands here too.
-            also = f"; or: {STATEFUL_REPLAY_ERROR}" if self.tape.stateful else ""
+            live = _C._live  # (or a DelayedScaling autocast entered inside the region)
+            stateful = self.tape.stateful or (live.enabled and live.recipe.delayed())
+            also = f"; or: {STATEFUL_REPLAY_ERROR}" if stateful else ""
             raise RuntimeError(
                 f"activation checkpointing: {mismatch}; a checkpointed function must call the "
                 f"same te.Linear modules in the same order when it is recomputed{also}")
@@ -136,19 +146,27 @@ def _replaying(function, tape):
     quantization of the same inputs gives the same bits; NVFP4's stochastic rounding draws
     from the generator state torch's checkpoint restores."""
     def recompute(*args, **kwargs):
-        global STATEFUL_REPLAY
-        with _inside(_Replay(tape)):
-            if tape.autocast is not None:
-                recipe, group = tape.autocast
-                with _C.autocast(recipe=recipe, amax_reduction_group=group):
+        global STATEFUL_REPLAY, REPLAYING
+        outer = REPLAYING
+        # non-reentrant only: the reentrant forward runs under no_grad, where compiled code
+        # registers no DelayedScaling update, so its recompute is the step's one quantization
+        REPLAYING = outer or not tape.trains
+        try:
+            with _inside(_Replay(tape)):
+                if tape.autocast is not None:
+                    recipe, group = tape.autocast
+                    with _C.autocast(recipe=recipe, amax_reduction_group=group):
+                        return function(*args, **kwargs)
+                if tape.high_precision:
+                    with _C.autocast(enabled=False):
+                        return function(*args, **kwargs)
+                STATEFUL_REPLAY = True
+                try:
                     return function(*args, **kwargs)
-            if not tape.stateful:
-                return function(*args, **kwargs)
-            STATEFUL_REPLAY = True
-            try:
-                return function(*args, **kwargs)
-            finally:
-                STATEFUL_REPLAY = False
+                finally:
+                    STATEFUL_REPLAY = False
+        finally:
+            REPLAYING = outer
     return recompute
 
 

@@ -40,7 +40,7 @@ tests/test_fused_act_modules.py, tests/test_act_block.py.
 """
 import torch
 
-from . import _act_fn, norm
+from . import _C, _act_fn, norm
 from .linear import Linear
 
 __all__ = ["LayerNormMLP", "ACTIVATIONS"]
@@ -53,11 +53,17 @@ _TE_NAMES = {"fc1_weight": "fc1.weight", "fc1_bias": "fc1.bias", "fc2_weight": "
              "fc2_bias": "fc2.bias"}
 
 
-def _plain(module):
+def _plain(module, delayed):
     """module is a te.Linear called without hooks (module.__call__ is its forward), which runs a
-    NormInput or an ActInput; a hook, a subclass (FSDP2's) or a wrapper expects a tensor."""
+    NormInput or an ActInput; a hook, a subclass (FSDP2's) or a wrapper expects a tensor. Under
+    DelayedScaling (delayed) also a module with backward hooks or compiled on its own
+    (nn.Module.compile): its frame would hand fc1's grad_output slot and codes across a
+    graph's boundary (the amax never reached an eager fc1's history; AOT refused a compiled
+    fc1's)."""
     return (type(module) is Linear and not module._forward_pre_hooks
-            and not module._forward_hooks and not _global_hooks())
+            and not module._forward_hooks and not _global_hooks()
+            and not (delayed and (module._backward_pre_hooks or module._backward_hooks
+                                  or module._compiled_call_impl is not None)))
 
 
 def _global_hooks():
@@ -144,13 +150,14 @@ class LayerNormMLP(torch.nn.Module):
 
     def forward(self, inp, is_first_microbatch=None):
         x = norm.module_input(self, inp, self.hidden_size)
-        fc2_plain = _plain(self.fc2)
+        delayed = _C.is_fp8_enabled() and _C.get_fp8_recipe().delayed()
+        fc2_plain = _plain(self.fc2, delayed)
         # fc1's dy: quantized by the activation's backward (h has the input's dtype where it
         # is), where fc2 takes the ActInput; behind a hook on fc2 (a graph break, FSDP2) fc1
         # quantizes its own dy: tokens that cross a hook reached fc1 compiled as zeros
         dh = _act_fn.GradOutput(self.activation, inp.dtype) if fc2_plain else None
         x.grad_output = dh
-        h = self.fc1(x if _plain(self.fc1) else x.high_precision(), is_first_microbatch)
+        h = self.fc1(x if _plain(self.fc1, delayed) else x.high_precision(), is_first_microbatch)
         a = _act_fn.ActInput(h, self.activation, dh)  # fc2 activates h (fused codes where it can)
         out = self.fc2(a if fc2_plain else a.high_precision(), is_first_microbatch)
         if not self.return_layernorm_output:

@@ -438,8 +438,8 @@ class Linear(torch.nn.Linear):
             recipe = _C.get_fp8_recipe()
         else:
             recipe = None
-            if _C.is_fp8_calibration():
-                plan = self._plan(_C.get_fp8_recipe())
+            if _C.is_fp8_calibration() and not _C.get_fp8_recipe().custom():
+                plan = self._plan(_C.get_fp8_recipe())  # (a CustomRecipe has nothing to record)
                 if plan.delayed:
                     inp = _norm_fn.resolved(inp)
                     delayed.calibrate(self, plan.x.amax_history_len, inp)
@@ -570,16 +570,21 @@ _C._linear_module_setup(Linear, torch.nn.Parameter, torch.Tensor, _plain_linear.
 
 def prepare_state(model, recipe):
     """Creates the state te.Linear keeps between steps under `recipe` (DelayedScaling's amax
-    histories and scales, zeros and ones) in every te.Linear of `model` that lacks it, as the
-    first forward under the recipe would; returns model. A fresh model needs it before it loads a
-    checkpoint through torch.distributed.checkpoint, which reads only the entries the model
-    already has (torch.load'ed state_dicts need nothing: Linear creates the buffers they hold)."""
+    histories and scales, zeros and ones; a CustomRecipe's quantizers from its qfactory) in
+    every te.Linear of `model` that lacks it, as the first forward under the recipe would;
+    returns model. A fresh model needs it before it loads a checkpoint through
+    torch.distributed.checkpoint, which reads only the entries the model already has
+    (torch.load'ed state_dicts need nothing: Linear creates the buffers they hold), and under a
+    CustomRecipe before torch.compile(fullgraph=True) traces a checkpointed region's first call
+    (making the quantizers there would change the module inside torch's checkpoint operator)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"te.prepare_state takes a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be a tequant.recipe.Recipe, got {type(recipe).__name__}")
     for module in model.modules():
-        if isinstance(module, Linear) and not recipe.custom():
+        if isinstance(module, Linear) and recipe.custom():
+            _custom_linear.quantizers(module, recipe)
+        elif isinstance(module, Linear):
             plan = module._plan(recipe)
             if plan.delayed:
                 delayed.ensure(module, plan.x.amax_history_len)

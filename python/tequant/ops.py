@@ -61,10 +61,10 @@ def quantize(x, recipe=None, role="input", rowwise=True, columnwise=False, *, sc
                          "x.reshape(1) for a scalar")
     if not (rowwise or columnwise):
         raise ValueError("rowwise and columnwise are both False: ask for at least one direction")
-    if x.is_neg():  # a lazy negation (z.conj().imag): DLPack hands C the unnegated memory
-        x = x.resolve_neg()
     usage = (ROWWISE if rowwise else 0) | (COLUMNWISE if columnwise else 0)
     compiling = torch.compiler.is_compiling()
+    if not compiling and x.is_neg():  # a lazy negation (z.conj().imag): DLPack hands C the
+        x = x.resolve_neg()           # unnegated memory (compiled graphs pass dense tensors)
     if compiling:  # the config is a C object: trace with its key and facts instead
         from . import _compile_trace as traced
         recipe_id, scaling, stochastic, present = traced.resolve(recipe, role, usage)
