@@ -77,6 +77,16 @@ def test_recipe_alignment_and_filter():
     assert type(m[0]) is te.Linear and type(m[2]) is type(m[4]) is torch.nn.Linear
 
 
+def test_empty_feature_dims_stay_torch_linears():
+    m = torch.nn.Sequential(torch.nn.Linear(0, 64), torch.nn.Linear(64, 64))
+    with pytest.warns(UserWarning, match=r"0 \(in_features=0 \(te.Linear needs at least one "
+                                         r"feature\)\)"):
+        te.convert(m)
+    assert type(m[0]) is torch.nn.Linear and type(m[1]) is te.Linear
+    with te.autocast(recipe=Float8CurrentScaling()):
+        assert torch.equal(m[0](torch.randn(4, 0)), m[0].bias.expand(4, 64))
+
+
 def test_root_shared_and_dtypes():
     lin = torch.nn.Linear(32, 32)
     assert te.convert(lin) is lin and type(lin) is te.Linear

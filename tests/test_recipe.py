@@ -195,6 +195,25 @@ def test_explicit_qparams_override_one_role(cls, name):
     assert all(getattr(r, n) == QP() for n in others)
 
 
+def test_replace_derives_the_resolved_qparams_again():
+    """dataclasses.replace() of a flag re-derives the QParams the recipe derived (an explicit
+    one stays); the result equals, hashes and pickles as the recipe built with that flag."""
+    import pickle
+    cases = [(R.NVFP4BlockScaling(), dict(disable_rht=True, disable_stochastic_rounding=True,
+                                          disable_2d_quantization=True)),
+             (R.Float8BlockScaling(), dict(use_f32_scales=True)),
+             (R.Float8CurrentScaling(), dict(use_power_2_scales=True))]
+    for recipe, flags in cases:
+        replaced, built = dataclasses.replace(recipe, **flags), type(recipe)(**flags)
+        assert replaced == built and hash(replaced) == hash(built)
+        assert pickle.loads(pickle.dumps(replaced)) == built
+        assert repr(replaced) == repr(built) and "_Derived" not in repr(replaced)
+    explicit = QP(power_2_scale=True, amax_epsilon=1e-6)
+    r = dataclasses.replace(R.Float8CurrentScaling(fp8_quant_fwd_inp=explicit),
+                            use_power_2_scales=True)
+    assert r.fp8_quant_fwd_inp == explicit and r.fp8_quant_fwd_weight == QP(power_2_scale=True)
+
+
 def test_nvfp4_explicit_qparams_win_over_flags():
     w = QP(fp4_2d_quantization=True, stochastic_rounding=True)
     r = R.NVFP4BlockScaling(disable_2d_quantization=True, fp4_quant_fwd_weight=w)

@@ -296,7 +296,9 @@ static PyObject *given_operand(tqx_state *st, PyObject *obj, const char *name, t
     const int rowwise = PyTuple_GET_ITEM(members, 0) != Py_None;
     PyObject *first = PyTuple_GET_ITEM(members, rowwise ? 0 : 2);
     if (tqx_tensor_from_py(st, first, name, ~0u, t, NULL) < 0) return NULL;
-    *member_rows = rowwise ? t->rows : t->cols;
+    /* columnwise only: data_t's columns are the rows, two a byte where E2M1 travels packed as
+     * uint8 (FP8 codes travel as float8 dtypes) */
+    *member_rows = rowwise ? t->rows : t->dtype == TQ_DTYPE_UINT8 ? 2 * t->cols : t->cols;
     t->rows = rows, t->cols = t->ld = cols, t->dtype = (tq_dtype)dtype;
     z->members = Py_NewRef(members);
     z->source = first;

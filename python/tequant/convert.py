@@ -36,6 +36,8 @@ def _why_not(layer, align):
     """Why `layer` (a torch.nn.Linear) cannot be a te.Linear, or None."""
     for name in ("in_features", "out_features"):
         dim = getattr(layer, name)
+        if dim <= 0:
+            return f"{name}={dim} (te.Linear needs at least one feature)"
         if dim % align:
             return f"{name}={dim} is not a multiple of {align}"
     if layer.weight.dtype not in _DTYPES:

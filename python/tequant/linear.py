@@ -161,6 +161,12 @@ def _forward(inp, weight, bias, module, plan, is_first_microbatch, c_needs, stat
         x_state = w_state = None
     if type(weight) is not torch.nn.Parameter and type(weight) is not torch.Tensor:
         if hasattr(weight, "tq_kept"):
+            if plan.delayed and is_first_microbatch is not None:
+                raise NotImplementedError(
+                    "te.Linear(is_first_microbatch=...) on a weight FSDP2 all-gathered in the "
+                    "recipe's format under DelayedScaling: each microbatch's gather quantizes W "
+                    "with the scale as updated since the first one. Pass None (FSDP2 gathers W "
+                    "for every microbatch anyway) or gather in high precision")
             weight = (_operands.given_kept(weight, plan, _ROWWISE), weight.shape[0],
                       weight.shape[1], _operands.TQ_DTYPE[weight.dtype])
         else:  # a wrapper of the high-precision weight (tequant.distributed.ShardedWeight)

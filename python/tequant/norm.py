@@ -81,6 +81,10 @@ def norm_parameters(module, prefix, hidden_size, normalization, zero_centered_ga
     for p in (weight, bias):
         if p is not None and sequence_parallel:
             p.sequence_parallel = True
+    if sequence_parallel:  # by name too: FSDP2 replaces the parameters and their attributes
+        module._sequence_parallel_params = getattr(module, "_sequence_parallel_params", ()) + \
+            tuple(prefix + name for name, p in (("weight", weight), ("bias", bias))
+                  if p is not None)
 
 
 def reset_norm_parameters(weight, bias, zero_centered_gamma):

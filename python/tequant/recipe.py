@@ -74,10 +74,12 @@ def _check_common(owner: Any) -> None:
 
 
 def _resolve_qparams(owner: Any, names: tuple, default: "QParams", fp4: bool) -> None:
-    """Replace None QParams fields by `default` and check that explicit ones fit the recipe."""
+    """Replace None QParams fields (and ones derived from an earlier recipe's flags, which
+    dataclasses.replace() passes on) by `default`; check that explicit ones fit the recipe."""
     for name in names:
-        if getattr(owner, name) is None:
-            object.__setattr__(owner, name, default)
+        value = getattr(owner, name)
+        if value is None or type(value) is _Derived:
+            object.__setattr__(owner, name, _Derived(**dataclasses.asdict(default)))
             continue
         q = _check_instance(owner, name, QParams)
         # Options the recipe's quantizers do not implement would be ignored silently; refuse them.
@@ -172,6 +174,21 @@ class QParams:
             raise ValueError(f"{_where(self, 'amax_epsilon')} must be {expected}, got {eps!r}")
         # 0 and 0.0 already compare and hash equal; a float keeps the repr uniform.
         object.__setattr__(self, "amax_epsilon", float(eps))
+
+    def __eq__(self, other):  # a recipe's derived QParams (below) equals the same values
+        return dataclasses.astuple(self) == dataclasses.astuple(other) \
+            if isinstance(other, QParams) else NotImplemented
+
+    def __hash__(self):
+        return hash(dataclasses.astuple(self))
+
+
+class _Derived(QParams):
+    """A QParams a recipe derived from its flags (its field was None). dataclasses.replace()
+    hands it back to the new recipe, which derives it again from its own flags."""
+
+    def __repr__(self):
+        return QParams.__repr__(self).replace("_Derived", "QParams", 1)
 
 
 @_frozen
@@ -354,8 +371,8 @@ class Float8CurrentScaling(Recipe):
     fp8_gemm_wgrad=MMParams(True).
     fp8_dpa=False, fp8_mha=False: must stay False in tequant.
     backward_override=env.
-    The None QParams are resolved at construction, so `dataclasses.replace(r,
-    use_power_2_scales=...)` keeps the already resolved QParams; build a new recipe instead.
+    The None QParams are resolved at construction; `dataclasses.replace(r,
+    use_power_2_scales=...)` resolves them again from the new flag (explicit ones stay).
     """
 
     use_power_2_scales: bool = dataclasses.field(

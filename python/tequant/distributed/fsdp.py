@@ -191,8 +191,9 @@ def _factors(plan, members, state):
     per-tensor format, NVFP4's (amax, amax_t), None for the other block formats."""
     if plan.w.scaling in gather_layout.PER_TENSOR:
         return members[1], state.amax_global
-    if plan.w.scaling == "nvfp4":
-        return members[4], members[4] if members[5] is None else members[5]
+    if plan.w.scaling == "nvfp4":  # a weight's two amaxes are both W's: either stands in
+        amax = members[4] if members[4] is not None else members[5]
+        return amax, amax if members[5] is None else members[5]
     return None
 
 

@@ -79,8 +79,10 @@ def shard_inputs(members, config, usage):
 
 def _rank_major_cols(out, world_size, rows, cols):
     """A gathered [world_size * rows, cols] of per-rank [rows, cols] blocks whose columns
-    concatenate: the [rows, world_size * cols] matrix (one copy)."""
-    return out.view(world_size, rows, cols).permute(1, 0, 2).reshape(rows, world_size * cols)
+    concatenate: the [rows, world_size * cols] matrix (one copy; contiguous also where each
+    rank holds one column, whose reshape would be a view)."""
+    return out.view(world_size, rows, cols).permute(1, 0, 2).reshape(
+        rows, world_size * cols).contiguous()
 
 
 def assemble(config, outputs, usage, n, world_size, dtypes, extra):

@@ -356,9 +356,12 @@ def _gather_quantized(t, plan, role, usage, tp, state):
         fallbacks[reason] += 1
         return _gather_tokens(t, group, dim)
     extra = _factors(x, plan.recipe, role, config, usage, group, state)
-    members = ops.quantize(x, plan.recipe, role, rowwise=bool(usage & ROWWISE),
-                           columnwise=bool(usage & COLUMNWISE), **extra)._member_tuple
-    gathered_usage = ROWWISE if config.scaling in gather_layout.PER_TENSOR else usage
+    per_tensor = config.scaling in gather_layout.PER_TENSOR
+    # per-tensor formats gather the rowwise codes and derive the columnwise ones from them
+    members = ops.quantize(x, plan.recipe, role, rowwise=bool(usage & ROWWISE) or per_tensor,
+                           columnwise=bool(usage & COLUMNWISE) and not per_tensor,
+                           **extra)._member_tuple
+    gathered_usage = ROWWISE if per_tensor else usage
     outputs = []
     for inp in gather_layout.shard_inputs(members, config, gathered_usage):
         out = inp.new_empty((size * inp.shape[0],) + tuple(inp.shape[1:]))
@@ -403,14 +406,18 @@ def reduce_sequence_parallel_grads(model, group):
     """Sums over `group` the gradients of the row-parallel te.Linear biases under sequence
     parallelism (each rank's holds its tokens' part) and of any parameter whose
     `sequence_parallel` attribute is set, as Megatron-LM does for TransformerEngine's modules.
-    Call it between backward and the optimizer step. The biases are found through their modules
-    (FSDP2 replaces parameter objects, and their attributes with them)."""
+    Call it between backward and the optimizer step. The biases and the sequence-parallel norms'
+    parameters are found through their modules too (FSDP2 replaces parameter objects, and their
+    attributes with them)."""
     from ..linear import Linear
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"reduce_sequence_parallel_grads takes a torch.nn.Module, got "
                         f"{type(model).__name__}")
     params = {id(p): p for p in model.parameters() if getattr(p, "sequence_parallel", False)}
     for module in model.modules():
+        for name in getattr(module, "_sequence_parallel_params", ()):
+            p = getattr(module, name)
+            params[id(p)] = p
         tp = getattr(module, "_tp", None) if isinstance(module, Linear) else None
         if tp is not None and tp.mode == "row" and tp.sequence_parallel and not tp.dtensor \
                 and module.bias is not None:  # (a DTensor style's bias has a Partial gradient)
