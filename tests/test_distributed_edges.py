@@ -11,6 +11,8 @@ dist_util.run_ranks): each case gives the bits the plain layout gives, or a clea
 - FSDP2's quantized all-gather of 1-D NVFP4 weights under activation checkpointing (the
   re-gather holds one amax of the two: either is W's).
 - is_first_microbatch on a weight gathered quantized under DelayedScaling: NotImplementedError.
+- tequant's ColwiseParallel on a DTensor input with unequal token shards: a ValueError (the
+  gathers would differ in size: gloo aborted the ranks).
 """
 import copy
 import os
@@ -161,3 +163,24 @@ def _delayed_microbatches_on_a_quantized_gather(rank, world):
 def test_delayed_is_first_microbatch_on_a_quantized_gather_raises():
     for message in run_ranks(_delayed_microbatches_on_a_quantized_gather, 2):
         assert message is not None and "is_first_microbatch" in message
+
+
+def _uneven_dtensor_tokens(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import parallelize_module
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    layer = parallelize_module(te.Linear(32, 64), mesh,
+                               te.distributed.ColwiseParallel(input_layouts=Shard(0)))
+    x = distribute_tensor(torch.randn(7, 2, 32), mesh, [Shard(0)])  # 4 and 3 tokens
+    try:
+        layer(x)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_uneven_token_shards_of_a_dtensor_input_raise():
+    for message in run_ranks(_uneven_dtensor_tokens, 2):
+        assert message is not None and "not a multiple of the 2 ranks" in message

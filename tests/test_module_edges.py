@@ -176,3 +176,26 @@ def test_strided_norm_parameters_run_torch_norm(normalization, device):
         want = ref(F.layer_norm(x, (32,), gamma, lnl.layer_norm_bias, eps=lnl.eps)
                    if normalization == "LayerNorm" else F.rms_norm(x, (32,), gamma, eps=lnl.eps))
     assert torch.equal(y, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_delayed_backward_update_runs_when_the_first_module_is_frozen(device):
+    """A frozen first te.Linear fed an input without grad records no backward, so it must not
+    take the role of running the backward update (TE gives it to the first module whose inputs
+    need grad): the next module's grad_output history rolls and its scale follows, as when the
+    first module trains."""
+    results = []
+    for frozen in (False, True):
+        a, b = make_linear(32, 32, device=device, seed=10), make_linear(32, 32, device=device,
+                                                                          seed=11)
+        a.requires_grad_(not frozen)
+        for step in range(3):
+            x = randn(8, 32, seed=12 + step, device=device)
+            with te.autocast(recipe=DelayedScaling(amax_history_len=4)):
+                y = b(a(x))
+            (y * 1e-7).sum().backward()
+        results.append((b.delayed_amax_history_bwd.clone(), b.delayed_scale_bwd.clone(),
+                        b.weight.grad.clone()))
+    for want, got in zip(*results):
+        assert torch.equal(got, want)
+    assert results[1][1].item() > 1e6  # the scale left 1.0 (history rolled)

@@ -39,8 +39,9 @@ static inline AutocastObject *tqx_frame_root(AutocastObject *frame) {
 /* state.c: the innermost active autocast of this thread / context (borrowed), or NULL (*error
  * set on a failed read, else none is active) */
 AutocastObject *tqx_autocast_innermost(tqx_state *st, int *error);
-/* state.c: appends the eager module obj to the outermost autocast's list of DelayedScaling
- * modules; *first: the first eager module (it runs the backward update). -1 with an exception. */
-int tqx_delayed_register(AutocastObject *ac, PyObject *obj, int *first);
+/* state.c: appends the module obj to the outermost autocast's list of DelayedScaling modules;
+ * claims: obj's call records a backward; *first: the first that does (it runs the backward
+ * update). -1 with an exception. */
+int tqx_delayed_register(AutocastObject *ac, PyObject *obj, int claims, int *first);
 
 #endif /* TEQUANT_EXT_AUTOCAST_H_ */

@@ -314,7 +314,9 @@ static PyObject *linear_module_forward(PyObject *module, PyObject *const *args,
             || PyDict_SetItem(c.dict, s[A_DELAYED_GROUP], ac->group) < 0)
             goto done;
         int registered_first = 0;
-        if (c.grad && tqx_delayed_register(ac, layer, &registered_first) < 0) goto done;
+        /* only a call that records a backward may own the backward update */
+        if (c.grad && tqx_delayed_register(ac, layer, c.requires, &registered_first) < 0)
+            goto done;
         pending = Py_NewRef(registered_first ? tqx_frame_root(ac)->pending : Py_None);
         if ((states = kept_slots(s, layer, c.dict, c.hist, c.scale, 0)) == NULL) goto done;
         if (!PyTuple_Check(states) || PyTuple_GET_SIZE(states) != 2) {

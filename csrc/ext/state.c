@@ -72,10 +72,11 @@ static PyObject *is_first_fp8_module(PyObject *module, PyObject *unused) {
 }
 
 /* Appends obj to the outermost autocast's list of DelayedScaling modules. An eager module
- * (claims) learns whether it is the first eager one: that module's backward, the last of the
- * eager ones, runs the backward update. A compiled module's entry (delayed.register_compiled,
- * after its graph ran) claims nothing: its backward op updates itself, and an entry ahead of
- * the eager modules must not leave them without an owner of the update. */
+ * that records a backward (claims) learns whether it is the first such one: its backward, the
+ * last of theirs, runs the backward update (TE: the first module whose inputs need grad).
+ * A compiled module's entry (delayed.register_compiled, after its graph ran; its backward op
+ * updates itself) and an eager call that records no graph claim nothing: ahead of the others
+ * they would leave the update without an owner. */
 static int register_pending(AutocastObject *ac, PyObject *obj, int claims, int *first) {
     AutocastObject *root = tqx_frame_root(ac);
     if (root->pending == NULL && (root->pending = PyList_New(0)) == NULL) return -1;
@@ -84,8 +85,8 @@ static int register_pending(AutocastObject *ac, PyObject *obj, int claims, int *
     return PyList_Append(root->pending, obj);
 }
 
-int tqx_delayed_register(AutocastObject *ac, PyObject *obj, int *first) {
-    return register_pending(ac, obj, 1, first);
+int tqx_delayed_register(AutocastObject *ac, PyObject *obj, int claims, int *first) {
+    return register_pending(ac, obj, claims, first);
 }
 
 static PyObject *delayed_register_as(PyObject *module, PyObject *obj, int claims) {
@@ -103,7 +104,7 @@ static PyObject *delayed_register(PyObject *module, PyObject *obj) {
     return delayed_register_as(module, obj, 1);
 }
 
-static PyObject *delayed_register_compiled(PyObject *module, PyObject *obj) {
+static PyObject *delayed_register_forward_only(PyObject *module, PyObject *obj) {
     return delayed_register_as(module, obj, 0);
 }
 
@@ -240,10 +241,11 @@ PyMethodDef tqx_state_methods[] = {
      "_delayed_register(module) -> (list, first)\n\nRecords a DelayedScaling module in the "
      "outermost autocast; its forward update runs at that autocast's exit; first: the first "
      "eager module (its backward runs the backward update)."},
-    {"_delayed_register_compiled", delayed_register_compiled, METH_O,
-     "_delayed_register_compiled(entry) -> (list, False)\n\nRecords a compiled module's "
-     "forward buffers in the outermost autocast (its forward update at the exit); claims no "
-     "backward update (the compiled backward op updates itself)."},
+    {"_delayed_register_forward_only", delayed_register_forward_only, METH_O,
+     "_delayed_register_forward_only(obj) -> (list, False)\n\nRecords a module that will run "
+     "no backward here (its forward update at the outermost autocast's exit) without claiming "
+     "the backward update: a compiled module's entry (its backward op updates itself) or an "
+     "eager module whose call records no graph (frozen, no input gradient)."},
     {"_set_delayed_update", (PyCFunction)(void (*)(void))set_delayed_update, METH_FASTCALL,
      "_set_delayed_update(forward_fn, backward_fn): forward_fn(modules) runs at the outermost "
      "autocast's exit, backward_fn(modules) at the end of linear_backward of the module that "

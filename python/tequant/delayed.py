@@ -151,7 +151,7 @@ class _CompiledEntry:
 
 def register_compiled(hist, scale, plan, group):
     """Records a compiled module's forward buffers with the eager outermost te.autocast."""
-    _C._delayed_register_compiled(_CompiledEntry(hist, scale, plan, group))
+    _C._delayed_register_forward_only(_CompiledEntry(hist, scale, plan, group))
 
 
 class _PendingBackward:

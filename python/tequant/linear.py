@@ -496,9 +496,14 @@ class Linear(torch.nn.Linear):
                 delayed.ensure(self, plan.x.amax_history_len)
                 attrs = self.__dict__  # plain attributes: nn.Module.__setattr__ costs ~2 us each
                 attrs["_delayed_plan"], attrs["_delayed_group"] = plan, _C.get_fp8_group()
-                if torch.is_grad_enabled() or trains:
-                    modules, first = _C._delayed_register(self)
+                if trains or (torch.is_grad_enabled() and (  # (a NormInput / ActInput: True)
+                        getattr(inp, "requires_grad", True) or weight.requires_grad
+                        or (bias is not None and bias.requires_grad))):
+                    modules, first = _C._delayed_register(self)  # a backward will run
                     pending = modules if first else None
+                elif torch.is_grad_enabled():  # no backward here (frozen, no input grad):
+                    _C._delayed_register_forward_only(self)  # not the backward update's owner
+
                 if record is not None:
                     record.pending = pending
                     record.scale_fwd = self._buffers["delayed_scale_fwd"].clone()

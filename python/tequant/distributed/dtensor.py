@@ -189,6 +189,14 @@ def _column_input(layout, module, inputs, mesh):
         if isinstance(x, DTensor):
             if x.placements[0] != layout:
                 x = x.redistribute(placements=[layout])
+            size = mesh.size()
+            if isinstance(layout, Shard) and x.shape[layout.dim] % size:
+                # ranks with unequal token shards: the sequence-parallel gathers would differ
+                # in size (gloo aborts the process, NCCL would hang)
+                raise ValueError(
+                    f"ColwiseParallel(input_layouts=Shard({layout.dim})): the input's dim "
+                    f"{layout.dim} has {x.shape[layout.dim]} entries, not a multiple of the "
+                    f"{size} ranks; sequence parallelism needs equal shards (pad the sequence)")
             return x.to_local()
         return x
     return _first(inputs, local)
