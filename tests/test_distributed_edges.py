@@ -146,18 +146,26 @@ def test_fsdp2_quantized_gather_of_1d_nvfp4_weights_under_checkpointing():
     assert all(run_ranks(_fsdp_nvfp4_1d_checkpointed, 2))
 
 
+def _message(call, error):
+    """The message of the `error` call() raises (None: it raised none)."""
+    try:
+        call()
+    except error as e:
+        return str(e)
+    return None
+
+
 def _delayed_microbatches_on_a_quantized_gather(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     layer = te.Linear(64, 64)
     te.distributed.enable_quantized_all_gather(layer)
     fully_shard(layer, mesh=init_device_mesh("cpu", (world,)))
-    try:
+
+    def step():
         with te.autocast(recipe=DelayedScaling()):
             layer(torch.randn(8, 64), is_first_microbatch=True)
-    except NotImplementedError as e:
-        return str(e)
-    return None
+    return _message(step, NotImplementedError)
 
 
 def test_delayed_is_first_microbatch_on_a_quantized_gather_raises():
@@ -174,11 +182,7 @@ def _uneven_dtensor_tokens(rank, world):
     layer = parallelize_module(te.Linear(32, 64), mesh,
                                te.distributed.ColwiseParallel(input_layouts=Shard(0)))
     x = distribute_tensor(torch.randn(7, 2, 32), mesh, [Shard(0)])  # 4 and 3 tokens
-    try:
-        layer(x)
-    except ValueError as e:
-        return str(e)
-    return None
+    return _message(lambda: layer(x), ValueError)
 
 
 def test_uneven_token_shards_of_a_dtensor_input_raise():
