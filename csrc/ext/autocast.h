@@ -25,8 +25,8 @@ typedef struct AutocastObject {
     struct AutocastObject *root; /* strong: the outermost frame; NULL when this is the root */
     PyObject *pending;  /* on a root frame: list of the DelayedScaling modules that quantized in
                            it (state.c _delayed_register), handed to the update at its exit */
-    char pending_owned; /* on a root frame: an eager module was handed `pending` (its backward
-                           runs the backward update); compiled entries never are */
+    char pending_owned; /* on a root frame: a module whose call records a backward was handed
+                           `pending` (that backward runs the backward update) */
     /* instance fields */
     char active;        /* between __enter__ and __exit__ */
     PyObject *token;    /* strong while active: restores the outer state */

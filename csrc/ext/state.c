@@ -77,16 +77,12 @@ static PyObject *is_first_fp8_module(PyObject *module, PyObject *unused) {
  * A compiled module's entry (delayed.register_compiled, after its graph ran; its backward op
  * updates itself) and an eager call that records no graph claim nothing: ahead of the others
  * they would leave the update without an owner. */
-static int register_pending(AutocastObject *ac, PyObject *obj, int claims, int *first) {
+int tqx_delayed_register(AutocastObject *ac, PyObject *obj, int claims, int *first) {
     AutocastObject *root = tqx_frame_root(ac);
     if (root->pending == NULL && (root->pending = PyList_New(0)) == NULL) return -1;
     *first = claims && !root->pending_owned;
     if (claims) root->pending_owned = 1;
     return PyList_Append(root->pending, obj);
-}
-
-int tqx_delayed_register(AutocastObject *ac, PyObject *obj, int claims, int *first) {
-    return register_pending(ac, obj, claims, first);
 }
 
 static PyObject *delayed_register_as(PyObject *module, PyObject *obj, int claims) {
@@ -96,7 +92,7 @@ static PyObject *delayed_register_as(PyObject *module, PyObject *obj, int claims
         return NULL;
     }
     int first;
-    if (register_pending(ac, obj, claims, &first) < 0) return NULL;
+    if (tqx_delayed_register(ac, obj, claims, &first) < 0) return NULL;
     return Py_BuildValue("(OO)", tqx_frame_root(ac)->pending, first ? Py_True : Py_False);
 }
 
@@ -240,7 +236,8 @@ PyMethodDef tqx_state_methods[] = {
     {"_delayed_register", delayed_register, METH_O,
      "_delayed_register(module) -> (list, first)\n\nRecords a DelayedScaling module in the "
      "outermost autocast; its forward update runs at that autocast's exit; first: the first "
-     "eager module (its backward runs the backward update)."},
+     "module registered so whose call records a backward (that backward runs the backward "
+     "update)."},
     {"_delayed_register_forward_only", delayed_register_forward_only, METH_O,
      "_delayed_register_forward_only(obj) -> (list, False)\n\nRecords a module that will run "
      "no backward here (its forward update at the outermost autocast's exit) without claiming "

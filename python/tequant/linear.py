@@ -503,7 +503,6 @@ class Linear(torch.nn.Linear):
                     pending = modules if first else None
                 elif torch.is_grad_enabled():  # no backward here (frozen, no input grad):
                     _C._delayed_register_forward_only(self)  # not the backward update's owner
-
                 if record is not None:
                     record.pending = pending
                     record.scale_fwd = self._buffers["delayed_scale_fwd"].clone()
@@ -581,13 +580,11 @@ _C._linear_module_setup(Linear, torch.nn.Parameter, torch.Tensor, _plain_linear.
 
 def prepare_state(model, recipe):
     """Creates the state te.Linear keeps between steps under `recipe` (DelayedScaling's amax
-    histories and scales, zeros and ones; a CustomRecipe's quantizers from its qfactory) in
-    every te.Linear of `model` that lacks it, as the first forward under the recipe would;
-    returns model. A fresh model needs it before it loads a checkpoint through
-    torch.distributed.checkpoint, which reads only the entries the model already has
-    (torch.load'ed state_dicts need nothing: Linear creates the buffers they hold), and under a
-    CustomRecipe before torch.compile(fullgraph=True) traces a checkpointed region's first call
-    (making the quantizers there would change the module inside torch's checkpoint operator)."""
+    histories and scales; a CustomRecipe's quantizers) in every te.Linear of `model` lacking it,
+    as the first forward would; returns model. Needed before torch.distributed.checkpoint loads
+    into a fresh model (it reads only entries the model has), and under a CustomRecipe before
+    torch.compile(fullgraph=True) traces a checkpointed region (made there, the quantizers would
+    change the module inside torch's checkpoint operator)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"te.prepare_state takes a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(recipe, Recipe):
