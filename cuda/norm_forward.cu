@@ -2,7 +2,8 @@
  * pass, the per-tensor FP8 codes of y (DELAYED / CURRENT scaling), max |y| and mean / rstd.
  *
  * Rule (tequant.h, NUMERICS.md 2 for the cast): every step is an internal_norm.h helper (one RN
- * operation, no FMA); the two row sums follow tequant's order S, scheduled by norm_rows.cuh;
+ * operation, no FMA); the row sums (LayerNorm: S(v), then S(e) and S(e * e) about the first
+ * mean, folded together, fused.h) follow tequant's order S, scheduled by norm_rows.cuh;
  * codes are cvt8(tq_mul(y, scale)) by the hardware's cvt.rn.satfinite, as quantize_fp8.cu casts
  * (the rule of formats.h's codec, which the CPU reference uses); y_hp is rounded by cvt.rn too
  * (formats.h's rule); amax is fmaxf(|y|) (NaN ignored) per CTA, then one atomicMax on the slot's signed bits
@@ -133,20 +134,26 @@ __device__ __forceinline__ void write_chunk(const FwdParams &p, const Chunk<T> &
     }
 }
 
-/* The term a row sum adds for v: v itself, v * v (RMSNorm), or RN(v - mean)^2 (LayerNorm's
- * second sum). */
+/* What a pass adds for v: v itself (LayerNorm's first pass, into sum 0), v * v (RMSNorm, into
+ * sum 0), or e = RN(v - m0) into sum 0 and RN(e * e) into sum 1 (LayerNorm's second pass). */
 enum Term { kValue, kSquare, kDeviation };
 
-__device__ __forceinline__ float term(float v, Term what, float mean) {
-    if (what == kValue) return v;
-    const float d = what == kSquare ? v : tq_nsub(v, mean);
-    return tq_nmul(d, d);
+__device__ __forceinline__ void add_term(float (&acc)[2], float v, Term what, float m0) {
+    if (what == kValue) {
+        acc[0] = tq_nadd(acc[0], v);
+    } else if (what == kSquare) {
+        acc[0] = tq_nadd(acc[0], tq_nmul(v, v));
+    } else {
+        const float e = tq_nsub(v, m0);
+        acc[0] = tq_nadd(acc[0], e);
+        acc[1] = tq_nadd(acc[1], tq_nmul(e, e));
+    }
 }
 
 template <typename T, int kT, bool kCache>
 __global__ void __launch_bounds__(kThreads) norm_forward_kernel(const FwdParams p) {
     constexpr int kSlots = kLanes / kT, kRows = kThreads / kT, kJ = kCache ? kCached : 1;
-    __shared__ float red[2][kThreads]; /* fold scratch, alternate buffers */
+    __shared__ float red[2][2 * kThreads]; /* fold scratch (two sums), alternate buffers */
     __shared__ float warp_amax[kThreads / 32];
     const int t = threadIdx.x % kT, group = threadIdx.x / kT;
     const T *x = static_cast<const T *>(p.x);
@@ -168,22 +175,24 @@ __global__ void __launch_bounds__(kThreads) norm_forward_kernel(const FwdParams 
                 if (n > 0) tq_norm::load_chunk(raw[j], xr, c, n, p.x_vec);
             }
         }
-        float mean = 0.0f, sum[1];
-        const int n_sums = p.rms ? 1 : 2;
-        for (int pass = 0; pass < n_sums; pass++) {
+        float m0 = 0.0f, sum[2];
+        const int n_passes = p.rms ? 1 : 2;
+        for (int pass = 0; pass < n_passes; pass++) {
             const Term what = p.rms ? kSquare : (pass == 0 ? kValue : kDeviation);
-            float acc[1][kSlots];
+            float acc[2][kSlots]; /* the lanes' sums, [sum][slot] as tq_norm::fold takes them */
 #pragma unroll
-            for (int k = 0; k < kSlots; k++) acc[0][k] = 0.0f;
+            for (int k = 0; k < kSlots; k++) acc[0][k] = acc[1][k] = 0.0f;
             if constexpr (kCache) {
 #pragma unroll
                 for (int j = 0; j < kJ; j++) {
                     const int n = active ? chunk_len(t + (int64_t)j * kT, p.cols) : 0;
 #pragma unroll
                     for (int e = 0; e < kChunk; e++)
-                        if (e < n)
-                            acc[0][j % kSlots] = tq_nadd(acc[0][j % kSlots],
-                                                         term(tq_norm::widen(raw[j].t[e]), what, mean));
+                        if (e < n) {
+                            float a[2] = {acc[0][j % kSlots], acc[1][j % kSlots]};
+                            add_term(a, tq_norm::widen(raw[j].t[e]), what, m0);
+                            acc[0][j % kSlots] = a[0], acc[1][j % kSlots] = a[1];
+                        }
                 }
             } else { /* kT == 256: one lane per thread */
                 for (int64_t c = t; active && c < p.nchunks; c += kT) {
@@ -191,15 +200,23 @@ __global__ void __launch_bounds__(kThreads) norm_forward_kernel(const FwdParams 
                     tq_norm::load_chunk(raw[0], xr, c, n, p.x_vec);
 #pragma unroll
                     for (int e = 0; e < kChunk; e++)
-                        if (e < n)
-                            acc[0][0] = tq_nadd(acc[0][0], term(tq_norm::widen(raw[0].t[e]), what, mean));
+                        if (e < n) {
+                            float a[2] = {acc[0][0], acc[1][0]};
+                            add_term(a, tq_norm::widen(raw[0].t[e]), what, m0);
+                            acc[0][0] = a[0], acc[1][0] = a[1];
+                        }
                 }
             }
-            tq_norm::fold<kT, 1>(acc, red[buf] + group * kT, t, sum);
+            /* both sums folded in every pass (the second is +0 but in LayerNorm's second):
+             * this kernel is the general fallback, one fold form keeps it short */
+            tq_norm::fold<kT, 2>(acc, red[buf] + group * 2 * kT, t, sum);
             buf ^= 1;
-            if (pass == 0 && !p.rms) mean = tq_norm_mean(sum[0], p.cols);
+            if (pass == 0 && !p.rms) m0 = tq_norm_mean(sum[0], p.cols);
         }
-        const float rstd = tq_norm_rstd(sum[0], p.cols, p.eps);
+        const float mean = p.rms ? 0.0f : tq_norm_mean_fixed(m0, sum[0], p.cols);
+        const float rstd = p.rms ? tq_norm_rstd(sum[0], p.cols, p.eps)
+                                 : tq_norm_rstd_of_var(tq_norm_var_fixed(sum[0], sum[1], p.cols),
+                                                       p.eps);
         if (!active) continue;
         if (t == 0) {
             if (p.mean != nullptr) p.mean[row] = tq_norm_canon(mean);

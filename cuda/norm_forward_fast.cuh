@@ -55,37 +55,52 @@ __device__ __forceinline__ void group_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
-/* S's fold of the 256 lanes over a group of kT threads, returned to every thread of the group:
- * norm_rows.cuh's fold (the same additions of the same pairs in the same order: strides >= kT in
- * the thread, strides kT/2 .. 32 through the group's kT floats of shared memory `red`, strides
- * 16 .. 1 as the XOR butterfly) with the group's own barrier instead of the CTA's. acc[k] is lane
- * t + k * kT. Consecutive calls must alternate between two scratch buffers (the barrier inside a
- * call orders the reads of the call before it ahead of the next call's writes). */
-template <int kT>
-__device__ __forceinline__ float group_fold(float (&acc)[kLanes / kT], float *red, int t, int bar) {
+/* S's fold of the 256 lanes of kN sums at once over a group of kT threads, returned to every
+ * thread of the group in out: norm_rows.cuh's fold (the same additions of the same pairs in the
+ * same order: strides >= kT in the thread, strides kT/2 .. 32 through the group's kN * kT floats
+ * of shared memory `red`, strides 16 .. 1 as the XOR butterfly) with the group's own barrier
+ * instead of the CTA's. acc[i][k] is lane t + k * kT of sum i. Consecutive calls must alternate
+ * between two scratch buffers (the barrier inside a call orders the reads of the call before it
+ * ahead of the next call's writes). */
+template <int kT, int kN>
+__device__ __forceinline__ void group_fold(float (&acc)[kN][kLanes / kT], float *red, int t,
+                                           int bar, float (&out)[kN]) {
 #pragma unroll
     for (int s = kLanes / 2; s >= kT; s /= 2) {
 #pragma unroll
-        for (int k = 0; k < s / kT; k++) acc[k] = tq_nadd(acc[k], acc[k + s / kT]);
+        for (int k = 0; k < s / kT; k++)
+#pragma unroll
+            for (int i = 0; i < kN; i++) acc[i][k] = tq_nadd(acc[i][k], acc[i][k + s / kT]);
     }
-    float v = acc[0];
+    float v[kN];
+#pragma unroll
+    for (int i = 0; i < kN; i++) v[i] = acc[i][0];
     if constexpr (kT > 32) {
-        red[t] = v;
+#pragma unroll
+        for (int i = 0; i < kN; i++) red[i * kT + t] = v[i];
         group_sync(bar, kT);
         const int l = t & 31;
-        float w[kT / 32]; /* lanes l + 32q */
+        float w[kN][kT / 32]; /* lanes l + 32q */
 #pragma unroll
-        for (int q = 0; q < kT / 32; q++) w[q] = red[l + 32 * q];
+        for (int q = 0; q < kT / 32; q++)
+#pragma unroll
+            for (int i = 0; i < kN; i++) w[i][q] = red[i * kT + l + 32 * q];
 #pragma unroll
         for (int s = kT / 2; s >= 32; s /= 2) {
 #pragma unroll
-            for (int q = 0; q < s / 32; q++) w[q] = tq_nadd(w[q], w[q + s / 32]);
+            for (int q = 0; q < s / 32; q++)
+#pragma unroll
+                for (int i = 0; i < kN; i++) w[i][q] = tq_nadd(w[i][q], w[i][q + s / 32]);
         }
-        v = w[0];
+#pragma unroll
+        for (int i = 0; i < kN; i++) v[i] = w[i][0];
     }
 #pragma unroll
-    for (int s = 16; s >= 1; s /= 2) v = tq_nadd(v, __shfl_xor_sync(0xffffffffu, v, s));
-    return v;
+    for (int s = 16; s >= 1; s /= 2)
+#pragma unroll
+        for (int i = 0; i < kN; i++) v[i] = tq_nadd(v[i], __shfl_xor_sync(0xffffffffu, v[i], s));
+#pragma unroll
+    for (int i = 0; i < kN; i++) out[i] = v[i];
 }
 
 /* What the output pass of fast_kernel writes, chosen once per launch: the fused norm's common
@@ -189,7 +204,7 @@ __global__ void __launch_bounds__(kCta, (kC * kVecs<T> <= 8 ? 1024 : 512) / kCta
                   "layout");
     /* gamma then beta: chunk c's elements 0..3 at [c], 4..7 at [nchunks + c] of each */
     extern __shared__ float4 w_smem[];
-    __shared__ float red[2][kCta]; /* fold scratch, alternate buffers, kT floats per group */
+    __shared__ float red[2][2 * kCta]; /* fold scratch, alternate buffers, 2 kT floats a group */
     __shared__ float warp_amax[kCta / 32];
     const int nch = kFull ? kT * kC : (int)p.nchunks;
     const float4 *g_sm = w_smem, *b_sm = w_smem + 2 * nch;
@@ -223,9 +238,9 @@ __global__ void __launch_bounds__(kCta, (kC * kVecs<T> <= 8 ? 1024 : 512) / kCta
             for (int i = 0; i < kV; i++)
                 raw[j][i] = kFull || c < nch ? __ldg(xr + kV * c + i) : make_uint4(0u, 0u, 0u, 0u);
         }
-        float acc[kSlots];
+        float acc[1][kSlots], sum[1];
 #pragma unroll
-        for (int k = 0; k < kSlots; k++) acc[k] = 0.0f;
+        for (int k = 0; k < kSlots; k++) acc[0][k] = 0.0f;
 #pragma unroll
         for (int j = 0; j < kC; j++) {
             if (kFull || t + j * kT < nch) {
@@ -233,16 +248,19 @@ __global__ void __launch_bounds__(kCta, (kC * kVecs<T> <= 8 ? 1024 : 512) / kCta
                 widen8(raw[j], v, static_cast<const T *>(nullptr));
 #pragma unroll
                 for (int e = 0; e < kChunk; e++)
-                    acc[j % kSlots] = tq_nadd(acc[j % kSlots], kRms ? tq_nmul(v[e], v[e]) : v[e]);
+                    acc[0][j % kSlots] =
+                        tq_nadd(acc[0][j % kSlots], kRms ? tq_nmul(v[e], v[e]) : v[e]);
             }
         }
-        float sum = group_fold<kT>(acc, &red[buf][group * kT], t, bar);
+        group_fold<kT, 1>(acc, &red[buf][group * 2 * kT], t, bar, sum);
         buf ^= 1;
-        float mean = 0.0f;
+        float mean = 0.0f, rstd;
         if constexpr (!kRms) {
-            mean = tq_norm_mean(sum, p.cols);
+            /* the second pass: e = RN(v - m0) and RN(e * e), folded together (fused.h) */
+            const float m0 = tq_norm_mean(sum[0], p.cols);
+            float acc2[2][kSlots], sum2[2];
 #pragma unroll
-            for (int k = 0; k < kSlots; k++) acc[k] = 0.0f;
+            for (int k = 0; k < kSlots; k++) acc2[0][k] = acc2[1][k] = 0.0f;
 #pragma unroll
             for (int j = 0; j < kC; j++) {
                 if (kFull || t + j * kT < nch) {
@@ -250,15 +268,19 @@ __global__ void __launch_bounds__(kCta, (kC * kVecs<T> <= 8 ? 1024 : 512) / kCta
                     widen8(raw[j], v, static_cast<const T *>(nullptr));
 #pragma unroll
                     for (int e = 0; e < kChunk; e++) {
-                        const float d = tq_nsub(v[e], mean);
-                        acc[j % kSlots] = tq_nadd(acc[j % kSlots], tq_nmul(d, d));
+                        const float d = tq_nsub(v[e], m0);
+                        acc2[0][j % kSlots] = tq_nadd(acc2[0][j % kSlots], d);
+                        acc2[1][j % kSlots] = tq_nadd(acc2[1][j % kSlots], tq_nmul(d, d));
                     }
                 }
             }
-            sum = group_fold<kT>(acc, &red[buf][group * kT], t, bar);
+            group_fold<kT, 2>(acc2, &red[buf][group * 2 * kT], t, bar, sum2);
             buf ^= 1;
+            mean = tq_norm_mean_fixed(m0, sum2[0], p.cols);
+            rstd = tq_norm_rstd_of_var(tq_norm_var_fixed(sum2[0], sum2[1], p.cols), p.eps);
+        } else {
+            rstd = tq_norm_rstd(sum[0], p.cols, p.eps);
         }
-        const float rstd = tq_norm_rstd(sum, p.cols, p.eps);
         if (t == 0) {
             if (p.mean != nullptr) p.mean[row] = tq_norm_canon(mean);
             if (p.rstd != nullptr) p.rstd[row] = tq_norm_canon(rstd);
@@ -315,7 +337,7 @@ bool launch_fast_kernel(const FwdParams &p, int sms, cudaStream_t s) {
      * the static fold scratch past 48 KiB the kernel must opt in to more dynamic memory */
     const size_t smem = (kRms ? 1 : 2) * (size_t)p.cols * sizeof(float)
                         + (kColT ? (size_t)(kTileRows * stage_ld(p.cols)) : 0);
-    if (smem + sizeof(float) * (2 * kCta + kCta / 32) > 48 * 1024
+    if (smem + sizeof(float) * (4 * kCta + kCta / 32) > 48 * 1024
         && cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)
                != cudaSuccess) {
         (void)cudaGetLastError();

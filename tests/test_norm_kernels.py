@@ -182,9 +182,13 @@ def emulated_forward(x, gamma, beta, norm, zc):
     g = gamma_eff(gamma, zc)
     kf = torch.tensor(float(k))
     if norm == "LayerNorm":
-        mean = ordered_sum(v) / kf
+        m0 = ordered_sum(v) / kf
+        e = v - m0[:, None]
+        c = ordered_sum(e) / kf
+        mean = m0 + c
+        var = (ordered_sum(e * e) / kf - c * c).clamp_min(0)
         d = v - mean[:, None]
-        rstd = rsqrt_rn(ordered_sum(d * d) / kf + torch.tensor(EPS, dtype=torch.float32))
+        rstd = rsqrt_rn(var + torch.tensor(EPS, dtype=torch.float32))
         y = (d * rstd[:, None]) * g
         if beta is not None:
             y = y + beta.float()
@@ -337,6 +341,48 @@ def test_fp8_codes_and_amax_of_delayed_scaling_in_one_pass():
     assert torch.equal(big["y_q"], full["y_q"])
     neg = forward(x, gamma, "LayerNorm", beta=beta, amax0=-1.0, want=("amax",))
     assert torch.equal(neg["amax"], full["amax"])
+
+
+CONSTANT_ROWS = [0.1, -3.7, 1000.3, 1e-3, 0.7, 12345.6]
+
+
+def constant_rows(k, dtype, device="cpu"):
+    """Rows of equal values whose mean S's rounding misses (0.1 at K = 1000 sums to 100.00001):
+    LayerNorm must still give d = 0 exactly, as torch's layer_norm does."""
+    return torch.tensor(CONSTANT_ROWS).to(dtype)[:, None].expand(-1, k).contiguous().to(device)
+
+
+def check_constant_rows(k, dtype, device):
+    x = constant_rows(k, dtype, device)
+    _, gamma, beta, _ = make(len(CONSTANT_ROWS), k, dtype, seed=9)
+    gamma, beta = gamma.to(device), beta.to(device)
+    got = forward(x, gamma, "LayerNorm", beta=beta)
+    assert torch.equal(got["mean"].cpu(), x[:, 0].float().cpu()), "the mean of equal values"
+    assert torch.equal(bits(got["y_hp"].cpu()), bits(beta.expand_as(x).cpu())), "y = beta"
+    assert float(got["amax"]) == float(beta.float().abs().max())
+    # an all-constant tensor without beta under current scaling: amax 0, every code a zero
+    first = forward(x, gamma, "LayerNorm", want=("amax", "y_hp"))
+    assert float(first["amax"]) == 0.0 and not bool(first["y_hp"].any())
+    cur = forward(x, gamma, "LayerNorm", cfg=(Float8CurrentScaling(), "input"),
+                  amax_in=first["amax"], want=())
+    assert not bool((cur["y_q"] & 0x7F).any()), "codes of a constant tensor are zeros"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", [8, 300, 1000, 4096])
+def test_constant_rows_normalize_to_beta_exactly(dtype, k):
+    """The mean's correction pass (fused.h): without it 0.1 at K = 1000 gave mean 0.10000001,
+    y = beta + ~2e-5 * g, and an all-constant tensor quantized to +-448 under current scaling."""
+    check_constant_rows(k, dtype, "cpu")
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", [8, 300, 1000, 4096, 20000])
+def test_cuda_constant_rows_normalize_to_beta_exactly(dtype, k):
+    """Both kernels (300: the general one; 20000: its uncached form; else fast_kernel)."""
+    check_constant_rows(k, dtype, "cuda")
 
 
 # ---- (c) CUDA against the CPU reference, bit for bit ------------------------------------------

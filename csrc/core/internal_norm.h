@@ -61,9 +61,32 @@ TQ_NORM_HD float tq_norm_gamma(float w, int zero_centered) {
 /* mean = RN(sum / K) */
 TQ_NORM_HD float tq_norm_mean(float sum, int64_t k) { return tq_ndiv(sum, tq_nfloat(k)); }
 
-/* rstd = RN(1 / RN(sqrt(RN(RN(sum_sq / K) + eps)))) */
+/* rstd = RN(1 / RN(sqrt(RN(var + eps)))) */
+TQ_NORM_HD float tq_norm_rstd_of_var(float var, float eps) {
+    return tq_ndiv(1.0f, tq_nsqrt(tq_nadd(var, eps)));
+}
+
+/* RMSNorm: rstd = RN(1 / RN(sqrt(RN(RN(sum_sq / K) + eps)))) */
 TQ_NORM_HD float tq_norm_rstd(float sum_sq, int64_t k, float eps) {
-    return tq_ndiv(1.0f, tq_nsqrt(tq_nadd(tq_ndiv(sum_sq, tq_nfloat(k)), eps)));
+    return tq_norm_rstd_of_var(tq_ndiv(sum_sq, tq_nfloat(k)), eps);
+}
+
+/* LayerNorm's second pass sums e = RN(v - m0) and RN(e * e) about the first mean m0 = RN(S(v) /
+ * K); with c = RN(S(e) / K) the mean becomes RN(m0 + c) and the variance RN(RN(S(e * e) / K) -
+ * RN(c * c)), +0 where that rounds below zero (a NaN stays). Why: m0 alone is S's rounding of the
+ * mean, a few ulps off, and a row of equal values (a padding row, a constant tensor) would then
+ * normalize to those ulps times rstd ~ 1 / sqrt(eps) instead of exactly 0: y = beta, as torch and
+ * TE give; under current scaling such noise sets amax and becomes full-scale codes. For equal
+ * values e is the same small multiple of an ulp everywhere, so S(e) = K * e, c = e, m0 + c = v
+ * and the variance is 0, all exactly. */
+TQ_NORM_HD float tq_norm_mean_fixed(float m0, float sum_e, int64_t k) {
+    return tq_nadd(m0, tq_norm_mean(sum_e, k));
+}
+
+TQ_NORM_HD float tq_norm_var_fixed(float sum_e, float sum_ee, int64_t k) {
+    const float c = tq_norm_mean(sum_e, k);
+    const float var = tq_nsub(tq_norm_mean(sum_ee, k), tq_nmul(c, c));
+    return var < 0.0f ? 0.0f : var;
 }
 
 /* xhat = RN(RN(v - mean) * rstd) (LayerNorm) or RN(v * rstd) (RMSNorm) */

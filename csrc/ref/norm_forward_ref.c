@@ -31,9 +31,10 @@ tq_status tq_norm_forward_ref(const tq_tensor *x, const tq_norm_forward_args *a,
 
     float *v = malloc((size_t)k * sizeof(float)), *t = malloc((size_t)k * sizeof(float));
     float *g = malloc((size_t)k * sizeof(float)), *b = malloc((size_t)k * sizeof(float));
+    float *e = malloc((size_t)k * sizeof(float));
     float lanes[TQ_NORM_LANES];
-    if (v == NULL || t == NULL || g == NULL || b == NULL) {
-        free(v), free(t), free(g), free(b);
+    if (v == NULL || t == NULL || g == NULL || b == NULL || e == NULL) {
+        free(v), free(t), free(g), free(b), free(e);
         return tq_fail(TQ_ERROR_OUT_OF_MEMORY, "norm forward (CPU): no memory for rows of %lld "
                        "floats", (long long)k);
     }
@@ -45,17 +46,21 @@ tq_status tq_norm_forward_ref(const tq_tensor *x, const tq_norm_forward_args *a,
     uint8_t *y_q = (uint8_t *)a->y_q.data;
     for (int64_t r = 0; r < m_rows; r++) {
         for (int64_t i = 0; i < k; i++) v[i] = tq_ref_load(x, r, i);
-        float mean = 0.0f;
+        float mean = 0.0f, rstd;
         if (!rms) {
-            mean = tq_norm_mean(tq_norm_sum_ref(v, k, lanes), k);
+            const float m0 = tq_norm_mean(tq_norm_sum_ref(v, k, lanes), k);
             for (int64_t i = 0; i < k; i++) {
-                const float d = tq_nsub(v[i], mean);
-                t[i] = tq_nmul(d, d);
+                e[i] = tq_nsub(v[i], m0);
+                t[i] = tq_nmul(e[i], e[i]);
             }
+            const float sum_e = tq_norm_sum_ref(e, k, lanes);
+            const float sum_ee = tq_norm_sum_ref(t, k, lanes);
+            mean = tq_norm_mean_fixed(m0, sum_e, k);
+            rstd = tq_norm_rstd_of_var(tq_norm_var_fixed(sum_e, sum_ee, k), a->eps);
         } else {
             for (int64_t i = 0; i < k; i++) t[i] = tq_nmul(v[i], v[i]);
+            rstd = tq_norm_rstd(tq_norm_sum_ref(t, k, lanes), k, a->eps);
         }
-        const float rstd = tq_norm_rstd(tq_norm_sum_ref(t, k, lanes), k, a->eps);
         if (a->mean.data != NULL) ((float *)a->mean.data)[r] = tq_norm_canon(mean);
         if (a->rstd.data != NULL) ((float *)a->rstd.data)[r] = tq_norm_canon(rstd);
         for (int64_t i = 0; i < k; i++) {
@@ -70,6 +75,6 @@ tq_status tq_norm_forward_ref(const tq_tensor *x, const tq_norm_forward_args *a,
         tq_transpose_ref(&a->y_q, &y_q_t, NULL);
     }
     if (a->amax.data != NULL) tq_fused_max_accumulate((float *)a->amax.data, amax);
-    free(v), free(t), free(g), free(b);
+    free(v), free(t), free(g), free(b), free(e);
     return TQ_SUCCESS;
 }

@@ -19,9 +19,11 @@
  *
  * Forward, per row (v = x widened exactly to FP32, g = gamma, or RN(1 + gamma) with
  * TQ_NORM_ZERO_CENTERED_GAMMA; every step one FP32 RN operation, no fused multiply-add):
- *   LayerNorm  mean = RN(S(v) / K), d = RN(v - mean), var = RN(S(d * d) / K),
- *              rstd = RN(1 / RN(sqrt(RN(var + eps)))), y = RN(RN(RN(d * rstd) * g) + beta)
- *              (without beta: y = RN(RN(d * rstd) * g));
+ *   LayerNorm  m0 = RN(S(v) / K), e = RN(v - m0), c = RN(S(e) / K), mean = RN(m0 + c),
+ *              var = RN(RN(S(RN(e * e)) / K) - RN(c * c)) (+0 where negative; NaN stays),
+ *              rstd = RN(1 / RN(sqrt(RN(var + eps)))), d = RN(v - mean),
+ *              y = RN(RN(RN(d * rstd) * g) + beta) (without beta: y = RN(RN(d * rstd) * g));
+ *              the correction c makes a row of equal values give d = 0 exactly (y = beta);
  *   RMSNorm    rstd = RN(1 / RN(sqrt(RN(RN(S(v * v) / K) + eps)))), y = RN(RN(v * rstd) * g).
  * S is tequant's fixed summation order over a row, defined by K alone (not by a launch shape),
  * so the CPU reference and the kernels agree bit for bit: the row is cut into chunks of 8
