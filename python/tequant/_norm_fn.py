@@ -68,7 +68,13 @@ def refusal(x, weight, bias):
 def torch_normalize(x, normalization, weight, bias, eps, zero_centered_gamma):
     """torch's norm of x over its last dim, in x's dtype (gamma and beta cast to it): where the
     kernels do not run (refusal)."""
-    gamma = weight + 1 if zero_centered_gamma else weight
+    if zero_centered_gamma:  # 1 + gamma in at least FP32, as the kernels (and TE) form it: in a
+        # bfloat16 / float16 weight's own dtype the sum rounds (up to 2^-9 of gamma), which a
+        # float64 input or torch.autocast's float32 norm would then carry into its output
+        compute = torch.promote_types(torch.promote_types(weight.dtype, x.dtype), torch.float32)
+        gamma = weight.to(compute) + 1
+    else:
+        gamma = weight
     shape = (x.shape[-1],)
     if normalization == "LayerNorm":
         return torch.nn.functional.layer_norm(x, shape, gamma.to(x.dtype), None if bias is None

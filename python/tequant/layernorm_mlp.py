@@ -77,11 +77,26 @@ def _to_te_names(module, state_dict, prefix, local_metadata):
             state_dict[prefix + te_name] = state_dict.pop(prefix + name)
 
 
-def _from_te_names(state_dict, prefix, *args):
+def _from_te_names(module, state_dict, prefix, *args):
     state_dict.pop(prefix + "_extra_state", None)  # TE's FP8 metadata: accepted, unused
     for te_name, name in _TE_NAMES.items():
         if prefix + te_name in state_dict:
             state_dict[prefix + name] = state_dict.pop(prefix + te_name)
+    # the post-hook gets no prefix; torch loads depth-first, so this module's post-hook runs
+    # before another load_state_dict reaches this module again
+    module.__dict__["_tequant_load_prefix"] = prefix
+
+
+def _report_te_names(module, incompatible_keys):
+    """Missing / unexpected keys in TE's names (fc1_weight, not fc1.weight), the names
+    state_dict() gives: a strict load's error and a non-strict load's result name the keys of
+    the checkpoint format the module speaks."""
+    prefix = module.__dict__.pop("_tequant_load_prefix", "")
+    for keys in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
+        for i, key in enumerate(keys):
+            for te_name, name in _TE_NAMES.items():
+                if key == prefix + name:
+                    keys[i] = prefix + te_name
 
 
 class LayerNormMLP(torch.nn.Module):
@@ -135,7 +150,8 @@ class LayerNormMLP(torch.nn.Module):
                           init_method=output_layer_init_method, return_bias=self.return_bias,
                           **(dict(parallel, parallel_mode="row") if set_parallel_mode else {}))
         self._register_state_dict_hook(_to_te_names)
-        self._register_load_state_dict_pre_hook(_from_te_names)
+        self._register_load_state_dict_pre_hook(_from_te_names, with_module=True)
+        self.register_load_state_dict_post_hook(_report_te_names)
 
     fc1_weight = property(lambda self: self.fc1.weight)
     fc1_bias = property(lambda self: self.fc1.bias)

@@ -19,6 +19,7 @@ so that reduce_sequence_parallel_grads sums their gradients over the tensor-para
 Megatron-LM does for TE's modules.
 Tests: tests/test_norm_modules.py, tests/test_fused_norm_modules.py.
 """
+import math
 import numbers
 
 import torch
@@ -39,8 +40,16 @@ def module_input(module, inp, features):
         raise TypeError(f"{name}: inp must be a torch.Tensor, got {type(inp).__name__}")
     if inp.dim() == 0 or inp.shape[-1] != features:
         raise ValueError(f"{name}: inp has shape {tuple(inp.shape)}; expected [..., {features}]")
+    check_floating(name, inp)
     return NormInput(inp, module.layer_norm_weight, module.layer_norm_bias, module.normalization,
                      module.eps, module.zero_centered_gamma, module.return_layernorm_output)
+
+
+def check_floating(name, inp):
+    """A norm reads real floating-point values: torch's fallback would raise its own kernel's
+    error for integers and, for RMSNorm, silently normalize a complex input by mean(x^2)."""
+    if not inp.is_floating_point():
+        raise TypeError(f"{name}: inp must be a floating-point tensor, got {inp.dtype}")
 
 
 def check_normalization(normalization):
@@ -49,8 +58,10 @@ def check_normalization(normalization):
 
 
 def check_eps(eps):
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps > 0:
-        raise ValueError(f"eps must be a positive number, got {eps!r}")
+    # finite too: eps = inf zeroes rstd, so the norm would return beta and no gradient
+    if (isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps > 0
+            or not math.isfinite(eps)):
+        raise ValueError(f"eps must be a positive number (finite), got {eps!r}")
     return float(eps)
 
 
@@ -122,6 +133,7 @@ class _Norm(torch.nn.Module):
         if inp.shape[-1:] != (self.hidden_size,):
             raise ValueError(f"{type(self).__name__}: inp has {inp.shape[-1] if inp.dim() else 0}"
                              f" features in its last dim; this norm takes {self.hidden_size}")
+        check_floating(type(self).__name__, inp)
         return normalize(inp, self.normalization, self.weight, self.bias, self.eps,
                          self.zero_centered_gamma)
 
