@@ -202,6 +202,12 @@ def gemm(a, b, *, transpose_a=False, transpose_b=False, out_dtype=None, bias=Non
             raise ValueError(f"out has shape {tuple(out.shape)}; the product is "
                              f"{tuple(lead) + (out.shape[-1],)}")
         out_2d = out.view(-1, out.shape[-1])
+    elif out is not None and out.dim() != 2:
+        # the product of a 2-D a (or of transpose_a) is [M, N]: C would take any out whose
+        # leading dims merge to M and hand it back in a shape the product does not have
+        m = a.cols if transpose_a else a.rows
+        n = b.rows if transpose_b else b.cols
+        raise ValueError(f"out has shape {tuple(out.shape)}; the product is ({m}, {n})")
     flags = ((_C.GEMM_ACCUMULATE if accumulate else 0)
              | (0 if use_split_accumulator else _C.GEMM_FAST_ACCUM))
     if compiling:

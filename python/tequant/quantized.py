@@ -7,7 +7,8 @@ the accessors codes() and scales() give canonical forms that tests compare bit f
 It also keeps the (recipe, role) pair te.ops.quantize was given, which names the config: under
 torch.compile one is built in traced code without the config (a C object Dynamo cannot trace)
 and resolves `config` on first read outside the compiled region (tequant/_compile_trace.py).
-Tests: tests/test_ops.py, tests/test_quantize_*.py and tests/test_compile_ops.py.
+Tests: tests/test_ops.py, tests/test_quantize_*.py, tests/test_compile_ops.py and (copies, pickles,
+assigned members) tests/test_quantized_edges.py.
 """
 import torch
 
@@ -29,6 +30,29 @@ def _ceil_div(a, b):
     return -(-a // b)
 
 
+def _member(index):
+    """A property over member `index` of _member_tuple (see QuantizedTensor.__slots__)."""
+    def get(self):
+        return self._member_tuple[index]
+
+    def put(self, value):
+        members = list(self._member_tuple)
+        members[index] = value
+        self._member_tuple = tuple(members)
+    return property(get, put, doc=f"The {_MEMBERS[index]} member (a torch.Tensor) or None.")
+
+
+def _bytewise(member):
+    """Whether a member pickles as its bytes: any one-byte dtype other than uint8 (float8_*)."""
+    return member.element_size() == 1 and member.dtype != torch.uint8
+
+
+def _rebuild(config, shape, dtype, members, recipe, role):
+    """The inverse of QuantizedTensor.__reduce__ (module level, so pickle can name it)."""
+    members = [m[0].view(m[1]) if isinstance(m, tuple) else m for m in members]
+    return QuantizedTensor(config, shape, dtype, members, recipe, role)
+
+
 class QuantizedTensor:
     """A tensor quantized by te.ops.quantize.
 
@@ -45,22 +69,48 @@ class QuantizedTensor:
             NVFP4: amax rowwise, amax_t columnwise), else None.
     """
 
-    __slots__ = ("_config", "recipe", "role", "shape", "dtype", "_member_tuple", "_rows",
-                 "_cols") + _MEMBERS
+    # The six members live only in _member_tuple (what the C calls take, built once); data,
+    # scale_inv, ... are properties over it, so assigning one (q.data = ...) changes what
+    # dequantize() and te.ops.gemm read, not only what codes() reads. Likewise rows / cols
+    # follow an assigned shape.
+    __slots__ = ("_config", "recipe", "role", "_shape", "dtype", "_member_tuple", "_rows",
+                 "_cols")
 
     def __init__(self, config, shape, dtype, members, recipe=None, role=None):
         self._config = config  # None when built under torch.compile: see the config property
         self.recipe = recipe
         self.role = role
-        self.shape = torch.Size(shape)
         self.dtype = dtype
         members = tuple(members)
-        for name, value in zip(_MEMBERS, members):
-            setattr(self, name, value)
-        self._member_tuple = members  # what the C calls take, built once
-        shape = self.shape
+        if len(members) != len(_MEMBERS):
+            raise ValueError(f"members must be the {len(_MEMBERS)} tensors (or None) "
+                             f"{', '.join(_MEMBERS)}; got {len(members)}")
+        self._member_tuple = members
+        self._set_shape(shape)
+
+    def _set_shape(self, shape):
+        shape = self._shape = torch.Size(shape)
         self._rows = shape[:-1].numel() if len(shape) > 1 else 1
         self._cols = shape[-1] if len(shape) else 1
+
+    shape = property(lambda self: self._shape, _set_shape,
+                     doc="The logical shape [..., K] of the high-precision tensor.")
+    data = _member(0)
+    scale_inv = _member(1)
+    data_t = _member(2)
+    scale_inv_t = _member(3)
+    amax = _member(4)
+    amax_t = _member(5)
+
+    def __reduce__(self):
+        """pickle, copy.copy / copy.deepcopy and torch.save: the members travel as uint8 views
+        of their bytes, because torch cannot unpickle a float8 tensor (pickle.loads fails in
+        torch.storage._load_from_bytes: UntypedStorage has no dtype); torch.save of the views
+        still honours torch.load's map_location."""
+        members = tuple(None if m is None else (m.view(torch.uint8), m.dtype) if _bytewise(m)
+                        else m for m in self._member_tuple)
+        return (_rebuild, (self._config, self._shape, self.dtype, members, self.recipe,
+                           self.role))
 
     @property
     def config(self):
