@@ -20,6 +20,9 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when not run as a script
+import benchutil  # noqa: E402
+
 import tequant as te
 from tequant.recipe import DelayedScaling, MXFP8BlockScaling
 
@@ -177,6 +180,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--out", help="also write the table to this Markdown file")
     args = ap.parse_args()
+    benchutil.check_args(ap, args)  # --cycles/--rounds >= 1, --out writable, before the timing
     torch_device = "cuda" if torch.cuda.is_available() else "cpu"
     lines = [f"### te.autocast construct + enter + exit ({machine()})", "",
              f"median of {args.rounds} interleaved rounds of {args.cycles} cycles", "",

@@ -504,7 +504,11 @@ def parse_args(argv=None):
     for name, default in zip(names, SIZES[args.device]):
         if getattr(args, name) is None:
             setattr(args, name, default)
-    args.d = [int(v) for v in str(args.d).split(",") if v.strip()]
+    benchutil.check_args(ap, args)  # counts and sizes >= 1 (warmup >= 0), --out writable
+    d = [v.strip() for v in str(args.d).split(",") if v.strip()]
+    if not d or not all(v.isdigit() and int(v) > 0 for v in d):  # was a ValueError traceback
+        ap.error(f"--d {args.d!r}: expected a comma list of positive widths")
+    args.d = [int(v) for v in d]
     args.models = benchutil.listed(ap, "--models", args.models, MODELS)
     args.exec = benchutil.listed(ap, "--exec", args.exec, EXECS)
     args.recipes = benchutil.make_recipes(args.recipes)

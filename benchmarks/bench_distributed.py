@@ -130,14 +130,43 @@ def parse_args():
     explicit = args.modes is not None
     args.modes = benchutil.listed(ap, "--modes", args.modes or ",".join(MODES), MODES)
     if "fsdp-tp" in args.modes and (args.gpus % args.tp or args.gpus < 2 * args.tp) and \
-            not (explicit and args.gpus % args.tp == 0):
+            not explicit:
         args.modes.remove("fsdp-tp")  # a 2-D mesh needs dp >= 2 unless asked for
+    check_shapes(ap, args, explicit)
     names = [v.strip() for v in (args.recipes or "").split(",") if v.strip()]
     if not names:
         names = list(benchutil.RECIPE_NAMES) + ([TORCHAO] if torchao_error() is None else [])
     ours = tequant_recipes(names)
     args.recipes = [n for n in names if n == TORCHAO or n in ours]
     return args
+
+
+def check_shapes(ap, args, explicit, mode_flag="--modes"):
+    """ap.error for sizes the ranks cannot run, before they start: --gpus 0 used to launch no
+    rank and report "0 of N configurations", --heads not dividing --width failed every row with a
+    view() error, and a --seq that a tensor-parallel group cannot split evenly (each rank takes
+    seq / tp tokens) aborted a rank in gloo (SIGABRT) with no word of the cause."""
+    if args.gpus < 1:
+        ap.error(f"--gpus {args.gpus}: expected at least 1 rank")
+    if args.width % args.heads:
+        ap.error(f"--width {args.width} is not a multiple of --heads {args.heads}")
+    sizes = {mode: args.gpus for mode in ("tp", "tp-overlap")}
+    sizes["fsdp-tp"] = args.tp
+    for mode in list(args.modes):
+        tp = sizes.get(mode, 1)
+        flag = "--tp" if mode == "fsdp-tp" else "--gpus"
+        if (args.heads % tp or args.seq % tp) and not explicit:
+            # the default mode list: leave out what this rank count cannot run (as fsdp-tp
+            # above), saying so; a mode asked for by --modes is an error instead
+            print(f"bench_distributed: mode {mode} left out: {flag} {tp} does not divide "
+                  f"--heads {args.heads} and --seq {args.seq}", file=sys.stderr)
+            args.modes.remove(mode)
+            continue
+        if args.heads % tp or args.seq % tp:
+            ap.error(f"{mode_flag} {mode}: {flag} {tp} (its tensor-parallel ranks) must divide "
+                     f"--heads {args.heads} and --seq {args.seq}")
+        if mode == "fsdp-tp" and explicit and args.gpus % tp:
+            ap.error(f"--modes fsdp-tp: --tp {tp} must divide --gpus {args.gpus}")
 
 
 def tequant_recipes(names):

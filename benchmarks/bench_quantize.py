@@ -56,8 +56,7 @@ TARGET = 0.85
 
 
 def parse_shape(text):
-    m, k = text.lower().split("x")
-    return int(m), int(k)
+    return benchutil.parse_mxk(text)
 
 
 def member_bytes(q):

@@ -42,7 +42,7 @@ def main():
     failures = []
     g = torch.Generator().manual_seed(0)
     for text in args.shapes.split(","):
-        m, k = map(int, text.split("x"))
+        m, k = benchutil.parse_mxk(text)
         buffers = [torch.randint(0, 256, (m, k), generator=g, dtype=torch.uint8)
                    .view(torch.float8_e4m3fn).to(device) for _ in range(max(args.buffers, 1))]
         if not torch.equal(op(buffers[0]).view(torch.uint8),

@@ -127,8 +127,11 @@ def parse_shapes(text, shapes=GEMM_SHAPES):
             try:
                 m, k, n = (int(v) for v in item.split("x"))
             except ValueError:
-                raise SystemExit(f"--shapes: {item!r} is neither one of {', '.join(shapes)} "
-                                 "nor MxKxN (tokens x in-features x out-features)") from None
+                m = k = n = 0
+            if min(m, k, n) < 1:  # 0 or negative dims used to fail deep inside torch
+                named = f"neither one of {', '.join(shapes)} nor " if shapes else "not "
+                raise SystemExit(f"--shapes: {item!r} is {named}MxKxN of positive "
+                                 "integers (tokens x in-features x out-features)")
             out.append((item, item, m, k, n))
     return out
 
@@ -143,8 +146,19 @@ def parse_mk(text):
     dtype = dtype or "bf16"
     if dtype not in FLOAT_DTYPES:
         raise SystemExit(f"--shapes: dtype {dtype!r} is not one of {', '.join(FLOAT_DTYPES)}")
-    m, k = shape.split("x")
-    return int(m), int(k), dtype
+    return (*parse_mxk(shape), dtype)
+
+
+def parse_mxk(text, flag="--shapes"):
+    """'MxK' -> (M, K), both positive; else SystemExit naming the flag and the item (a bare
+    '256' or 'axb' used to end in a ValueError traceback from the unpacking)."""
+    try:
+        m, k = (int(v) for v in text.strip().lower().split("x"))
+    except ValueError:
+        m = k = 0
+    if m < 1 or k < 1:
+        raise SystemExit(f"{flag}: {text!r} is not MxK (two positive integers, e.g. 256x1024)")
+    return m, k
 
 
 def bits(t):
@@ -283,10 +297,64 @@ def listed(ap, flag, text, allowed):
     return items
 
 
+# The count and size flags the benchmarks share, with their least valid value. Each used to pass
+# argparse as any int: 0 iterations then ended in statistics' "no median for empty data" or a
+# ZeroDivisionError after the setup, a 0 that a benchmark reads as "default" (`args.calls or
+# 200`) was silently replaced, and a negative size failed inside torch.
+MIN_VALUE = {"iters": 1, "warmup": 0, "buffers": 1, "check_rows": 1, "calls": 1, "repeats": 1,
+             "rounds": 1, "cycles": 1, "steps": 1, "profile_steps": 1, "wall_calls": 1,
+             "wall_repeats": 1, "host_calls": 1, "host_repeats": 1, "tokens": 1, "seq": 1,
+             "head_dim": 1, "width": 1, "ffn": 1, "llama_ffn": 1, "batch": 1, "layers": 1,
+             "heads": 1, "tp": 1, "rows": 1}
+OUTPUT_FLAGS = ("out", "json")
+
+
+def check_args(ap, args):
+    """ap.error (exit status 2, the flag named) for a count or size flag of MIN_VALUE below its
+    least value, or an --out / --json file that cannot be written. Called before any work: the
+    outputs are written only at the end, so an unwritable path used to cost the whole run and
+    end in a traceback."""
+    for name, least in MIN_VALUE.items():
+        value = getattr(args, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value < least:
+            ap.error(f"--{name.replace('_', '-')} {value}: expected an integer >= {least}")
+    for name in OUTPUT_FLAGS:
+        path = getattr(args, name, None)
+        if isinstance(path, str):
+            problem = unwritable(path)
+            if problem:
+                ap.error(f"--{name} {path!r}: {problem}; expected a writable file path")
+
+
+def unwritable(path):
+    """Why the file path cannot be written (appended to or created), or None. Creates its folder
+    as finish() would; leaves no file behind."""
+    if os.path.isdir(path):
+        return "is a folder"
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"{parent!r} is a file, not a folder"
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        if os.path.exists(path):
+            with open(path, "a"):
+                pass
+        else:
+            with open(path, "x"):
+                pass
+            os.remove(path)
+    except OSError as exc:
+        return f"cannot be written ({exc.strerror or exc})"
+    return None
+
+
 def parse(ap):
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda but no CUDA device is available")
+    check_args(ap, args)
     return args
 
 

@@ -233,15 +233,23 @@ def main():
     for name in ("width", "ffn", "llama-ffn", "seq", "batch", "layers", "warmup", "iters"):
         ap.add_argument("--" + name, type=int)
     args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda but no CUDA device is available (use --device cpu)")
+    benchutil.check_args(ap, args)  # counts and sizes >= 1 (warmup >= 0), --out writable
     names = ("width", "ffn", "llama_ffn", "seq", "batch", "layers", "warmup", "iters")
     for name, default in zip(names, bd.SIZES[args.device]):
         if getattr(args, name, None) is None:
             setattr(args, name, default)
     args.heads = max(1, args.width // 128) if args.device == "cuda" else 4
-    args.gpus = args.gpus or (torch.cuda.device_count() if args.device == "cuda" else 2)
+    if args.gpus is None:  # (not `or`: --gpus 0 must be refused, not read as the default)
+        args.gpus = torch.cuda.device_count() if args.device == "cuda" else 2
+    if args.gpus < 1 or (args.device == "cuda" and args.gpus > torch.cuda.device_count()):
+        most = f"1 to {torch.cuda.device_count()}" if args.device == "cuda" else "at least 1"
+        ap.error(f"--gpus {args.gpus}: expected {most} ranks")
     if not 0 <= args.rank < args.gpus:
         ap.error(f"--rank {args.rank}: the ranks are 0 to {args.gpus - 1}")
     args.modes = [args.mode]
+    bd.check_shapes(ap, args, True, "--mode")  # --gpus >= 1; heads and seq split over the tp ranks
     args.recipes = [n for n, _ in bd.benchutil.make_recipes(args.recipes)]
     args.overlap = [v.strip() for v in args.overlap.split(",")]
     if not args.overlap or any(v not in ("on", "off") for v in args.overlap):

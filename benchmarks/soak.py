@@ -262,6 +262,9 @@ def parse_args(argv):
         ap.error("need 1 <= --warmup < --steps, --sample-every >= 1 and --gpus >= 0")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda but no CUDA device is available (use --device cpu)")
+    if not -2**63 <= args.seed < 2**64:  # torch.manual_seed's range (else an overflow traceback)
+        ap.error(f"--seed {args.seed}: expected an integer from -2**63 to 2**64 - 1")
+    benchutil.check_args(ap, args)  # --out / --json writable, before the hours of training
     return args
 
 

@@ -47,11 +47,24 @@ class Checkpointed(torch.nn.Module):
         return checkpoint(self.block, x, use_reentrant=False)
 
 
+def _positive_int(text):
+    """argparse type: an integer >= 1. --steps 0 used to fall back to the size's default steps
+    silently (`args.steps or ...`), a negative count failed in torch.randint, and --tp 0 divided
+    by zero inside build()."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--recipe", default="current", choices=[r for r in RECIPES if r != "bf16"])
     p.add_argument("--size", default="small", choices=list(SIZES))
-    p.add_argument("--steps", type=int, default=None, help="default: the size's")
+    p.add_argument("--steps", type=_positive_int, default=None, help="default: the size's")
     p.add_argument("--no-quantized-all-gather", dest="quantized_all_gather",
                    action="store_false", help="gather weights in high precision")
     p.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
@@ -60,12 +73,27 @@ def parse_args():
     p.add_argument("--device", choices=("cuda", "cpu"),
                    default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cuda: one GPU per rank over NCCL; cpu: gloo")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (a dp x tp mesh)")
+    p.add_argument("--tp", type=_positive_int, default=1,
+                   help="tensor-parallel ranks (a dp x tp mesh)")
     p.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
                    help="with --tp: replicate the residual stream instead of splitting tokens")
     p.add_argument("--checkpoint-dir", help="save a distributed checkpoint here at the end")
     p.add_argument("--resume", action="store_true", help="load --checkpoint-dir first")
-    return p.parse_args()
+    args = p.parse_args()
+    # Checked here, on every rank, before the process group starts: each used to end in a
+    # library traceback per rank (dcp's "checkpoint_id must be specified", gloo/NCCL's
+    # "NCCL not built in" or "environment variable RANK expected").
+    if args.resume and not args.checkpoint_dir:
+        p.error("--resume needs --checkpoint-dir (the folder of the checkpoint to load)")
+    if args.resume and not os.path.isdir(args.checkpoint_dir):
+        p.error(f"--resume: --checkpoint-dir {args.checkpoint_dir!r} is not a folder (a "
+                f"checkpoint saved by an earlier run with --checkpoint-dir)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda but no CUDA device is available (use --device cpu)")
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        p.error("not started by torchrun (RANK/WORLD_SIZE unset); run e.g. "
+                "torchrun --nproc-per-node 2 examples/train_fsdp.py")
+    return args
 
 
 class GatherBytes:

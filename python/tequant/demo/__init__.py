@@ -34,6 +34,19 @@ def _positive_int(text):
     return value
 
 
+def _seed(text):
+    """argparse type: an integer torch's generators accept (-2**63 .. 2**64 - 1); beyond that
+    torch.manual_seed raised "Overflow when unpacking long long" after the corpus was built."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not -2**63 <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"expected an integer from -2**63 to 2**64 - 1, got "
+                                         f"{value}")
+    return value
+
+
 def _width_list(text):
     try:
         widths = [int(v) for v in text.split(",") if v.strip()]
@@ -74,7 +87,7 @@ def parse_args(argv):
                         help="wrap each model in torch.compile (falls back to eager, recorded, "
                              "when compilation fails)")
     parser.add_argument("--out", default="demo_out", help="output folder (default ./demo_out)")
-    parser.add_argument("--seed", type=int, default=0, help="data, init and rounding seed")
+    parser.add_argument("--seed", type=_seed, default=0, help="data, init and rounding seed")
     parser.add_argument("--sweep", action="store_true",
                         help="instead of training: time training tokens/s per recipe against "
                              "model width (--widths) and write sweep.md / .json / .png")
@@ -92,7 +105,39 @@ def parse_args(argv):
         parser.error("--device cuda: torch sees no CUDA device here (use --device cpu)")
     if args.size is None:
         args.size = "large" if args.device == "cuda" else "small"
+    if args.sweep and args.widths:
+        # The sweep's head dim is 128 from d=512 up (sweep._heads): a width such as 576 passes
+        # the multiple-of-64 check above but cannot be split into heads. Said here, before any
+        # work, rather than as a ValueError traceback from inside the sweep.
+        from .sweep import head_dim
+        bad = [w for w in args.widths if w % head_dim(w)]
+        if bad:
+            parser.error(f"argument --widths: {', '.join(map(str, bad))} not a multiple of the "
+                         f"head dim (128 for widths >= 512, 64 below)")
+    _check_out_dir(parser, args.out)
     return args
+
+
+def _check_out_dir(parser, out):
+    """Creates --out and proves a file can be written in it, before any training: the outputs
+    are written only at the end, so an unwritable folder (a file of that name, no permission, a
+    read-only filesystem) would otherwise cost the whole run and end in a traceback."""
+    existing = os.path.abspath(out)  # the folder itself or its nearest existing parent
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        where = "" if existing == os.path.abspath(out) else f" (in its path, {existing!r})"
+        parser.error(f"argument --out: {out!r}: a file{where} is in the way; expected a folder "
+                     f"path (created if missing)")
+    probe = os.path.join(out, f".tequant-demo-write-test-{os.getpid()}")
+    try:
+        os.makedirs(out, exist_ok=True)
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as exc:
+        parser.error(f"argument --out: cannot write to the folder {out!r} "
+                     f"({exc.strerror or exc}); expected a writable folder path")
 
 
 def _commit():

@@ -6,7 +6,7 @@ width grows the GEMMs dominate and FP8's twice-as-fast tensor cores show. For ea
 sweep builds the demo's GPT (--sweep-layers blocks, head dim 128 (64 below d=512), seq 256,
 batch 32: 8192 tokens per step), trains it a few warm-up steps and then times three windows
 of --sweep-steps steps (the best counts) of the demo's training step (bf16 autocast on CUDA,
-te.autocast, backward, gradient clipping, fused AdamW) on random tokens, per recipe, and
+te.autocast, backward, gradient clipping, AdamW, fused on CUDA) on random tokens, per recipe, and
 writes a table (sweep.md, printed), the numbers (sweep.json) and a plot of tokens/s and
 speedup over bf16 against width (sweep.png). Tests: tests/test_demo.py.
 """
@@ -27,11 +27,16 @@ SEQ, BATCH, VOCAB = 256, 32, 64
 WARMUP, WINDOWS = 5, 3
 
 
+def head_dim(width):
+    """The head dim the sweep gives a model of this width (parse_args checks --widths with it)."""
+    return 128 if width >= 512 else 64
+
+
 def _heads(width):
-    head_dim = 128 if width >= 512 else 64
-    if width % head_dim:
-        raise ValueError(f"--widths: {width} is not a multiple of {head_dim} (the head dim)")
-    return width // head_dim
+    hd = head_dim(width)
+    if width % hd:
+        raise ValueError(f"--widths: {width} is not a multiple of {hd} (the head dim)")
+    return width // hd
 
 
 def time_width(name, width, layers, steps, device, use_compile):
@@ -80,6 +85,13 @@ def run_sweep(args, device, environment):
           f"step, widths {', '.join(map(str, widths))}, {args.sweep_steps} timed steps per "
           f"point on {environment['device_name']}", file=sys.stderr)
     modes = {name: describe_mode(name, device) for name in args.recipes}
+    # As the training demo does (main): a recipe this device cannot run is named up front, not
+    # met as an error from inside te.Linear after the widths before it were timed.
+    for name, (mode, reason) in modes.items():
+        if mode == "unsupported":
+            print(f"{name}: unsupported here ({reason}); leave it out of --recipes",
+                  file=sys.stderr)
+            return 2
     points = []
     for width in widths:
         for name in args.recipes:
@@ -141,8 +153,8 @@ def sweep_table(result):
     modes = result["execution_modes"]
     emulated = [n for n in names if modes[n]["mode"] == "emulated"]
     lines += ["", f"Ratios are against {labels.get('bf16', 'bf16')} at the same width. A full "
-              "training step each (forward, backward, gradient clipping, fused AdamW), fp32 master "
-              "weights."]
+              "training step each (forward, backward, gradient clipping, AdamW (fused on CUDA)), fp32 "
+              "master weights."]
     if emulated:
         lines.append("Emulated here (" + ", ".join(_LABELS[n] for n in emulated) + "): real "
                      "quantized bits, GEMMs as BF16 on dequantized operands, so slower than "
