@@ -71,11 +71,11 @@ def assert_same_bits(got, want):
         assert torch.equal(got.codes(direction), want.codes(direction)), direction
 
 
-def save_load(q, **kw):
+def save_load(q, weights_only=False, **kw):
     buf = io.BytesIO()
     torch.save(q, buf)
     buf.seek(0)
-    return torch.load(buf, weights_only=False, **kw)
+    return torch.load(buf, weights_only=weights_only, **kw)
 
 
 @pytest.mark.parametrize("protocol", [pickle.DEFAULT_PROTOCOL, pickle.HIGHEST_PROTOCOL, 0])
@@ -99,6 +99,14 @@ def test_copies_and_torch_save_are_bit_exact(name):
             assert a.data_ptr() == getattr(shallow, n).data_ptr(), n
     deep.data.view(torch.uint8).zero_()  # the copy's memory is its own
     assert torch.equal(q.data.view(torch.uint8), want["data"][2])
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_torch_load_weights_only_is_bit_exact(name):
+    """torch.load's default (weights_only=True): tequant's pickle names are allowlisted."""
+    q = quantize(name)
+    assert_same_bits(save_load({"q": q}, weights_only=True)["q"], q)
+    assert_same_bits(save_load(q, weights_only=True, map_location="cpu"), q)
 
 
 @pytest.mark.parametrize("name", ["delayed-e4m3", "current-e4m3", "current-e5m2"])

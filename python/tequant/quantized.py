@@ -53,6 +53,21 @@ def _rebuild(config, shape, dtype, members, recipe, role):
     return QuantizedTensor(config, shape, dtype, members, recipe, role)
 
 
+def _allow_weights_only_load():
+    """torch.load's default (weights_only=True since torch 2.6) unpickles only allowlisted
+    globals, so torch.load(path) of a saved te.ops.quantize result failed unless the caller
+    allowlisted tequant's names by hand. These are what its pickle names (see __reduce__): the
+    rebuild function, the config factory (recipe, role) and the recipe dataclasses with their
+    parameter types; each only rebuilds data, none runs code it is handed. CustomRecipe is left
+    out: it holds a user's callable, which a weights-only load cannot admit."""
+    from . import recipe
+    from ._recipe_params import Format, MMParams, QParams, _Derived
+    torch.serialization.add_safe_globals([
+        _rebuild, _C.quantizer_config, Format, MMParams, QParams, _Derived,
+        recipe.DelayedScaling, recipe.Float8CurrentScaling, recipe.Float8BlockScaling,
+        recipe.MXFP8BlockScaling, recipe.NVFP4BlockScaling])
+
+
 class QuantizedTensor:
     """A tensor quantized by te.ops.quantize.
 
@@ -214,3 +229,6 @@ class QuantizedTensor:
         return (f"QuantizedTensor(shape={tuple(self.shape)}, format={self.config.format}, "
                 f"scaling={self.config.scaling!r}, block={self.config.block}, "
                 f"directions={dirs}, device={self.device})")
+
+
+_allow_weights_only_load()
