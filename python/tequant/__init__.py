@@ -30,7 +30,7 @@ from ._C import (
     recipe_key,
 )
 from .quantized import QuantizedTensor
-from .linear import Linear, prepare_state
+from .linear import Linear
 from .norm import LayerNorm, RMSNorm
 from .layernorm_linear import LayerNormLinear
 from .layernorm_mlp import LayerNormMLP
@@ -42,7 +42,7 @@ from .capability import (
     is_nvfp4_available,
 )
 
-from .convert import convert
+from .convert import convert, prepare_state
 from . import _compile
 
 checkpoint.install()  # te.Linear under torch.utils.checkpoint recomputes as it ran

@@ -8,6 +8,8 @@
 - A DTensor weight (tensor parallelism through parallelize_module, distributed/dtensor.py).
 - An AsyncCollectiveTensor input or output gradient (a functional collective's output, e.g.
   DTensor's to_local after a redistribute), which has no data of its own for C: waited on.
+- The quantized operands a te.Linear autograd node kept (split_kept for save_for_backward,
+  node_saved to read them back in backward, a weight that came quantized asked again).
 tq dtype codes (TQ_DTYPE) name the high-precision dtype of an operand that travels as members.
 Tests: tests/test_fsdp.py, tests/test_dtensor_parallel.py, tests/test_tensor_parallel.py.
 """
@@ -102,3 +104,28 @@ class _Passthrough(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
+
+
+def split_kept(kept):
+    """(tensors, amaxes) of a kept quantization: a packed pair (buffer, amax) or the six members
+    (amaxes last); None for none."""
+    if kept is None:
+        return (), None
+    return (kept[:1], kept[1:]) if len(kept) == 2 else (kept[:4], kept[4:])
+
+
+def _joined(tensors, amaxes):
+    return None if amaxes is None else tuple(tensors) + amaxes
+
+
+def node_saved(ctx, w_usage=_C.USAGE_COLUMNWISE):
+    """(linear_forward's saved, (x, W) kept for backward_override="high_precision" or ()) of a
+    linear._QuantizedLinear node (ctx, or the grad_fn of its output). A weight that came
+    quantized gives its members for w_usage (0: none needed)."""
+    tensors, n_x, n_w = ctx.saved_tensors, ctx.n_x, ctx.n_w
+    if ctx.w_given is None:
+        w_kept = _joined(tensors[n_x:n_x + n_w], ctx.w_amax)
+    else:
+        w_kept = given_kept(ctx.w_given, ctx.plan, w_usage) if w_usage else None
+    saved = (_joined(tensors[:n_x], ctx.x_amax), w_kept) + ctx.rest
+    return saved, tensors[n_x + n_w:]

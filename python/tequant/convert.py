@@ -7,18 +7,20 @@ is exactly torch.nn.Linear are converted: a subclass may have a forward of its o
 called at all (torch.nn.MultiheadAttention reads its out_proj's weight directly). Layers whose
 feature dims miss the alignment a recipe's format needs (16, 32 for MXFP8) or whose dtype is
 not float32 / bfloat16 / float16 stay as they are and are reported in one warning, as torchao's
-convert_to_float8_training skips them. Tests: tests/test_convert.py.
+convert_to_float8_training skips them. te.prepare_state (here beside convert, as another walk
+over a model's te.Linear layers) makes the state a first forward would. Tests:
+tests/test_convert.py, tests/test_linear_module.py (prepare_state).
 """
 import warnings
 
 import torch
 
-from . import _C
+from . import _C, _custom_linear, delayed
 from ._plan import ALIGN as _ALIGN
 from .linear import Linear
 from .recipe import Recipe
 
-__all__ = ["convert"]
+__all__ = ["convert", "prepare_state"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -82,3 +84,23 @@ def convert(module, filter_fn=None, *, recipe=None):
                       f"precision: {'; '.join(skipped)}", UserWarning, stacklevel=2)
     return module
 
+
+def prepare_state(model, recipe):
+    """Creates the state te.Linear keeps between steps under `recipe` (DelayedScaling's amax
+    histories and scales; a CustomRecipe's quantizers) in every te.Linear of `model` lacking it,
+    as the first forward would; returns model. Needed before torch.distributed.checkpoint loads
+    into a fresh model (it reads only entries the model has), and under a CustomRecipe before
+    torch.compile(fullgraph=True) traces a checkpointed region (made there, the quantizers would
+    change the module inside torch's checkpoint operator)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"te.prepare_state takes a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a tequant.recipe.Recipe, got {type(recipe).__name__}")
+    for module in model.modules():
+        if isinstance(module, Linear) and recipe.custom():
+            _custom_linear.quantizers(module, recipe)
+        elif isinstance(module, Linear):
+            plan = module._plan(recipe)
+            if plan.delayed:
+                delayed.ensure(module, plan.x.amax_history_len)
+    return model

@@ -37,12 +37,12 @@ from . import (_C, _act_fn, _compile_linear, _compile_modules, _custom_linear, _
 from . import _compile_gathered  # noqa: F401  (registers with _compile_linear)
 from ._act_fn import ActInput
 from ._norm_fn import NormInput
-from .recipe import Recipe
+from ._operands import node_saved as _saved  # (a node's kept operands; tests read them too)
 from ._plan import (COLUMNWISE as _COLUMNWISE, KEEP_X_ROWWISE as _KEEP_X_ROWWISE,
                     NEED_DGRAD as _NEED_DGRAD, NEED_WGRAD as _NEED_WGRAD, PACKED as _PACKED,
                     ROWWISE as _ROWWISE)
 
-__all__ = ["Linear", "prepare_state"]
+__all__ = ["Linear"]
 
 
 class _QuantizedLinear(torch.autograd.Function):
@@ -79,8 +79,9 @@ class _QuantizedLinear(torch.autograd.Function):
         # backward, and no GEMM reads an amax. A weight that came quantized is asked again in
         # backward for the direction dgrad reads (FSDP2 may have gathered it anew).
         ctx.w_given = _operands.quantized_weight(weight)
-        x_tensors, ctx.x_amax = _split(saved[0])
-        w_tensors, ctx.w_amax = _split(saved[1] if ctx.w_given is None else None)
+        x_tensors, ctx.x_amax = _operands.split_kept(saved[0])
+        w_tensors, ctx.w_amax = _operands.split_kept(saved[1] if ctx.w_given is None
+                                                       else None)
         ctx.n_x, ctx.n_w = len(x_tensors), len(w_tensors)
         kept = (inp, weight) if override == "high_precision" else ()
         ctx.save_for_backward(*x_tensors, *w_tensors, *kept)
@@ -124,31 +125,6 @@ class _QuantizedLinear(torch.autograd.Function):
         if tp is not None:
             dx = tp.reduce_grad_input(dx)
         return dx, dw, db, None, None, None, None, None, None, None, None
-
-
-def _split(kept):
-    """(tensors, amaxes) of a kept quantization: a packed pair (buffer, amax) or the six members
-    (amaxes last); None for none."""
-    if kept is None:
-        return (), None
-    return (kept[:1], kept[1:]) if len(kept) == 2 else (kept[:4], kept[4:])
-
-
-def _joined(tensors, amaxes):
-    return None if amaxes is None else tuple(tensors) + amaxes
-
-
-def _saved(ctx, w_usage=_COLUMNWISE):
-    """(linear_forward's saved, (x, W) kept for backward_override="high_precision" or ()) of a
-    _QuantizedLinear node (ctx, or the grad_fn of its output). A weight that came quantized gives
-    its members for w_usage (0: none needed)."""
-    tensors, n_x, n_w = ctx.saved_tensors, ctx.n_x, ctx.n_w
-    if ctx.w_given is None:
-        w_kept = _joined(tensors[n_x:n_x + n_w], ctx.w_amax)
-    else:
-        w_kept = _operands.given_kept(ctx.w_given, ctx.plan, w_usage) if w_usage else None
-    saved = (_joined(tensors[:n_x], ctx.x_amax), w_kept) + ctx.rest
-    return saved, tensors[n_x + n_w:]
 
 
 def _forward(inp, weight, bias, module, plan, is_first_microbatch, c_needs, states=None):
@@ -305,7 +281,9 @@ class Linear(torch.nn.Linear):
             self._tp.overlap = value
 
     def reset_parameters(self):
-        """init_method(weight) (default: torch.nn.Linear's Kaiming-uniform) and a zero bias."""
+        """init_method(weight) (default: torch.nn.Linear's Kaiming-uniform) and a zero bias.
+        DelayedScaling's state, where the module has it, restarts as a new module's: its amaxes
+        measured the replaced weight, and after to_empty it is uninitialized memory."""
         with torch.no_grad():
             if self.init_method is not None:
                 self.init_method(self.weight)
@@ -314,6 +292,7 @@ class Linear(torch.nn.Linear):
             if self.bias is not None:
                 self.bias.zero_()
         self._weight_cache = []
+        _restart_delayed(self, _DIRECTIONS)
 
     # ---- copies and pickles ------------------------------------------------------------------
 
@@ -553,21 +532,63 @@ class Linear(torch.nn.Linear):
         return _forward(x, weight, bias, self, plan, is_first_microbatch, _PACKED, states)[0]
 
     def _apply(self, fn, recurse=True):
-        # .half(), .bfloat16(), .to(dtype) cast parameters; DelayedScaling's state stays float32
-        return delayed.keeping_float32(self, lambda: super(Linear, self)._apply(fn, recurse))
+        # .half(), .bfloat16(), .to(dtype) cast parameters; DelayedScaling's state stays float32.
+        # Its buffers brought off the meta device (to_empty after te.prepare_state on a meta
+        # model) hold uninitialized memory, NaN scales at worst: they restart as a new module's,
+        # whether or not reset_parameters runs (custom init, a weights-only checkpoint).
+        on_meta = [d for d in _DIRECTIONS
+                   if getattr(self._buffers.get(f"delayed_scale_{d}"), "is_meta", False)]
+        out = delayed.keeping_float32(self, lambda: super(Linear, self)._apply(fn, recurse))
+        _restart_delayed(self, [d for d in on_meta
+                                if not self._buffers[f"delayed_scale_{d}"].is_meta])
+        return out
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
         # TransformerEngine's modules save their FP8 metadata as `_extra_state`: accepted, unused
         # (DelayedScaling's history starts afresh, as in a new module)
         state_dict.pop(prefix + "_extra_state", None)
-        # DelayedScaling buffers exist once a module quantized with it: create them from a
-        # checkpoint that has them, so a fresh module restores the state exactly.
-        for direction in (delayed.FORWARD, delayed.BACKWARD):
-            for name in (f"delayed_amax_history_{direction}", f"delayed_scale_{direction}"):
+        absent = []  # directions whose DelayedScaling state the module has, the checkpoint not
+        for direction in _DIRECTIONS:
+            names = (f"delayed_amax_history_{direction}", f"delayed_scale_{direction}")
+            if all(prefix + name not in state_dict for name in names):
+                if self._buffers.get(names[0]) is not None:
+                    absent.append(direction)
+                continue
+            # DelayedScaling buffers exist once a module quantized with it: create them from a
+            # checkpoint that has them, so a fresh module restores the state exactly.
+            for name in names:
                 saved = state_dict.get(prefix + name)
                 if saved is not None and getattr(self, name, None) is None:
                     self.register_buffer(name, torch.empty_like(saved, device=self.weight.device))
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        # A checkpoint saved before the module first ran DelayedScaling (or a torch.nn.Linear's)
+        # lacks those buffers, which a new module lacks too: not missing. With the weight it
+        # loads, the module restarts them as a new module that loaded it (their amaxes measured
+        # the replaced weight); a load without the weight leaves them.
+        gone = {f"{prefix}delayed_{kind}_{d}" for d in absent
+                for kind in ("amax_history", "scale")}
+        missing_keys[:] = [key for key in missing_keys if key not in gone]
+        if prefix + "weight" in state_dict:
+            _restart_delayed(self, absent)
+            self._weight_cache = []  # is_first_microbatch=False must not multiply the old W
+
+
+_DIRECTIONS = (delayed.FORWARD, delayed.BACKWARD)
+
+
+def _restart_delayed(module, directions):
+    """module's DelayedScaling buffers of `directions` (those it has), in place (the views
+    delayed.slots keeps stay valid), as delayed.ensure makes them: zero amax history, unit
+    scale."""
+    with torch.no_grad():
+        for direction in directions:
+            hist = module._buffers.get(f"delayed_amax_history_{direction}")
+            scale = module._buffers.get(f"delayed_scale_{direction}")
+            if hist is not None and scale is not None:
+                hist.zero_()
+                scale.fill_(1.0)
 
 
 _module_forward = _C.linear_module_forward  # what it reads, handed over once:
@@ -576,24 +597,3 @@ _C._linear_module_setup(Linear, torch.nn.Parameter, torch.Tensor, _plain_linear.
                         torch._C._are_functorch_transforms_active, _operands._forward_ad,
                         delayed.slots, torch.is_grad_enabled, torch._C._is_any_autocast_enabled,
                         _operands.waited, _norm_fn.with_columnwise)
-
-
-def prepare_state(model, recipe):
-    """Creates the state te.Linear keeps between steps under `recipe` (DelayedScaling's amax
-    histories and scales; a CustomRecipe's quantizers) in every te.Linear of `model` lacking it,
-    as the first forward would; returns model. Needed before torch.distributed.checkpoint loads
-    into a fresh model (it reads only entries the model has), and under a CustomRecipe before
-    torch.compile(fullgraph=True) traces a checkpointed region (made there, the quantizers would
-    change the module inside torch's checkpoint operator)."""
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"te.prepare_state takes a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(recipe, Recipe):
-        raise TypeError(f"recipe must be a tequant.recipe.Recipe, got {type(recipe).__name__}")
-    for module in model.modules():
-        if isinstance(module, Linear) and recipe.custom():
-            _custom_linear.quantizers(module, recipe)
-        elif isinstance(module, Linear):
-            plan = module._plan(recipe)
-            if plan.delayed:
-                delayed.ensure(module, plan.x.amax_history_len)
-    return model
