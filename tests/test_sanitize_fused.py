@@ -308,3 +308,113 @@ def test_backward_update_in_dy_cast():
         outs = ops.linear_bwd_delayed(dy, x_kept if needs & 2 else None, w_kept, rid, needs & 3,
                                       [2, 160, 96], BF16, BF16, BF16, scale_bwd, hist_bwd)
         _finite(*(o for o in outs if o.numel()), hist_fwd, hist_bwd, scale_fwd, scale_bwd)
+
+
+# ---- variants the cases above leave: general norm kernels' element paths, row chunks --------
+
+def _out_view(m, k, dtype, layout):
+    """An output [m, k] never written: 'contiguous', or 'misaligned' (one element past a 16-byte
+    boundary; uint8: one byte past it, so not 8-byte aligned either)."""
+    if layout == "contiguous":
+        return torch.empty(m, k, dtype=dtype, device=DEVICE)
+    return torch.empty(m * k + 16, dtype=dtype, device=DEVICE)[1:1 + m * k].view(m, k)
+
+
+def _weight(k, dtype, seed, misaligned):
+    """A gamma / beta of k elements, 16-byte aligned or one element past it (load_w's element
+    path)."""
+    w = _randn(k, dtype=dtype, seed=seed)
+    return _layout(w.view(1, k), "misaligned" if misaligned else "contiguous").view(k)
+
+
+# (M, K, x dtype, gamma/beta and dgamma/dbeta dtype, norm, gamma misaligned): the general
+# kernels (x misaligned or K % 8 != 0), 16-bit weights, misaligned outputs
+NORM_GENERAL = {
+    "bf16-w-kt32": (40, 1000, BF16, BF16, "LayerNorm", False),
+    "f16-w-misaligned-odd-k": (40, 521, F16, F16, "RMSNorm", True),
+    "f32-x-bf16-w-kt256-long": (3, 9001, F32, BF16, "LayerNorm", True),
+    "rows-striding-chunks-16": (12000, 8, BF16, F32, "LayerNorm", False),
+}
+
+
+@pytest.mark.parametrize("case", list(NORM_GENERAL))
+def test_norm_general_element_paths(case):
+    """norm_forward_kernel / norm_backward_kernel (and column_partial_kernel at K > 8192) with
+    what test_norm_kernels keeps aligned or FP32: bf16 / fp16 gamma and beta (aligned and one
+    element off: load_w's element path), bf16 / fp16 dgamma and dbeta (column_sum_kernel<bf16 |
+    f16> with two planes), y_hp and dx one element off a 16-byte boundary and y_q one byte off
+    (the element stores), E5M2 codes; and 12000 rows of 8 (more row groups than the grid's
+    1056 CTAs on 132 SMs hold: CTAs stride, the fold scratch reused; backward row chunks of 16,
+    750 partials, 24 groups of the column sums, the last ragged). Each output equals the same
+    call's into aligned outputs."""
+    m, k, dtype, wdt, norm, w_mis = NORM_GENERAL[case]
+    ln = norm == "LayerNorm"
+    cfg = te.quantizer_config(DelayedScaling(), "grad_output")
+    assert cfg.format == "E5M2"
+    x = _layout(_randn(m, k, dtype=dtype, seed=600), "misaligned")
+    dy = _randn(m, k, dtype=dtype, seed=601)
+    gamma = _weight(k, wdt, 602, w_mis)
+    beta = _weight(k, wdt, 603, w_mis) if ln else None
+    results = []
+    for layout in ("misaligned", "contiguous"):
+        y, y_q = _out_view(m, k, dtype, layout), _out_view(m, k, torch.uint8, layout)
+        dx = _out_view(m, k, dtype, layout)
+        mean = torch.empty(m, device=DEVICE) if ln else None
+        rstd, amax = torch.empty(m, device=DEVICE), torch.zeros(1, device=DEVICE)
+        scale_inv = torch.empty(1, device=DEVICE)
+        _C._norm_forward(x, gamma, norm, zero_centered_gamma=ln, beta=beta, y_hp=y, mean=mean,
+                         rstd=rstd, amax=amax, config=cfg, y_q=y_q, scale_inv=scale_inv,
+                         scale=torch.ones(1, device=DEVICE))
+        dgamma = torch.empty(k, dtype=wdt, device=DEVICE)
+        dbeta = torch.empty(k, dtype=wdt, device=DEVICE) if ln else None
+        _C._norm_backward(dy, x, gamma, norm, rstd=rstd, dx=dx, dgamma=dgamma, mean=mean,
+                          dbeta=dbeta, zero_centered_gamma=ln)
+        _finite(y, rstd, amax, scale_inv, dx, dgamma, *([mean, dbeta] if ln else []))
+        results.append([y, y_q, dx, dgamma] + ([dbeta] if ln else []))
+    for got, want in zip(*results):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), case
+
+
+def test_act_element_paths_and_amax_rewalk():
+    """What test_act_kernels leaves: monotone_amax_kernel's second walk (bf16 gelu / silu /
+    qgelu of h whose every element is negative: act(max h) is below the bound, so the CTA
+    re-reads its items), with h one element off a 16-byte boundary (element loads), against the
+    amax act_forward_kernel finds; act_forward_kernel's y_hp one element off and y_q one byte
+    off (element stores), and act_backward_kernel's dh / dh_q the same, against aligned
+    outputs; identity_columnwise_kernel<no dbias, 32 rows> (the identity's pass with dh_q_t
+    but no dbias: store_tile_long's 16-byte and byte stores, a partial last row chunk), its
+    dh_q_t equal to dh_q transposed."""
+    for i, act in enumerate(("gelu", "silu", "qgelu")):
+        h = _layout(-_randn(40, 1041, seed=610 + i).abs().to(BF16), "misaligned")
+        walked, want = torch.zeros(1, device=DEVICE), torch.zeros(1, device=DEVICE)
+        _C._act_forward(h, act, amax=walked)  # current scaling's amax run
+        _C._act_forward(h, act, y_hp=torch.empty(40, 1041, dtype=BF16, device=DEVICE), amax=want)
+        assert torch.equal(walked, want), act
+    delayed = te.quantizer_config(DelayedScaling(), "input")
+    for act, dtype in (("geglu", BF16), ("srelu", F16), ("relu", F32)):
+        h, dy = _act_inputs(act, 40, 136, dtype, 620)
+        outs = []
+        for layout in ("misaligned", "contiguous"):
+            y, y_q = _out_view(40, 136, dtype, layout), _out_view(40, 136, torch.uint8, layout)
+            dh = _out_view(*h.shape, dtype, layout)
+            dh_q = _out_view(*h.shape, torch.uint8, layout)
+            q_args = dict(config=delayed, scale_inv=torch.empty(1, device=DEVICE),
+                          scale=torch.ones(1, device=DEVICE))
+            _C._act_forward(h, act, y_hp=y, amax=torch.zeros(1, device=DEVICE), y_q=y_q, **q_args)
+            _C._act_backward(dy, h, act, dh=dh, amax=torch.zeros(1, device=DEVICE), dh_q=dh_q,
+                             **q_args)
+            _finite(y, dh)
+            outs.append((y, y_q, dh, dh_q))
+        for got, want in zip(*outs):
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), act
+    grad = te.quantizer_config(DelayedScaling(), "grad_output")
+    for m, k, dtype in ((100, 200, BF16), (96, 72, F32)):  # dh_q_t ld 100 (bytes), 96 (16-byte)
+        dy = _randn(m, k, dtype=dtype, seed=630)
+        dh_q = torch.empty(m, k, dtype=torch.uint8, device=DEVICE)
+        dh_q_t = torch.empty(k, m, dtype=torch.uint8, device=DEVICE)
+        amax = torch.zeros(1, device=DEVICE)
+        _C._act_backward(dy, dy, "identity", amax=amax, config=grad, dh_q=dh_q,
+                         scale_inv=torch.empty(1, device=DEVICE),
+                         scale=torch.ones(1, device=DEVICE), dh_q_t=dh_q_t)
+        assert torch.equal(dh_q_t, dh_q.t()), (m, k)
+        assert float(amax) == float(dy.float().abs().max())

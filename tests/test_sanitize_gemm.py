@@ -17,6 +17,7 @@ import torch
 import tequant as te
 from tequant import _C
 from tequant.quantized import COLUMNWISE, ROWWISE, QuantizedTensor
+from tequant.recipe import Float8BlockScaling, Format
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_sanitize_kernels import (BF16, DEVICE, F16, F32, MEMBERS, RECIPES,  # noqa: E402
@@ -84,6 +85,113 @@ def test_gemm(name):
         y_mis = te.ops.gemm(_with_misaligned_data(qx), qw, transpose_b=True, bias=bias,
                             out_dtype=BF16)
         torch.testing.assert_close(y_mis, y, rtol=1e-2, atol=1e-2)
+
+
+# ---- tequant's own block-scaled GEMM (cuda/gemm_fp8_block.cu, opt-in) ----------------------
+
+BLOCK_GEMM = {"e4m3": Float8BlockScaling(),  # 1x128 x 128x128 weights, E4M3 everywhere
+              "hybrid": Float8BlockScaling(fp8_format=Format.HYBRID),  # E5M2 grads
+              "grad-2d": Float8BlockScaling(fp8_format=Format.HYBRID, w_block_scaling_dim=1,
+                                            grad_block_scaling_dim=2)}  # 2D grads, 1D weights
+
+
+def _on_hopper():
+    return torch.cuda.get_device_capability(DEVICE) == (9, 0)
+
+
+def _rel_err(y, ref):
+    return float((y.double() - ref.double()).norm()) / float(ref.double().norm())
+
+
+# racecheck does not follow a bulk copy's completion on an mbarrier: it reports the kernel's
+# scale-vector copies into shared memory (cp.async.bulk, SASS UBLKCP) against the consumers' loads
+# of them (LDS), which wait on that very barrier (docs/sanitize.md, "block_gemm_kernel under
+# racecheck"); memcheck, initcheck and synccheck run these tests
+NOT_UNDER_RACECHECK = pytest.mark.skipif(
+    os.environ.get("SANITIZE_TOOL") == "racecheck",
+    reason="racecheck cannot follow cp.async.bulk + mbarrier (docs/sanitize.md)")
+
+
+@NOT_UNDER_RACECHECK
+@pytest.mark.parametrize("name", list(BLOCK_GEMM))
+def test_block_gemm_own_kernel(monkeypatch, name):
+    """block_gemm_kernel<kPair> (TEQUANT_BLOCK_GEMM=tequant, read at every GEMM; sm_90 only,
+    cuBLASLt elsewhere), which the default (cuBLASLt) never launches: fprop with a bias into
+    bf16, dgrad with a bias into fp16, wgrad accumulating into fp32 and x^T dy into fp32 (A E4M3,
+    B E5M2 under HYBRID); so kPair 0 (E4M3 x E4M3), 1 (E5M2 A) and 2 (E5M2 B), 1x128 and 128x128
+    scales on either side. M, N and K off the 128 x 256 tile and 128-deep k block (K = 272, 80,
+    144: partial k blocks, TMA zero-fill), a CTA pair's second CTA past M (wgrad's M = 80).
+    kPair 3 (E5M2 x E5M2) is refused before any kernel (tq_gemm_query). On sm_90 no cuBLASLt
+    plan may be made (the kernel ran)."""
+    monkeypatch.setenv("TEQUANT_BLOCK_GEMM", "tequant")
+    recipe = BLOCK_GEMM[name]
+    m, k, n = 144, 272, 80
+    x, w = _randn(m, k, dtype=BF16, seed=40), _randn(n, k, dtype=BF16, seed=41)
+    dy = _randn(m, n, dtype=BF16, seed=42)
+    qx, qw, qdy = (te.ops.quantize(t, recipe, role, rowwise=True, columnwise=True)
+                   for t, role in ((x, "input"), (w, "weight"), (dy, "grad_output")))
+    _C._gemm_plan_cache_clear()
+    bias = _randn(n, dtype=BF16, seed=43)
+    y = te.ops.gemm(qx, qw, transpose_b=True, bias=bias, out_dtype=BF16)  # fprop
+    ref = _written(qx.dequantize() @ qw.dequantize().t()) + bias.float()
+    assert _rel_err(y, ref) <= 0.02
+    dx = te.ops.gemm(qdy, qw, bias=_randn(k, dtype=BF16, seed=44), out_dtype=F16)  # dgrad
+    dw = torch.ones(n, k, device=DEVICE)
+    te.ops.gemm(qdy, qx, transpose_a=True, out=dw, accumulate=True)  # wgrad, beta = 1
+    xt_dy = te.ops.gemm(qx, qdy, transpose_a=True, out_dtype=F32)  # [K, N]: B the grad
+    _finite(y, dx, dw, xt_dy)
+    ref = _written(qx.dequantize_direction("columnwise", F32)
+                   @ qdy.dequantize_direction("columnwise", F32).t())
+    assert _rel_err(xt_dy, ref) <= 0.05
+    if _on_hopper():
+        assert dict(_C._gemm_plan_stats())["plans"] == 0, "cuBLASLt ran instead of the kernel"
+
+
+@NOT_UNDER_RACECHECK
+def test_block_gemm_own_kernel_persistent(monkeypatch):
+    """block_gemm_kernel with more tile pairs (9 x 8 = 72) than CTA pairs fit at once on a
+    132-SM GPU (66): each CTA pair takes a second tile, the 4-stage ring and its barriers
+    reused across tiles (memcheck / synccheck); K = 640, five k blocks: the ring wraps
+    within a tile."""
+    monkeypatch.setenv("TEQUANT_BLOCK_GEMM", "tequant")
+    recipe = BLOCK_GEMM["e4m3"]
+    qx = te.ops.quantize(_randn(2304, 640, dtype=BF16, seed=45), recipe, "input")
+    qw = te.ops.quantize(_randn(2048, 640, dtype=BF16, seed=46), recipe, "weight")
+    _C._gemm_plan_cache_clear()
+    y = te.ops.gemm(qx, qw, transpose_b=True, out_dtype=F32)
+    if _on_hopper():
+        assert dict(_C._gemm_plan_stats())["plans"] == 0, "cuBLASLt ran instead of the kernel"
+    ref = _written(qx.dequantize() @ qw.dequantize().t())
+    assert _rel_err(y, ref) <= 0.01
+
+
+# At this shape (a chunk of 1024 rows x 64 x K = 16384) cuBLASLt runs the emulated BF16 GEMM
+# split-K: nvjet *_splitK kernels store partials into tequant's GEMM workspace by bulk (TMA)
+# stores that initcheck cannot see, then splitKreduce_kernel reads them (835,584 initcheck
+# reports, none in a tequant kernel), and racecheck reports hazards inside those cuBLAS kernels
+# (H200, docs/sanitize.md). memcheck and synccheck run it.
+ONLY_MEMCHECK_SYNCCHECK = pytest.mark.skipif(
+    os.environ.get("SANITIZE_TOOL") in ("initcheck", "racecheck"),
+    reason="cuBLASLt's split-K: initcheck / racecheck blind spots (docs/sanitize.md)")
+
+
+@ONLY_MEMCHECK_SYNCCHECK
+@pytest.mark.parametrize("name", ["mxfp8", "nvfp4"])
+def test_gemm_emulated_row_chunks(name):
+    """run_emulated (csrc/core/gemm.c) in two row chunks of A: A's BF16 values take at most
+    32 MiB, so A [1056, 16384] goes as 1024 rows then 32; the second chunk's values launch
+    (values_pair_kernel) has no B to write (B's values are made with the first), its A
+    exponents / scales start at row 1024. The one emulated case whose A exceeds 16M elements
+    (~34 MB of bf16 x)."""
+    recipe = RECIPES[name]
+    x = _randn(1056, 16384, dtype=BF16, seed=47)
+    w = _randn(64, 16384, dtype=BF16, seed=48)
+    qx = te.ops.quantize(x, recipe, "input", rowwise=True)
+    qw = te.ops.quantize(w, recipe, "weight", rowwise=True)
+    y = te.ops.gemm(qx, qw, transpose_b=True, out_dtype=F32)
+    ref = _written(qx.dequantize() @ qw.dequantize().t())
+    assert _rel_err(y, ref) <= 0.02
+    assert _rel_err(y[1024:], ref[1024:]) <= 0.02  # the second chunk's rows
 
 
 # ---- the C API through ctypes: kernels the extension reaches only on CPU -----------------------

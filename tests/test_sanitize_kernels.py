@@ -123,6 +123,13 @@ pass (the other activations' tables), MXFP8 32x32 with E5M2 (the 2D blocks are f
 quantizes to E4M3), and some (dtype, direction, E4M3 / E5M2) combinations of the per-tensor
 casts, the block / MXFP8 quantize kernels and the dbias passes whose code the reached ones
 share (a count against the extension's symbols: twenty-eighth session, NOTES.md).
+Launch variants the cases here leave: tests/test_sanitize_more.py (current scaling above 16M
+elements: amax pass then cast; E4M3 dbias; 8-row identity chunks; every block pair instance;
+misaligned per-tensor pairs), test_sanitize_fused's norm_general_element_paths and
+act_element_paths_and_amax_rewalk (monotone_amax_kernel's second walk; identity_columnwise_kernel
+without dbias) and test_sanitize_gemm's block_gemm_own_kernel* (gemm_fp8_block.cu's
+block_gemm_kernel<0|1|2> with TEQUANT_BLOCK_GEMM=tequant; <3>, E5M2 x E5M2, is refused before
+any launch) and gemm_emulated_row_chunks.
 """
 import itertools
 import os
