@@ -217,6 +217,10 @@ static tq_status run_locked(const tq_lt_call *c) {
     tq_status st = plan_get(&key, c, &p);
     if (st == TQ_SUCCESS) st = set_pointers(p->desc, c);
     if (st != TQ_SUCCESS) return st;
+    /* cuBLASLt's split-K kernels leave partial sums in the workspace by bulk (TMA) stores that
+     * initcheck cannot see, then read them back (splitKreduce_kernel): the workspace is marked
+     * written first (sanitizer_marks.c; without the tool, NVTX's no-op stub) */
+    tq_mark_written(c->workspace, 1, c->workspace_bytes, c->workspace_bytes, c->stream);
     LT_TRY(cublasLtMatmul(handles[c->device], p->desc, c->alpha, c->a, p->la, c->b, p->lb, c->beta,
                           c->d, p->ld, c->d, p->ld, &p->algo, c->workspace, c->workspace_bytes,
                           (cudaStream_t)c->stream),
