@@ -201,3 +201,12 @@ def test_out_of_a_two_dim_product_must_be_two_dim(shape):
     want = te.ops.gemm(qx, qw, transpose_b=True, out_dtype=torch.float32)
     ok = torch.zeros(32, 48)
     assert te.ops.gemm(qx, qw, transpose_b=True, out=ok) is ok and torch.equal(ok, want)
+
+
+@pytest.mark.parametrize("call", ["dequantize", "dequantize_direction"])
+def test_dequantize_names_a_dtype_it_cannot_write(call):
+    q = quantize("current-e4m3")
+    args = (torch.float64,) if call == "dequantize" else ("rowwise", torch.float64)
+    with pytest.raises(ValueError, match="dtype must be torch.float32, torch.bfloat16 or "
+                                         "torch.float16, got torch.float64"):
+        getattr(q, call)(*args)

@@ -17,6 +17,7 @@ from . import _C
 ROWWISE, COLUMNWISE = _C.USAGE_ROWWISE, _C.USAGE_COLUMNWISE  # tq_usage bits
 _MEMBERS = ("data", "scale_inv", "data_t", "scale_inv_t", "amax", "amax_t")
 _DIRECTIONS = {"rowwise": ROWWISE, "columnwise": COLUMNWISE}
+_DEQUANTIZED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _direction(direction):
@@ -173,6 +174,9 @@ class QuantizedTensor:
     def dequantize_direction(self, direction, dtype=torch.float32):
         """The values of one direction in its physical shape: [M, K] rowwise, [K, M] columnwise."""
         usage = _direction(direction)
+        if dtype not in _DEQUANTIZED_DTYPES:  # (else C's error would name an `out` not passed)
+            raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16, "
+                             f"got {dtype}")
         if not self.has(direction):
             raise ValueError(f"this QuantizedTensor has no {direction} data; quantize with "
                              f"{direction}=True")
