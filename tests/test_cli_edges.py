@@ -4,12 +4,19 @@ what it expects (argparse's exit status 2, or a SystemExit message), never a tra
 inside, a hang, a silent fall-back to a default, or a whole run lost to an output path that
 cannot be written at the end.
 
-Every case runs in a subprocess with a timeout (a hang fails the test) on CPU; with the fixes
-each one exits before any training or timing, so each takes a few seconds (mostly imports).
+Every case runs the program in this process (runpy, with its own sys.argv, stdout and stderr):
+with the fixes each one exits before any training or timing, so a case costs milliseconds, not
+a torch import in a subprocess (~3 s each on CI's two cores). A case that runs past its timeout
+is stopped by SIGALRM (a hang fails the test).
 """
+import contextlib
+import io
 import os
-import subprocess
+import runpy
+import signal
 import sys
+import traceback
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,14 +27,51 @@ EXAMPLE = os.path.join(ROOT, "examples", "train_fsdp.py")
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 
 
+def _alarm(signum, frame):
+    raise TimeoutError("the program ran past the test's timeout")
+
+
 def _run(args, timeout=150, env_drop=()):
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "python"),
-                                           os.environ.get("PYTHONPATH", "")]))
+    """`python *args` (a script path, or -m module) run here: (returncode, stdout, stderr) as
+    subprocess.run gives them. SystemExit gives its status (argparse's 2); any other exception
+    status 1 with its traceback in stderr. The process state a program may change (environment,
+    sys.path, sys.argv, working folder, torch's thread count) is restored after."""
+    env, path, argv, cwd = dict(os.environ), list(sys.path), list(sys.argv), os.getcwd()
+    threads = torch.get_num_threads()
+    out, err = io.StringIO(), io.StringIO()
     for name in env_drop:
-        env.pop(name, None)
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=ROOT)
+        os.environ.pop(name, None)
+    module = args[1] if args[0] == "-m" else None
+    sys.argv = [module or args[0], *args[2 if module else 1:]]
+    old_handler = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(timeout)
+    code = 0
+    try:
+        os.chdir(ROOT)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                if module:
+                    runpy.run_module(module, run_name="__main__", alter_sys=True)
+                else:
+                    runpy.run_path(args[0], run_name="__main__")
+            except SystemExit as stop:
+                if isinstance(stop.code, int) or stop.code is None:
+                    code = stop.code or 0
+                else:  # SystemExit("message"): printed, status 1, as the interpreter does
+                    print(stop.code, file=sys.stderr)
+                    code = 1
+            except Exception:  # noqa: BLE001 (reported as the interpreter would)
+                traceback.print_exc()
+                code = 1
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old_handler)
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(env)
+        sys.path[:], sys.argv = path, argv
+        torch.set_num_threads(threads)
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def _bench(script, *flags, **kw):
