@@ -161,8 +161,7 @@ def check_shapes(ap, args, explicit, mode_flag="--modes"):
             print(f"bench_distributed: mode {mode} left out: {flag} {tp} does not divide "
                   f"--heads {args.heads} and --seq {args.seq}", file=sys.stderr)
             args.modes.remove(mode)
-            continue
-        if args.heads % tp or args.seq % tp:
+        elif args.heads % tp or args.seq % tp:
             ap.error(f"{mode_flag} {mode}: {flag} {tp} (its tensor-parallel ranks) must divide "
                      f"--heads {args.heads} and --seq {args.seq}")
         if mode == "fsdp-tp" and explicit and args.gpus % tp:

@@ -19,6 +19,7 @@ import torch
 from . import _C
 
 FORWARD, BACKWARD = "fwd", "bwd"
+DIRECTIONS = (FORWARD, BACKWARD)
 COLUMNS = {FORWARD: ("x", "w"), BACKWARD: ("dy",)}  # each direction's roles, in column order
 BUFFERS = tuple(f"delayed_{kind}_{direction}" for direction in (FORWARD, BACKWARD)
                 for kind in ("amax_history", "scale"))
@@ -36,6 +37,19 @@ def ensure(module, length):
                                torch.zeros(length, n, dtype=torch.float32, device=device))
         module.register_buffer(f"delayed_scale_{direction}",
                                torch.ones(n, dtype=torch.float32, device=device))
+
+
+def restart(module, directions):
+    """The module's buffers of `directions` (those it has) as ensure() makes them, in place (the
+    views slots() keeps stay valid): zero amax history, unit scale. For state that no longer
+    describes the weight (reset_parameters, a loaded weight) or was never written (to_empty)."""
+    with torch.no_grad():
+        for direction in directions:
+            hist = module._buffers.get(f"delayed_amax_history_{direction}")
+            scale = module._buffers.get(f"delayed_scale_{direction}")
+            if hist is not None and scale is not None:
+                hist.zero_()
+                scale.fill_(1.0)
 
 
 def keeping_float32(module, apply):

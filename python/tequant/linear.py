@@ -292,7 +292,7 @@ class Linear(torch.nn.Linear):
             if self.bias is not None:
                 self.bias.zero_()
         self._weight_cache = []
-        _restart_delayed(self, _DIRECTIONS)
+        delayed.restart(self, delayed.DIRECTIONS)
 
     # ---- copies and pickles ------------------------------------------------------------------
 
@@ -536,10 +536,10 @@ class Linear(torch.nn.Linear):
         # Its buffers brought off the meta device (to_empty after te.prepare_state on a meta
         # model) hold uninitialized memory, NaN scales at worst: they restart as a new module's,
         # whether or not reset_parameters runs (custom init, a weights-only checkpoint).
-        on_meta = [d for d in _DIRECTIONS
+        on_meta = [d for d in delayed.DIRECTIONS
                    if getattr(self._buffers.get(f"delayed_scale_{d}"), "is_meta", False)]
         out = delayed.keeping_float32(self, lambda: super(Linear, self)._apply(fn, recurse))
-        _restart_delayed(self, [d for d in on_meta
+        delayed.restart(self, [d for d in on_meta
                                 if not self._buffers[f"delayed_scale_{d}"].is_meta])
         return out
 
@@ -549,7 +549,7 @@ class Linear(torch.nn.Linear):
         # (DelayedScaling's history starts afresh, as in a new module)
         state_dict.pop(prefix + "_extra_state", None)
         absent = []  # directions whose DelayedScaling state the module has, the checkpoint not
-        for direction in _DIRECTIONS:
+        for direction in delayed.DIRECTIONS:
             names = (f"delayed_amax_history_{direction}", f"delayed_scale_{direction}")
             if all(prefix + name not in state_dict for name in names):
                 if self._buffers.get(names[0]) is not None:
@@ -571,24 +571,8 @@ class Linear(torch.nn.Linear):
                 for kind in ("amax_history", "scale")}
         missing_keys[:] = [key for key in missing_keys if key not in gone]
         if prefix + "weight" in state_dict:
-            _restart_delayed(self, absent)
+            delayed.restart(self, absent)
             self._weight_cache = []  # is_first_microbatch=False must not multiply the old W
-
-
-_DIRECTIONS = (delayed.FORWARD, delayed.BACKWARD)
-
-
-def _restart_delayed(module, directions):
-    """module's DelayedScaling buffers of `directions` (those it has), in place (the views
-    delayed.slots keeps stay valid), as delayed.ensure makes them: zero amax history, unit
-    scale."""
-    with torch.no_grad():
-        for direction in directions:
-            hist = module._buffers.get(f"delayed_amax_history_{direction}")
-            scale = module._buffers.get(f"delayed_scale_{direction}")
-            if hist is not None and scale is not None:
-                hist.zero_()
-                scale.fill_(1.0)
 
 
 _module_forward = _C.linear_module_forward  # what it reads, handed over once:
